@@ -1,0 +1,77 @@
+# SAC Workbench: `make lab` opens the main notebook, `make test` runs every check.
+# `venv` and `system` are internal set-up steps that both depend on.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := lab
+
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.installed
+TORCH   := torch==2.13.0
+NOTEBOOK := notebooks/sac_llama3.ipynb
+
+LAB_ARGS    ?=
+PYTEST_ARGS ?=
+
+ROOT := $(shell [ "$$(id -u)" = 0 ] && echo yes)
+ALLOW_ROOT := $(if $(ROOT),--allow-root,)
+
+export DEBIAN_FRONTEND := noninteractive
+
+.PHONY: venv system lab lint test clean
+
+# --- internal: Python environment -------------------------------------------------------
+
+venv: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Reinstalls only when pyproject.toml changes. torch is installed first, and only when the
+# venv has no torch>=2.13 yet, so a GPU build installed by hand is kept.
+$(STAMP): pyproject.toml | $(PY)
+	@if $(PY) -c 'import sys, torch; v = torch.__version__.split("+")[0].split("."); sys.exit(0 if (int(v[0]), int(v[1])) >= (2, 13) else 1)' 2>/dev/null; then \
+		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV): keeping it"; \
+	else \
+		echo "installing $(TORCH) (CPU wheel)"; \
+		$(PIP) install $(TORCH); \
+	fi
+	$(PIP) install -e '.[test]'
+	touch $@
+
+# --- internal: system packages (graphviz `dot`, Debian chromium for the browser test) ---
+
+system:
+	@missing=""; \
+	command -v dot >/dev/null 2>&1 || missing="$$missing graphviz"; \
+	[ -x /usr/bin/chromium ] || missing="$$missing chromium fonts-dejavu-core"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing system packages:$$missing"; \
+		apt-get update && apt-get install -y --no-install-recommends $$missing; \
+	else \
+		echo "NOTE: missing system packages:$$missing"; \
+		echo "      install them with: sudo apt-get install -y$$missing"; \
+		echo "      (without graphviz, graph pictures fail; without chromium, the browser test is skipped)"; \
+	fi
+
+# --- user targets -------------------------------------------------------------------------
+
+lab: venv system
+	exec $(VENV)/bin/jupyter-lab $(ALLOW_ROOT) $(LAB_ARGS) $(NOTEBOOK)
+
+lint: venv
+	$(VENV)/bin/ruff check workbench tests
+	$(VENV)/bin/ruff format --check workbench tests
+	$(VENV)/bin/mypy
+
+test: venv system
+	$(MAKE) --no-print-directory lint
+	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg \
+		--timeout=1200 $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -name .ipynb_checkpoints -type d -prune -exec rm -rf {} +

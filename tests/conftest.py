@@ -1,0 +1,21 @@
+"""Shared fixtures: traced graphs are built once per test session (tracing takes seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.graph import JointGraph
+from workbench.models import Workload, load_workload
+from workbench.trace import trace
+
+
+@pytest.fixture(scope="session")
+def llama_debug() -> tuple[Workload, JointGraph]:
+    workload = load_workload("llama3-debug")
+    return workload, trace(workload, mode="real")
+
+
+@pytest.fixture(scope="session")
+def dsv3_debug() -> tuple[Workload, JointGraph]:
+    workload = load_workload("dsv3-debug")
+    return workload, trace(workload, mode="real")

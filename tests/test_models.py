@@ -1,0 +1,156 @@
+"""Reference models: flavors, overrides, dtypes, meta builds, user factories, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.errors import WorkbenchError
+from workbench.models import (
+    REFERENCE_MODELS,
+    Workload,
+    available_bytes,
+    load_workload,
+    model_names,
+    parse_dtype,
+    token_cross_entropy,
+)
+from workbench.models.deepseek_v3 import MoE
+from workbench.models.llama3 import LLAMA3_FLAVORS, apply_rope, rope_tables
+
+
+def test_registry_has_published_llama3_shapes() -> None:
+    assert model_names() == ["dsv3-debug", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-debug"]
+    eight = LLAMA3_FLAVORS["8B"]
+    assert (eight.dim, eight.n_layers, eight.n_heads, eight.n_kv_heads) == (4096, 32, 32, 8)
+    assert (eight.ffn_hidden, eight.vocab_size, eight.rope_theta) == (14336, 128256, 500000.0)
+    assert LLAMA3_FLAVORS["1B"].tie_embeddings and not eight.tie_embeddings
+
+
+def test_8b_on_meta_has_8b_parameters() -> None:
+    workload = load_workload("llama3-8b", device="meta")
+    n = sum(p.numel() for p in workload.model.parameters())
+    assert 8.0e9 < n < 8.1e9
+    assert all(p.is_meta for p in workload.model.parameters())
+
+
+def test_tied_embeddings_share_one_parameter() -> None:
+    workload = load_workload("llama3-1b", layers=1, device="meta")
+    model = workload.model
+    assert model.output.weight is model.tok_embeddings.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "output.weight" not in names
+
+
+def test_overrides_shrink_shapes() -> None:
+    workload = load_workload("llama3-debug", layers=2, seq=32, batch=3)
+    assert len(workload.model.layers) == 2
+    assert workload.inputs[0].shape == (3, 32)
+    assert workload.target.shape == (3, 32)
+    assert workload.tokens == 96
+    assert workload.config == {"layers": 2, "seq": 32, "batch": 3, "dtype": "float32"}
+
+
+def test_target_is_next_token() -> None:
+    workload = load_workload("llama3-debug", layers=1, seq=16, batch=1)
+    # inputs and target come from one sequence shifted by one position
+    assert torch.equal(workload.inputs[0][0, 1:], workload.target[0, :-1])
+
+
+def test_bfloat16_build() -> None:
+    workload = load_workload("llama3-debug", layers=1, seq=16, dtype="bfloat16")
+    assert {p.dtype for p in workload.model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored
+    logits = workload.model(*workload.inputs)
+    assert logits.dtype == torch.bfloat16
+
+
+def test_dsv3_has_dense_first_layer_and_moe_after() -> None:
+    workload = load_workload("dsv3-debug")
+    layers = workload.model.layers
+    assert not isinstance(layers[0].feed_forward, MoE)
+    assert all(isinstance(layer.feed_forward, MoE) for layer in layers[1:])
+    logits = workload.model(*workload.inputs)
+    assert logits.shape == (2, 128, 2048) and torch.isfinite(logits).all()
+
+
+def test_moe_matches_per_token_reference() -> None:
+    """Grouped routed experts equal a plain loop over tokens and their top-k experts."""
+    workload = load_workload("dsv3-debug", layers=2)
+    moe = workload.model.layers[1].feed_forward
+    x = torch.randn(1, 6, 256)
+    out = moe(x)
+    tokens = x.reshape(-1, 256)
+    scores, experts = moe.router(tokens)
+    ref = moe.shared_experts(tokens)
+    for t in range(tokens.shape[0]):
+        for s, e in zip(scores[t], experts[t], strict=True):
+            xb = tokens[t].to(torch.bfloat16)
+            w1, w2, w3 = (
+                w[e].to(torch.bfloat16) for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)
+            )
+            h = torch.nn.functional.silu(xb @ w1) * (xb @ w3)
+            ref[t] += s * (h @ w2).float()
+    torch.testing.assert_close(out.reshape(-1, 256), ref, rtol=2e-2, atol=2e-3)
+
+
+def test_rope_rotation_preserves_norm() -> None:
+    cos, sin = rope_tables(8, 5, 10000.0)
+    x = torch.randn(1, 5, 2, 8)
+    rotated = apply_rope(x, cos, sin)
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(rotated[:, 0], x[:, 0])  # position 0 is not rotated
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"spec": "llama9"}, "unknown model 'llama9'; choose one of dsv3-debug"),
+        ({"spec": "llama3-debug", "seq": 0}, "seq must be a positive integer"),
+        ({"spec": "llama3-debug", "layers": -1}, "layers must be a positive integer"),
+        ({"spec": "llama3-debug", "dtype": "float8"}, "unknown dtype 'float8'"),
+        ({"spec": "no_such_module:factory"}, "cannot load model factory"),
+        ({"spec": "user_models:missing"}, "cannot load model factory"),
+        ({"spec": "user_models:mlp_with_loss", "seq": 4}, "takes no seq argument"),
+        ({"spec": "user_models:not_a_model"}, "model must be a torch.nn.Module"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs: dict, message: str) -> None:
+    spec = kwargs.pop("spec")
+    with pytest.raises(WorkbenchError, match=message.replace("(", r"\(")):
+        load_workload(spec, **kwargs)
+
+
+def test_real_build_that_cannot_fit_is_refused() -> None:
+    with pytest.raises(WorkbenchError, match=r"llama3-8b needs at least .* GiB .*--mode fake"):
+        load_workload("llama3-8b")
+    assert available_bytes(torch.device("cpu")) > 0
+
+
+def test_cuda_without_gpu_is_refused() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(WorkbenchError, match="no CUDA GPU"):
+        load_workload("llama3-debug", device="cuda")
+
+
+def test_user_factories() -> None:
+    plain = load_workload("user_models:mlp", layers=3, batch=4)
+    assert len(plain.model.blocks) == 3 and plain.inputs[0].shape == (4, 16)
+    assert plain.loss_fn is token_cross_entropy
+    with_loss = load_workload("user_models:mlp_with_loss")
+    assert with_loss.loss_fn(torch.zeros(2, 4), torch.ones(2, 4)).item() == 8.0
+    assert load_workload("user_models:mlp_workload").name == "mlp"
+
+
+def test_workload_without_loss_or_usable_target_is_refused() -> None:
+    with pytest.raises(WorkbenchError, match="has no loss function"):
+        Workload(torch.nn.Linear(2, 2), torch.randn(1, 2), target=None, name="lin")
+    mse = Workload(torch.nn.Linear(2, 2), torch.randn(1, 2), target=torch.zeros(1, 2))
+    assert mse.loss_fn is not None and mse.tokens == 1
+
+
+def test_parse_dtype() -> None:
+    assert parse_dtype("bfloat16") is torch.bfloat16
+    assert parse_dtype(torch.float32) is torch.float32
+    assert set(REFERENCE_MODELS) == set(model_names())

@@ -1,0 +1,65 @@
+"""Small user-defined models for tests of `--model package.module:callable`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workbench.models import Workload
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def mlp(layers: int = 2, batch: int = 8):
+    """(model, (inputs, target)): the default loss is cross entropy on integer labels."""
+    torch.manual_seed(0)
+    return TinyMLP(depth=layers), (torch.randn(batch, 16), torch.randint(0, 4, (batch,)))
+
+
+def mlp_with_loss():
+    torch.manual_seed(0)
+    model = TinyMLP()
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).sum()
+
+    return model, (torch.randn(8, 16), torch.randn(8, 4)), loss_fn
+
+
+def mlp_workload() -> Workload:
+    torch.manual_seed(0)
+    return Workload(TinyMLP(), torch.randn(8, 16), torch.randint(0, 4, (8,)), name="mlp")
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # Python branch on a tensor value: not traceable
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def data_dependent():
+    return DataDependent(), (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+
+def not_a_model():
+    return "model", torch.randn(2)
+
+
+def vector_loss():
+    model = TinyMLP()
+    return model, (torch.randn(8, 16), torch.randn(8, 4)), lambda out, tgt: out - tgt

@@ -1,0 +1,274 @@
+"""`JointGraph`: one FX graph of forward + loss + backward, with the facts SAC decides on.
+
+Entry points: `JointGraph` (built by `workbench.trace.trace`) and `describe_nodes(gm)`,
+which reads `node.meta` (val, custom["module"], autograd_backward, seq_nr, stack_trace).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+Phase = Literal["input", "forward", "loss", "backward", "output"]
+InputKind = Literal["param", "buffer", "input", "target"]
+
+LOSS_MODULE = "loss"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Facts about one graph node. `module` is the owning module path ("" = the root)."""
+
+    name: str
+    op: str
+    phase: Phase
+    module: str
+    layer: int | None
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str | None
+    bytes: int
+    flops: int
+    is_view: bool
+    is_mutation: bool
+    is_random: bool
+    source: str
+    graph_level: bool = False
+
+    @property
+    def key(self) -> str:
+        """Layer-relative key: the same op in every identical layer shares it."""
+        return f"{layer_pattern(self.module)}::{self.op}"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A placeholder of the traced step: what it stands for in the user's model."""
+
+    placeholder: str
+    kind: InputKind
+    fqn: str
+
+
+@dataclass
+class JointGraph:
+    """The traced train step: outputs are `[loss, *grads]`, grads in `param_names` order."""
+
+    gm: fx.GraphModule
+    nodes: dict[str, NodeInfo]
+    inputs: list[InputSpec]
+    model_name: str
+    mode: Literal["real", "fake"]
+    tokens: int
+    config: dict[str, Any] = field(default_factory=dict)
+    example_inputs: list[Any] | None = None
+
+    @property
+    def param_names(self) -> list[str]:
+        return [spec.fqn for spec in self.inputs if spec.kind == "param"]
+
+    def by_phase(self, phase: Phase) -> list[NodeInfo]:
+        return [info for info in self.nodes.values() if info.phase == phase]
+
+    def ops(self) -> Iterator[NodeInfo]:
+        """Call nodes (no placeholders or output)."""
+        return (i for i in self.nodes.values() if i.phase not in ("input", "output"))
+
+    def summary(self) -> dict[str, Any]:
+        counts = {p: 0 for p in ("forward", "loss", "backward")}
+        for info in self.ops():
+            counts[info.phase] += 1
+        return {
+            "model": self.model_name,
+            "mode": self.mode,
+            "nodes": len(self.gm.graph.nodes),
+            "forward_nodes": counts["forward"],
+            "loss_nodes": counts["loss"],
+            "backward_nodes": counts["backward"],
+            "params": len(self.param_names),
+            "param_bytes": sum(
+                self.nodes[s.placeholder].bytes for s in self.inputs if s.kind == "param"
+            ),
+            "tokens": self.tokens,
+            **self.config,
+        }
+
+    def run(self, inputs: Sequence[Any] | None = None) -> list[torch.Tensor]:
+        """Execute the step under no_grad (the graph already holds the backward)."""
+        args = list(inputs) if inputs is not None else self.example_inputs
+        if args is None:
+            from workbench.errors import WorkbenchError
+
+            raise WorkbenchError(
+                f"graph of {self.model_name!r} was traced in fake mode and holds no tensors: "
+                "trace with mode='real' or pass inputs"
+            )
+        with torch.no_grad():
+            return list(self.gm(*args))
+
+
+_LAYER_RE = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def layer_of(module: str) -> int | None:
+    """Index of the repeated block a module path belongs to (`layers.3.attention` -> 3)."""
+    match = _LAYER_RE.search(module)
+    return int(match.group()) if match else None
+
+
+def layer_pattern(module: str) -> str:
+    """`layers.3.attention.wq` -> `layers.*.attention.wq`: the path shared by identical layers."""
+    return _LAYER_RE.sub("*", module, count=1)
+
+
+def op_name(node: fx.Node) -> str:
+    """`aten.mm.default` for OpOverloads, the placeholder/output kind otherwise."""
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _schema_flags(node: fx.Node) -> tuple[bool, bool, bool]:
+    """(is_view, is_mutation, is_random) from the op's schema and tags."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False, False, False
+    schema = target._schema
+    is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    is_mutation = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    is_random = torch.Tag.nondeterministic_seeded in target.tags
+    return is_view, is_mutation, is_random
+
+
+def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """torch's flop counter has no formula for `_grouped_mm`: every output element is one
+    dot product of the contraction length, also when the groups split that length."""
+    if a.dim() == 2 and b.dim() == 2:  # groups split the contraction (weight gradients)
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+_EXTRA_FLOPS: dict[Any, Any] = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
+def _flops(node: fx.Node) -> int:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    packet = target.overloadpacket
+    formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    if formula is None:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def _source(node: fx.Node) -> str:
+    """Innermost frame outside torch itself: `file.py:LINE in fn: code`."""
+    frames = _FRAME_RE.findall(node.meta.get("stack_trace") or "")
+    for path, line, fn, code in reversed(frames):
+        if "/torch/" not in path:
+            return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}: {code.strip()}"
+    return ""
+
+
+def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
+    """Facts for every node.
+
+    Forward nodes take their module from `meta["custom"]["module"]`; backward nodes from
+    the forward node with the same `seq_nr`. Gradient-accumulation nodes carry the loss's
+    seq_nr, so they take the module of the fresh gradient they add (a running sum of the
+    residual stream would otherwise drift across layers), or else that of the backward op
+    consuming the sum. Forward
+    nodes from the first one annotated `custom["phase_hint"] == "loss"` on form the loss.
+    """
+    module_of_seq: dict[int, str] = {}
+    modules: dict[fx.Node, str] = {}
+    graph_level: dict[fx.Node, None] = {}  # ordered set
+    phases: dict[fx.Node, Phase] = {}
+    in_loss = False
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if node.op == "placeholder":
+            phases[node], modules[node] = "input", ""
+        elif node.op == "output":
+            phases[node], modules[node] = "output", ""
+        elif node.meta.get("autograd_backward"):
+            phases[node] = "backward"
+            if node.meta.get("is_gradient_acc"):
+                modules[node] = _accumulated_module(node, modules)
+            else:
+                modules[node] = module_of_seq.get(node.meta.get("seq_nr", -1), "")
+            if not modules[node]:
+                graph_level[node] = None
+        else:
+            in_loss = in_loss or custom.get("phase_hint") == LOSS_MODULE
+            phases[node] = "loss" if in_loss else "forward"
+            modules[node] = custom.get("module", LOSS_MODULE if in_loss else "")
+            seq_nr = node.meta.get("seq_nr")
+            if seq_nr is not None:
+                module_of_seq.setdefault(seq_nr, modules[node])
+    for node in reversed([n for n in graph_level if n.meta.get("is_gradient_acc")]):
+        consumers = [modules[u] for u in node.users if modules.get(u)]
+        if consumers:
+            modules[node] = consumers[0]
+            del graph_level[node]
+    infos: dict[str, NodeInfo] = {}
+    for node in gm.graph.nodes:
+        tensors = _tensors(node.meta.get("val"))
+        is_view, is_mutation, is_random = _schema_flags(node)
+        infos[node.name] = NodeInfo(
+            name=node.name,
+            op=op_name(node),
+            phase=phases[node],
+            module=modules[node],
+            layer=layer_of(modules[node]),
+            shapes=tuple(tuple(int(s) for s in t.shape) for t in tensors),
+            dtype=str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
+            bytes=int(sum(t.numel() * t.element_size() for t in tensors)),
+            flops=_flops(node),
+            is_view=is_view,
+            is_mutation=is_mutation,
+            is_random=is_random,
+            source=_source(node),
+            graph_level=node in graph_level,
+        )
+    return infos
+
+
+def _accumulated_module(node: fx.Node, modules: dict[fx.Node, str]) -> str:
+    inputs = node.all_input_nodes
+    fresh = [n for n in inputs if not n.meta.get("is_gradient_acc")] or inputs
+    return _common_module([modules[n] for n in fresh])
+
+
+def _common_module(paths: list[str]) -> str:
+    """Longest common dotted prefix of the non-empty module paths."""
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    common: list[str] = []
+    for components in zip(*parts, strict=False):
+        if len(set(components)) != 1:
+            break
+        common.append(components[0])
+    return ".".join(common)

@@ -1,0 +1,237 @@
+"""Reference models and the `Workload` (model + example batch + loss) that tracing consumes.
+
+Entry point: `load_workload(spec, layers=, seq=, batch=, dtype=, device=)`, where `spec` is
+a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, ...) or `package.module:callable`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.errors import WorkbenchError
+from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
+from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in float32 like torchtitan."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+@dataclass
+class Workload:
+    """What one training step needs: `loss_fn(model(*inputs), target)`."""
+
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    target: Any = None
+    loss_fn: LossFn | None = None
+    name: str = "model"
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inputs, torch.Tensor):
+            self.inputs = (self.inputs,)
+        if not isinstance(self.model, nn.Module):
+            raise WorkbenchError(
+                f"workload {self.name!r}: model must be a torch.nn.Module, "
+                f"got {type(self.model).__name__}"
+            )
+        if self.loss_fn is None:
+            self.loss_fn = _default_loss(self.name, self.target)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens (or samples) per step: the first input's leading two dims for token ids."""
+        first = self.inputs[0]
+        if first.dtype in (torch.int32, torch.int64) and first.dim() >= 2:
+            return int(first.shape[0] * first.shape[1])
+        return int(first.shape[0]) if first.dim() else 1
+
+
+def _default_loss(name: str, target: Any) -> LossFn:
+    if isinstance(target, torch.Tensor) and target.dtype in (torch.int32, torch.int64):
+        return token_cross_entropy
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        return lambda out, tgt: F.mse_loss(out.float(), tgt.float())
+    raise WorkbenchError(
+        f"workload {name!r} has no loss function and its target ({type(target).__name__}) "
+        "is neither integer class labels nor a float tensor: return (model, batch, loss_fn)"
+    )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Step shape of a reference model: batch and sequence length."""
+
+    batch: int
+    seq: int
+
+
+REFERENCE_MODELS: dict[str, tuple[Callable[..., nn.Module], Any, Shape]] = {
+    "llama3-debug": (Llama3, LLAMA3_FLAVORS["debugmodel"], Shape(batch=2, seq=128)),
+    "llama3-1b": (Llama3, LLAMA3_FLAVORS["1B"], Shape(batch=2, seq=2048)),
+    "llama3-3b": (Llama3, LLAMA3_FLAVORS["3B"], Shape(batch=1, seq=8192)),
+    "llama3-8b": (Llama3, LLAMA3_FLAVORS["8B"], Shape(batch=1, seq=8192)),
+    "dsv3-debug": (DeepSeekV3, DSV3_FLAVORS["debugmodel"], Shape(batch=2, seq=128)),
+}
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_names() -> list[str]:
+    return sorted(REFERENCE_MODELS)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise WorkbenchError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _check_positive(what: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise WorkbenchError(f"{what} must be a positive integer, got {value!r}")
+
+
+def load_workload(
+    spec: str,
+    *,
+    layers: int | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> Workload:
+    """Build a reference model (or call a user factory) with its example batch.
+
+    `device="meta"` builds without memory, for fake-mode tracing of big shapes.
+    """
+    for what, value in (("layers", layers), ("seq", seq), ("batch", batch)):
+        _check_positive(what, value)
+    torch_dtype = parse_dtype(dtype)
+    if ":" in spec:
+        return _load_user_workload(spec, layers=layers, seq=seq, batch=batch)
+    if spec not in REFERENCE_MODELS:
+        raise WorkbenchError(
+            f"unknown model {spec!r}; choose one of {', '.join(model_names())} "
+            "or give a factory as package.module:callable"
+        )
+    cls, config, shape = REFERENCE_MODELS[spec]
+    if layers is not None:
+        if hasattr(config, "n_dense_layers") and layers <= config.n_dense_layers:
+            config = replace(config, n_layers=layers, n_dense_layers=min(1, layers - 1))
+        else:
+            config = replace(config, n_layers=layers)
+    shape = Shape(batch=batch or shape.batch, seq=seq or shape.seq)
+    if str(device) != "meta":
+        _check_fits(spec, cls, config, shape, torch_dtype, torch.device(device))
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            model = cls(config, shape.seq)
+            generator = None if str(device) == "meta" else torch.Generator(device).manual_seed(seed)
+            ids = torch.randint(
+                0, config.vocab_size, (shape.batch, shape.seq + 1), generator=generator
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    return Workload(
+        model=model,
+        inputs=(ids[:, :-1],),
+        target=ids[:, 1:],
+        loss_fn=token_cross_entropy,
+        name=spec,
+        config={
+            "layers": config.n_layers,
+            "seq": shape.seq,
+            "batch": shape.batch,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+        },
+    )
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can use now: free GPU memory, or the OS's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_fits(
+    spec: str,
+    cls: Callable[..., nn.Module],
+    config: Any,
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Refuse a real build whose parameters and gradients alone exceed free memory."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
+    with torch.device("meta"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            meta = cls(config, shape.seq)
+        finally:
+            torch.set_default_dtype(previous)
+    needed = 2 * sum(p.numel() * p.element_size() for p in meta.parameters())
+    free = available_bytes(device)
+    if needed > free:
+        raise WorkbenchError(
+            f"{spec} needs at least {needed / 2**30:.1f} GiB on {device} for parameters and "
+            f"gradients alone, but {free / 2**30:.1f} GiB is free: trace it with --mode fake "
+            "(no memory) or fewer --layers"
+        )
+
+
+def _load_user_workload(
+    spec: str, *, layers: int | None, seq: int | None, batch: int | None
+) -> Workload:
+    """`package.module:callable` returning a Workload, (model, batch) or (model, batch, loss)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise WorkbenchError(f"cannot load model factory {spec!r}: {err}") from None
+    overrides = {"layers": layers, "seq": seq, "batch": batch}
+    params = inspect.signature(factory).parameters
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unsupported = [k for k in given if k not in params]
+    if unsupported:
+        raise WorkbenchError(
+            f"model factory {spec!r} takes no {', '.join(unsupported)} argument; "
+            f"it accepts: {', '.join(params) or 'nothing'}"
+        )
+    result = factory(**given)
+    if isinstance(result, Workload):
+        return result
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise WorkbenchError(
+            f"model factory {spec!r} must return a Workload, (model, batch) or "
+            f"(model, batch, loss_fn); got {type(result).__name__}"
+        )
+    model, batch_, *loss = result
+    inputs, target = batch_ if isinstance(batch_, tuple) and len(batch_) == 2 else (batch_, None)
+    return Workload(model, inputs, target, loss[0] if loss else None, name=spec)
