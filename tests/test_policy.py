@@ -1,0 +1,261 @@
+"""Policies: presets, selectors, overrides, forced saves, layer boundaries, JSON, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph
+from workbench.models import Workload
+from workbench.policy import (
+    COMPUTE_INTENSIVE_OPS,
+    PRESETS,
+    SCHEMA_VERSION,
+    Policy,
+    Selector,
+    decidable,
+    decide,
+    layer_key,
+    node_keys,
+    parse_policy,
+    validate,
+)
+
+Fixture = tuple[Workload, JointGraph]
+SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+def recompute_ops(graph: JointGraph, policy: Policy) -> dict[str, bool]:
+    return {n: d.recompute for n, d in decide(graph, policy).items()}
+
+
+def test_only_forward_and_loss_nodes_are_decided(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    decisions = decide(graph, Policy("full"))
+    assert set(decisions) == {i.name for i in graph.nodes.values() if decidable(i)}
+    assert all(graph.nodes[n].phase in ("forward", "loss") for n in decisions)
+
+
+def test_none_saves_everything(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    assert not any(recompute_ops(graph, Policy("none")).values())
+
+
+def test_full_recomputes_all_but_forced(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    decisions = decide(graph, Policy("full"))
+    saved = [d for d in decisions.values() if not d.recompute]
+    assert saved and all(d.forced for d in saved)
+    assert all(
+        d.policy is CheckpointPolicy.PREFER_RECOMPUTE for d in decisions.values() if d.recompute
+    )
+
+
+def test_default_saves_compute_intensive_ops(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    for name, decision in decide(graph, Policy("default")).items():
+        info = graph.nodes[name]
+        if info.op in COMPUTE_INTENSIVE_OPS:
+            assert not decision.recompute, name
+        elif not decision.forced:
+            assert decision.recompute, name
+            assert decision.reason == "preset:default"
+
+
+def test_eager_recomputes_every_second_mm_per_layer(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    decisions = decide(graph, Policy("eager"))
+    for layer in range(6):
+        mms = [
+            n for n, i in graph.nodes.items()
+            if i.layer == layer and i.op == "aten.mm.default" and n in decisions
+        ]  # fmt: skip
+        assert len(mms) == 7  # wq wk wv wo w1 w3 w2
+        assert [decisions[n].recompute for n in mms] == [False, True] * 3 + [False]
+    outside = [n for n in decisions if graph.nodes[n].layer is None]
+    assert outside and not any(decisions[n].recompute for n in outside)
+
+
+def test_random_ops_are_forced_saves_with_a_reason(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    key = next(k for n, k in node_keys(graph).items() if graph.nodes[n].is_random)
+    decisions = decide(graph, Policy("full", overrides={key: "recompute"}))
+    random = [n for n in decisions if graph.nodes[n].is_random]
+    assert len(random) == 6
+    for name in random:
+        assert decisions[name].policy is CheckpointPolicy.MUST_SAVE
+        assert "random op" in decisions[name].reason
+
+
+def test_layer_boundary_saves(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    decisions = decide(graph, Policy("full"))
+    boundary = [n for n, d in decisions.items() if "layer boundary" in d.reason]
+    assert boundary
+    for node in graph.gm.graph.nodes:
+        d = decisions.get(node.name)
+        if d is None or not d.recompute:
+            continue
+        layer = graph.nodes[node.name].layer
+        for user in node.users:
+            other = decisions.get(user.name)
+            assert not (other and other.recompute and graph.nodes[user.name].layer != layer)
+
+
+def test_getitem_follows_its_multi_output_parent(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    decisions = decide(graph, Policy("full"))
+    for node in graph.gm.graph.nodes:
+        if node.name in decisions and graph.nodes[node.name].op == "getitem":
+            parent = decisions[node.args[0].name]
+            assert decisions[node.name].recompute == parent.recompute
+
+
+def test_selectors_force_and_later_ones_win(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    policy = Policy(
+        "default",
+        selectors=[
+            Selector("layers.*.attention.**::aten.mm.default", "recompute"),
+            Selector("layers.*.attention.wo::aten.mm.default", "save"),
+        ],
+    )
+    decisions = decide(graph, policy)
+    for name, decision in decisions.items():
+        info = graph.nodes[name]
+        if info.op != "aten.mm.default" or info.layer is None:
+            continue
+        if info.module.endswith("attention.wo"):
+            assert decision.policy is CheckpointPolicy.MUST_SAVE
+        elif ".attention." in info.module:
+            assert decision.policy is CheckpointPolicy.MUST_RECOMPUTE
+            assert decision.reason == "selector:layers.*.attention.**::aten.mm.default"
+
+
+def test_overrides_apply_to_all_layers_or_one(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    keys = node_keys(graph)
+    w1 = [n for n, k in keys.items() if k == "layers.*.feed_forward.w1::aten.mm.default#0"]
+    assert len(w1) == 6
+    every = decide(graph, Policy("default", overrides={keys[w1[0]]: "recompute"}))
+    assert all(every[n].policy is CheckpointPolicy.MUST_RECOMPUTE for n in w1)
+    one_key = layer_key(graph.nodes[w1[2]], keys[w1[2]])
+    assert one_key == "layers.2.feed_forward.w1::aten.mm.default#0"
+    both = {keys[w1[0]]: "recompute", one_key: "save"}
+    mixed = decide(graph, Policy("default", overrides=both))
+    assert [mixed[n].recompute for n in w1] == [True, True, False, True, True, True]
+
+
+def test_keys_are_stable_across_traces(llama_debug: Fixture) -> None:
+    from workbench.models import load_workload
+    from workbench.trace import trace
+
+    _, graph = llama_debug
+    again = trace(load_workload("llama3-debug", layers=2, seq=16), mode="real")
+    first = set(node_keys(graph).values())
+    assert set(node_keys(again).values()) <= first  # fewer layers, the same keys
+
+
+def test_json_round_trip_and_schema(tmp_path: Path) -> None:
+    policy = Policy(
+        "eager",
+        selectors=[Selector("layers.*.attention.wo::aten.mm.default", "save")],
+        overrides={"layers.*.attention::aten.mul.Tensor#2": "recompute"},
+    )
+    data = policy.to_json()
+    assert data["schema"] == "sac-workbench/policy" and data["version"] == SCHEMA_VERSION
+    assert Policy.from_json(json.loads(json.dumps(data))) == policy
+    path = policy.save(tmp_path / "p.json")
+    assert Policy.load(path) == policy
+    assert parse_policy(str(path)) == policy
+    assert parse_policy("full") == Policy("full")
+
+
+def test_save_never_overwrites_unless_asked(tmp_path: Path) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text("user's work")
+    with pytest.raises(WorkbenchError, match="exists"):
+        Policy("full").save(path)
+    assert path.read_text() == "user's work"
+    Policy("full").save(path, overwrite=True)
+    assert Policy.load(path) == Policy("full")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "is not valid JSON: .* line 1, column 2"),
+        ("[]", "a policy is a JSON object"),
+        ('{"schema": "other"}', "not a workbench policy"),
+        ('{"schema": "sac-workbench/policy", "version": 99}', "version 99 is newer"),
+        (
+            '{"schema": "sac-workbench/policy", "version": 1, "preset": "fll"}',
+            "did you mean 'full'",
+        ),
+        ('{"schema": "sac-workbench/policy", "version": 1, "extra": 1}', "unknown policy fields"),
+        (
+            '{"schema": "sac-workbench/policy", "version": 1, "selectors": [{"select": "x"}]}',
+            "malformed selectors",
+        ),
+        (
+            '{"schema": "sac-workbench/policy", "version": 1, "overrides": {"a::b#0": "keep"}}',
+            "must be one of",
+        ),
+    ],
+)
+def test_bad_policy_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(WorkbenchError, match=message):
+        Policy.load(path)
+    assert path.read_text() == text  # never rewritten
+
+
+def test_unknown_preset_and_missing_file() -> None:
+    with pytest.raises(WorkbenchError, match="choose one of none, full, default, eager"):
+        parse_policy("selective")
+    with pytest.raises(WorkbenchError, match="cannot read policy file"):
+        parse_policy("missing/policy.json")
+    assert set(PRESETS) == {"none", "full", "default", "eager"}
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (
+            Policy(selectors=[Selector("layers.*.atention.wo::aten.mm.default", "save")]),
+            "no module matches 'layers.*.atention.wo' .*layers.*.attention.wo",
+        ),
+        (
+            Policy(selectors=[Selector("layers.*.attention.wo::aten.mm", "save")]),
+            "must be an OpOverload such as aten.mm.default .*aten.mm.default",
+        ),
+        (
+            Policy(selectors=[Selector("layers.*.attention.wo::aten.silu.default", "save")]),
+            "never together",
+        ),
+        (
+            Policy(overrides={"layers.*.feed_forward.w1::aten.mm.default#7": "save"}),
+            "names no forward node .*close matches",
+        ),
+        (
+            Policy(overrides={f"layers.*.attention::{SDPA_BACKWARD}#0": "save"}),
+            "names a backward node",
+        ),
+    ],
+)
+def test_bad_selectors_and_overrides(llama_debug: Fixture, policy: Policy, message: str) -> None:
+    _, graph = llama_debug
+    with pytest.raises(WorkbenchError, match=message):
+        validate(graph, policy)
+
+
+def test_malformed_selector() -> None:
+    with pytest.raises(WorkbenchError, match="must be MODULE_PATTERN::OP_OVERLOAD"):
+        Selector("layers.*.attention.wo", "save")
+    with pytest.raises(WorkbenchError, match="action 'keep'"):
+        Selector("a::b", "keep")  # type: ignore[arg-type]

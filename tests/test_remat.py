@@ -1,0 +1,140 @@
+"""Remat with torch's own pass: reports, numerics bitwise equal to eager, loud failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph
+from workbench.models import Workload, load_workload
+from workbench.policy import Decision, Policy, decide, node_keys
+from workbench.remat import RematWarning, remat, saved_activations, tag_graph
+from workbench.trace import trace
+
+Fixture = tuple[Workload, JointGraph]
+PRESETS = ["none", "default", "eager", "full"]
+
+
+def eager_reference(workload: Workload) -> list[torch.Tensor]:
+    params = list(workload.model.parameters())
+    loss = workload.loss_fn(workload.model(*workload.inputs), workload.target)
+    return [loss, *torch.autograd.grad(loss, params)]
+
+
+def assert_bitwise(
+    graph: JointGraph, traced: list[torch.Tensor], eager: list[torch.Tensor]
+) -> None:
+    for name, a, b in zip(["loss", *graph.param_names], traced, eager, strict=True):
+        assert torch.equal(a, b), f"{name} differs from eager"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("fixture", ["llama_debug", "dsv3_debug"])
+def test_every_preset_is_bitwise_equal_to_eager(
+    fixture: str, preset: str, request: pytest.FixtureRequest
+) -> None:
+    workload, graph = request.getfixturevalue(fixture)
+    result = remat(graph, Policy(preset))
+    assert graph.example_inputs is not None
+    assert_bitwise(graph, result.run(graph.example_inputs), eager_reference(workload))
+    report = result.report
+    assert report.problems == []
+    assert report.tagged_save + report.tagged_recompute == len(result.decisions)
+    if preset == "none":
+        assert report.recomputed_nodes == [] and report.bytes_no_longer_saved == 0
+    else:
+        assert report.recomputed_nodes and report.bytes_no_longer_saved > 0
+        assert report.saved_bytes_after < report.saved_bytes_before
+
+
+def test_recomputed_nodes_are_the_tagged_ones(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    result = remat(graph, Policy("default"))
+    decisions = result.decisions
+    assert all(decisions[n].recompute for n in result.report.recomputed_nodes)
+    copies = [n for n in result.gm.graph.nodes if n.name.endswith("_recomputed")]
+    assert all(n.meta.get("autograd_backward") for n in copies)
+    # nothing tagged recompute is still read by backward from the forward region
+    assert not [
+        n for n in result.report.saved_after if decisions.get(n, None) and decisions[n].recompute
+    ]
+
+
+def test_more_recompute_saves_less(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    saved = {p: remat(graph, Policy(p)).report.saved_bytes_after for p in PRESETS}
+    assert saved["full"] < saved["default"] < saved["none"]
+    assert saved["eager"] < saved["none"]
+
+
+def test_joint_graph_is_left_untouched(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    before = [(n.name, dict(n.meta).get("recompute")) for n in graph.gm.graph.nodes]
+    remat(graph, Policy("full"))
+    after = [(n.name, dict(n.meta).get("recompute")) for n in graph.gm.graph.nodes]
+    assert before == after
+    assert all(tag is None for _, tag in after)
+
+
+def test_tag_graph_tags_only_forward(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    gm = tag_graph(graph, decide(graph, Policy("full")))
+    for node in gm.graph.nodes:
+        if node.meta.get("autograd_backward"):
+            assert "recompute" not in node.meta
+    backward = next(i.name for i in graph.ops() if i.phase == "backward")
+    bad = {backward: Decision(CheckpointPolicy.MUST_SAVE, "test")}
+    with pytest.raises(WorkbenchError, match="refusing to tag backward node"):
+        tag_graph(graph, bad)
+
+
+def test_nothing_recomputed_is_said_loudly(llama_debug: Fixture) -> None:
+    """A graph whose backward lost its autograd_backward marks: remat silently does nothing."""
+    _, graph = llama_debug
+    unmarked = JointGraph(**{**graph.__dict__})
+    from workbench.remat import copy_graph_module
+
+    gm = copy_graph_module(graph.gm)
+    for node in gm.graph.nodes:
+        node.meta.pop("autograd_backward", None)
+    unmarked.gm = gm
+    with pytest.warns(RematWarning) as caught:
+        result = remat(unmarked, decide(graph, Policy("full")))
+    assert "recomputed nothing" in result.report.problems[0]
+    assert "still saved" in result.report.problems[1]
+    assert [str(w.message) for w in caught] == result.report.problems
+
+
+def test_saved_activations_of_the_traced_graph(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    saved = saved_activations(graph)
+    assert saved and all(graph.nodes[n].phase in ("forward", "loss") for n in saved)
+
+
+@pytest.fixture(scope="module")
+def small() -> Fixture:
+    workload = load_workload("llama3-debug", layers=2, seq=32)
+    return workload, trace(workload)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_random_policies_are_bitwise_equal(small: Fixture, data: st.DataObject) -> None:
+    workload, graph = small
+    keys = sorted(set(node_keys(graph).values()))
+    preset = data.draw(st.sampled_from(PRESETS))
+    chosen = data.draw(st.lists(st.sampled_from(keys), max_size=40, unique=True))
+    actions = data.draw(
+        st.lists(st.sampled_from(["save", "recompute"]), min_size=len(chosen), max_size=len(chosen))
+    )
+    policy = Policy(preset, overrides=dict(zip(chosen, actions, strict=True)))
+    result = remat(graph, policy)
+    assert graph.example_inputs is not None
+    assert_bitwise(graph, result.run(graph.example_inputs), eager_reference(workload))
+    assert result.report.problems == []

@@ -1,0 +1,408 @@
+"""Policies: for every forward activation, save or recompute; versioned JSON; tag decisions.
+
+Entry points: `Policy` (preset + selectors + per-node overrides), `PRESETS` (name ->
+factory of `rule(info, ctx) -> CheckpointPolicy`) and `decide(graph, policy) -> Decisions`.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import fnmatch
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph, NodeInfo, layer_pattern
+
+SCHEMA = "sac-workbench/policy"
+SCHEMA_VERSION = 1
+
+Action = Literal["save", "recompute"]
+ACTIONS: tuple[Action, ...] = ("save", "recompute")
+
+# Compute-intensive ops torchtitan saves by default (its `_save_list`), as op names.
+COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.linear.default",
+        "aten._grouped_mm.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten.max.default",
+        "aten.topk.default",
+    }
+)
+MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A node's tag and why: `preset:NAME`, `selector:S`, `override:KEY` or `forced:WHY`."""
+
+    policy: CheckpointPolicy
+    reason: str
+
+    @property
+    def recompute(self) -> bool:
+        return self.policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+    @property
+    def forced(self) -> bool:
+        return self.reason.startswith("forced:")
+
+
+Decisions = dict[str, Decision]
+
+
+@dataclass
+class RuleContext:
+    """What a preset rule may look at beyond the node: its occurrence counts in the layer."""
+
+    matmul_index: dict[str, int]  # node name -> 1-based index among matmuls of its layer
+
+
+Rule = Callable[[NodeInfo, RuleContext], CheckpointPolicy]
+
+
+def _save_all() -> Rule:
+    return lambda info, ctx: CheckpointPolicy.PREFER_SAVE
+
+
+def _recompute_all() -> Rule:
+    return lambda info, ctx: CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_compute_intensive() -> Rule:
+    def rule(info: NodeInfo, ctx: RuleContext) -> CheckpointPolicy:
+        if info.op in COMPUTE_INTENSIVE_OPS:
+            return CheckpointPolicy.PREFER_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return rule
+
+
+def _eager_every_other_mm() -> Rule:
+    """torchtitan's eager SAC rule: only layers are checkpointed, and within a layer every
+    second mm is recomputed; everything outside the layers is saved as autograd would."""
+    compute_intensive = _save_compute_intensive()
+
+    def rule(info: NodeInfo, ctx: RuleContext) -> CheckpointPolicy:
+        if info.layer is None:
+            return CheckpointPolicy.PREFER_SAVE
+        if info.op in MATMUL_OPS and ctx.matmul_index[info.name] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return compute_intensive(info, ctx)
+
+    return rule
+
+
+PRESETS: dict[str, Callable[[], Rule]] = {
+    "none": _save_all,
+    "full": _recompute_all,
+    "default": _save_compute_intensive,
+    "eager": _eager_every_other_mm,
+}
+
+
+@dataclass(frozen=True)
+class Selector:
+    """`MODULE_PATTERN::OP_PATTERN` forcing an action; fnmatch per path component, `**`
+    matches any number of components (`layers.*.attention.**::aten.mm.default`)."""
+
+    select: str
+    action: Action
+
+    def __post_init__(self) -> None:
+        if self.select.count("::") != 1:
+            raise WorkbenchError(
+                f"selector {self.select!r} must be MODULE_PATTERN::OP_OVERLOAD, "
+                "e.g. 'layers.*.attention.wo::aten.mm.default'"
+            )
+        if self.action not in ACTIONS:
+            raise WorkbenchError(
+                f"selector {self.select!r}: action {self.action!r} must be one of {ACTIONS}"
+            )
+
+    @property
+    def module_pattern(self) -> str:
+        return self.select.split("::")[0]
+
+    @property
+    def op_pattern(self) -> str:
+        return self.select.split("::")[1]
+
+    def matches(self, info: NodeInfo) -> bool:
+        return _module_matches(self.module_pattern, info.module) and fnmatch.fnmatchcase(
+            info.op, self.op_pattern
+        )
+
+
+def _module_matches(pattern: str, module: str) -> bool:
+    return _components_match(
+        pattern.split(".") if pattern else [], module.split(".") if module else []
+    )
+
+
+def _components_match(pattern: list[str], parts: list[str]) -> bool:
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_components_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return (
+        bool(parts)
+        and fnmatch.fnmatchcase(parts[0], pattern[0])
+        and _components_match(pattern[1:], parts[1:])
+    )
+
+
+@dataclass
+class Policy:
+    """A preset, then selectors (later ones win), then per-node overrides (layer-specific
+    keys win over `layers.*` keys). Keys come from `node_keys(graph)`."""
+
+    preset: str = "default"
+    selectors: list[Selector] = field(default_factory=list)
+    overrides: dict[str, Action] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            close = difflib.get_close_matches(self.preset, PRESETS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise WorkbenchError(
+                f"unknown preset {self.preset!r}{hint}; choose one of {', '.join(PRESETS)}"
+            )
+        self.selectors = [s if isinstance(s, Selector) else Selector(**s) for s in self.selectors]
+        for key, action in self.overrides.items():
+            if action not in ACTIONS:
+                raise WorkbenchError(f"override {key!r}: {action!r} must be one of {ACTIONS}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "preset": self.preset,
+            "selectors": [{"select": s.select, "action": s.action} for s in self.selectors],
+            "overrides": dict(sorted(self.overrides.items())),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "policy") -> Policy:
+        if not isinstance(data, dict):
+            raise WorkbenchError(f"{source}: a policy is a JSON object, got {type(data).__name__}")
+        if data.get("schema") != SCHEMA:
+            raise WorkbenchError(f"{source}: not a workbench policy (schema must be {SCHEMA!r})")
+        version = data.get("version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise WorkbenchError(
+                f"{source}: policy schema version {version!r} is newer than this workbench "
+                f"reads (up to {SCHEMA_VERSION}); upgrade sac-workbench"
+            )
+        unknown = set(data) - {"schema", "version", "preset", "selectors", "overrides"}
+        if unknown:
+            raise WorkbenchError(f"{source}: unknown policy fields {sorted(unknown)}")
+        try:
+            return cls(
+                preset=data.get("preset", "default"),
+                selectors=list(data.get("selectors", [])),
+                overrides=dict(data.get("overrides", {})),
+            )
+        except TypeError as err:
+            raise WorkbenchError(f"{source}: malformed selectors or overrides ({err})") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Policy:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise WorkbenchError(f"cannot read policy file {str(path)!r}: {err.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise WorkbenchError(
+                f"policy file {str(path)!r} is not valid JSON: {err.msg} at line {err.lineno}, "
+                f"column {err.colno}"
+            ) from None
+        return cls.from_json(data, source=f"policy file {str(path)!r}")
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write atomically; an existing file is replaced only when `overwrite` is set."""
+        target = Path(path)
+        if target.exists() and not overwrite:
+            raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it")
+        fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(self.to_json(), handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, target)
+        return target
+
+
+def parse_policy(spec: str) -> Policy:
+    """A preset name or a path to a policy JSON file (the CLI's `--policy`)."""
+    if spec in PRESETS:
+        return Policy(preset=spec)
+    if spec.endswith(".json") or os.path.sep in spec or Path(spec).exists():
+        return Policy.load(spec)
+    return Policy(preset=spec)  # raises with the list of presets
+
+
+def decidable(info: NodeInfo) -> bool:
+    """Forward and loss call nodes: the ones whose outputs can be saved or recomputed."""
+    return info.phase in ("forward", "loss")
+
+
+def node_keys(graph: JointGraph) -> dict[str, str]:
+    """Stable, layer-relative keys `MODULE::OP#k` (k-th such op in that module) for decidable
+    nodes; `MODULE` uses `layers.*` so one key names the op in every identical layer."""
+    seen: collections.Counter[tuple[str, str]] = collections.Counter()
+    keys: dict[str, str] = {}
+    for info in graph.nodes.values():
+        if not decidable(info):
+            continue
+        index = seen[(info.module, info.op)]
+        seen[(info.module, info.op)] += 1
+        keys[info.name] = f"{layer_pattern(info.module)}::{info.op}#{index}"
+    return keys
+
+
+def layer_key(info: NodeInfo, key: str) -> str:
+    """The key naming this node in its own layer only (`layers.3.attention::...`)."""
+    return f"{info.module}::{key.split('::', 1)[1]}"
+
+
+def _forced_reason(info: NodeInfo) -> str | None:
+    if info.is_random:
+        return "forced:random op (nondeterministic_seeded); torch's remat pass cannot replay RNG"
+    if info.is_mutation:
+        return "forced:mutates its input; recomputing would apply the mutation twice"
+    return None
+
+
+def validate(graph: JointGraph, policy: Policy) -> None:
+    """Selectors must match something and overrides must name forward nodes."""
+    infos = [i for i in graph.nodes.values() if decidable(i)]
+    for selector in policy.selectors:
+        if any(selector.matches(i) for i in infos):
+            continue
+        modules = sorted({layer_pattern(i.module) for i in infos} | {i.module for i in infos})
+        ops = sorted({i.op for i in infos})
+        if not any(_module_matches(selector.module_pattern, m) for m in modules):
+            raise WorkbenchError(
+                f"selector {selector.select!r}: no module matches {selector.module_pattern!r}"
+                f"{_suggest(selector.module_pattern, modules)}"
+            )
+        if not any(fnmatch.fnmatchcase(op, selector.op_pattern) for op in ops):
+            raise WorkbenchError(
+                f"selector {selector.select!r}: no op matches {selector.op_pattern!r}; it must "
+                f"be an OpOverload such as aten.mm.default{_suggest(selector.op_pattern, ops)}"
+            )
+        raise WorkbenchError(
+            f"selector {selector.select!r}: module and op both exist, but never together"
+        )
+    keys = node_keys(graph)
+    known = set(keys.values()) | {layer_key(graph.nodes[n], k) for n, k in keys.items()}
+    backward_ops = {
+        f"{module}::{i.op}"
+        for i in graph.nodes.values()
+        if i.phase == "backward"
+        for module in (i.module, layer_pattern(i.module))
+    }
+    forward_ops = {k.split("#")[0] for k in known}
+    for key in policy.overrides:
+        if key in known:
+            continue
+        op = key.split("#")[0]
+        if op in backward_ops and op not in forward_ops:
+            raise WorkbenchError(
+                f"override {key!r} names a backward node: only forward activations can be "
+                "saved or recomputed"
+            )
+        raise WorkbenchError(f"override {key!r} names no forward node{_suggest(key, known)}")
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.5)
+    return f" (close matches: {', '.join(close)})" if close else ""
+
+
+def decide(graph: JointGraph, policy: Policy) -> Decisions:
+    """The tag of every decidable node, in graph order.
+
+    MUST_* for overrides, selectors and hard rules, PREFER_* for preset choices. Random ops
+    and mutations are saved whatever was asked; a recompute node whose recompute user sits
+    in another layer is saved (layer boundary), or remat would chain recomputation across
+    layers; getitem nodes follow the multi-output op they unpack.
+    """
+    validate(graph, policy)
+    rule = PRESETS[policy.preset]()
+    ctx = RuleContext(matmul_index=_matmul_index(graph))
+    keys = node_keys(graph)
+    decisions: Decisions = {}
+    for name, key in keys.items():
+        info = graph.nodes[name]
+        decision = Decision(rule(info, ctx), f"preset:{policy.preset}")
+        for selector in policy.selectors:
+            if selector.matches(info):
+                decision = Decision(_must(selector.action), f"selector:{selector.select}")
+        for override in (key, layer_key(info, key)):
+            if override in policy.overrides:
+                decision = Decision(_must(policy.overrides[override]), f"override:{override}")
+        forced = _forced_reason(info)
+        if forced is not None:
+            decision = Decision(CheckpointPolicy.MUST_SAVE, forced)
+        decisions[name] = decision
+    _follow_multi_output(graph, decisions)
+    _save_layer_boundaries(graph, decisions)
+    return decisions
+
+
+def _must(action: Action) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if action == "save" else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _matmul_index(graph: JointGraph) -> dict[str, int]:
+    counts: collections.Counter[int | None] = collections.Counter()
+    index: dict[str, int] = {}
+    for info in graph.nodes.values():
+        if decidable(info) and info.op in MATMUL_OPS:
+            counts[info.layer] += 1
+            index[info.name] = counts[info.layer]
+    return index
+
+
+def _follow_multi_output(graph: JointGraph, decisions: Decisions) -> None:
+    for node in graph.gm.graph.nodes:
+        if node.name in decisions and graph.nodes[node.name].op == "getitem":
+            parent = decisions.get(node.args[0].name)
+            if parent is not None and parent.recompute != decisions[node.name].recompute:
+                decisions[node.name] = parent
+
+
+def _save_layer_boundaries(graph: JointGraph, decisions: Decisions) -> None:
+    """Reverse graph order, so a user's final tag is known before its inputs are judged."""
+    for node in reversed(graph.gm.graph.nodes):
+        decision = decisions.get(node.name)
+        if decision is None or not decision.recompute:
+            continue
+        layer = graph.nodes[node.name].layer
+        for user in node.users:
+            other = decisions.get(user.name)
+            if other is not None and other.recompute and graph.nodes[user.name].layer != layer:
+                decisions[node.name] = Decision(
+                    CheckpointPolicy.MUST_SAVE,
+                    f"forced:layer boundary (recomputed user {user.name} is in another layer)",
+                )
+                break
