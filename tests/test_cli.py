@@ -121,3 +121,68 @@ def test_python_dash_m_entry_point() -> None:
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+
+
+@pytest.mark.parametrize("policy", ["none", "eager", "full"])
+def test_verify_json(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(
+        capsys, "verify", "--model", "llama3-debug", "--layers", "2", "--seq", "32",
+        "--policy", policy, "--json",
+    )  # fmt: skip
+    assert {"bitwise_equal", "tagged_save", "tagged_recompute", "recomputed_nodes"} <= set(result)
+    assert result["bitwise_equal"] is True and result["mismatched"] == []
+    assert (result["recomputed_nodes"] > 0) == (policy != "none")
+    assert result["policy"]["preset"] == policy
+
+
+def test_verify_policy_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.policy import Policy, Selector
+
+    policy = Policy("default", [Selector("layers.*.feed_forward.w2::aten.mm.default", "recompute")])
+    saved = policy.save(tmp_path / "p.json")
+    result = run_json(
+        capsys, "verify", "--model", "dsv3-debug", "--layers", "2", "--seq", "32",
+        "--policy", str(saved), "--json",
+    )  # fmt: skip
+    assert result["bitwise_equal"] is True
+    assert result["policy"]["selectors"][0]["action"] == "recompute"
+
+
+@pytest.mark.parametrize("fmt", ["policy_fn", "graph_pass", "torchtitan", "json"])
+def test_export_json(fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(
+        capsys, "export", "--model", "llama3-debug", "--layers", "2", "--policy", "eager",
+        "--format", fmt, "--json",
+    )  # fmt: skip
+    assert result["format"] == fmt and result["code"].strip()
+
+
+def test_export_writes_a_file_and_never_overwrites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "policy_fn.py"
+    argv = ["export", "--model", "llama3-debug", "--layers", "1", "--policy", "full",
+            "--format", "policy_fn", "--out", str(out), "--json"]  # fmt: skip
+    result = run_json(capsys, *argv)
+    assert result["path"] == str(out) and out.read_text() == result["code"]
+    out.write_text("# my edits")
+    assert main(argv) == 2
+    assert out.read_text() == "# my edits"
+    assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["verify", "--model", "llama3-debug", "--policy", "fll"], "did you mean 'full'"),
+        (["verify", "--model", "llama3-debug", "--policy", "nope.json"], "cannot read policy file"),
+        (["verify", "--model", "llama3-debug", "--mode", "fake"], "use --mode real"),
+        (["export", "--model", "llama3-debug", "--format", "yaml"], "unknown format 'yaml'"),
+    ],
+)
+def test_policy_command_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

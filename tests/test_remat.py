@@ -115,9 +115,9 @@ def test_saved_activations_of_the_traced_graph(llama_debug: Fixture) -> None:
     assert saved and all(graph.nodes[n].phase in ("forward", "loss") for n in saved)
 
 
-@pytest.fixture(scope="module")
-def small() -> Fixture:
-    workload = load_workload("llama3-debug", layers=2, seq=32)
+@pytest.fixture(scope="module", params=["llama3-debug", "dsv3-debug"])
+def small(request: pytest.FixtureRequest) -> Fixture:
+    workload = load_workload(request.param, layers=2, seq=32)
     return workload, trace(workload)
 
 

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from workbench.errors import WorkbenchError
-from workbench.models import DTYPES, load_workload
+from workbench.graph import JointGraph
+from workbench.models import DTYPES, Workload, load_workload
+from workbench.policy import parse_policy
 from workbench.trace import timed_trace
 
 EXIT_USAGE = 2
@@ -36,17 +38,21 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _trace_from_args(args: argparse.Namespace) -> tuple[Any, float]:
-    device = "meta" if args.mode == "fake" else "cpu"
-    workload = load_workload(
+def _workload_from_args(args: argparse.Namespace, mode: str) -> Workload:
+    """Reference models in fake mode are built on the meta device: no memory at all."""
+    device = "meta" if mode == "fake" and ":" not in args.model else "cpu"
+    return load_workload(
         args.model,
         layers=args.layers,
         seq=args.seq,
         batch=args.batch,
         dtype=args.dtype,
-        device=device if ":" not in args.model else "cpu",
+        device=device,
     )
-    return timed_trace(workload, args.mode)
+
+
+def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
+    return timed_trace(_workload_from_args(args, args.mode), args.mode)
 
 
 def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,6 +78,56 @@ def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy", default="default", help="preset (none, full, default, eager) or policy.json"
+    )
+
+
+def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
+    """Remat with torch's pass, run under no_grad, compare loss and grads bitwise to eager."""
+    import torch
+
+    from workbench.eager import eager_step
+    from workbench.remat import remat
+
+    if args.mode != "real":
+        raise WorkbenchError("verify runs the graph: use --mode real")
+    policy = parse_policy(args.policy)
+    workload = _workload_from_args(args, "real")
+    graph, _ = timed_trace(workload, "real")
+    result = remat(graph, policy)
+    assert graph.example_inputs is not None
+    traced = result.run(graph.example_inputs)
+    eager = eager_step(workload)
+    mismatched = [
+        name
+        for name, a, b in zip(["loss", *graph.param_names], traced, eager, strict=True)
+        if not torch.equal(a, b)
+    ]
+    return {
+        "model": graph.model_name,
+        "policy": policy.to_json(),
+        "bitwise_equal": not mismatched,
+        "mismatched": mismatched,
+        **result.report.to_json(),
+    }
+
+
+def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    from workbench.export import FORMATS, export, write_export
+
+    if args.format not in FORMATS:
+        raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
+    policy = parse_policy(args.policy)
+    graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake")
+    text = export(policy, args.format, graph=graph)
+    result: dict[str, Any] = {"format": args.format, "code": text}
+    if args.out:
+        result["path"] = str(write_export(text, args.out, overwrite=args.overwrite))
+    return result
+
+
 def _print_human(result: dict[str, Any]) -> None:
     width = max(len(k) for k in result)
     for key, value in result.items():
@@ -85,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     trace = commands.add_parser("trace", help="trace a train step and summarise the graph")
     _add_model_args(trace)
     trace.set_defaults(run=cmd_trace)
+
+    verify = commands.add_parser("verify", help="remat a policy and check numerics bitwise")
+    _add_model_args(verify)
+    _add_policy_arg(verify)
+    verify.set_defaults(run=cmd_verify)
+
+    export = commands.add_parser("export", help="export a policy as code")
+    _add_model_args(export)
+    _add_policy_arg(export)
+    export.add_argument(
+        "--format", default="policy_fn", help="policy_fn, graph_pass, torchtitan or json"
+    )
+    export.add_argument("--out", help="write the code to this file")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    export.set_defaults(run=cmd_export)
 
     bench = commands.add_parser("bench", help="benchmarks that print measured figures")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -105,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if args.json:
         print(json.dumps(result))
+    elif args.command == "export" and not args.out:
+        print(result["code"])
     else:
         _print_human(result)
     return 0
