@@ -1,0 +1,306 @@
+"""Exports: the graph pass reproduces decide() in a fresh interpreter, code is standalone and
+safe for any names, torchtitan options map presets honestly, files are never clobbered."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass import (  # noqa: E501
+    remat_using_tags_for_fwd_loss_bwd_graph,
+)
+
+from workbench.eager import eager_step
+from workbench.errors import WorkbenchError
+from workbench.export import FORMATS, export, py_str, write_export
+from workbench.graph import JointGraph
+from workbench.models import Workload, load_workload
+from workbench.policy import PRESETS, Policy, Selector, decide
+from workbench.trace import trace
+
+MODELS = ("llama3-debug", "dsv3-debug")
+CUSTOM = Policy(
+    "default",
+    selectors=[
+        Selector("layers.*.feed_forward.**::aten.mm.default", "recompute"),
+        Selector("layers.*.attention::aten.mul.Tensor", "save"),
+        Selector("layers.0.feed_forward.w[12]::aten.mm.default", "save"),  # later wins
+    ],
+    overrides={
+        "layers.*.attention.wq::aten.mm.default#0": "recompute",
+        "layers.1.attention.wq::aten.mm.default#0": "save",  # one layer beats layers.*
+        "layers.*.attention_norm::aten.mul.Tensor#1": "save",
+        "::aten.slice.Tensor#1": "recompute",  # the root module
+        "loss::aten._log_softmax.default#0": "recompute",  # nodes without a module path
+    },
+)
+POLICIES: dict[str, Policy] = {**{name: Policy(name) for name in PRESETS}, "custom": CUSTOM}
+NASTY = "layers.*.at'ten\"tion\n\\x\u2028\U0001f600"
+
+# Runs in a fresh interpreter: load every exported module first (they must not pull in the
+# workbench), then trace with the workbench and print each module's tags as JSON.
+HARNESS = """
+import importlib.util, json, sys
+modules = {}
+for name, path in json.loads(sys.argv[1]).items():
+    spec = importlib.util.spec_from_file_location(f"exported_{name}", path)
+    modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(modules[name])
+assert not any(m.split(".")[0] == "workbench" for m in sys.modules), "export imported workbench"
+from workbench.models import load_workload
+from workbench.trace import trace
+out = {}
+for model in json.loads(sys.argv[2]):
+    graph = trace(load_workload(model, layers=2, seq=32), mode="real")
+    out[model] = {
+        name: {
+            n.name: n.meta["recompute"].name
+            for n in module.tag_graph(graph.gm).graph.nodes
+            if "recompute" in n.meta
+        }
+        for name, module in modules.items()
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def graphs() -> dict[str, tuple[Workload, JointGraph]]:
+    result = {}
+    for model in MODELS:
+        workload = load_workload(model, layers=2, seq=32)
+        result[model] = (workload, trace(workload, mode="real"))
+    return result
+
+
+@pytest.fixture(scope="module")
+def fresh_tags(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("exports")
+    files = {}
+    for name, policy in POLICIES.items():
+        files[name] = str(write_export(export(policy, "graph_pass"), folder / f"{name}.py"))
+    run = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps(files), json.dumps(MODELS)],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def imported_roots(code: str) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module is not None
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def load(code: str) -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": "exported"}
+    exec(compile(code, "<export>", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("model", MODELS)
+def test_graph_pass_in_a_fresh_interpreter_tags_what_decide_decides(
+    model: str,
+    policy: str,
+    graphs: dict[str, tuple[Workload, JointGraph]],
+    fresh_tags: dict[str, Any],
+) -> None:
+    _, graph = graphs[model]
+    expected = {name: d.policy.name for name, d in decide(graph, POLICIES[policy]).items()}
+    assert fresh_tags[model][policy] == expected
+
+
+@pytest.mark.parametrize("fmt", ["policy_fn", "graph_pass"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_python_exports_import_only_torch_and_the_stdlib(fmt: str, policy: str) -> None:
+    roots = imported_roots(export(POLICIES[policy], fmt))
+    assert "torch" in roots
+    assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names)
+
+
+def test_exported_graph_pass_feeds_torchs_remat_bitwise(
+    graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    workload, graph = graphs["llama3-debug"]
+    tagged = load(export(CUSTOM, "graph_pass"))["tag_graph"](copy.deepcopy(graph.gm))
+    out = remat_using_tags_for_fwd_loss_bwd_graph(tagged)
+    assert any(n.name.endswith("_recomputed") for n in out.graph.nodes)
+    assert graph.example_inputs is not None
+    with torch.no_grad():
+        result = list(out(*graph.example_inputs))
+    assert all(torch.equal(a, b) for a, b in zip(result, eager_step(workload), strict=True))
+
+
+def test_tag_graph_warns_about_names_it_never_met(
+    graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    _, graph = graphs["llama3-debug"]
+    policy = Policy(
+        "full",
+        selectors=[Selector("nowhere::aten.mm.default", "save")],
+        overrides={"layers.*.attention::aten.mm.default#9": "save"},
+    )
+    tag_graph = load(export(policy, "graph_pass"))["tag_graph"]
+    with pytest.warns(UserWarning) as caught:
+        tag_graph(copy.deepcopy(graph.gm))
+    messages = " ".join(str(w.message) for w in caught)
+    assert "selector nowhere::aten.mm.default matches no node" in messages
+    assert "override layers.*.attention::aten.mm.default#9 names no forward node" in messages
+
+
+def test_generated_code_reads_as_written_tables() -> None:
+    code = export(CUSTOM, "policy_fn")
+    header = code.split('"""', 2)[2].split("from __future__")[0].strip().splitlines()
+    assert header and all(line.startswith("#") for line in header)
+    assert json.loads("\n".join(line[4:] for line in header[1:])) == CUSTOM.to_json()
+    exported = load(code)
+    assert exported["PRESET"] == "default"
+    assert exported["SELECTORS"] == [
+        (s.module_pattern, s.op_pattern, s.action) for s in CUSTOM.selectors
+    ]
+    assert exported["OVERRIDES"] == CUSTOM.overrides
+    assert "aten.mm.default" in exported["SAVE_OPS"]
+    assert exported["WRAP_LAYERS"] is True
+    assert load(export(Policy("none"), "policy_fn"))["WRAP_LAYERS"] is False
+
+
+@pytest.mark.skipif(shutil.which("ruff", path=str(Path(sys.executable).parent)) is None,
+                    reason="ruff is not installed next to this interpreter")  # fmt: skip
+def test_generated_code_passes_ruff(tmp_path: Path) -> None:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    assert ruff is not None
+    nasty = Policy("full", [Selector(f"{NASTY}::aten.mm.default", "save")], {f"{NASTY}#0": "save"})
+    long = "layers.*." + "long_module_name." * 6 + "wq::aten.mm.default"
+    wide = Policy("default", [Selector(long, "recompute")], {f"{long}#0": "save"})
+    for i, policy in enumerate([*POLICIES.values(), nasty, wide]):
+        for fmt in ("policy_fn", "graph_pass"):
+            (tmp_path / f"{fmt}_{i}.py").write_text(export(policy, fmt))
+    # The project's rules, except line length: a user's module names can be arbitrarily long.
+    check = ["check", "--select", "E,F,W,I,UP,B", "--ignore", "E501"]
+    for command in (check, ["format", "--check"]):
+        run = subprocess.run(
+            [ruff, *command, "--isolated", "--no-cache", "--line-length", "100", str(tmp_path)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(
+    "text", ["", "plain", NASTY, "'", '"', "\\", '"""', "\x00\x7f\t\r", "é", "a\\nb"]
+)
+def test_py_str_round_trips_any_string(text: str) -> None:
+    literal = py_str(text)
+    assert literal.isascii() and "\n" not in literal
+    assert ast.literal_eval(literal) == text
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_names_with_quotes_backslashes_and_newlines_cannot_break_the_output(fmt: str) -> None:
+    selector = Selector(f"{NASTY}::aten.mm.default", "save")
+    policy = Policy("full", selectors=[selector], overrides={f"{NASTY}::aten.mm.default#0": "save"})
+    text = export(policy, fmt)  # graph=None: decide() would reject these names
+    if fmt == "json":
+        assert Policy.from_json(json.loads(text)) == policy
+        return
+    if fmt == "torchtitan":
+        lines = text.splitlines()
+        assert all(line.startswith(("#", "--")) for line in lines)
+        assert "--compile.memory_policy full" in lines
+        assert any("cannot express selector" in line for line in lines)
+        return
+    exported = load(text)
+    assert exported["SELECTORS"] == [(NASTY, "aten.mm.default", "save")]
+    assert exported["OVERRIDES"] == {f"{NASTY}::aten.mm.default#0": "save"}
+    assert text.isascii()
+
+
+TORCHTITAN_POLICY = {"none": "none", "full": "full", "default": "default", "eager": "eager"}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_torchtitan_options_for_each_preset(preset: str) -> None:
+    lines = export(Policy(preset), "torchtitan").splitlines()
+    options = [line for line in lines if not line.startswith("#")]
+    assert options == [f"--compile.memory_policy {TORCHTITAN_POLICY[preset]}"]
+    assert any("graph_trainer/configs.py" in line for line in lines)
+    assert not any("cannot express" in line for line in lines)
+
+
+def test_torchtitan_full_with_save_selectors_uses_full_recompute_save_ops() -> None:
+    selects = ["layers.*.feed_forward.router.gate::aten.mm.default", "layers.*.attention.wo::*"]
+    policy = Policy("full", selectors=[Selector(s, "save") for s in selects])
+    lines = export(policy, "torchtitan").splitlines()
+    option = [line for line in lines if line.startswith("--compile.full_recompute_save_ops")]
+    assert len(option) == 1
+    assert shlex.split(option[0])[1:] == [" | ".join(selects)]
+    assert not any("cannot express" in line for line in lines)
+
+
+SAVE_THEN_RECOMPUTE = [Selector("layers.*::*", "save"), Selector("layers.*.wo::*", "recompute")]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy("eager", overrides={"layers.*.attention.wq::aten.mm.default#0": "save"}),
+        Policy("default", selectors=[Selector("layers.*.attention.wo::*", "save")]),
+        Policy("full", selectors=SAVE_THEN_RECOMPUTE),
+        Policy("none", selectors=[Selector("layers.*.attention.wo::*", "recompute")]),
+    ],
+)
+def test_torchtitan_says_what_it_cannot_express(policy: Policy) -> None:
+    lines = export(policy, "torchtitan").splitlines()
+    assert sum("cannot express" in line for line in lines) == 1
+    assert any(line.startswith("#") and "graph_pass" in line for line in lines)
+
+
+def test_json_export_round_trips() -> None:
+    for policy in POLICIES.values():
+        text = export(policy, "json")
+        assert text == json.dumps(policy.to_json(), indent=2)
+        assert Policy.from_json(json.loads(text)) == policy
+
+
+def test_unknown_format_lists_the_formats() -> None:
+    with pytest.raises(WorkbenchError, match="'yaml'.*policy_fn, graph_pass, torchtitan, json"):
+        export(Policy("full"), "yaml")
+
+
+def test_export_with_a_graph_validates_the_policy(
+    graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    _, graph = graphs["llama3-debug"]
+    typo = Policy(selectors=[Selector("layers.*.atention.wo::aten.mm.default", "save")])
+    with pytest.raises(WorkbenchError, match="no module matches"):
+        export(typo, "policy_fn", graph=graph)
+    assert "llama3-debug" in export(CUSTOM, "graph_pass", graph=graph)
+
+
+def test_write_export_never_overwrites_unless_asked(tmp_path: Path) -> None:
+    path = tmp_path / "policy.py"
+    assert write_export("first\n", path) == path
+    assert path.read_text() == "first\n"
+    with pytest.raises(WorkbenchError, match="exists; pass overwrite=True"):
+        write_export("second\n", path)
+    assert path.read_text() == "first\n"
+    write_export("second\n", path, overwrite=True)
+    assert path.read_text() == "second\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.py"]  # no temp files left
+    with pytest.raises(WorkbenchError, match="missing"):
+        write_export("x", tmp_path / "no" / "such.py")
