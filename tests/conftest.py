@@ -19,3 +19,13 @@ def llama_debug() -> tuple[Workload, JointGraph]:
 def dsv3_debug() -> tuple[Workload, JointGraph]:
     workload = load_workload("dsv3-debug")
     return workload, trace(workload, mode="real")
+
+
+@pytest.fixture(scope="session")
+def small_graphs() -> dict[str, tuple[Workload, JointGraph]]:
+    """Both reference models shrunk to two layers and 32 tokens: fast to trace and run."""
+    result = {}
+    for model in ("llama3-debug", "dsv3-debug"):
+        workload = load_workload(model, layers=2, seq=32)
+        result[model] = (workload, trace(workload, mode="real"))
+    return result

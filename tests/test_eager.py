@@ -13,9 +13,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.eager import apply_eager_sac, eager_decisions, eager_step
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
+from workbench.models import Workload
 from workbench.policy import PRESETS, Policy, Selector, decide, layer_key, node_keys
-from workbench.trace import trace
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(
@@ -42,15 +41,6 @@ EAGER_DIFFERS = ("forced:layer boundary", "forced:mutates")
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
-@pytest.fixture(scope="module")
-def graphs() -> dict[str, tuple[Workload, JointGraph]]:
-    result = {}
-    for model in MODELS:
-        workload = load_workload(model, layers=2, seq=32)
-        result[model] = (workload, trace(workload, mode="real"))
-    return result
-
-
 def graph_decisions(graph: JointGraph, policy: Policy) -> dict[str, tuple[str, str, object]]:
     """Layer ops by `MODULE::OP#k` -> (op, reason, policy)."""
     decisions = decide(graph, policy)
@@ -68,9 +58,9 @@ def graph_decisions(graph: JointGraph, policy: Policy) -> dict[str, tuple[str, s
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("model", MODELS)
 def test_eager_sac_decides_like_the_graph_inside_layers(
-    model: str, policy: str, graphs: dict[str, tuple[Workload, JointGraph]]
+    model: str, policy: str, small_graphs: dict[str, tuple[Workload, JointGraph]]
 ) -> None:
-    workload, graph = graphs[model]
+    workload, graph = small_graphs[model]
     eager = eager_decisions(workload, POLICIES[policy])
     expected = graph_decisions(graph, POLICIES[policy])
     if policy == "none":  # nothing to recompute: no layer is wrapped, autograd keeps all
@@ -95,9 +85,9 @@ def test_eager_sac_decides_like_the_graph_inside_layers(
 
 
 def test_eager_preset_saves_every_other_matmul_per_layer(
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
-    workload, _ = graphs["llama3-debug"]
+    workload, _ = small_graphs["llama3-debug"]
     eager = eager_decisions(workload, Policy("eager"))
     for layer in (0, 1):
         mms = [p for k, p in eager.items() if k.startswith(f"layers.{layer}.") and "aten.mm." in k]
@@ -107,9 +97,9 @@ def test_eager_preset_saves_every_other_matmul_per_layer(
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("model", MODELS)
 def test_eager_sac_is_bitwise_equal_to_no_checkpointing(
-    model: str, policy: str, graphs: dict[str, tuple[Workload, JointGraph]]
+    model: str, policy: str, small_graphs: dict[str, tuple[Workload, JointGraph]]
 ) -> None:
-    workload, _ = graphs[model]
+    workload, _ = small_graphs[model]
     reference = eager_step(workload)
     wrapped = apply_eager_sac(copy.deepcopy(workload.model), POLICIES[policy])
     sac = eager_step(Workload(wrapped, workload.inputs, workload.target, workload.loss_fn))
@@ -119,9 +109,9 @@ def test_eager_sac_is_bitwise_equal_to_no_checkpointing(
 
 
 def test_apply_eager_sac_works_in_place_and_only_once(
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
-    workload, _ = graphs["llama3-debug"]
+    workload, _ = small_graphs["llama3-debug"]
     model = copy.deepcopy(workload.model)
     keys = list(model.state_dict())
     assert apply_eager_sac(model, Policy("default")) is model
@@ -135,8 +125,8 @@ def test_apply_eager_sac_works_in_place_and_only_once(
 
 
 def test_apply_eager_sac_needs_a_container_of_blocks(
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
-    workload, _ = graphs["llama3-debug"]
+    workload, _ = small_graphs["llama3-debug"]
     with pytest.raises(WorkbenchError, match="no container of blocks at 'blocks'"):
         apply_eager_sac(copy.deepcopy(workload.model), Policy("full"), layers_attr="blocks")

@@ -23,9 +23,8 @@ from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
 from workbench.export import FORMATS, export, py_str, write_export
 from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
+from workbench.models import Workload
 from workbench.policy import PRESETS, Policy, Selector, decide
-from workbench.trace import trace
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(
@@ -74,15 +73,6 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def graphs() -> dict[str, tuple[Workload, JointGraph]]:
-    result = {}
-    for model in MODELS:
-        workload = load_workload(model, layers=2, seq=32)
-        result[model] = (workload, trace(workload, mode="real"))
-    return result
-
-
-@pytest.fixture(scope="module")
 def fresh_tags(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("exports")
     files = {}
@@ -118,10 +108,10 @@ def load(code: str) -> dict[str, Any]:
 def test_graph_pass_in_a_fresh_interpreter_tags_what_decide_decides(
     model: str,
     policy: str,
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
     fresh_tags: dict[str, Any],
 ) -> None:
-    _, graph = graphs[model]
+    _, graph = small_graphs[model]
     expected = {name: d.policy.name for name, d in decide(graph, POLICIES[policy]).items()}
     assert fresh_tags[model][policy] == expected
 
@@ -135,9 +125,9 @@ def test_python_exports_import_only_torch_and_the_stdlib(fmt: str, policy: str) 
 
 
 def test_exported_graph_pass_feeds_torchs_remat_bitwise(
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
-    workload, graph = graphs["llama3-debug"]
+    workload, graph = small_graphs["llama3-debug"]
     tagged = load(export(CUSTOM, "graph_pass"))["tag_graph"](copy.deepcopy(graph.gm))
     out = remat_using_tags_for_fwd_loss_bwd_graph(tagged)
     assert any(n.name.endswith("_recomputed") for n in out.graph.nodes)
@@ -148,9 +138,9 @@ def test_exported_graph_pass_feeds_torchs_remat_bitwise(
 
 
 def test_tag_graph_warns_about_names_it_never_met(
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
-    _, graph = graphs["llama3-debug"]
+    _, graph = small_graphs["llama3-debug"]
     policy = Policy(
         "full",
         selectors=[Selector("nowhere::aten.mm.default", "save")],
@@ -283,9 +273,9 @@ def test_unknown_format_lists_the_formats() -> None:
 
 
 def test_export_with_a_graph_validates_the_policy(
-    graphs: dict[str, tuple[Workload, JointGraph]],
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
-    _, graph = graphs["llama3-debug"]
+    _, graph = small_graphs["llama3-debug"]
     typo = Policy(selectors=[Selector("layers.*.atention.wo::aten.mm.default", "save")])
     with pytest.raises(WorkbenchError, match="no module matches"):
         export(typo, "policy_fn", graph=graph)
