@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
@@ -17,12 +18,6 @@ from workbench.trace import trace
 
 Fixture = tuple[Workload, JointGraph]
 PRESETS = ["none", "default", "eager", "full"]
-
-
-def eager_reference(workload: Workload) -> list[torch.Tensor]:
-    params = list(workload.model.parameters())
-    loss = workload.loss_fn(workload.model(*workload.inputs), workload.target)
-    return [loss, *torch.autograd.grad(loss, params)]
 
 
 def assert_bitwise(
@@ -40,7 +35,7 @@ def test_every_preset_is_bitwise_equal_to_eager(
     workload, graph = request.getfixturevalue(fixture)
     result = remat(graph, Policy(preset))
     assert graph.example_inputs is not None
-    assert_bitwise(graph, result.run(graph.example_inputs), eager_reference(workload))
+    assert_bitwise(graph, result.run(graph.example_inputs), eager_step(workload))
     report = result.report
     assert report.problems == []
     assert report.tagged_save + report.tagged_recompute == len(result.decisions)
@@ -136,5 +131,5 @@ def test_random_policies_are_bitwise_equal(small: Fixture, data: st.DataObject) 
     policy = Policy(preset, overrides=dict(zip(chosen, actions, strict=True)))
     result = remat(graph, policy)
     assert graph.example_inputs is not None
-    assert_bitwise(graph, result.run(graph.example_inputs), eager_reference(workload))
+    assert_bitwise(graph, result.run(graph.example_inputs), eager_step(workload))
     assert result.report.problems == []

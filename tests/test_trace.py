@@ -7,16 +7,11 @@ import collections
 import pytest
 import torch
 
+from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph, describe_nodes, layer_of, layer_pattern
 from workbench.models import Workload, load_workload
 from workbench.trace import annotate_modules, trace
-
-
-def eager_step(workload: Workload) -> list[torch.Tensor]:
-    params = list(workload.model.parameters())
-    loss = workload.loss_fn(workload.model(*workload.inputs), workload.target)
-    return [loss, *torch.autograd.grad(loss, params)]
 
 
 @pytest.mark.parametrize("fixture", ["llama_debug", "dsv3_debug"])
