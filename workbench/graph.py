@@ -7,7 +7,7 @@ which reads `node.meta` (val, custom["module"], autograd_backward, seq_nr, stack
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,6 +19,9 @@ Phase = Literal["input", "forward", "loss", "backward", "output"]
 InputKind = Literal["param", "buffer", "input", "target"]
 
 LOSS_MODULE = "loss"
+# node.meta key holding the traced node's name: FX copies meta onto every copy of a node, and
+# torch's remat pass renames nodes, so this is how a rewritten graph maps back to the trace.
+ORIGIN_KEY = "workbench_origin"
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,14 @@ class JointGraph:
     tokens: int
     config: dict[str, Any] = field(default_factory=dict)
     example_inputs: list[Any] | None = None
+    # Facts derived from the (never mutated) graph, computed once: see `derived`.
+    _derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def derived(self, key: str, compute: Callable[[], Any]) -> Any:
+        """`compute()` once per graph: what-if loops re-read keys and indices per flip."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @property
     def param_names(self) -> list[str]:
@@ -192,7 +203,7 @@ def _source(node: fx.Node) -> str:
 
 
 def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
-    """Facts for every node.
+    """Facts for every node (and `meta[ORIGIN_KEY]`, its name, on each).
 
     Forward nodes take their module from `meta["custom"]["module"]`; backward nodes from
     the forward node with the same `seq_nr`. Gradient-accumulation nodes carry the loss's
@@ -234,6 +245,7 @@ def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
             del graph_level[node]
     infos: dict[str, NodeInfo] = {}
     for node in gm.graph.nodes:
+        node.meta[ORIGIN_KEY] = node.name
         tensors = _tensors(node.meta.get("val"))
         is_view, is_mutation, is_random = _schema_flags(node)
         infos[node.name] = NodeInfo(

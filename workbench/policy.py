@@ -267,6 +267,10 @@ def decidable(info: NodeInfo) -> bool:
 def node_keys(graph: JointGraph) -> dict[str, str]:
     """Stable, layer-relative keys `MODULE::OP#k` (k-th such op in that module) for decidable
     nodes; `MODULE` uses `layers.*` so one key names the op in every identical layer."""
+    return graph.derived("policy.node_keys", lambda: _node_keys(graph))  # type: ignore[no-any-return]
+
+
+def _node_keys(graph: JointGraph) -> dict[str, str]:
     seen: collections.Counter[tuple[str, str]] = collections.Counter()
     keys: dict[str, str] = {}
     for info in graph.nodes.values():
@@ -312,15 +316,11 @@ def validate(graph: JointGraph, policy: Policy) -> None:
         raise WorkbenchError(
             f"selector {selector.select!r}: module and op both exist, but never together"
         )
-    keys = node_keys(graph)
-    known = set(keys.values()) | {layer_key(graph.nodes[n], k) for n, k in keys.items()}
-    backward_ops = {
-        f"{module}::{i.op}"
-        for i in graph.nodes.values()
-        if i.phase == "backward"
-        for module in (i.module, layer_pattern(i.module))
-    }
-    forward_ops = {k.split("#")[0] for k in known}
+    if not policy.overrides:
+        return
+    known, backward_ops, forward_ops = graph.derived(
+        "policy.override_keys", lambda: _override_keys(graph)
+    )
     for key in policy.overrides:
         if key in known:
             continue
@@ -331,6 +331,19 @@ def validate(graph: JointGraph, policy: Policy) -> None:
                 "saved or recomputed"
             )
         raise WorkbenchError(f"override {key!r} names no forward node{_suggest(key, known)}")
+
+
+def _override_keys(graph: JointGraph) -> tuple[set[str], set[str], set[str]]:
+    """Keys an override may name, and the `MODULE::OP` pairs of backward and forward ops."""
+    keys = node_keys(graph)
+    known = set(keys.values()) | {layer_key(graph.nodes[n], k) for n, k in keys.items()}
+    backward_ops = {
+        f"{module}::{i.op}"
+        for i in graph.nodes.values()
+        if i.phase == "backward"
+        for module in (i.module, layer_pattern(i.module))
+    }
+    return known, backward_ops, {k.split("#")[0] for k in known}
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
@@ -348,7 +361,9 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     """
     validate(graph, policy)
     rule = PRESETS[policy.preset]()
-    ctx = RuleContext(matmul_index=_matmul_index(graph))
+    ctx = RuleContext(
+        matmul_index=graph.derived("policy.matmul_index", lambda: _matmul_index(graph))
+    )
     keys = node_keys(graph)
     decisions: Decisions = {}
     for name, key in keys.items():
@@ -406,3 +421,46 @@ def _save_layer_boundaries(graph: JointGraph, decisions: Decisions) -> None:
                     f"forced:layer boundary (recomputed user {user.name} is in another layer)",
                 )
                 break
+
+
+def flip(
+    graph: JointGraph,
+    policy: Policy,
+    node: str,
+    *,
+    all_layers: bool = True,
+    decisions: Decisions | None = None,
+) -> Policy:
+    """A new policy with `node`'s save/recompute decision reversed by an override.
+
+    `all_layers` names the op in every identical layer (`layers.*`), replacing any
+    layer-specific overrides of it; otherwise only this layer. Backward nodes and forced
+    saves cannot flip: the error says why. The policy passed in is not changed.
+    """
+    info = graph.nodes.get(node)
+    if info is None:
+        raise WorkbenchError(f"no node {node!r} in the graph of {graph.model_name!r}")
+    if not decidable(info):
+        raise WorkbenchError(
+            f"{node!r} is a {info.phase} node: only forward and loss activations can be saved "
+            "or recomputed"
+        )
+    current = (decisions if decisions is not None else decide(graph, policy))[node]
+    if current.forced:
+        raise WorkbenchError(
+            f"{node!r} must be saved ({current.reason.removeprefix('forced:')}): it cannot flip"
+        )
+    action: Action = "save" if current.recompute else "recompute"
+    key = node_keys(graph)[node]
+    overrides = dict(policy.overrides)
+    if all_layers:
+        suffix = key.split("::", 1)[1]
+        pattern = key.split("::", 1)[0]
+        for other in list(overrides):
+            module, _, rest = other.partition("::")
+            if rest == suffix and layer_pattern(module) == pattern:
+                del overrides[other]
+        overrides[key] = action
+    else:
+        overrides[layer_key(info, key)] = action
+    return Policy(preset=policy.preset, selectors=list(policy.selectors), overrides=overrides)

@@ -1,0 +1,134 @@
+"""Device profiles for roofline time estimates: matmul rate per dtype and memory bandwidth.
+
+Entry point: `get_profile(name)` for `h100`, `h200` (datasheet peaks) or `cpu` (this
+machine's rates, measured once and cached in `~/.cache/sac-workbench/`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from workbench.errors import WorkbenchError
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Rates a roofline needs. `matmul_flops_per_s` is keyed by dtype name; ops the flop
+    counter does not count are memory-bound at `bytes_per_s`. `alloc_granularity` rounds
+    every allocation up, like CUDA's caching allocator (512 B blocks)."""
+
+    name: str
+    description: str
+    matmul_flops_per_s: dict[str, float]
+    bytes_per_s: float
+    alloc_granularity: int = 1
+
+    def matmul_rate(self, dtype: str | None) -> float:
+        return self.matmul_flops_per_s.get(dtype or "float32", self.matmul_flops_per_s["float32"])
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+# Dense datasheet peaks (SXM parts). fp32 matmul uses the non-tensor-core rate: torch does
+# not allow TF32 matmuls by default. These are upper bounds, so times are lower bounds.
+H100 = DeviceProfile(
+    name="h100",
+    description="NVIDIA H100 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 3.35 TB/s",
+    matmul_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    bytes_per_s=3.35e12,
+    alloc_granularity=512,
+)
+H200 = DeviceProfile(
+    name="h200",
+    description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
+    matmul_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    bytes_per_s=4.8e12,
+    alloc_granularity=512,
+)
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "sac-workbench" / "cpu-profile.json"
+
+
+def _machine_key() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cpu_profile() -> DeviceProfile:
+    """Time a 1024³ matmul per dtype and a 64 MiB copy on this CPU (about a second)."""
+    n = 1024
+    rates = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        rates[name] = 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b)
+    src = torch.empty(16 * 2**20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / _best_seconds(lambda: dst.copy_(src))
+    return DeviceProfile(
+        name="cpu",
+        description=(
+            f"this CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads), measured: "
+            f"fp32 matmul {rates['float32'] / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s"
+        ),
+        matmul_flops_per_s=rates,
+        bytes_per_s=bandwidth,
+    )
+
+
+def cpu_profile(refresh: bool = False) -> DeviceProfile:
+    """This CPU's profile: measured on first use, then read from the cache file."""
+    path, key = _cache_path(), _machine_key()
+    if not refresh and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.pop("machine") == key:
+                return DeviceProfile(**data)
+        except (ValueError, KeyError, TypeError):
+            pass  # a stale or damaged cache is measured again
+    profile = measure_cpu_profile()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**profile.to_json(), "machine": key}))
+    except OSError:
+        pass  # a read-only home still gets a profile, just not a cached one
+    return profile
+
+
+PROFILES: dict[str, Callable[[], DeviceProfile]] = {
+    "h100": lambda: H100,
+    "h200": lambda: H200,
+    "cpu": cpu_profile,
+}
+
+
+def get_profile(profile: str | DeviceProfile) -> DeviceProfile:
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if profile not in PROFILES:
+        raise WorkbenchError(
+            f"unknown device profile {profile!r}; choose one of {', '.join(PROFILES)} "
+            "or pass a workbench.profiles.DeviceProfile"
+        )
+    return PROFILES[profile]()
