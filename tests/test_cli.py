@@ -186,3 +186,57 @@ def test_policy_command_errors(
     assert main([*argv, "--json"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(
+        capsys, "estimate", "--model", "llama3-debug", "--layers", "2", "--mode", "fake",
+        "--policy", "eager", "--profile", "h100,h200", "--json",
+    )  # fmt: skip
+    assert {"peak_bytes", "peak_node", "saved_activation_bytes", "recompute_flops"} <= set(result)
+    assert set(result["est_step_seconds"]) == {"h100", "h200"}
+    assert result["recompute_flops"] > 0 and result["peak_bytes"] > 0
+    assert "timeline" not in result
+
+
+def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(
+        capsys, "measure", "--model", "llama3-debug", "--layers", "1", "--seq", "16",
+        "--policy", "full", "--repeat", "1", "--baselines", "--json",
+    )  # fmt: skip
+    assert {"peak_bytes", "estimated_peak_bytes", "step_seconds", "tokens_per_second"} <= set(
+        result
+    )
+    assert result["bitwise_equal"] is True and result["device"] == "cpu"
+    assert [b["name"] for b in result["baselines"]] == ["no AC", "eager SAC (full)"]
+
+
+def test_bench_whatif_json(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(
+        capsys, "bench", "whatif", "--model", "llama3-debug", "--layers", "2", "--flips", "4",
+        "--full-path", "2", "--json",
+    )  # fmt: skip
+    assert {"whatif_p50_seconds", "full_path_seconds", "flips"} <= set(result)
+    assert result["flips"] == 4 and result["full_path_runs"] == 2
+    assert result["equal_to_full_path"] is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["estimate", "--model", "llama3-debug", "--profile", "a100"], "unknown device profile"),
+        (["bench", "whatif", "--model", "llama3-debug", "--flips", "0"], "--flips must be"),
+    ],
+)
+def test_estimate_command_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU error")
+def test_measure_cuda_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["measure", "--model", "llama3-debug", "--device", "cuda", "--json"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

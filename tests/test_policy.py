@@ -19,6 +19,7 @@ from workbench.policy import (
     Selector,
     decidable,
     decide,
+    flip,
     layer_key,
     node_keys,
     parse_policy,
@@ -259,3 +260,52 @@ def test_malformed_selector() -> None:
         Selector("layers.*.attention.wo", "save")
     with pytest.raises(WorkbenchError, match="action 'keep'"):
         Selector("a::b", "keep")  # type: ignore[arg-type]
+
+
+def test_flip_reverses_one_op_in_every_identical_layer(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    policy = Policy("default")
+    before = decide(graph, policy)
+    node = next(n for n, d in before.items() if graph.nodes[n].op == "aten.mm.default")
+    flipped = flip(graph, policy, node, decisions=before)
+    after = decide(graph, flipped)
+    key = node_keys(graph)[node]
+    same_op = [n for n, k in node_keys(graph).items() if k == key]
+    assert len(same_op) == graph.config["layers"] and all(after[n].recompute for n in same_op)
+    assert {n for n in before if before[n] != after[n]} <= set(same_op) | {
+        n
+        for n in after
+        if after[n].forced  # a boundary rule may follow the flip
+    }
+    assert policy.overrides == {} and flipped.overrides == {key: "recompute"}
+    back = flip(graph, flipped, node)
+    assert all(not d.recompute for n, d in decide(graph, back).items() if n in same_op)
+
+
+def test_flip_in_one_layer_only(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    policy = Policy("default")
+    node = next(
+        n for n, d in decide(graph, policy).items()
+        if graph.nodes[n].op == "aten.mm.default" and graph.nodes[n].layer == 2
+    )  # fmt: skip
+    after = decide(graph, flip(graph, policy, node, all_layers=False))
+    key = node_keys(graph)[node]
+    changed = [n for n, k in node_keys(graph).items() if k == key and after[n].recompute]
+    assert changed == [node]
+    # an all-layer flip of the same op replaces the layer-specific override
+    both = flip(graph, flip(graph, policy, node, all_layers=False), node, all_layers=True)
+    assert list(both.overrides) == [key]
+
+
+def test_flip_refuses_backward_and_forced_nodes(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    decisions = decide(graph, Policy("full"))
+    backward = next(i.name for i in graph.nodes.values() if i.phase == "backward")
+    with pytest.raises(WorkbenchError, match="backward node: only forward and loss"):
+        flip(graph, Policy("full"), backward)
+    forced = next(n for n, d in decisions.items() if d.forced)
+    with pytest.raises(WorkbenchError, match="must be saved .*cannot flip"):
+        flip(graph, Policy("full"), forced, decisions=decisions)
+    with pytest.raises(WorkbenchError, match="no node 'nope'"):
+        flip(graph, Policy("full"), "nope")

@@ -38,9 +38,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _workload_from_args(args: argparse.Namespace, mode: str) -> Workload:
+def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
     """Reference models in fake mode are built on the meta device: no memory at all."""
-    device = "meta" if mode == "fake" and ":" not in args.model else "cpu"
+    device = "meta" if mode == "fake" and ":" not in args.model else device
     return load_workload(
         args.model,
         layers=args.layers,
@@ -128,6 +128,99 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _profiles_from_args(args: argparse.Namespace) -> list[str]:
+    from workbench.profiles import get_profile
+
+    names = [p.strip() for p in args.profile.split(",") if p.strip()]
+    for name in names:
+        get_profile(name)  # raises with the list of profiles
+    return names
+
+
+def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
+    """Memory peak, saved activations, recompute FLOPs and step time without running."""
+    from workbench.estimate import Estimator
+
+    policy = parse_policy(args.policy)
+    profiles = _profiles_from_args(args)
+    graph, seconds = _trace_from_args(args)
+    est = Estimator(graph, profiles).estimate(policy)
+    return {
+        "model": graph.model_name,
+        "mode": graph.mode,
+        "policy": policy.to_json(),
+        "trace_seconds": round(seconds, 3),
+        **est.to_json(timeline=args.timeline),
+    }
+
+
+def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Estimate on fake tensors first (refusing what cannot fit), then run for real."""
+    import torch
+
+    from workbench.estimate import Estimator
+    from workbench.measure import CUDA_GRANULARITY, check_fits, measure_policy
+    from workbench.trace import trace
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
+    policy = parse_policy(args.policy)
+    fake = trace(_workload_from_args(args, "fake"), "fake")
+    granularity = CUDA_GRANULARITY if args.device == "cuda" else 1
+    guess = Estimator(fake, profiles=()).estimate(policy, granularity)
+    check_fits(guess.peak_bytes, 0, torch.device(args.device), fake.model_name)
+    workload = _workload_from_args(args, "real", device=args.device)
+    result = measure_policy(
+        workload, policy, baselines=args.baselines, warmup=args.warmup, repeats=args.repeat
+    )
+    return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
+
+
+def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
+    """Random flips: what-if time per flip vs the full path (tag, torch's pass, simulate),
+    and whether both gave equal figures."""
+    import random
+    import time
+
+    from workbench.estimate import Estimator, estimate_remat
+    from workbench.policy import decide, flip
+    from workbench.remat import remat
+
+    if args.flips < 1:
+        raise WorkbenchError(f"--flips must be a positive integer, got {args.flips}")
+    graph, trace_seconds = _trace_from_args(args)
+    estimator = Estimator(graph)
+    policy = parse_policy(args.policy)
+    decisions = decide(graph, policy)
+    candidates = sorted(n for n, d in decisions.items() if not d.forced)
+    rng = random.Random(args.seed)
+    whatif, full, exact = [], [], True
+    for k in range(args.flips):
+        node = rng.choice(candidates)
+        start = time.perf_counter()
+        policy = flip(graph, policy, node, all_layers=rng.random() < 0.5, decisions=decisions)
+        decisions = decide(graph, policy)
+        fast = estimator.estimate(decisions)
+        whatif.append(time.perf_counter() - start)
+        if k < args.full_path:
+            start = time.perf_counter()
+            slow = estimate_remat(graph, remat(graph, decisions), estimator)
+            full.append(time.perf_counter() - start)
+            exact = exact and fast == slow
+    return {
+        "model": graph.model_name,
+        "nodes": len(graph.gm.graph.nodes),
+        "flips": args.flips,
+        "whatif_p50_seconds": round(statistics.median(whatif), 4),
+        "whatif_p90_seconds": round(sorted(whatif)[int(0.9 * (len(whatif) - 1))], 4),
+        "full_path_seconds": round(statistics.median(full), 3) if full else None,
+        "full_path_runs": len(full),
+        "equal_to_full_path": exact,
+        "trace_seconds": round(trace_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def _print_human(result: dict[str, Any]) -> None:
     width = max(len(k) for k in result)
     for key, value in result.items():
@@ -157,12 +250,41 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     export.set_defaults(run=cmd_export)
 
+    estimate = commands.add_parser("estimate", help="estimate peak memory and step time")
+    _add_model_args(estimate)
+    _add_policy_arg(estimate)
+    estimate.add_argument(
+        "--profile", default="h100,h200,cpu", help="device profiles, comma-separated"
+    )
+    estimate.add_argument("--timeline", action="store_true", help="include the memory timeline")
+    estimate.set_defaults(run=cmd_estimate)
+
+    measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
+    _add_model_args(measure)
+    _add_policy_arg(measure)
+    measure.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    measure.add_argument("--repeat", type=int, default=5, help="timed runs (median reported)")
+    measure.add_argument("--warmup", type=int, default=1)
+    measure.add_argument(
+        "--baselines", action="store_true", help="also measure no AC and eager SAC"
+    )
+    measure.set_defaults(run=cmd_measure)
+
     bench = commands.add_parser("bench", help="benchmarks that print measured figures")
     benches = bench.add_subparsers(dest="bench", required=True)
     bench_trace = benches.add_parser("trace", help="time tracing (median of --repeat runs)")
     _add_model_args(bench_trace)
     bench_trace.add_argument("--repeat", type=int, default=1)
     bench_trace.set_defaults(run=cmd_bench_trace)
+    bench_whatif = benches.add_parser("whatif", help="time what-if flips against the full path")
+    _add_model_args(bench_whatif)
+    _add_policy_arg(bench_whatif)
+    bench_whatif.add_argument("--flips", type=int, default=50)
+    bench_whatif.add_argument(
+        "--full-path", type=int, default=3, help="flips also run through torch's pass"
+    )
+    bench_whatif.add_argument("--seed", type=int, default=0)
+    bench_whatif.set_defaults(run=cmd_bench_whatif, mode="fake")
     return parser
 
 

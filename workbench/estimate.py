@@ -137,6 +137,7 @@ class Estimator:
         self.n = len(nodes)
         self.names = [n.name for n in nodes]
         self.index_of = {n.name: i for i, n in enumerate(nodes)}
+        self.origin_of = {n.meta.get(ORIGIN_KEY): i for i, n in enumerate(nodes)}
         self.args: list[tuple[int, ...]] = [
             tuple(index[x] for x in n.all_input_nodes) for n in nodes
         ]
@@ -211,7 +212,7 @@ class Estimator:
         """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth).
 
         Views, getitems, placeholders and the output move no data."""
-        seconds = []
+        seconds: list[float] = []
         for node, info, slots in zip(nodes, infos, self.slots, strict=True):
             if node.op != "call_function" or info.is_view or self.is_getitem[len(seconds)]:
                 seconds.append(0.0)
@@ -329,8 +330,9 @@ class Estimator:
         order: list[int] = []
         args: dict[int, tuple[int, ...]] = {}
         for node in gm.graph.nodes:
-            i = self.output if node.op == "output" else self.index_of.get(node.meta.get(ORIGIN_KEY))
-            if i is None:
+            origin = node.meta.get(ORIGIN_KEY)
+            i = self.output if node.op == "output" else self.origin_of.get(origin)
+            if i is None or origin is None and node.op != "output":
                 raise WorkbenchError(
                     f"node {node.name!r} does not come from the traced graph of "
                     f"{self.graph.model_name!r}: estimate graphs that torch's remat pass made "

@@ -7,6 +7,7 @@ which reads `node.meta` (val, custom["module"], autograd_backward, seq_nr, stack
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,8 +20,9 @@ Phase = Literal["input", "forward", "loss", "backward", "output"]
 InputKind = Literal["param", "buffer", "input", "target"]
 
 LOSS_MODULE = "loss"
-# node.meta key holding the traced node's name: FX copies meta onto every copy of a node, and
-# torch's remat pass renames nodes, so this is how a rewritten graph maps back to the trace.
+# node.meta key holding (trace token, node name): FX copies meta onto every copy of a node,
+# and torch's remat pass renames nodes, so this is how a rewritten graph maps back to the
+# trace it came from (and only to that one: the token differs per trace).
 ORIGIN_KEY = "workbench_origin"
 
 
@@ -244,8 +246,9 @@ def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
             modules[node] = consumers[0]
             del graph_level[node]
     infos: dict[str, NodeInfo] = {}
+    token = uuid.uuid4().hex
     for node in gm.graph.nodes:
-        node.meta[ORIGIN_KEY] = node.name
+        node.meta[ORIGIN_KEY] = (token, node.name)
         tensors = _tensors(node.meta.get("val"))
         is_view, is_mutation, is_random = _schema_flags(node)
         infos[node.name] = NodeInfo(

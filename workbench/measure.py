@@ -6,11 +6,14 @@ Entry points: `measure_graph(graph, gm)`, `measure_eager(workload, policy=None)`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,10 +81,28 @@ def held_bytes(tensors: Iterable[Any], granularity: int = 1) -> int:
     return sum(seen.values())
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Kineto writes profiler start/stop lines to file descriptor 2 whatever its log level;
+    errors still arrive as Python exceptions."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _cpu_peak(run: Callable[[], Any]) -> tuple[int, Any]:
     """Most bytes the CPU allocator held at once during `run`, above what it held before,
     from the profiler's allocation events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        _native_stderr_silenced(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         result = run()
     events: list[Any] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]

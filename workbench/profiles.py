@@ -6,6 +6,7 @@ machine's rates, measured once and cached in `~/.cache/sac-workbench/`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -82,7 +83,7 @@ def measure_cpu_profile() -> DeviceProfile:
     rates = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        rates[name] = 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b)
+        rates[name] = 2 * n**3 / _best_seconds(functools.partial(torch.mm, a, b))
     src = torch.empty(16 * 2**20, dtype=torch.float32)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.nbytes / _best_seconds(lambda: dst.copy_(src))

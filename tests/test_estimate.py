@@ -1,0 +1,184 @@
+"""Estimates: equal to real CPU peaks, the fast what-if equal to the full path, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from workbench.errors import WorkbenchError
+from workbench.estimate import CATEGORIES, Estimator, estimate, estimate_remat
+from workbench.graph import JointGraph
+from workbench.measure import held_bytes, measure_graph
+from workbench.models import Workload, load_workload
+from workbench.policy import Policy, decide, flip
+from workbench.profiles import DeviceProfile
+from workbench.remat import copy_graph_module, remat
+from workbench.trace import trace
+
+Fixture = tuple[Workload, JointGraph]
+PRESETS = ["none", "default", "eager", "full"]
+PROFILES = ("h100", "h200")  # fixed rates: no CPU measurement in these tests
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("fixture", ["llama_debug", "dsv3_debug"])
+def test_estimated_peak_within_3_percent_of_measured_cpu_peak(
+    fixture: str, preset: str, request: pytest.FixtureRequest
+) -> None:
+    _, graph = request.getfixturevalue(fixture)
+    result = remat(graph, Policy(preset))
+    est = estimate_remat(graph, result, Estimator(graph, PROFILES))
+    measured = measure_graph(graph, result.gm, warmup=0, repeats=1)
+    assert abs(measured.peak_bytes - est.peak_bytes) <= 0.03 * est.peak_bytes
+    # kernels' own scratch buffers are the only thing the estimate does not see
+    assert measured.peak_bytes >= est.peak_bytes
+
+
+@pytest.mark.parametrize("fixture", ["llama_debug", "dsv3_debug"])
+def test_whatif_equals_full_path_for_every_preset(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    _, graph = request.getfixturevalue(fixture)
+    estimator = Estimator(graph, PROFILES)
+    for preset in PRESETS:
+        fast = estimator.estimate(Policy(preset))
+        full = estimate_remat(graph, remat(graph, Policy(preset)), estimator)
+        assert fast == full, preset
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug"])
+def test_whatif_equals_full_path_on_random_flip_sequences(
+    model: str, data: st.DataObject, small_graphs: dict[str, Fixture]
+) -> None:
+    _, graph = small_graphs[model]
+    estimator = Estimator(graph, PROFILES)
+    policy = Policy(data.draw(st.sampled_from(PRESETS), label="preset"))
+    decisions = decide(graph, policy)
+    flippable = sorted(n for n, d in decisions.items() if not d.forced)
+    for _ in range(data.draw(st.integers(1, 6), label="flips")):
+        node = data.draw(st.sampled_from(flippable), label="node")
+        all_layers = data.draw(st.booleans(), label="all_layers")
+        policy = flip(graph, policy, node, all_layers=all_layers, decisions=decisions)
+        decisions = decide(graph, policy)
+        fast = estimator.estimate(decisions)
+        full = estimate_remat(graph, remat(graph, decisions), estimator)
+        assert fast == full, policy.to_json()
+
+
+def test_categories_account_for_every_byte(llama_debug: Fixture) -> None:
+    workload, graph = llama_debug
+    est = estimate(graph, Policy("eager"), PROFILES)
+    params = held_bytes(workload.model.parameters())
+    # buffers (the RoPE table) are inputs too; ids and targets share one storage
+    inputs = held_bytes([*workload.model.buffers(), *workload.inputs, workload.target])
+    assert est.peak_breakdown["parameters"] == params
+    assert est.peak_breakdown["inputs"] == inputs
+    assert sum(est.peak_breakdown.values()) == est.peak_bytes == max(est.totals())
+    assert set(est.timeline) == set(CATEGORIES)
+    assert all(len(column) == len(est.order) for column in est.timeline.values())
+    # at the end every gradient (same shapes as the parameters) and the loss are held
+    assert est.timeline["gradients"][-1] == params + 4
+    assert est.timeline["activations"][-1] == 0
+    assert sum(r["bytes"] for r in est.saved_at_peak) == est.peak_breakdown["activations"]
+    assert sum(est.saved_by_layer.values()) == est.saved_activation_bytes
+
+
+def test_presets_order_memory_and_recompute(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    estimator = Estimator(graph, PROFILES)
+    none, default, full = (estimator.estimate(Policy(p)) for p in ("none", "default", "full"))
+    assert none.saved_activation_bytes > default.saved_activation_bytes
+    assert default.saved_activation_bytes > full.saved_activation_bytes
+    assert none.peak_bytes > full.peak_bytes
+    assert none.recompute_flops == 0 and none.recomputed_nodes == []
+    assert full.recompute_flops > default.recompute_flops
+    for profile in PROFILES:
+        assert full.step_seconds[profile] > none.step_seconds[profile]
+        assert full.recompute_seconds[profile] > 0 == none.recompute_seconds[profile]
+    # same FLOPs, more bandwidth: the H200 is never slower in a roofline
+    assert full.step_seconds["h200"] <= full.step_seconds["h100"]
+    assert full.tokens_per_second["h100"] == pytest.approx(graph.tokens / full.step_seconds["h100"])
+
+
+def test_recompute_flops_are_those_of_the_nodes_torch_recomputed(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    result = remat(graph, Policy("eager"))
+    est = estimate(graph, Policy("eager"), PROFILES)
+    assert sorted(est.recomputed_nodes) == sorted(result.report.recomputed_nodes)
+    expected = sum(graph.nodes[n].flops for n in result.report.recomputed_nodes)
+    assert est.recompute_flops == expected > 0
+
+
+def test_allocation_granularity_rounds_every_storage(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    estimator = Estimator(graph, PROFILES)
+    exact = estimator.estimate(Policy("default"))
+    rounded = estimator.estimate(Policy("default"), granularity=512)
+    assert rounded.peak_bytes % 512 == 0
+    assert rounded.peak_bytes >= exact.peak_bytes
+
+
+def test_views_share_storage_with_their_base() -> None:
+    """x -> mm -> view -> relu: the view allocates nothing, the mm output lives while the
+    view does, and a float32 (8, 8) @ (8, 8) output is 256 bytes."""
+    lin = torch.nn.Linear(8, 8, bias=False)
+    workload = Workload(
+        lin, (torch.randn(8, 8),), torch.randn(64), lambda out, tgt: (out.view(64) - tgt).sum()
+    )
+    graph = trace(workload)
+    est = estimate(graph, Policy("none"), PROFILES)
+    views = [n for n in est.order if graph.nodes.get(n) and graph.nodes[n].is_view]
+    assert views
+    for name in views:
+        p = est.order.index(name)
+        assert est.totals()[p] <= est.totals()[p - 1]  # nothing new allocated by a view
+    assert est.peak_breakdown["parameters"] == 256
+    assert est.peak_breakdown["inputs"] == 256 + 256
+
+
+def test_a_node_without_a_recorded_output_is_named(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    gm = copy_graph_module(graph.gm)
+    broken = next(n for n in gm.graph.nodes if n.op == "call_function")
+    del broken.meta["val"]
+    damaged = JointGraph(gm, graph.nodes, graph.inputs, graph.model_name, graph.mode, 1)
+    with pytest.raises(WorkbenchError, match=f"{broken.name}.*cannot size it"):
+        Estimator(damaged, PROFILES)
+
+
+def test_a_graph_from_elsewhere_is_refused(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    other = trace(load_workload("llama3-debug", layers=1, seq=8))
+    with pytest.raises(WorkbenchError, match="does not come from the traced graph"):
+        estimate_remat(graph, other.gm, Estimator(graph, PROFILES))
+
+
+def test_unknown_profile_lists_the_choices(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    with pytest.raises(WorkbenchError, match="unknown device profile 'a100'.*h100, h200, cpu"):
+        Estimator(graph, ["a100"])
+
+
+def test_custom_profile(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    slow = DeviceProfile("slow", "test", {"float32": 1e9}, bytes_per_s=1e9)
+    fast = DeviceProfile("fast", "test", {"float32": 1e12}, bytes_per_s=1e12)
+    est = estimate(graph, Policy("default"), [slow, fast])
+    assert est.step_seconds["slow"] == pytest.approx(1000 * est.step_seconds["fast"])
+
+
+def test_json_is_plain(llama_debug: Fixture) -> None:
+    import json
+
+    _, graph = llama_debug
+    est = estimate(graph, Policy("default"), PROFILES)
+    data = json.loads(json.dumps(est.to_json(timeline=True)))
+    assert data["peak_bytes"] == est.peak_bytes
+    assert len(data["timeline"]["activations"]) == len(data["order"])
+    assert "timeline" not in est.to_json()
