@@ -232,18 +232,19 @@ def _amount(total: float, layers: int, unit: Callable[[float], str]) -> str:
 
 def _box_label(box: Box, layers: int, decisions: bool, changes: Changes) -> str:
     lines = [box.title]
+    ops = f"{len(box.nodes) // layers} ops" + (" per layer" if layers > 1 else "")
     if decisions:
-        lines.append(f"{len(box.nodes)} ops: {box.saved_ops} saved, {box.recompute_ops} recomputed")
-    else:
-        lines.append(f"{len(box.nodes)} ops")
+        ops += f": {box.saved_ops // layers} saved, {box.recompute_ops // layers} recomputed"
+    lines.append(ops)
     lines.append(f"kept for backward: {_amount(box.saved_bytes, layers, human_bytes)}")
     lines.append(f"recompute: {_amount(box.recompute_flops, layers, human_flops)}")
     if box.changed:
         dbytes = sum(changes[n].saved_bytes_delta for n in box.changed)
         dflops = sum(changes[n].recompute_flops_delta for n in box.changed)
+        per = " per layer" if layers > 1 else ""
         lines.append(
-            f"CHANGED {len(box.changed)} ops: kept {signed(human_bytes(dbytes))}, "
-            f"recompute {signed(human_flops(dflops))}"
+            f"CHANGED {len(box.changed) // layers} ops{per}: kept {signed(human_bytes(dbytes))}, "
+            f"recompute {signed(human_flops(dflops))}" + (" in total" if layers > 1 else "")
         )
     return "\n".join(lines)
 
@@ -293,6 +294,12 @@ def render_overview(
         (ORANGE, "... and recomputed (orange), striped by op count"),
     ]
     if diffing:
+        dbytes = sum(r.saved_bytes_delta for r in changes.values())
+        dflops = sum(r.recompute_flops_delta for r in changes.values())
+        lines[0:0] = [
+            f"the change: {len(changes)} activations, kept for backward "
+            f"{signed(human_bytes(dbytes))}, recompute {signed(human_flops(dflops))}"
+        ]
         lines.append("bold black outline: box holds ops whose decision changed (CHANGED line)")
         rows.append((FADED, "unchanged between the two policies"))
     dot = new_digraph("overview", legend_label(heading, lines, rows))

@@ -144,9 +144,10 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]]) -> Figure:
                 label=label,
                 zorder=3,
             )
+    by_time = sorted(front, key=lambda p: p["step_seconds"])
     ax.step(
-        [p["step_seconds"] for p in front],
-        [p["peak_bytes"] / scale for p in front],
+        [p["step_seconds"] for p in by_time],
+        [p["peak_bytes"] / scale for p in by_time],
         where="post",
         color=ORANGE,
         ls="--",
@@ -162,6 +163,7 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]]) -> Figure:
             textcoords="offset points",
             fontsize="small",
         )
+    ax.margins(0.12)
     ax.set_xlabel("step time (s)")
     ax.set_ylabel(f"peak memory ({unit})")
     ax.set_title("Memory vs step time per policy (lower left is better)")

@@ -151,21 +151,20 @@ def node_from_svg_id(element_id: str, kind: str = "n") -> str:
     )
 
 
+def swatch(colour: str) -> str:
+    """A colour sample as text: table cells would stretch with the legend's width."""
+    if colour in (WHITE, FADED):
+        return '<FONT COLOR="#888888">□□□</FONT>'
+    return f'<FONT COLOR="{colour}">███</FONT>'
+
+
 def legend_label(title: str, lines: Iterable[str], rows: Iterable[tuple[str, str]]) -> str:
-    """A Graphviz HTML label: a title, plain lines, then one colour swatch per meaning."""
-    cells = [f'<TR><TD ALIGN="LEFT"><B>{html.escape(title)}</B></TD></TR>']
-    cells += [f'<TR><TD ALIGN="LEFT">{html.escape(line)}</TD></TR>' for line in lines]
-    swatches = "".join(
-        f'<TR><TD BGCOLOR="{colour}" WIDTH="24" HEIGHT="14" FIXEDSIZE="TRUE" BORDER="1"> </TD>'
-        f'<TD ALIGN="LEFT">{html.escape(words)}</TD></TR>'
-        for colour, words in rows
-    )
-    if swatches:
-        cells.append(
-            '<TR><TD ALIGN="LEFT"><TABLE BORDER="0" CELLSPACING="2" CELLPADDING="1">'
-            f"{swatches}</TABLE></TD></TR>"
-        )
-    return f'<<TABLE BORDER="0" CELLSPACING="2" CELLPADDING="1">{"".join(cells)}</TABLE>>'
+    """A Graphviz HTML label: a title, plain lines, then one colour sample per meaning."""
+    cells = [f"<B>{html.escape(title)}</B>"]
+    cells += [html.escape(line) for line in lines]
+    cells += [f"{swatch(colour)}  {html.escape(words)}" for colour, words in rows]
+    body = "".join(f'<TR><TD ALIGN="LEFT">{cell}</TD></TR>' for cell in cells)
+    return f'<<TABLE BORDER="0" CELLSPACING="1" CELLPADDING="1">{body}</TABLE>>'
 
 
 def kind_rows(kinds: Iterable[Kind]) -> list[tuple[str, str]]:
