@@ -221,6 +221,64 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
+    """Draw one view of the policy's decisions to --out (.svg, .png, .pdf or .dot)."""
+    import time
+
+    from workbench.policy import decide
+    from workbench.viz import parse_view, render_view
+
+    parse_view(args.view)  # fail before tracing
+    graph, _ = _trace_from_args(args)
+    start = time.perf_counter()
+    decisions = decide(graph, parse_policy(args.policy))
+    view = render_view(graph, decisions, args.view, policy_name=args.policy, force=args.force)
+    path = view.write(args.out)
+    return {
+        "path": str(path),
+        "view": args.view,
+        "nodes": view.nodes,
+        "edges": view.edges,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
+    """Time the overview and one layer's view (build + `dot` layout to SVG), median of
+    --repeat runs; tracing and deciding are timed apart."""
+    import time
+
+    from workbench.policy import decide
+    from workbench.viz import render_view
+
+    if args.repeat < 1:
+        raise WorkbenchError(f"--repeat must be a positive integer, got {args.repeat}")
+    graph, trace_seconds = _trace_from_args(args)
+    start = time.perf_counter()
+    decisions = decide(graph, parse_policy(args.policy))
+    decide_seconds = time.perf_counter() - start
+    layers = sorted({i.layer for i in graph.ops() if i.layer is not None})
+    layer_view = f"layer:{layers[len(layers) // 2]}" if layers else "overview"
+    result: dict[str, Any] = {"model": graph.model_name, "mode": graph.mode}
+    for key, view_name in (("overview", "overview"), ("layer", layer_view)):
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            view = render_view(graph, decisions, view_name)
+            view.svg()
+            times.append(time.perf_counter() - start)
+        result[f"{key}_seconds"] = round(statistics.median(times), 3)
+        result[f"{key}_nodes"] = view.nodes
+    return {
+        **result,
+        "layer_view": layer_view,
+        "graph_nodes": len(graph.nodes),
+        "trace_seconds": round(trace_seconds, 3),
+        "decide_seconds": round(decide_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def _print_human(result: dict[str, Any]) -> None:
     width = max(len(k) for k in result)
     for key, value in result.items():
@@ -285,6 +343,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_whatif.add_argument("--seed", type=int, default=0)
     bench_whatif.set_defaults(run=cmd_bench_whatif, mode="fake")
+
+    render = commands.add_parser("render", help="draw the graph coloured by a policy")
+    _add_model_args(render)
+    _add_policy_arg(render)
+    render.add_argument(
+        "--view",
+        default="overview",
+        help="overview, layer:N, module:PATH, diff:OTHER_POLICY or graph (every op)",
+    )
+    render.add_argument("--out", required=True, help="file to write: .svg, .png, .pdf or .dot")
+    render.add_argument("--force", action="store_true", help="lay out huge views anyway")
+    render.set_defaults(run=cmd_render)
+
+    bench_render = benches.add_parser("render", help="time the overview and a layer view")
+    _add_model_args(bench_render)
+    _add_policy_arg(bench_render)
+    bench_render.add_argument("--repeat", type=int, default=3)
+    bench_render.set_defaults(run=cmd_bench_render, mode="fake")
     return parser
 
 
