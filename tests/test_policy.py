@@ -23,6 +23,7 @@ from workbench.policy import (
     layer_key,
     node_keys,
     parse_policy,
+    restrict,
     validate,
 )
 
@@ -309,3 +310,19 @@ def test_flip_refuses_backward_and_forced_nodes(llama_debug: Fixture) -> None:
         flip(graph, Policy("full"), forced, decisions=decisions)
     with pytest.raises(WorkbenchError, match="no node 'nope'"):
         flip(graph, Policy("full"), "nope")
+
+
+def test_restrict_keeps_what_applies_and_lists_the_rest(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    stale = Policy(
+        "eager",
+        [Selector("layers.*.attention.wo::aten.mm.default", "save"),
+         Selector("layers.*.moe.router::aten.mm.default", "save")],
+        {"layers.*.attention::aten.mul.Tensor#0": "save",
+         "layers.9.attention::aten.mul.Tensor#0": "save"},
+    )  # fmt: skip
+    kept, dropped = restrict(graph, stale)
+    assert [s.select for s in kept.selectors] == ["layers.*.attention.wo::aten.mm.default"]
+    assert kept.overrides == {"layers.*.attention::aten.mul.Tensor#0": "save"}
+    assert len(dropped) == 2 and "layers.*.moe.router" in dropped[0] and "layers.9" in dropped[1]
+    assert restrict(graph, kept) == (kept, [])

@@ -464,3 +464,22 @@ def flip(
     else:
         overrides[layer_key(info, key)] = action
     return Policy(preset=policy.preset, selectors=list(policy.selectors), overrides=overrides)
+
+
+def restrict(graph: JointGraph, policy: Policy) -> tuple[Policy, list[str]]:
+    """The part of `policy` that applies to `graph`, and a line for each selector or
+    override that does not (a policy saved for another model or an older trace)."""
+    selectors, overrides, dropped = [], {}, []
+    for selector in policy.selectors:
+        try:
+            validate(graph, Policy(policy.preset, [selector]))
+            selectors.append(selector)
+        except WorkbenchError as err:
+            dropped.append(str(err))
+    for key, action in policy.overrides.items():
+        try:
+            validate(graph, Policy(policy.preset, overrides={key: action}))
+            overrides[key] = action
+        except WorkbenchError as err:
+            dropped.append(str(err))
+    return Policy(policy.preset, selectors, overrides), dropped
