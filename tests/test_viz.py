@@ -207,7 +207,7 @@ def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
     )
     assert diff(two_layers, before, before).rows == []
     svg = changed.render(two_layers).svg()
-    assert "CHANGED 1 ops" in svg and "2 activations changed" in svg
+    assert "CHANGED 1 op:" in svg and "2 activations changed" in svg
     layer = two_layers.nodes[kept].layer
     if layer is not None:
         assert "changed: save → recompute" in changed.render(two_layers, f"layer:{layer}").svg()
