@@ -245,7 +245,7 @@ def _box_label(box: Box, layers: int, decisions: bool, changes: Changes) -> str:
     lines = [box.title]
     ops = _ops(len(box.nodes) // layers) + (" per layer" if layers > 1 else "")
     if decisions:
-        ops += f": {box.saved_ops // layers} saved, {box.recompute_ops // layers} recomputed"
+        ops += f": {box.saved_ops // layers} tagged save, {box.recompute_ops // layers} recompute"
     lines.append(ops)
     lines.append(f"kept for backward: {_amount(box.saved_bytes, layers, human_bytes)}")
     lines.append(f"recompute: {_amount(box.recompute_flops, layers, human_flops)}")
@@ -302,8 +302,8 @@ def render_overview(
         "expand one with the view 'layer:N' or 'module:PATH'",
     ]
     rows = [
-        (SKY, "box colour: share of its ops saved (blue)"),
-        (ORANGE, "... and recomputed (orange), striped by op count"),
+        (SKY, "box colour: share of its ops tagged save (blue)"),
+        (ORANGE, "... and tagged recompute (orange), striped by op count"),
     ]
     if diffing:
         dbytes = sum(r.saved_bytes_delta for r in changes.values())

@@ -80,10 +80,10 @@ class View:
         return self.svg()
 
 
-def check_layout_size(count: int, what: str, force: bool) -> None:
+def check_layout_size(count: int, force: bool) -> None:
     if count > MAX_LAYOUT_NODES and not force:
         raise WorkbenchError(
-            f"{what} has {count} nodes; Graphviz needs minutes for more than "
+            f"this view has {count} nodes; Graphviz needs minutes for more than "
             f"{MAX_LAYOUT_NODES}. Use the overview (view 'overview'), one layer "
             "('layer:N') or one module ('module:PATH'), or pass force=True (--force)"
         )
@@ -195,7 +195,7 @@ def op_view(
     if unknown:
         raise WorkbenchError(f"no such nodes in {graph.model_name!r}: {', '.join(unknown[:5])}")
     copies = [] if gm is None else [f"{n}_recomputed" for n in shown if f"{n}_recomputed" in source]
-    check_layout_size(len(shown) + len(copies), title or "this view", force)
+    check_layout_size(len(shown) + len(copies), force)
     saved = saved_names(graph)
     diffing = changes is not None
     changes = changes or {}
