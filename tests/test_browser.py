@@ -32,8 +32,7 @@ SHOTS = Path(__file__).resolve().parents[1] / "out" / "browser"
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 NOTEBOOK_CELLS = [
-    "from workbench.models import load_workload\n"
-    "from workbench.widgets import PolicyExplorer",
+    "from workbench.models import load_workload\nfrom workbench.widgets import PolicyExplorer",
     'explorer = PolicyExplorer(load_workload("llama3-debug", layers=2, seq=256), "default",\n'
     '                          autosave="explorer.policy.json")\n'
     "explorer",
@@ -144,7 +143,8 @@ def test_click_flips_a_decision_and_the_peak_moves(lab: str, tmp_path: Path) -> 
             page.screenshot(path=str(SHOTS / "explorer-after-flip.png"))
             assert "MUST_RECOMPUTE" in details and "mm_4" in details
             assert peak.inner_text() != before
-            assert "recomputed in every identical layer" in page.locator(".sacwb-message").inner_text()
+            message = page.locator(".sacwb-message").inner_text()
+            assert "recomputed in every identical layer" in message
         finally:
             browser.close()
     shutil.rmtree(profile, ignore_errors=True)

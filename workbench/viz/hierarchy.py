@@ -36,6 +36,8 @@ from workbench.viz.style import (
     svg_id,
 )
 
+Unit = tuple[str, int | None]  # (top-level module or layer container, layer index)
+
 
 @dataclass
 class Box:
@@ -99,7 +101,7 @@ def split_layer(module: str) -> tuple[str, int, str] | None:
     return None
 
 
-def _unit(info: NodeInfo, depth: int) -> tuple[tuple[str, int | None], str]:
+def _unit(info: NodeInfo, depth: int) -> tuple[Unit, str]:
     """((group prefix, layer), box key) of a forward op."""
     split = split_layer(info.module)
     if split is None:
@@ -136,6 +138,26 @@ def _range(prefix: str, layers: tuple[int, ...]) -> str:
     return f"{prefix}.{layers[0]}–{layers[-1]}"
 
 
+def _fold(
+    graph: JointGraph,
+    units: dict[Unit, list[str]],
+    decisions: Decisions | None,
+    changes: Changes,
+) -> list[list[Unit]]:
+    """Runs of consecutive units: identical layers of one container share a run."""
+    runs: list[list[Unit]] = []
+    last_sig: tuple[Hashable, ...] | None = None
+    for unit, names in units.items():
+        sig = _signature(graph, names, decisions, changes) if unit[1] is not None else None
+        previous = runs[-1][-1] if runs else None
+        if sig is not None and previous is not None and previous[0] == unit[0] and sig == last_sig:
+            runs[-1].append(unit)
+        else:
+            runs.append([unit])
+        last_sig = sig
+    return runs
+
+
 def overview(
     graph: JointGraph,
     decisions: Decisions | None = None,
@@ -149,29 +171,14 @@ def overview(
     ops tagged recompute."""
     changes = changes or {}
     saved = saved_names(graph)
-    units: dict[tuple[str, int | None], list[str]] = {}
+    units: dict[Unit, list[str]] = {}
     box_key: dict[str, str] = {}
     for info in graph.ops():
         if forward_side(info):
             unit, key = _unit(info, depth)
             units.setdefault(unit, []).append(info.name)
             box_key[info.name] = key
-    runs: list[list[tuple[str, int | None]]] = []
-    last_sig: tuple[Hashable, ...] | None = None
-    for unit, names in units.items():
-        sig = _signature(graph, names, decisions, changes) if unit[1] is not None else None
-        previous = runs[-1][-1] if runs else None
-        if (
-            sig is not None
-            and previous is not None
-            and previous[1] is not None
-            and previous[0] == unit[0]
-            and sig == last_sig
-        ):
-            runs[-1].append(unit)
-        else:
-            runs.append([unit])
-        last_sig = sig
+    runs = _fold(graph, units, decisions, changes)
     groups: list[Group] = []
     box_of: dict[str, tuple[int, Box]] = {}
     for run in runs:
@@ -230,11 +237,15 @@ def _amount(total: float, layers: int, unit: Callable[[float], str]) -> str:
     return unit(total) + (f" ({unit(total / layers)} per layer)" if layers > 1 else "")
 
 
+def _ops(count: int) -> str:
+    return f"{count} op" if count == 1 else f"{count} ops"
+
+
 def _box_label(box: Box, layers: int, decisions: bool, changes: Changes) -> str:
     lines = [box.title]
-    ops = f"{len(box.nodes) // layers} ops" + (" per layer" if layers > 1 else "")
+    ops = _ops(len(box.nodes) // layers) + (" per layer" if layers > 1 else "")
     if decisions:
-        ops += f": {box.saved_ops // layers} saved, {box.recompute_ops // layers} recomputed"
+        ops += f": {box.saved_ops // layers} tagged save, {box.recompute_ops // layers} recompute"
     lines.append(ops)
     lines.append(f"kept for backward: {_amount(box.saved_bytes, layers, human_bytes)}")
     lines.append(f"recompute: {_amount(box.recompute_flops, layers, human_flops)}")
@@ -243,7 +254,7 @@ def _box_label(box: Box, layers: int, decisions: bool, changes: Changes) -> str:
         dflops = sum(changes[n].recompute_flops_delta for n in box.changed)
         per = " per layer" if layers > 1 else ""
         lines.append(
-            f"CHANGED {len(box.changed) // layers} ops{per}: kept {signed(human_bytes(dbytes))}, "
+            f"CHANGED {_ops(len(box.changed) // layers)}{per}: kept {signed(human_bytes(dbytes))}, "
             f"recompute {signed(human_flops(dflops))}" + (" in total" if layers > 1 else "")
         )
     return "\n".join(lines)
@@ -281,7 +292,8 @@ def render_overview(
     data = overview(graph, decisions, changes=changes, depth=depth)
     heading = title or f"{graph.model_name}: overview by module"
     lines = [
-        f"whole step: kept for backward {human_bytes(data.saved_bytes)}, recompute "
+        f"whole step{' after the change' if diffing else ''}: kept for backward "
+        f"{human_bytes(data.saved_bytes)}, recompute "
         f"{human_flops(data.recompute_flops)}; {data.forward_ops} forward ops, "
         f"{data.backward_ops} backward ops (not drawn)",
         "kept for backward = forward outputs backward reads that are not recomputed",
@@ -290,8 +302,8 @@ def render_overview(
         "expand one with the view 'layer:N' or 'module:PATH'",
     ]
     rows = [
-        (SKY, "box colour: share of its ops saved (blue)"),
-        (ORANGE, "... and recomputed (orange), striped by op count"),
+        (SKY, "box colour: share of its ops tagged save (blue)"),
+        (ORANGE, "... and tagged recompute (orange), striped by op count"),
     ]
     if diffing:
         dbytes = sum(r.saved_bytes_delta for r in changes.values())

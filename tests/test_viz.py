@@ -1,0 +1,329 @@
+"""Pictures: colours and legend per decision, stable SVG ids, folded layers, layer views,
+policy diffs, determinism, the networkx export, plots and the `render` CLI command."""
+
+from __future__ import annotations
+
+import html
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.cli import main
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph
+from workbench.models import load_workload
+from workbench.policy import Decision, Policy, Selector, decide
+from workbench.remat import remat, saved_activations
+from workbench.trace import trace
+from workbench.viz import (
+    VIEWS,
+    diff,
+    expand,
+    node_from_svg_id,
+    overview,
+    pareto_front,
+    parse_view,
+    plot_layer_saved_bytes,
+    plot_memory_timeline,
+    plot_tradeoff,
+    remat_diff,
+    render_overview,
+    render_view,
+    save_figure,
+    svg_id,
+    to_networkx,
+    whole_graph,
+)
+from workbench.viz import render as render_module
+from workbench.viz.style import DECISION_KINDS, KIND_STYLE, node_kind
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture(scope="module")
+def four_layers() -> JointGraph:
+    return trace(load_workload("llama3-debug", layers=4, seq=32), mode="real")
+
+
+@pytest.fixture(scope="module")
+def two_layers(small_graphs: dict) -> JointGraph:
+    return small_graphs["llama3-debug"][1]
+
+
+def mixed_policy() -> Policy:
+    """Preset choices plus a user save and a user recompute, so every kind shows up."""
+    return Policy(
+        preset="default",
+        selectors=[
+            Selector("layers.*.feed_forward.w1::aten.mm.default", "recompute"),
+            Selector("layers.*.attention_norm::aten.mul.Tensor", "save"),
+        ],
+    )
+
+
+def svg_nodes(svg: str) -> dict[str, ET.Element]:
+    """`<g class="node">` elements by id."""
+    root = ET.fromstring(svg)
+    return {g.get("id", ""): g for g in root.iter(f"{SVG}g") if g.get("class") == "node"}
+
+
+def fill_of(group: ET.Element) -> str:
+    for shape in group.iter():
+        if shape.tag in (f"{SVG}path", f"{SVG}polygon") and shape.get("fill") not in (None, "none"):
+            return shape.get("fill", "").upper()
+    raise AssertionError("node has no filled shape")
+
+
+def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) -> None:
+    decisions = decide(two_layers, mixed_policy())
+    svg = expand(two_layers, decisions, "layer:1").svg()
+    kinds_seen = set()
+    for element_id, group in svg_nodes(svg).items():
+        if not element_id.startswith("n-"):
+            continue
+        name = node_from_svg_id(element_id)
+        kind = node_kind(two_layers.nodes[name], decisions.get(name))
+        kinds_seen.add(kind)
+        assert fill_of(group) == KIND_STYLE[kind][0]["fillcolor"].upper(), name
+    assert set(DECISION_KINDS) <= kinds_seen
+    text = html.unescape(svg)
+    for kind in (*DECISION_KINDS, "backward"):
+        colour, words = KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]
+        assert words in text, f"legend lacks {words!r}"
+        assert f'fill="{colour.lower()}">███' in text.lower()
+    forced = [n for n, d in decisions.items() if d.forced and two_layers.nodes[n].layer == 1]
+    dot = expand(two_layers, decisions, "layer:1").dot.source
+    for name in forced:
+        line = next(ln for ln in dot.splitlines() if f'id="{svg_id("n", name)}"' in ln)
+        assert "peripheries=2" in line and "forced:" in line
+
+
+def test_every_svg_id_maps_back_to_its_node(two_layers: JointGraph) -> None:
+    svg = whole_graph(two_layers, decide(two_layers, Policy("default"))).svg()
+    ids = [i for i in svg_nodes(svg) if i.startswith("n-")]
+    assert sorted(node_from_svg_id(i) for i in ids) == sorted(i.name for i in two_layers.ops())
+    for odd in ("layers.0.attention", "a:b", "x-1.y", "layers.0–3.ffn"):
+        assert node_from_svg_id(svg_id("m", odd), "m") == odd
+        assert ":" not in svg_id("m", odd) and "." not in svg_id("m", odd)
+    with pytest.raises(WorkbenchError, match="'m-'"):
+        node_from_svg_id("m-norm")
+
+
+def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
+    decisions = decide(four_layers, Policy("default"))
+    data = overview(four_layers, decisions)
+    folded = data.group("layers.0–3 ×4")
+    assert folded.layers == (0, 1, 2, 3)
+    saved = set(saved_activations(four_layers))
+    per_layer = [
+        sum(
+            i.bytes
+            for i in four_layers.ops()
+            if i.layer == layer
+            and i.phase == "forward"
+            and i.name in saved
+            and not decisions[i.name].recompute
+        )
+        for layer in range(4)
+    ]
+    assert folded.saved_bytes == sum(per_layer) > 0
+    assert len({*per_layer}) == 1
+    svg = render_overview(four_layers, decisions).svg()
+    assert "layers.0–3 ×4" in svg
+    assert len([i for i in svg_nodes(svg) if i.startswith("n-")]) == 0  # no op nodes
+
+
+def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
+    decisions = dict(decide(four_layers, Policy("default")))
+    name = next(i.name for i in four_layers.ops() if i.layer == 2 and i.op == "aten.mm.default")
+    decisions[name] = Decision(CheckpointPolicy.MUST_RECOMPUTE, "override:test")
+    titles = [g.title for g in overview(four_layers, decisions).groups]
+    assert {"layers.0–1 ×2", "layers.2", "layers.3"} <= set(titles)
+
+
+def test_layer_view_holds_exactly_that_layers_forward_ops(four_layers: JointGraph) -> None:
+    decisions = decide(four_layers, Policy("default"))
+    view = expand(four_layers, decisions, "layer:2")
+    shown = {node_from_svg_id(i) for i in svg_nodes(view.svg()) if i.startswith("n-")}
+    expected = {i.name for i in four_layers.ops() if i.layer == 2 and i.phase == "forward"}
+    assert shown == expected
+    summaries = [i for i in svg_nodes(view.svg()) if i.startswith("b-")]
+    assert summaries and all(
+        node_from_svg_id(i, "b").startswith("layers.2") for i in summaries[:-1]
+    )
+    module = expand(four_layers, decisions, "module:layers.1.feed_forward")
+    names = {node_from_svg_id(i) for i in svg_nodes(module.svg()) if i.startswith("n-")}
+    assert names and all(
+        four_layers.nodes[n].module.startswith("layers.1.feed_forward") for n in names
+    )
+    with pytest.raises(WorkbenchError, match="layers are 0–3"):
+        expand(four_layers, decisions, "layer:9")
+
+
+def test_layer_view_after_remat_links_copies_to_originals(two_layers: JointGraph) -> None:
+    result = remat(two_layers, Policy("default"))
+    dot = expand(two_layers, result.decisions, "layer:0", gm=result.gm).dot.source
+    copies = [n.name for n in result.gm.graph.nodes if n.name.endswith("_recomputed")]
+    in_layer = [c for c in copies if two_layers.nodes[c.removesuffix("_recomputed")].layer == 0]
+    assert in_layer
+    for copy in in_layer:
+        original = copy.removesuffix("_recomputed")
+        edge = f'"{svg_id("n", original)}" -> "{svg_id("n", copy)}"'
+        assert any(edge in ln and "style=dashed" in ln for ln in dot.splitlines()), copy
+
+
+def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
+    before = decide(two_layers, Policy("default"))
+    saved = set(saved_activations(two_layers))
+    kept = next(n for n, d in before.items() if n in saved and not d.recompute)
+    dropped = next(n for n, d in before.items() if n in saved and d.recompute)
+    after = dict(before)
+    after[kept] = Decision(CheckpointPolicy.MUST_RECOMPUTE, "override:a")
+    after[dropped] = Decision(CheckpointPolicy.MUST_SAVE, "override:b")
+    changed = diff(two_layers, before, after)
+    rows = {r.node: r for r in changed.rows}
+    assert set(rows) == {kept, dropped}
+    k, d = two_layers.nodes[kept], two_layers.nodes[dropped]
+    assert (rows[kept].before, rows[kept].after) == ("save", "recompute")
+    assert rows[kept].saved_bytes_delta == -k.bytes
+    assert rows[kept].recompute_flops_delta == k.flops
+    assert rows[dropped].saved_bytes_delta == d.bytes
+    assert rows[dropped].recompute_flops_delta == -d.flops
+    assert changed.totals() == {
+        "changed": 2,
+        "saved_bytes_delta": d.bytes - k.bytes,
+        "recompute_flops_delta": k.flops - d.flops,
+    }
+    table = changed.markdown()
+    assert kept in table and dropped in table and table.count("\n| ") == 3
+    assert (
+        overview(two_layers, after).saved_bytes - overview(two_layers, before).saved_bytes
+        == changed.saved_bytes_delta
+    )
+    assert diff(two_layers, before, before).rows == []
+    svg = changed.render(two_layers).svg()
+    assert "CHANGED 1 op:" in svg and "2 activations changed" in svg
+    layer = two_layers.nodes[kept].layer
+    if layer is not None:
+        assert "changed: save → recompute" in changed.render(two_layers, f"layer:{layer}").svg()
+
+
+def test_remat_diff_reports_no_longer_kept_activations(two_layers: JointGraph) -> None:
+    result = remat(two_layers, Policy("default"))
+    changed = remat_diff(two_layers, result)
+    freed = -sum(r.saved_bytes_delta for r in changed.rows if r.before == "kept")
+    assert freed == result.report.bytes_no_longer_saved
+    assert any(r.after == "recomputed" for r in changed.rows)
+
+
+def test_renders_are_byte_identical(two_layers: JointGraph, tmp_path: Path) -> None:
+    for view in ("overview", "layer:1"):
+        first = render_view(two_layers, decide(two_layers, Policy("eager")), view).svg()
+        second = render_view(two_layers, decide(two_layers, Policy("eager")), view).svg()
+        assert first == second
+    fig = plot_tradeoff(
+        [
+            {"name": "a", "peak_bytes": 2**30, "step_seconds": 1.0, "measured": True},
+            {"name": "b", "peak_bytes": 2**29, "step_seconds": 2.0, "measured": False},
+        ]
+    )
+    one, two = save_figure(fig, tmp_path / "a.svg"), save_figure(fig, tmp_path / "b.svg")
+    assert one.read_bytes() == two.read_bytes()
+    assert b"<dc:date>" not in one.read_bytes()
+
+
+def test_networkx_export_carries_facts_decisions_and_saved_edges(two_layers: JointGraph) -> None:
+    decisions = decide(two_layers, Policy("default"))
+    graph = to_networkx(two_layers, decisions)
+    assert graph.number_of_nodes() == len(two_layers.nodes)
+    mm = next(i for i in two_layers.ops() if i.op == "aten.mm.default")
+    facts = graph.nodes[mm.name]
+    assert (facts["op"], facts["bytes"], facts["flops"], facts["shapes"]) == (
+        mm.op,
+        mm.bytes,
+        mm.flops,
+        mm.shapes,
+    )
+    assert facts["policy"] == decisions[mm.name].policy.name
+    assert facts["reason"] == decisions[mm.name].reason
+    saved_sources = {u for u, _, s in graph.edges(data="saved") if s}
+    assert saved_sources == set(saved_activations(two_layers))
+    result = remat(two_layers, decisions)
+    after = to_networkx(two_layers, decisions, result.gm)
+    copies = [n for n, original in after.nodes(data="original") if original]
+    assert copies and all(after.nodes[c]["recomputed"] for c in copies)
+    links = [(u, v) for u, v, k in after.edges(data="kind") if k == "recomputed_copy"]
+    assert links and all(v == f"{u}_recomputed" for u, v in links)
+    assert {u for u, _, s in after.edges(data="saved") if s} == set(
+        saved_activations(two_layers, result.gm)
+    )
+
+
+def test_plots_return_figures_with_their_artists() -> None:
+    timeline = {"params": [100 * 2**20] * 5, "activations": [0, 50, 90, 40, 0]}
+    fig = plot_memory_timeline(timeline, measured=[100 * 2**20] * 5)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 2
+    assert "MiB" in ax.get_ylabel() and [t.get_text() for t in ax.get_legend().texts] == [
+        "params",
+        "activations",
+        "measured",
+    ]
+    assert any("peak" in t.get_text() for t in ax.texts)
+    with pytest.raises(WorkbenchError, match="differ in length"):
+        plot_memory_timeline({"a": [1, 2], "b": [1]})
+    bars = plot_layer_saved_bytes({0: 2**30, 1: 2**31, 2: 2**30}).axes[0]
+    assert len(bars.patches) == 3 and "GiB" in bars.get_ylabel()
+    points = [
+        {"name": "none", "peak_bytes": 9, "step_seconds": 1.0, "measured": True},
+        {"name": "full", "peak_bytes": 3, "step_seconds": 3.0, "measured": False},
+        {"name": "mid", "peak_bytes": 5, "step_seconds": 2.0, "measured": False},
+        {"name": "worse", "peak_bytes": 6, "step_seconds": 2.5, "measured": True},
+    ]
+    assert [p["name"] for p in pareto_front(points)] == ["full", "mid", "none"]
+    scatter = plot_tradeoff(points).axes[0]
+    labels = [t.get_text() for t in scatter.get_legend().texts]
+    assert labels == ["estimated", "measured", "Pareto front (best trade-offs)"]
+    assert len(scatter.collections) == 2 and len(scatter.lines) == 1
+    with pytest.raises(WorkbenchError, match="lacks step_seconds"):
+        pareto_front([{"name": "x", "peak_bytes": 1, "measured": False}])
+
+
+def test_huge_layouts_are_refused_without_force(
+    two_layers: JointGraph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(render_module, "MAX_LAYOUT_NODES", 100)
+    with pytest.raises(WorkbenchError, match="overview"):
+        whole_graph(two_layers)
+    assert whole_graph(two_layers, force=True).nodes > 100
+
+
+def test_bad_view_lists_the_valid_views(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("layers:3", "layer:x", "diff:", "everything"):
+        with pytest.raises(WorkbenchError, match="valid views are overview, layer:N"):
+            parse_view(bad)
+    argv = ["render", "--model", "llama3-debug", "--view", "bogus", "--out", "x.svg"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(v in err for v in VIEWS)
+
+
+def test_render_cli_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "layer.svg"
+    argv = ["render", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
+    assert main([*argv, "--view", "layer:1", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"path", "view", "nodes", "edges", "seconds"}
+    assert result["path"] == str(out) and result["view"] == "layer:1"
+    assert result["nodes"] > 50 and result["edges"] > result["nodes"] / 2
+    assert out.read_text().startswith("<?xml")
+    diff_out = tmp_path / "diff.svg"
+    assert main([*argv, "--view", "diff:eager", "--out", str(diff_out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["view"] == "diff:eager"
+    assert "default → eager" in diff_out.read_text()
