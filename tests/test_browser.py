@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -83,7 +82,7 @@ def lab(tmp_path: Path) -> Iterator[str]:
         [str(lab_bin), "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
          "--LabApp.expose_app_in_browser=True", "--allow-root"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, stdout=(tmp_path / "lab.log").open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
@@ -106,32 +105,34 @@ def lab(tmp_path: Path) -> Iterator[str]:
             server.wait()
 
 
-def test_click_flips_a_decision_and_the_peak_moves(lab: str, tmp_path: Path) -> None:
+def test_click_flips_a_decision_and_the_peak_moves(lab: str) -> None:
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
-    profile = tmp_path / "chromium-profile"
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[*CHROMIUM_FLAGS, f"--user-data-dir={profile}"],
-        )
+    with sync_playwright() as pw:  # launch() gives chromium a fresh, temporary profile
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
             page.goto(lab)
-            page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')",
-                                   timeout=90_000)  # fmt: skip
             page.wait_for_function(
-                "document.querySelector('.jp-Notebook-ExecutionIndicator, .jp-KernelStatus')"
-                " !== null", timeout=60_000,
+                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
+                "?.status === 'idle'", timeout=120_000,
             )  # fmt: skip
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
+            try:
+                page.wait_for_selector(".sacwb-graph svg", timeout=120_000)
+            except Exception:
+                page.screenshot(path=str(SHOTS / "explorer-failed-to-render.png"))
+                raise
             peak = page.locator(".sacwb-peak")
             before = peak.inner_text()
             page.screenshot(path=str(SHOTS / "explorer-overview.png"))
 
-            page.locator(f'[id="{svg_id("m", "layers.0.feed_forward")}"]').click()
+            # the overview folds identical layers: the box is `layers.0–1.feed_forward`
+            box = (
+                f'g.node[id^="{svg_id("m", "layers.0")}"][id$="{svg_id("", ".feed_forward")[1:]}"]'
+            )
+            page.locator(box).first.click()
             op = page.locator(f'[id="{svg_id("n", "mm_4")}"]')
             op.wait_for(timeout=60_000)
             op.click()
@@ -147,4 +148,3 @@ def test_click_flips_a_decision_and_the_peak_moves(lab: str, tmp_path: Path) -> 
             assert "recomputed in every identical layer" in message
         finally:
             browser.close()
-    shutil.rmtree(profile, ignore_errors=True)

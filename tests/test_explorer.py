@@ -54,7 +54,9 @@ def test_click_a_module_then_an_op_flips_it_and_moves_the_peak(
 ) -> None:
     ex = explorer(peaky, tmp_path)
     peak = ex.metrics["peak_bytes"]
-    send(ex, type="click", id="m-layers.0.feed_forward")
+    folded = svg_id("m", "layers.0–1.feed_forward")  # two identical layers, one box
+    assert f'id="{folded}"' in html.unescape(ex.svg)
+    send(ex, type="click", id=folded)
     assert ex.view == "module:layers.0.feed_forward"
     assert f'id="{svg_id("n", "mm_4")}"' in html.unescape(ex.svg)
     send(ex, type="click", id=svg_id("n", "mm_4"))

@@ -90,8 +90,8 @@ function render({ model, el }) {
   el.append(toolbar, hint, message, status, h("div", { class: "sacwb-main" }, graph, side));
 
   // --- drawing from state ------------------------------------------------------------
-  const fill = (select, values, current) => {
-    select.replaceChildren(...values.map((v) => h("option", { value: v }, v)));
+  const fill = (select, values, current, blank = "") => {
+    select.replaceChildren(...values.map((v) => h("option", { value: v }, v || blank)));
     select.value = current;
   };
 
@@ -174,7 +174,7 @@ function render({ model, el }) {
     fill(preset, model.get("presets"), model.get("policy_json").preset);
     fill(profile, model.get("profiles"), model.get("profile"));
     fill(exportFmt, model.get("export_formats"), model.get("export_format"));
-    fill(moduleSel, model.get("modules"), moduleSel.value || model.get("modules")[0]);
+    fill(moduleSel, model.get("modules"), moduleSel.value || model.get("modules")[0], "(anywhere)");
     fill(opSel, model.get("ops"), opSel.value || "aten.mm.default");
     allLayers.checked = model.get("all_layers");
     undo.disabled = !model.get("can_undo");
@@ -189,6 +189,7 @@ function render({ model, el }) {
   const drawAll = () => { drawControls(); drawGraph(); drawMetrics(); drawDetails(); drawSelectors(); drawHistory(); };
   drawAll();
   for (const name of ["svg", "selected_id"]) model.on(`change:${name}`, drawGraph);
+  model.on("change:view", () => { graph.scrollTop = 0; graph.scrollLeft = 0; });
   model.on("change:metrics", drawMetrics);
   model.on("change:details", drawDetails);
   model.on("change:policy_json", () => { drawSelectors(); drawControls(); drawHistory(); });
