@@ -521,12 +521,11 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
     if budget < search.floor.peak_bytes:
         floor = search.floor.peak_bytes
         raise WorkbenchError(
-            f"budget {budget} bytes ({budget / GIB:.2f} GiB) is below what full recompute "
+            f"budget {budget} bytes ({budget / GIB:.4g} GiB) is below what full recompute "
             f"reaches: the smallest feasible budget for {search.graph.model_name!r} is "
-            f"{floor} bytes ({floor / GIB:.2f} GiB)"
+            f"{floor} bytes ({floor / GIB:.4g} GiB)"
         )
     model, order = search.model, [c for c, _, _ in search.path]
-    folded = model.folded() if method == "exact" else None
     if method == "greedy":
 
         def select(cap: float) -> set[int]:
@@ -536,6 +535,7 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
         def select(cap: float) -> set[int]:
             return _select_knapsack(model, order, cap)
     else:
+        folded = model.folded()
 
         def select(cap: float) -> set[int]:
             return _select_exact(folded, cap)
