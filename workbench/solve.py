@@ -425,7 +425,9 @@ class _Search:
     model: _Model
     objective: str
     profile: str
-    floor: Estimate
+    floor: Estimate  # the lowest peak: full recompute's (or no AC's, on tiny graphs)
+    floor_policy: Policy
+    top: Estimate  # no AC
     offset: float
     path: list[tuple[int, int, float]]
 
@@ -460,13 +462,19 @@ def _search(
             f"Estimator(graph, profiles=[{name!r}])"
         )
     model = _Model(graph, estimator, objective, name)
-    floor = estimator.estimate(Policy("full"))
+    floor_policy, none = Policy("full"), estimator.estimate(Policy("none"))
+    floor = estimator.estimate(floor_policy)
+    if none.peak_bytes < floor.peak_bytes:  # recompute temporaries outweigh the savings
+        floor_policy, floor = Policy("none"), none
     everything = set(range(len(model.candidates)))
     top = estimator.estimate(_policy_of(model, everything))
     # all saved activations are alive together where backward starts: the peak there is a
     # constant plus the saved bytes (the model's guess, corrected by exact estimates)
     offset = top.peak_bytes - model.evaluate(everything)[0]
-    return _Search(graph, estimator, model, objective, name, floor, offset, _greedy_path(model))
+    path = _greedy_path(model)
+    return _Search(
+        graph, estimator, model, objective, name, floor, floor_policy, none, offset, path
+    )
 
 
 def _policy_of(model: _Model, chosen: set[int]) -> Policy:
@@ -486,7 +494,7 @@ def _repair(
     """Move the model's byte cap by each exact estimate's miss (bisecting once a cap that
     fits and one that does not are known); the best fitting policy and its cap. Full
     recompute is the answer when nothing else fits."""
-    best: _Best = (search.cost(search.floor), Policy("full"), search.floor)
+    best: _Best = (search.cost(search.floor), search.floor_policy, search.floor)
     seen: dict[frozenset[int], Estimate] = {}
     fits, overshoots = -np.inf, np.inf  # largest cap known to fit, smallest known not to
     fitting_cap = cap
@@ -623,7 +631,7 @@ def pareto(
     search = _search(graph, objective, profile, estimator)
     if budgets is None:
         low = search.floor.peak_bytes
-        high = search.estimator.estimate(Policy("none")).peak_bytes
+        high = search.top.peak_bytes
         budgets = [int(b) for b in np.linspace(low, max(high, low), n)]
     solutions: list[Solution] = []
     ordered = sorted(int(b) for b in budgets)
