@@ -29,7 +29,7 @@ MIP_GAP = 1e-3
 MIP_SECONDS = 10.0
 # Exact estimates tried per budget while the linear model's guess is repaired.
 REPAIR_ROUNDS = 12
-METHOD_ROUNDS = 4  # knapsack and exact start at the cap greedy found to fit
+METHOD_ROUNDS = 4  # for `exact`, whose integer program takes seconds
 GIB = 2**30
 
 Progress = Callable[[int, int, "Solution"], None]
@@ -428,6 +428,7 @@ class _Search:
     floor: Estimate  # the lowest peak: full recompute's (or no AC's, on tiny graphs)
     floor_policy: Policy
     top: Estimate  # no AC
+    presets: list[tuple[Policy, Estimate]]
     offset: float
     path: list[tuple[int, int, float]]
 
@@ -472,8 +473,9 @@ def _search(
     # constant plus the saved bytes (the model's guess, corrected by exact estimates)
     offset = top.peak_bytes - model.evaluate(everything)[0]
     path = _greedy_path(model)
+    presets = [(Policy(p), estimator.estimate(Policy(p))) for p in PRESETS]
     return _Search(
-        graph, estimator, model, objective, name, floor, floor_policy, none, offset, path
+        graph, estimator, model, objective, name, floor, floor_policy, none, presets, offset, path
     )
 
 
@@ -492,9 +494,13 @@ def _repair(
     rounds: int = REPAIR_ROUNDS,
 ) -> tuple[_Best, float]:
     """Move the model's byte cap by each exact estimate's miss (bisecting once a cap that
-    fits and one that does not are known); the best fitting policy and its cap. Full
-    recompute is the answer when nothing else fits."""
-    best: _Best = (search.cost(search.floor), search.floor_policy, search.floor)
+    fits and one that does not are known); the best fitting policy and its cap. The best
+    preset that fits (at least full recompute) is the answer when nothing better fits."""
+    # a preset that fits is a policy too: the search starts from the best of them
+    best: _Best = min(
+        ((search.cost(e), p, e) for p, e in search.presets if e.peak_bytes <= budget),
+        key=lambda b: b[0],
+    )
     seen: dict[frozenset[int], Estimate] = {}
     fits, overshoots = -np.inf, np.inf  # largest cap known to fit, smallest known not to
     fitting_cap = cap
@@ -548,12 +554,8 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
         def select(cap: float) -> set[int]:
             return _select_exact(folded, cap)
 
-    rounds = REPAIR_ROUNDS
-    cap = budget - search.offset
-    if method != "greedy":  # the cheap greedy finds the cap where the exact peak fits
-        _, cap = _repair(search, lambda c: _select_greedy(model, search.path, c), budget, cap)
-        rounds = METHOD_ROUNDS
-    best, _ = _repair(search, select, budget, cap, rounds)
+    rounds = REPAIR_ROUNDS if method != "exact" else METHOD_ROUNDS
+    best, _ = _repair(search, select, budget, budget - search.offset, rounds)
     _, policy, est = best
     return Solution(
         policy=policy,
