@@ -55,11 +55,11 @@ def test_greedy_and_knapsack_within_5_percent_of_exact(
         assert found.estimate.recompute_seconds["h100"] <= 1.05 * best, method
 
 
-@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug"])
+@pytest.mark.parametrize("fixture", ["llama_debug", "dsv3_debug"])
 def test_solved_policy_remats_bitwise_equal_and_exports(
-    model: str, small_graphs: dict[str, Fixture]
+    fixture: str, request: pytest.FixtureRequest
 ) -> None:
-    workload, graph = small_graphs[model]
+    workload, graph = request.getfixturevalue(fixture)
     estimator = Estimator(graph, PROFILES)
     full, none = (estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
     found = solve(graph, (full + none) // 2, estimator=estimator)
