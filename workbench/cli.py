@@ -279,6 +279,100 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _budget_from_args(args: argparse.Namespace, graph: JointGraph, estimator: Any) -> int:
+    from workbench.policy import Policy
+
+    if args.budget_bytes is not None:
+        if args.budget_bytes <= 0:
+            raise WorkbenchError(f"--budget-bytes must be positive, got {args.budget_bytes}")
+        return int(args.budget_bytes)
+    if not 0 < args.budget_frac <= 1:
+        raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
+    return int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes)
+
+
+def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
+    """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
+    from workbench.estimate import Estimator
+    from workbench.solve import solve
+
+    graph, trace_seconds = _trace_from_args(args)
+    estimator = Estimator(graph, (args.profile,))
+    budget = _budget_from_args(args, graph, estimator)
+    solution = solve(
+        graph,
+        budget,
+        objective=args.objective,
+        method=args.method,
+        profile=args.profile,
+        estimator=estimator,
+    )
+    return {
+        "model": graph.model_name,
+        "trace_seconds": round(trace_seconds, 3),
+        **solution.to_json(),
+    }
+
+
+def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
+    """Solutions from full recompute to no AC, presets beside them; a line per budget on
+    stderr."""
+    import time
+
+    from workbench.estimate import Estimator
+    from workbench.solve import Solution, pareto, preset_points
+
+    graph, trace_seconds = _trace_from_args(args)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, solution: Solution) -> None:
+        est = solution.estimate
+        print(
+            f"[{done}/{total}] budget {(solution.budget_bytes or 0) / 2**30:.3f} GiB: peak "
+            f"{est.peak_bytes / 2**30:.3f} GiB, recompute "
+            f"{est.recompute_seconds[args.profile] * 1e3:.3f} ms ({solution.seconds:.2f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    estimator = Estimator(graph, (args.profile,))
+    points = pareto(
+        graph,
+        n=args.points,
+        method=args.method,
+        profile=args.profile,
+        objective=args.objective,
+        progress=progress,
+        estimator=estimator,
+    )
+    seconds = time.perf_counter() - start
+    presets = {
+        name: {
+            "peak_bytes": est.peak_bytes,
+            "recompute_flops": est.recompute_flops,
+            "est_recompute_seconds": est.recompute_seconds[args.profile],
+            "est_step_seconds": est.step_seconds[args.profile],
+        }
+        for name, est in preset_points(graph, args.profile, estimator).items()
+    }
+    return {
+        "model": graph.model_name,
+        "points": [p.to_json() for p in points],
+        "presets": presets,
+        "seconds": round(seconds, 3),
+        "trace_seconds": round(trace_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _add_solve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", default="greedy", help="greedy, knapsack or exact")
+    parser.add_argument("--profile", default="h100", help="device profile for recompute time")
+    parser.add_argument(
+        "--objective", default="recompute_time", help="recompute_time or recompute_flops"
+    )
+
+
 def _print_human(result: dict[str, Any]) -> None:
     width = max(len(k) for k in result)
     for key, value in result.items():
@@ -327,6 +421,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--baselines", action="store_true", help="also measure no AC and eager SAC"
     )
     measure.set_defaults(run=cmd_measure)
+
+    solve = commands.add_parser("solve", help="search the cheapest policy within a budget")
+    _add_model_args(solve)
+    _add_solve_args(solve)
+    budget = solve.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-bytes", type=int, help="estimated peak must fit this")
+    budget.add_argument("--budget-frac", type=float, help="fraction of the no-AC peak")
+    solve.set_defaults(run=cmd_solve)
+
+    pareto = commands.add_parser("pareto", help="memory-vs-recompute front and the presets")
+    _add_model_args(pareto)
+    _add_solve_args(pareto)
+    pareto.add_argument("--points", type=int, default=20, help="budgets in the sweep")
+    pareto.set_defaults(run=cmd_pareto)
 
     bench = commands.add_parser("bench", help="benchmarks that print measured figures")
     benches = bench.add_subparsers(dest="bench", required=True)
