@@ -229,3 +229,26 @@ def test_bad_construction() -> None:
         PolicyExplorer(42)  # type: ignore[arg-type]
     with pytest.raises(WorkbenchError, match="unknown model"):
         PolicyExplorer("llama4")
+
+
+def test_suggest_loads_a_solved_policy_within_the_budget(peaky: Fixture, tmp_path: Path) -> None:
+    ex = explorer(peaky, tmp_path, "none")
+    low, high = ex.budget_range["min"], ex.budget_range["max"]
+    assert low < high == ex.metrics["peak_bytes"]
+    budget = (low + high) // 2
+    send(ex, type="suggest", budget=budget)
+    assert ex.metrics["peak_bytes"] <= budget and "suggested by greedy" in ex.message
+    assert ex.can_undo
+    send(ex, type="suggest", budget=low - 1)
+    assert "smallest feasible" in ex.message or "budget" in ex.message
+    assert ex.metrics["peak_bytes"] <= budget  # the failed suggestion changed nothing
+
+
+def test_sweep_adds_the_solver_front_to_the_history(peaky: Fixture, tmp_path: Path) -> None:
+    ex = explorer(peaky, tmp_path)
+    ex.sweep(points=3)
+    solver = [p for p in ex.history if p.get("solver")]
+    assert solver and all(p["name"].startswith("solver: ") for p in solver)
+    assert "solver points added" in ex.status
+    send(ex, type="restore", index=solver[0]["index"])
+    assert ex.policy_json == solver[0]["policy"]

@@ -77,6 +77,17 @@ function render({ model, el }) {
         module: moduleSel.value, op: opSel.value, action: actionSel.value }) }, "Apply")),
     selectorList);
   const scatter = h("div", { class: "sacwb-history" });
+  const budget = h("input", { type: "range", class: "sacwb-budget", step: "any",
+    oninput: () => { budgetText.textContent = gib(Number(budget.value)); } });
+  const budgetText = h("span", { class: "sacwb-budget-text" });
+  const suggester = h("div", { class: "sacwb-suggest" },
+    h("div", { class: "sacwb-title" }, "Suggest a policy for a memory budget"),
+    h("div", {}, budget, " ", budgetText, " ",
+      h("button", { class: "sacwb-suggest-go", title: "the solver's cheapest policy under this peak",
+        onclick: () => send({ type: "suggest", budget: Math.round(Number(budget.value)) }) }, "Suggest"),
+      " ",
+      h("button", { class: "sacwb-sweep", title: "add the solver's memory-vs-time front to the history",
+        onclick: () => send({ type: "sweep" }) }, "Sweep front")));
   const exportFmt = h("select", { class: "sacwb-export-format",
     onchange: () => { model.set("export_format", exportFmt.value); model.save_changes(); } });
   const exportPath = h("input", { type: "text", class: "sacwb-export-path", size: 28 });
@@ -85,7 +96,7 @@ function render({ model, el }) {
   const save = h("button", { class: "sacwb-save", onclick: () => send({ type: "save_export", path: exportPath.value }) }, "Save");
   const exporter = h("div", { class: "sacwb-export" },
     h("div", { class: "sacwb-title" }, "Export"), h("div", {}, exportFmt, " ", exportPath, " ", save, " ", copy), code);
-  const side = h("div", { class: "sacwb-side" }, metrics, details, switches, scatter, exporter);
+  const side = h("div", { class: "sacwb-side" }, metrics, details, suggester, switches, scatter, exporter);
 
   el.append(toolbar, hint, message, status, h("div", { class: "sacwb-main" }, graph, side));
 
@@ -186,7 +197,18 @@ function render({ model, el }) {
     status.textContent = model.get("running") ? `⏳ ${model.get("status")}` : model.get("status");
   };
 
-  const drawAll = () => { drawControls(); drawGraph(); drawMetrics(); drawDetails(); drawSelectors(); drawHistory(); };
+  const drawBudget = () => {
+    const range = model.get("budget_range");
+    if (range.min === undefined) return;
+    budget.min = range.min;
+    budget.max = range.max;
+    if (!budget.dataset.touched) budget.value = model.get("metrics").peak_bytes ?? range.max;
+    budgetText.textContent = gib(Number(budget.value));
+  };
+  budget.addEventListener("change", () => { budget.dataset.touched = "1"; });
+
+  const drawAll = () => {
+    drawBudget(); drawControls(); drawGraph(); drawMetrics(); drawDetails(); drawSelectors(); drawHistory(); };
   drawAll();
   for (const name of ["svg", "selected_id"]) model.on(`change:${name}`, drawGraph);
   model.on("change:view", () => { graph.scrollTop = 0; graph.scrollLeft = 0; });

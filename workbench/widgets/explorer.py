@@ -93,6 +93,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     running = traitlets.Bool(False).tag(sync=True)
     status = traitlets.Unicode("").tag(sync=True)
     run_result = traitlets.Dict().tag(sync=True)
+    budget_range = traitlets.Dict().tag(sync=True)
+    suggest_method = traitlets.Unicode("greedy").tag(sync=True)
 
     def __init__(
         self,
@@ -125,6 +127,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.profile = profile
         start = Policy(policy) if isinstance(policy, str) else policy
         self.policy = self._recover(start)
+        low, high = (self.estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
+        self.budget_range = {"min": min(low, high), "max": max(low, high)}
         self.on_msg(self._on_msg)
         self.observe(lambda change: self._refresh(), names=["profile", "export_format"])
         self._refresh(record=True)
@@ -242,6 +246,35 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             raise WorkbenchError(f"no history point #{index}; there are {len(self.history)}")
         self._change(Policy.from_json(self.history[index]["policy"]))
 
+    def suggest(self, budget_bytes: int, method: str | None = None) -> None:
+        """Load the solver's cheapest policy whose estimated peak fits `budget_bytes`
+        (undoable, like any other change)."""
+        from workbench.solve import solve
+
+        solution = solve(self.graph, int(budget_bytes), method=method or self.suggest_method,
+                         profile=self.profile, estimator=self.estimator)  # fmt: skip
+        self._change(solution.policy)
+        self.message = (
+            f"suggested by {solution.method} for a budget of {human_bytes(budget_bytes)}: "
+            f"peak {human_bytes(solution.estimate.peak_bytes)}, recompute "
+            f"{human_flops(solution.estimate.recompute_flops)}; refine it by clicking ops"
+        )
+
+    def sweep(self, points: int = 8) -> None:
+        """Put the solver's memory-vs-time front into the history (each point restorable)."""
+        from workbench.solve import pareto
+
+        def progress(done: int, total: int, _solution: object) -> None:
+            self.status = f"solving budget {done} of {total}…"
+
+        solutions = pareto(self.graph, n=points, method=self.suggest_method, profile=self.profile,
+                           progress=progress, estimator=self.estimator)  # fmt: skip
+        for solution in solutions:
+            est = solution.estimate
+            self._add_point(est.peak_bytes, est.step_seconds[self.profile],
+                            policy=solution.policy, solver=solution.method)  # fmt: skip
+        self.status = f"{len(solutions)} solver points added to the history"
+
     def save_export(self, path: str | None = None) -> Path:
         """Write the shown code. A file that changed since this explorer wrote it is kept."""
         target = Path(path or self.export_path)
@@ -301,6 +334,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "restore": lambda: self.restore(int(content["index"])),
             "save_export": lambda: self.save_export(content.get("path") or None),
             "run": self.run,
+            "suggest": lambda: self.suggest(int(content["budget"])),
+            "sweep": self.sweep,
         }
         if action not in handlers:
             self.message = f"unknown action {action!r}"
@@ -402,14 +437,23 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "tokens_per_second_text": f"{est.tokens / step:,.0f} tokens/s" if step else "-",
         }
 
-    def _add_point(self, peak: int, seconds: float, measured: bool = False, **extra: Any) -> None:
-        policy = self.policy.to_json()
+    def _add_point(
+        self,
+        peak: int,
+        seconds: float,
+        measured: bool = False,
+        policy: Policy | None = None,
+        **extra: Any,
+    ) -> None:
+        policy_json = (policy or self.policy).to_json()
         points = [
-            p for p in self.history if not (p["policy"] == policy and p["measured"] == measured)
+            p
+            for p in self.history
+            if not (p["policy"] == policy_json and p["measured"] == measured)
         ]
-        label = self._label(policy)
+        label = ("solver: " if "solver" in extra else "") + self._label(policy_json)
         points.append({"peak_bytes": peak, "step_seconds": seconds, "measured": measured,
-                       "name": label, "policy": policy, **extra})  # fmt: skip
+                       "name": label, "policy": policy_json, **extra})  # fmt: skip
         front = {id(p) for p in pareto_front(points)}
         self.history = [{**p, "index": i, "pareto": id(p) in front} for i, p in enumerate(points)]
 
