@@ -414,6 +414,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.svg = picture.svg()
 
     def _autosave(self) -> None:
+        self.autosave_path.parent.mkdir(parents=True, exist_ok=True)
         self.policy.save(self.autosave_path, overwrite=True)
 
     def _step_seconds(self, est: Estimate) -> float:
