@@ -12,7 +12,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,12 +48,12 @@ H100 = DeviceProfile(
     bytes_per_s=3.35e12,
     alloc_granularity=512,
 )
-H200 = DeviceProfile(
+# The same compute as the H100, with HBM3e's bandwidth.
+H200 = replace(
+    H100,
     name="h200",
     description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
-    matmul_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     bytes_per_s=4.8e12,
-    alloc_granularity=512,
 )
 
 
