@@ -252,3 +252,15 @@ def test_sweep_adds_the_solver_front_to_the_history(peaky: Fixture, tmp_path: Pa
     assert "solver points added" in ex.status
     send(ex, type="restore", index=solver[0]["index"])
     assert ex.policy_json == solver[0]["policy"]
+
+
+def test_run_that_cannot_fit_refuses_and_keeps_the_edits(
+    small_graphs: dict[str, Fixture], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
+    ex.flip("mm_4")
+    edited = dict(ex.policy_json)
+    monkeypatch.setattr("workbench.measure.available_bytes", lambda device: 1024)
+    send(ex, type="run")
+    assert "estimated to need" in ex.message and "GiB" in ex.message
+    assert ex.policy_json == edited and not ex.running and ex.run_result == {}

@@ -70,8 +70,16 @@ function render({ model, el }) {
   const actionSel = h("select", { class: "sacwb-switch-action" },
     h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"));
   const selectorList = h("ul", { class: "sacwb-selectors" });
+  const selectorText = h("input", { type: "text", class: "sacwb-selector-text", size: 30,
+    placeholder: "layers.*.attention.wo::aten.mm.default" });
+  const selectorAction = h("select", { class: "sacwb-selector-action" },
+    h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"));
+  const selectorEntry = h("div", {}, selectorAction, " ", selectorText, " ",
+    h("button", { class: "sacwb-selector-add", title: "MODULE_PATTERN::OP_OVERLOAD; ** spans modules",
+      onclick: () => send({ type: "selector", select: selectorText.value, action: selectorAction.value }) }, "Add"));
   const switches = h("div", { class: "sacwb-switches" },
-    h("div", { class: "sacwb-title" }, "Op-type switches"),
+    h("div", { class: "sacwb-title" }, "Selectors and op-type switches"),
+    selectorEntry,
     h("div", {}, actionSel, " every ", opSel, " in ", moduleSel, " ",
       h("button", { class: "sacwb-switch-apply", onclick: () => send({ type: "switch",
         module: moduleSel.value, op: opSel.value, action: actionSel.value }) }, "Apply")),
