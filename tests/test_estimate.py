@@ -182,3 +182,12 @@ def test_json_is_plain(llama_debug: Fixture) -> None:
     assert data["peak_bytes"] == est.peak_bytes
     assert len(data["timeline"]["activations"]) == len(data["order"])
     assert "timeline" not in est.to_json()
+
+
+def test_whatif_refuses_graphs_with_aot_autograd_tags(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    gm = copy_graph_module(graph.gm)
+    next(n for n in gm.graph.nodes if n.op == "call_function").meta["ac_graph_id"] = 1
+    tagged = JointGraph(gm, graph.nodes, graph.inputs, graph.model_name, graph.mode, 1)
+    with pytest.raises(WorkbenchError, match="AOTAutograd tags \\(ac_graph_id\\).*estimate_remat"):
+        Estimator(tagged, PROFILES).estimate(Policy("full"))

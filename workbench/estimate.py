@@ -166,6 +166,10 @@ class Estimator:
             for i in self.placeholders
         }
         self.seconds = {p.name: self._node_seconds(p, nodes, infos) for p in self.profiles}
+        # torch's pass also reads these AOTAutograd tags; graphs from workbench.trace have none.
+        self.foreign_tags = sorted(
+            {k for n in nodes for k in ("ac_graph_id", "partitioner_tag") if k in n.meta}
+        )
 
     # --- precomputation --------------------------------------------------------------------
 
@@ -317,6 +321,11 @@ class Estimator:
 
     def estimate(self, policy: Policy | Decisions, granularity: int = 1) -> Estimate:
         """The what-if: figures for `policy` as if tagged and rematerialized by torch."""
+        if self.foreign_tags:
+            raise WorkbenchError(
+                f"the graph carries AOTAutograd tags ({', '.join(self.foreign_tags)}) that the "
+                "what-if does not replay: run workbench.remat.remat and estimate_remat instead"
+            )
         decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
         order, args = self.schedule(self.recompute_set(decisions))
         return self.simulate(order, args, granularity)
