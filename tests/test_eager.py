@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.eager import apply_eager_sac, eager_decisions, eager_step
+from workbench.eager import (
+    apply_eager_sac,
+    apply_eager_sac_to,
+    eager_decisions,
+    eager_step,
+    policy_from_eager,
+)
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import Workload
@@ -130,3 +136,46 @@ def test_apply_eager_sac_needs_a_container_of_blocks(
     workload, _ = small_graphs["llama3-debug"]
     with pytest.raises(WorkbenchError, match="no container of blocks at 'blocks'"):
         apply_eager_sac(copy.deepcopy(workload.model), Policy("full"), layers_attr="blocks")
+
+
+SUBMODULES = ["layers.*.attention", "layers.*.feed_forward"]
+
+
+def test_apply_eager_sac_to_submodules_is_bitwise_equal_and_counts_per_region(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    workload, graph = small_graphs["llama3-debug"]
+    reference = eager_step(workload)
+    model = apply_eager_sac_to(copy.deepcopy(workload.model), Policy("eager"), SUBMODULES)
+    assert all("forward" in vars(b.attention) and "forward" not in vars(b) for b in model.layers)
+    sac = eager_step(Workload(model, workload.inputs, workload.target, workload.loss_fn))
+    assert all(torch.equal(a, b) for a, b in zip(reference, sac, strict=True))
+    chosen = eager_decisions(workload, Policy("eager"), regions=SUBMODULES)
+    assert chosen and all(
+        k.split("::")[0].split(".")[2] in ("attention", "feed_forward") for k in chosen
+    )
+    # One region per Linear: every matmul is the first of its region, so none is recomputed.
+    linears = ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
+    alone = eager_decisions(workload, Policy("eager"), regions=linears)
+    assert all(p not in RECOMPUTE for k, p in alone.items() if "aten.mm." in k)
+    # As a graph policy: the norms between the regions are kept, matmul choices unchanged.
+    blocks = decide(graph, policy_from_eager(graph, eager_decisions(workload, Policy("eager"))))
+    split = decide(graph, policy_from_eager(graph, chosen))
+    changed = {graph.nodes[n].module for n in blocks if blocks[n].recompute != split[n].recompute}
+    assert changed == {"layers.0", "layers.1"} | {
+        f"layers.{i}.{norm}" for i in (0, 1) for norm in ("attention_norm", "ffn_norm")
+    }
+
+
+def test_apply_eager_sac_to_refuses_nested_unknown_or_wrapped_regions(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    workload, _ = small_graphs["llama3-debug"]
+    model = copy.deepcopy(workload.model)
+    with pytest.raises(WorkbenchError, match="no submodule"):
+        apply_eager_sac_to(model, Policy("eager"), ["layers.*.mlp"])
+    with pytest.raises(WorkbenchError, match="cannot nest"):
+        apply_eager_sac_to(model, Policy("eager"), ["layers.*", "layers.*.attention"])
+    apply_eager_sac_to(model, Policy("eager"), SUBMODULES)
+    with pytest.raises(WorkbenchError, match="already wrapped"):
+        apply_eager_sac_to(model, Policy("eager"), SUBMODULES)

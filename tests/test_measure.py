@@ -132,3 +132,12 @@ def test_estimate_of_the_measured_graph_is_the_full_path(small_graphs: dict[str,
     result = measure_policy(workload, Policy("full"), graph=graph, warmup=0, repeats=1)
     expected = estimate_remat(graph, remat(graph, Policy("full")), Estimator(graph, ()))
     assert result.estimate.peak_bytes == expected.peak_bytes
+
+
+def test_eager_sac_per_submodule_regions() -> None:
+    workload = load_workload("llama3-debug", layers=2, seq=32)
+    regions = ["layers.*.attention", "layers.*.feed_forward"]
+    split = measure_eager(workload, Policy("eager"), regions=regions, warmup=0, repeats=1)
+    assert split.name == "eager SAC (eager; layers.*.attention, layers.*.feed_forward)"
+    reference = measure_eager(workload, None, warmup=0, repeats=1).outputs
+    assert all(torch.equal(a, b) for a, b in zip(split.outputs, reference, strict=True))

@@ -1,14 +1,18 @@
 """Eager baselines beside graph SAC: no activation checkpointing, and eager SAC as exported.
 
-Entry points: `eager_step(workload) -> [loss, *grads]`, `apply_eager_sac(model, policy)` and
-`eager_decisions(workload, policy)` (what eager SAC chose for each op, for comparisons).
+Entry points: `eager_step(workload) -> [loss, *grads]`, `apply_eager_sac(model, policy)` (or
+`apply_eager_sac_to(model, policy, regions)` for other granularities), `eager_decisions(workload,
+policy)` (what eager SAC chose for each op) and `policy_from_eager` (the same choices as a graph
+policy).
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import fnmatch
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,8 +21,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.errors import WorkbenchError
 from workbench.export import WRAPPED_MARKER, export
+from workbench.graph import JointGraph
 from workbench.models import Workload
-from workbench.policy import Policy
+from workbench.policy import Action, Policy, layer_key, node_keys
+
+RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+# Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is
+# Python unpacking a multi-output op's tuple, not a dispatched op.
+NEVER_DISPATCHED = frozenset({"aten.detach.default", "getitem"})
 
 
 def eager_step(workload: Workload) -> list[torch.Tensor]:
@@ -70,13 +80,71 @@ def apply_eager_sac(
     return result
 
 
+def _path_matches(pattern: str, path: str) -> bool:
+    parts, wanted = path.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
+
+
+def apply_eager_sac_to(
+    model: nn.Module,
+    policy: Policy,
+    regions: Sequence[str],
+    *,
+    namespace: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Wrap every submodule whose path matches one of `regions` (fnmatch per dotted component:
+    `layers.*.attention`) in its own eager SAC region, with the exported `policy_fn`.
+
+    The granularity choice `apply_eager_sac` fixes at one region per block: the every-other-
+    matmul counter restarts in each region, and what runs outside every region (here, the
+    norms and residual adds between two regions) is plain autograd, which keeps what its
+    backward formulas need; a region's inputs are always kept. In place, like
+    `apply_eager_sac`; raises when nothing matches, or when regions nest or are wrapped.
+    """
+    paths = [
+        name for name, _ in model.named_modules() if any(_path_matches(r, name) for r in regions)
+    ]
+    if not paths:
+        children = ", ".join(name for name, _ in model.named_children())
+        raise WorkbenchError(
+            f"no submodule of {type(model).__name__} matches regions {list(regions)}; paths are "
+            f"dotted with fnmatch per component, e.g. 'layers.*.attention' (children: {children})"
+        )
+    for path in paths:
+        outer = next((p for p in paths if path.startswith(p + ".")), None)
+        if outer is not None:
+            raise WorkbenchError(f"region {path} is inside region {outer}: regions cannot nest")
+        if hasattr(model.get_submodule(path), WRAPPED_MARKER):
+            raise WorkbenchError(
+                f"{path} is already wrapped in eager SAC: apply it to a fresh model "
+                "(copy.deepcopy before the first apply)"
+            )
+    exported = namespace if namespace is not None else load_policy_fn(policy)
+    if not exported["WRAP_LAYERS"]:
+        return model
+    for path in paths:
+        region = model.get_submodule(path)
+        for sub_path, sub in region.named_modules(prefix=path):
+            if sub is not region:
+                sub.register_forward_pre_hook(functools.partial(exported["_enter"], sub_path))
+                sub.register_forward_hook(exported["_leave"], always_call=True)
+        region.forward = exported["_checkpointed"](region.forward, path)  # type: ignore[method-assign]
+        setattr(region, WRAPPED_MARKER, True)
+    return model
+
+
 def eager_decisions(
-    workload: Workload, policy: Policy, layers_attr: str = "layers"
+    workload: Workload,
+    policy: Policy,
+    layers_attr: str = "layers",
+    *,
+    regions: Sequence[str] | None = None,
 ) -> dict[str, CheckpointPolicy]:
     """Run one eager SAC step on a copy of the model and return what the exported `policy_fn`
     chose in the original forward, keyed `MODULE::OP#k` like `workbench.policy.layer_key`
-    (k counted here, independently of `policy_fn`'s own counters). Ops outside the layers are
-    never checkpointed, so never asked; empty when the policy wraps nothing."""
+    (k counted here, independently of `policy_fn`'s own counters). Ops outside the layers (or
+    outside `regions`, when given: see `apply_eager_sac_to`) are never checkpointed, so never
+    asked; empty when the policy wraps nothing."""
     namespace = load_policy_fn(policy)
     decided = namespace["policy_fn"]
     seen: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -93,6 +161,29 @@ def eager_decisions(
 
     namespace["policy_fn"] = recording  # the exported context_fn looks it up at call time
     model = copy.deepcopy(workload.model)
-    apply_eager_sac(model, policy, layers_attr, namespace=namespace)
+    if regions is None:
+        apply_eager_sac(model, policy, layers_attr, namespace=namespace)
+    else:
+        apply_eager_sac_to(model, policy, regions, namespace=namespace)
     eager_step(Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name))
     return choices
+
+
+def policy_from_eager(
+    graph: JointGraph, choices: dict[str, CheckpointPolicy], preset: str = "eager"
+) -> Policy:
+    """A graph policy making eager SAC's `choices` (from `eager_decisions`) for every layer op:
+    one layer-specific override per node. A layer op eager SAC was not asked about ran outside
+    every region, under plain autograd, and is saved (the remat pass then keeps it only where
+    backward reads it, as autograd does); ops eager never dispatches keep the preset's tag."""
+    overrides: dict[str, Action] = {}
+    for name, key in node_keys(graph).items():
+        info = graph.nodes[name]
+        if info.layer is None:
+            continue
+        own = layer_key(info, key)
+        choice = choices.get(own)
+        if choice is None and info.op in NEVER_DISPATCHED:
+            continue
+        overrides[own] = "recompute" if choice in RECOMPUTE else "save"
+    return Policy(preset=preset, overrides=overrides)

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from workbench.eager import apply_eager_sac, eager_step
+from workbench.eager import apply_eager_sac, apply_eager_sac_to, eager_step
 from workbench.errors import WorkbenchError
 from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
@@ -201,17 +201,24 @@ def measure_eager(
     policy: Policy | None = None,
     *,
     layers_attr: str = "layers",
+    regions: Sequence[str] | None = None,
     warmup: int = 1,
     repeats: int = 5,
 ) -> Measurement:
     """An eager train step: no AC (`policy=None`), or eager SAC with the exported policy_fn
-    wrapped around every block (on a copy of the model)."""
+    wrapped around every block (on a copy of the model), or around each submodule matching
+    `regions` (`apply_eager_sac_to`, e.g. `["layers.*.attention", "layers.*.feed_forward"]`)."""
     if policy is None:
         target, name = workload, "no AC"
     else:
-        model = apply_eager_sac(copy.deepcopy(workload.model), policy, layers_attr)
+        copied = copy.deepcopy(workload.model)
+        if regions is None:
+            model = apply_eager_sac(copied, policy, layers_attr)
+            name = f"eager SAC ({policy.preset})"
+        else:
+            model = apply_eager_sac_to(copied, policy, regions)
+            name = f"eager SAC ({policy.preset}; {', '.join(regions)})"
         target = Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name)
-        name = f"eager SAC ({policy.preset})"
     held = [*target.model.parameters(), *target.model.buffers(), *target.inputs, target.target]
     return _measure(name, lambda: eager_step(target), held, workload.tokens, warmup, repeats)
 

@@ -1,0 +1,261 @@
+"""Torch's own partitioners on a model's joint graph: min-cut once, min-cut again on the forward
+it produced, and the tag-driven default partition; what each keeps, named by first-joint nodes.
+
+Entry points: `partition_model(workload)`, `repartition_forward(first)`,
+`partition_saving(first, saved)`, and `as_joint_graph` / `partition_decisions` for pictures.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_function, aot_module, make_boxed_func
+from torch._functorch.compile_utils import fx_graph_cse
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch.fx.traceback import preserve_node_meta
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.graph import JointGraph, describe_nodes
+from workbench.models import Workload
+from workbench.policy import Decision, Decisions
+from workbench.trace import annotate_modules
+
+PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
+
+
+@dataclass
+class Partition:
+    """One partitioner run: the joint graph it was given (a copy, dead code eliminated and
+    CSE'd as min-cut does before it cuts), the forward and backward it returned, and the
+    forward's example inputs."""
+
+    joint: fx.GraphModule
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_fwd_outputs: int
+    forward_inputs: list[torch.Tensor]
+
+    @property
+    def saved(self) -> list[str]:
+        """Forward outputs beyond the user's: what the backward receives (names as in the
+        joint graph; parameters and inputs included)."""
+        outputs = self.forward.graph.output_node().args[0]
+        assert isinstance(outputs, (tuple, list))
+        return [o.name for o in outputs[self.num_fwd_outputs :] if isinstance(o, fx.Node)]
+
+    @property
+    def recomputed(self) -> list[str]:
+        """Forward ops of the joint graph that the backward runs again."""
+        forward = set(forward_ops(self.joint))
+        return [
+            n.name
+            for n in self.backward.graph.nodes
+            if n.op == "call_function" and n.name in forward
+        ]
+
+
+def forward_ops(joint: fx.GraphModule) -> list[str]:
+    """Call nodes of the joint graph that autograd did not emit for the backward."""
+    return [
+        n.name
+        for n in joint.graph.nodes
+        if n.op == "call_function" and not n.meta.get("autograd_backward")
+    ]
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy; pytree's LeafSpec deprecation warning on copying the codegen is noise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm)
+
+
+def _recording(
+    partition_fn: PartitionFn,
+    runs: list[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule, int]],
+) -> PartitionFn:
+    def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        before = _copy(joint)
+        before.graph.eliminate_dead_code()
+        before.graph = fx_graph_cse(before.graph)  # as min-cut does first: the names it saves
+        before.recompile()
+        fw, bw = partition_fn(joint, inputs, **kwargs)
+        runs.append((before, fw, bw, kwargs["num_fwd_outputs"]))
+        return fw, bw
+
+    return partition
+
+
+def _compile(
+    compile_fn: Callable[..., Any], target: Any, args: list[Any], partition_fn: PartitionFn
+) -> Partition:
+    runs: list[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule, int]] = []
+    seen: list[list[torch.Tensor]] = []
+
+    def forward_compiler(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        seen.append(list(example_inputs))
+        return make_boxed_func(gm)
+
+    compiled = compile_fn(
+        target,
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, _: make_boxed_func(gm),
+        partition_fn=_recording(partition_fn, runs),
+    )
+    compiled(*args)
+    joint, fw, bw, num_fwd_outputs = runs[-1]
+    return Partition(joint, fw, bw, num_fwd_outputs, seen[-1])
+
+
+def partition_model(
+    workload: Workload, partition_fn: PartitionFn = min_cut_rematerialization_partition
+) -> Partition:
+    """AOT-compile `workload.model` (forward to its output; the loss stays outside) with
+    `partition_fn`, recording the joint graph it partitions. Joint nodes carry module paths
+    (`meta["custom"]["module"]`) like a workbench trace, so `as_joint_graph` can draw them."""
+    model = copy.deepcopy(workload.model)
+    with annotate_modules(model), preserve_node_meta():
+        return _compile(aot_module, model, list(workload.inputs), partition_fn)
+
+
+def repartition_forward(
+    first: Partition, partition_fn: PartitionFn = min_cut_rematerialization_partition
+) -> Partition:
+    """Compile `first.forward` again with `partition_fn`: a second partitioner pass over an
+    already partitioned forward, whose outputs (the first pass's saved tensors among them) all
+    get gradients. Inputs that required grad in the first joint graph require it again."""
+    grads = [
+        bool(getattr(n.meta.get("tensor_meta"), "requires_grad", False))
+        for n in first.joint.graph.nodes
+        if n.op == "placeholder" and n.name.startswith("primals")
+    ]
+    args = [
+        t.detach().clone().requires_grad_(g and t.is_floating_point())
+        for t, g in zip(first.forward_inputs, grads, strict=True)
+    ]
+    return _compile(aot_function, first.forward, args, partition_fn)
+
+
+def structural_keys(gm: fx.GraphModule, inputs: list[str] | None = None) -> dict[str, str]:
+    """A key per node from its op and the keys of its arguments, placeholders keyed by
+    `inputs` (default, and past the end of `inputs`: their own names): two traces of the same
+    computation get equal keys."""
+    placeholders = iter(inputs) if inputs is not None else None
+    keys: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            own = f"{gm.__class__.__name__}:{node.name}" if placeholders is not None else node.name
+            keys[node.name] = next(placeholders, own) if placeholders is not None else own
+        elif node.op == "call_function":
+            args = fx.node.map_arg((node.args, node.kwargs), lambda a: keys[a.name])
+            keys[node.name] = hashlib.sha1(f"{node.target}{args}".encode()).hexdigest()
+    return keys
+
+
+def to_first_names(first: Partition, second: Partition, names: Iterable[str]) -> list[str]:
+    """Names in the second pass's joint graph -> the first joint graph's node computing the
+    same value (the first such node when the first graph computes it twice); unmatched names
+    (the second pass's own backward) are dropped."""
+    placeholders = [n.name for n in first.forward.graph.nodes if n.op == "placeholder"]
+    ours: dict[str, str] = {}
+    for name, key in structural_keys(first.joint).items():
+        ours.setdefault(key, name)
+    theirs = structural_keys(second.joint, placeholders)
+    return [ours[theirs[n]] for n in names if n in theirs and theirs[n] in ours]
+
+
+def partition_saving(
+    first: Partition,
+    saved: Iterable[str],
+    partition_fn: PartitionFn = default_partition,
+    *,
+    follow_views: bool = True,
+) -> Partition:
+    """Partition a copy of `first.joint` with every forward op tagged: MUST_SAVE if named in
+    `saved`, PREFER_RECOMPUTE otherwise (torch's SAC tags, as graph SAC writes them). Random
+    ops (attention has a dropout seed) are MUST_SAVE, as `workbench.policy.decide` forces:
+    recomputing them would need RNG functionalization, which needs a fake mode. Min-cut also
+    saves views that autograd emitted for the backward (a weight's transpose, a detach of the
+    attention output); tags live on forward ops, so `follow_views` also tags the forward node
+    each saved view is built on, the same storage."""
+    joint = _copy(first.joint)
+    keep = set(saved)
+    if follow_views:  # min-cut may save a view built by backward ops: tag the forward base
+        keep |= {_base(n).name for n in joint.graph.nodes if n.name in keep}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and not node.meta.get("autograd_backward"):
+            random = isinstance(node.target, torch._ops.OpOverload) and (
+                torch.Tag.nondeterministic_seeded in node.target.tags
+            )
+            node.meta["recompute"] = (
+                CheckpointPolicy.MUST_SAVE
+                if node.name in keep or random
+                else CheckpointPolicy.PREFER_RECOMPUTE
+            )
+    fw, bw = partition_fn(_copy(joint), None, num_fwd_outputs=first.num_fwd_outputs)
+    return Partition(joint, fw, bw, first.num_fwd_outputs, first.forward_inputs)
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node owning the storage `node` views (views, detach and getitem followed back)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        target = node.target
+        is_view = isinstance(target, torch._ops.OpOverload) and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns
+        )
+        if not is_view:
+            break
+        node = node.args[0]
+    return node
+
+
+def is_view(node: fx.Node) -> bool:
+    """An op whose output aliases its first input (view, transpose, detach...)."""
+    return _base(node) is not node
+
+
+def compute_ops(joint: fx.GraphModule, names: Iterable[str]) -> list[str]:
+    """`names` without views: the ops that cost compute when run again."""
+    nodes = {n.name: n for n in joint.graph.nodes}
+    return [name for name in names if not is_view(nodes[name])]
+
+
+def activation_bytes(joint: fx.GraphModule, names: Iterable[str]) -> int:
+    """Bytes of the distinct storages behind `names` that are not graph inputs (parameters
+    and data are held anyway): views and aliases of one tensor count once."""
+    nodes = {n.name: n for n in joint.graph.nodes}
+    bases = {_base(nodes[name]) for name in names}
+    total = 0
+    for base in bases:
+        value = base.meta.get("val")
+        if base.op != "placeholder" and isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def as_joint_graph(partition: Partition, name: str) -> JointGraph:
+    """The partition's joint graph as a workbench `JointGraph`, for `workbench.viz`."""
+    gm = partition.joint
+    tokens = sum(t.numel() for t in partition.forward_inputs if not t.is_floating_point())
+    return JointGraph(gm, describe_nodes(gm), [], name, "real", tokens)
+
+
+def partition_decisions(graph: JointGraph, recomputed: Iterable[str], why: str) -> Decisions:
+    """A partition as graph-SAC tags, for pictures and `workbench.viz.diff`: forward ops the
+    backward runs again `recompute`, the rest `save` (kept where backward reads them, as a
+    save tag means to the remat pass)."""
+    again = set(recomputed)
+    return {
+        name: Decision(
+            CheckpointPolicy.MUST_RECOMPUTE if name in again else CheckpointPolicy.MUST_SAVE,
+            f"partition:{why}",
+        )
+        for name in forward_ops(graph.gm)
+    }
