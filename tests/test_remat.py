@@ -133,3 +133,20 @@ def test_random_policies_are_bitwise_equal(small: Fixture, data: st.DataObject) 
     assert graph.example_inputs is not None
     assert_bitwise(graph, result.run(graph.example_inputs), eager_step(workload))
     assert result.report.problems == []
+
+
+def test_region_summary_of_the_router() -> None:
+    from workbench.models import load_workload
+    from workbench.policy import Policy, Selector
+    from workbench.remat import region_summary
+    from workbench.trace import trace
+
+    graph = trace(load_workload("dsv3-debug", layers=2, seq=16), mode="real")
+    gate = "layers.*.feed_forward.router.gate::aten.mm.default"
+    router = "layers.1.feed_forward.router"
+    saved = region_summary(graph, remat(graph, Policy("full", [Selector(gate, "save")])), router)
+    again = region_summary(graph, remat(graph, Policy("full")), router)
+    assert [graph.nodes[n].op for n in saved.kept] == ["aten.mm.default"]
+    assert saved.kept_bytes == graph.nodes[saved.kept[0]].bytes
+    assert again.kept == [] and "mm" in again.recomputed_ops and "topk" in again.recomputed_ops
+    assert "mm" not in saved.recomputed_ops

@@ -163,3 +163,38 @@ def remat(graph: JointGraph, policy: Policy | Decisions) -> RematResult:
     for problem in report.problems:
         warnings.warn(problem, RematWarning, stacklevel=2)
     return RematResult(gm=out, decisions=decisions, report=report)
+
+
+@dataclass
+class RegionSummary:
+    """What a rematerialized graph keeps for backward and recomputes inside one module
+    subtree: node names in graph order, bytes kept, and the ops recomputed (short names)."""
+
+    module: str
+    kept: list[str]
+    kept_bytes: int
+    recomputed: list[str]
+    recomputed_ops: list[str]
+
+    def line(self, graph: JointGraph) -> str:
+        kept = ", ".join(f"{n} {_op_short(graph.nodes[n].op)}" for n in self.kept) or "-"
+        ops = ", ".join(self.recomputed_ops) or "-"
+        return f"kept: {kept} | recomputed: {len(self.recomputed)} nodes ({ops})"
+
+
+def _op_short(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) > 2 else op
+
+
+def region_summary(graph: JointGraph, result: RematResult, module: str) -> RegionSummary:
+    """Kept activations and recomputed nodes of `result` whose module is `module` or below."""
+
+    def inside(name: str) -> bool:
+        info = graph.nodes.get(name)
+        return info is not None and (info.module == module or info.module.startswith(module + "."))
+
+    kept = [n for n in result.report.saved_after if inside(n)]
+    recomputed = [n for n in result.report.recomputed_nodes if inside(n)]
+    ops = sorted({_op_short(graph.nodes[n].op) for n in recomputed})
+    return RegionSummary(module, kept, _bytes(graph, kept), recomputed, ops)

@@ -1,0 +1,199 @@
+"""Full-graph capture of an eager SAC model: does `torch.compile(fullgraph=True)` take it?
+
+Entry point: `compile_eager_sac(workload, policy)` runs one compiled train step (forward and
+loss compiled as one graph, backward through AOTAutograd) and reports what happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import functools
+import logging
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from workbench.eager import eager_step
+from workbench.export import export
+from workbench.models import Workload
+from workbench.policy import Policy
+
+PolicyFnFactory = Callable[[], Callable[..., CheckpointPolicy]]
+
+
+@dataclass
+class CaptureResult:
+    """One compiled step. `choices` counts what the policy_fn answered per (module, op) in the
+    original forward (not in recomputation), as it was called under compilation."""
+
+    name: str
+    ok: bool
+    error_type: str = ""
+    error_line: str = ""
+    bitwise_equal: bool = False
+    choices: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+
+    def summary(self) -> str:
+        """One deterministic line: what ran, and how it ended."""
+        if not self.ok:
+            return f"{self.name}: {self.error_type}: {self.error_line}"
+        check = "bitwise equal to eager" if self.bitwise_equal else "NOT bitwise equal to eager"
+        return f"{self.name}: compiled step ran, loss and grads {check}"
+
+    def choice_counts(self, op: str) -> dict[str, int]:
+        """How often `op` (e.g. 'aten.mm.default') was saved / recomputed, by module seen."""
+        counts: dict[str, int] = collections.Counter()
+        for (module, seen_op, choice), n in self.choices.items():
+            if seen_op == op:
+                counts[f"{module or '<no module>'} {choice}"] += n
+        return dict(sorted(counts.items()))
+
+
+def load_policy_module(policy: Policy, name: str) -> types.ModuleType:
+    """The `policy_fn` export as an importable module (dynamo resolves globals by module
+    name, so an exec'd namespace that is not in `sys.modules` cannot be traced)."""
+    module = types.ModuleType(name)
+    source = export(policy, "policy_fn")
+    sys.modules[name] = module
+    exec(compile(source, f"<policy_fn export {name}>", "exec"), module.__dict__)
+    return module
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block run under `torch.utils.checkpoint` with a selective policy (torchtitan style:
+    the policy counts ops in a dict of its own, nothing else changes in forward)."""
+
+    def __init__(self, block: torch.nn.Module, make_policy_fn: PolicyFnFactory) -> None:
+        super().__init__()
+        self.block = block
+
+        # Built here, outside the traced forward: dynamo takes a context_fn defined
+        # before tracing, not a function nested in the code it traces.
+        def context_fn() -> Any:
+            return create_selective_checkpoint_contexts(make_policy_fn())
+
+        self.context_fn = context_fn
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=self.context_fn)
+
+
+def every_other_mm_policy() -> Callable[..., CheckpointPolicy]:
+    """torchtitan's rule as a plain policy_fn: save matmuls (every second mm recomputed),
+    grouped matmuls, attention and top-k; recompute the rest. No module knowledge."""
+    save = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten._grouped_mm.default,
+        torch.ops.aten.topk.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    count: collections.Counter[str] = collections.Counter()
+
+    def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            count[mode] += 1
+            if count[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+def _recording(
+    decide: Callable[..., CheckpointPolicy],
+    choices: collections.Counter[tuple[str, str, str]],
+    module_of: Callable[[], str],
+) -> Callable[..., CheckpointPolicy]:
+    @functools.wraps(decide)
+    def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        choice = decide(ctx, func, *args, **kwargs)
+        if not ctx.is_recompute:
+            action = "save" if choice in _SAVES else "recompute"
+            choices[(module_of(), str(func), action)] += 1
+        return choice
+
+    return policy_fn
+
+
+_SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+@contextlib.contextmanager
+def _quiet_checkpoint_warning() -> Any:
+    """torch warns once per process that a context_fn under compile must avoid in-place ops
+    (a log line with a timestamp and pid); the result reports what matters instead."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def compile_eager_sac(
+    workload: Workload,
+    policy: Policy | None = None,
+    *,
+    policy_fn: PolicyFnFactory | None = None,
+    backend: str = "aot_eager",
+    skip_fwd_side_effects: bool = False,
+    layers_attr: str = "layers",
+) -> CaptureResult:
+    """Wrap a copy of the model's blocks in eager SAC, compile it with `fullgraph=True`, run
+    forward + loss + backward once and compare loss and gradients bitwise with a plain eager
+    step. Eager SAC is either the workbench export of `policy` (module-aware: it keeps a
+    module stack from forward hooks) or a plain `policy_fn` factory (torchtitan style).
+    Errors are caught and reported by type and first line. `skip_fwd_side_effects` sets
+    dynamo's `skip_fwd_side_effects_in_bwd_under_checkpoint` for this call only."""
+    if (policy is None) == (policy_fn is None):
+        raise ValueError("pass exactly one of policy (a workbench Policy) or policy_fn")
+    model = copy.deepcopy(workload.model)
+    choices: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    if policy is not None:
+        name = f"workbench export of {policy.preset!r}"
+        module = load_policy_module(policy, f"sac_workbench_capture_{policy.preset}")
+        decide: Callable[..., CheckpointPolicy] = module.__dict__["policy_fn"]
+        module.policy_fn = _recording(decide, choices, module.current_module)  # type: ignore[attr-defined]
+        model = module.apply_ac(model, layers_attr)
+    else:
+        assert policy_fn is not None
+        name = f"plain policy_fn {getattr(policy_fn, '__name__', 'policy_fn')!r}"
+        blocks = getattr(model, layers_attr)
+        for i, block in enumerate(list(blocks)):
+            blocks[i] = _Checkpointed(block, lambda: _recording(policy_fn(), choices, lambda: ""))
+    if skip_fwd_side_effects:
+        name += " (side effects skipped)"
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    params = list(model.parameters())
+    assert workload.loss_fn is not None
+    try:
+        with (
+            _quiet_checkpoint_warning(),
+            torch._dynamo.config.patch(
+                skip_fwd_side_effects_in_bwd_under_checkpoint=skip_fwd_side_effects
+            ),
+        ):
+            loss = workload.loss_fn(compiled(*workload.inputs), workload.target)
+            grads = torch.autograd.grad(loss, params)
+    except Exception as error:  # reported, not raised: the failure is the result
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return CaptureResult(name, False, type(error).__name__, first, choices=choices)
+    finally:
+        torch._dynamo.reset()
+    reference = eager_step(workload)
+    equal = all(torch.equal(a, b) for a, b in zip([loss.detach(), *grads], reference, strict=True))
+    return CaptureResult(name, True, bitwise_equal=equal, choices=choices)
