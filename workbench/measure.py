@@ -171,6 +171,20 @@ def _measure(
     )
 
 
+def measure_step(
+    name: str,
+    step: Callable[[], list[torch.Tensor]],
+    held: Sequence[Any],
+    tokens: int,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> Measurement:
+    """Any train step as a closure (e.g. a partitioned forward + backward); `held`: the
+    tensors it reads that exist before it runs (parameters, buffers, inputs)."""
+    return _measure(name, step, held, tokens, warmup, repeats)
+
+
 def measure_graph(
     graph: JointGraph,
     gm: fx.GraphModule | None = None,
