@@ -141,3 +141,22 @@ def test_eager_sac_per_submodule_regions() -> None:
     assert split.name == "eager SAC (eager; layers.*.attention, layers.*.feed_forward)"
     reference = measure_eager(workload, None, warmup=0, repeats=1).outputs
     assert all(torch.equal(a, b) for a, b in zip(split.outputs, reference, strict=True))
+
+
+def test_measure_step_counts_what_the_closure_allocates() -> None:
+    """Two 1 MiB float32 outputs held at once by the step, on top of a 4 KiB input."""
+    from workbench.measure import measure_step
+
+    x = torch.ones(1024)
+
+    def step() -> list[torch.Tensor]:
+        a = x.repeat(256)  # 1 MiB
+        b = a * 2  # 1 MiB while a is alive
+        return [a, b]
+
+    m = measure_step("closure", step, [x], tokens=8, warmup=0, repeats=2)
+    assert m.held_bytes == 4096
+    # plus a few bytes: the scalar 2 is wrapped in a 0-dim tensor for the multiplication
+    assert 2 * 2**20 <= m.peak_bytes - 4096 <= 2 * 2**20 + 64
+    assert len(m.all_seconds) == 2 and m.tokens_per_second > 0 and m.name == "closure"
+    assert torch.equal(m.outputs[1], torch.full((256 * 1024,), 2.0))
