@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import fnmatch
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from workbench.errors import WorkbenchError
 from workbench.export import WRAPPED_MARKER, export
 from workbench.graph import JointGraph
 from workbench.models import Workload
-from workbench.policy import Action, Policy, layer_key, node_keys
+from workbench.policy import Action, Policy, layer_key, module_matches, node_keys
 
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 # Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is
@@ -80,11 +79,6 @@ def apply_eager_sac(
     return result
 
 
-def _path_matches(pattern: str, path: str) -> bool:
-    parts, wanted = path.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
-
-
 def apply_eager_sac_to(
     model: nn.Module,
     policy: Policy,
@@ -92,8 +86,8 @@ def apply_eager_sac_to(
     *,
     namespace: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """Wrap every submodule whose path matches one of `regions` (fnmatch per dotted component:
-    `layers.*.attention`) in its own eager SAC region, with the exported `policy_fn`.
+    """Wrap every submodule whose path matches one of `regions` (the selectors' module
+    patterns: `layers.*.attention`) in its own eager SAC region, with the exported `policy_fn`.
 
     The granularity choice `apply_eager_sac` fixes at one region per block: the every-other-
     matmul counter restarts in each region, and what runs outside every region (here, the
@@ -102,7 +96,7 @@ def apply_eager_sac_to(
     `apply_eager_sac`; raises when nothing matches, or when regions nest or are wrapped.
     """
     paths = [
-        name for name, _ in model.named_modules() if any(_path_matches(r, name) for r in regions)
+        name for name, _ in model.named_modules() if any(module_matches(r, name) for r in regions)
     ]
     if not paths:
         children = ", ".join(name for name, _ in model.named_children())

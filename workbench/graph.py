@@ -149,6 +149,12 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def short_op(op: str) -> str:
+    """`aten.mm.default` -> `mm`: the op's name without namespace or overload."""
+    parts = op.split(".")
+    return parts[1] if len(parts) == 3 else op
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]

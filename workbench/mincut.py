@@ -19,7 +19,7 @@ from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from workbench.graph import JointGraph, NodeInfo, describe_nodes
+from workbench.graph import JointGraph, NodeInfo, describe_nodes, short_op
 from workbench.models import Workload
 from workbench.remat import RematResult
 
@@ -42,17 +42,12 @@ class Partition:
         return sum(i.flops for i in self.replayed)
 
 
-def _short(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) > 2 else op
-
-
 def saved_by_op(infos: Iterable[NodeInfo]) -> dict[str, tuple[int, int]]:
     """`op -> (count, bytes)` over saved tensors, largest bytes first, each at its own size.
     Views and getitems are named by what they are (`view`, `getitem`), not their source."""
     table: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for info in infos:
-        row = table[_short(info.op)]
+        row = table[short_op(info.op)]
         row[0] += 1
         row[1] += info.bytes
     return {op: (n, b) for op, (n, b) in sorted(table.items(), key=lambda kv: -kv[1][1])}

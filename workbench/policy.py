@@ -145,12 +145,14 @@ class Selector:
         return self.select.split("::")[1]
 
     def matches(self, info: NodeInfo) -> bool:
-        return _module_matches(self.module_pattern, info.module) and fnmatch.fnmatchcase(
+        return module_matches(self.module_pattern, info.module) and fnmatch.fnmatchcase(
             info.op, self.op_pattern
         )
 
 
-def _module_matches(pattern: str, module: str) -> bool:
+def module_matches(pattern: str, module: str) -> bool:
+    """`layers.*.attention` matches `layers.3.attention`: fnmatch per dotted component, `**`
+    spans any number of components."""
     return _components_match(
         pattern.split(".") if pattern else [], module.split(".") if module else []
     )
@@ -303,7 +305,7 @@ def validate(graph: JointGraph, policy: Policy) -> None:
             continue
         modules = sorted({layer_pattern(i.module) for i in infos} | {i.module for i in infos})
         ops = sorted({i.op for i in infos})
-        if not any(_module_matches(selector.module_pattern, m) for m in modules):
+        if not any(module_matches(selector.module_pattern, m) for m in modules):
             raise WorkbenchError(
                 f"selector {selector.select!r}: no module matches {selector.module_pattern!r}"
                 f"{_suggest(selector.module_pattern, modules)}"

@@ -17,7 +17,7 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
 )
 
 from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph
+from workbench.graph import JointGraph, short_op
 from workbench.policy import Decisions, Policy, decide
 
 RECOMPUTED_SUFFIX = "_recomputed"
@@ -177,14 +177,9 @@ class RegionSummary:
     recomputed_ops: list[str]
 
     def line(self, graph: JointGraph) -> str:
-        kept = ", ".join(f"{n} {_op_short(graph.nodes[n].op)}" for n in self.kept) or "-"
+        kept = ", ".join(f"{n} {short_op(graph.nodes[n].op)}" for n in self.kept) or "-"
         ops = ", ".join(self.recomputed_ops) or "-"
         return f"kept: {kept} | recomputed: {len(self.recomputed)} nodes ({ops})"
-
-
-def _op_short(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) > 2 else op
 
 
 def region_summary(graph: JointGraph, result: RematResult, module: str) -> RegionSummary:
@@ -196,5 +191,5 @@ def region_summary(graph: JointGraph, result: RematResult, module: str) -> Regio
 
     kept = [n for n in result.report.saved_after if inside(n)]
     recomputed = [n for n in result.report.recomputed_nodes if inside(n)]
-    ops = sorted({_op_short(graph.nodes[n].op) for n in recomputed})
+    ops = sorted({short_op(graph.nodes[n].op) for n in recomputed})
     return RegionSummary(module, kept, _bytes(graph, kept), recomputed, ops)

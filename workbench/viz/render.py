@@ -15,7 +15,7 @@ import graphviz
 import torch.fx as fx
 
 from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph
+from workbench.graph import JointGraph, short_op
 from workbench.policy import Decisions
 from workbench.viz.network import (
     DiffRow,
@@ -41,7 +41,6 @@ from workbench.viz.style import (
     kind_rows,
     legend_label,
     node_kind,
-    short_op,
     short_shape,
     svg_id,
 )

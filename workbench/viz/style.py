@@ -1,7 +1,7 @@
 """How pictures look: the colour-blind-safe palette, node kinds, legend rows and units.
 
 Entry points: `node_kind(info, decision)`, `KIND_STYLE`, `legend_label(rows)`, `svg_id` /
-`node_from_svg_id`, and the label helpers `human_bytes`, `human_flops`, `short_op`.
+`node_from_svg_id`, and the label helpers `human_bytes` and `human_flops`.
 """
 
 from __future__ import annotations
@@ -115,12 +115,6 @@ def signed(text: str) -> str:
 
 
 _DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int64": "i64", "int32": "i32"}
-
-
-def short_op(op: str) -> str:
-    """`aten.mm.default` -> `mm`: the op's name without namespace or overload."""
-    parts = op.split(".")
-    return parts[1] if len(parts) == 3 else op
 
 
 def short_shape(info: NodeInfo) -> str:
