@@ -160,3 +160,12 @@ def test_measure_step_counts_what_the_closure_allocates() -> None:
     assert 2 * 2**20 <= m.peak_bytes - 4096 <= 2 * 2**20 + 64
     assert len(m.all_seconds) == 2 and m.tokens_per_second > 0 and m.name == "closure"
     assert torch.equal(m.outputs[1], torch.full((256 * 1024,), 2.0))
+
+
+def test_allocation_granularity_and_rounding() -> None:
+    from workbench.profiles import CUDA_ALLOC_GRANULARITY, allocation_granularity, round_up
+
+    assert allocation_granularity("cpu") == 1
+    assert allocation_granularity(torch.device("cuda", 0)) == CUDA_ALLOC_GRANULARITY == 512
+    assert [round_up(n, 512) for n in (0, 1, 512, 513)] == [0, 512, 512, 1024]
+    assert round_up(7, 1) == 7

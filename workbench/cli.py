@@ -159,15 +159,15 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from workbench.estimate import Estimator
-    from workbench.measure import CUDA_GRANULARITY, check_fits, measure_policy
+    from workbench.measure import check_fits, measure_policy
+    from workbench.profiles import allocation_granularity
     from workbench.trace import trace
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     policy = parse_policy(args.policy)
     fake = trace(_workload_from_args(args, "fake"), "fake")
-    granularity = CUDA_GRANULARITY if args.device == "cuda" else 1
-    guess = Estimator(fake, profiles=()).estimate(policy, granularity)
+    guess = Estimator(fake, profiles=()).estimate(policy, allocation_granularity(args.device))
     check_fits(guess.peak_bytes, 0, torch.device(args.device), fake.model_name)
     workload = _workload_from_args(args, "real", device=args.device)
     result = measure_policy(

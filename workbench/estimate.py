@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph
 from workbench.policy import Decisions, Policy, decide
-from workbench.profiles import DeviceProfile, get_profile
+from workbench.profiles import DeviceProfile, get_profile, round_up
 from workbench.remat import RECOMPUTED_SUFFIX, RematResult
 
 CATEGORIES: tuple[str, ...] = ("parameters", "inputs", "gradients", "activations", "temporaries")
@@ -217,8 +217,10 @@ class Estimator:
 
         Views, getitems, placeholders and the output move no data."""
         seconds: list[float] = []
-        for node, info, slots in zip(nodes, infos, self.slots, strict=True):
-            if node.op != "call_function" or info.is_view or self.is_getitem[len(seconds)]:
+        for node, info, slots, getitem in zip(
+            nodes, infos, self.slots, self.is_getitem, strict=True
+        ):
+            if node.op != "call_function" or info.is_view or getitem:
                 seconds.append(0.0)
                 continue
             written = sum(s for s in slots if isinstance(s, int))
@@ -376,7 +378,7 @@ class Estimator:
                     if slot == 0:
                         continue
                     sid = len(sizes)
-                    sizes.append(-(-slot // granularity) * granularity)
+                    sizes.append(round_up(slot, granularity))
                     owner.append(e)
                     allocated_at.append(p)
                 else:
@@ -400,12 +402,9 @@ class Estimator:
         forever = set(args[self.output])
         forever.update(e for e in order if e < n and phase[e] == "input")
         dying: dict[int, list[int]] = defaultdict(list)
-        for e, p in last_use.items():
-            if e not in forever:
-                dying[p].append(e)
         for p, e in enumerate(order):
-            if e not in last_use and e not in forever:
-                dying[p].append(e)
+            if e not in forever:
+                dying[last_use.get(e, p)].append(e)
 
         steps = len(order)
         refs = [0] * len(sizes)

@@ -28,10 +28,9 @@ from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.models import Workload, available_bytes
 from workbench.policy import Policy
+from workbench.profiles import allocation_granularity, round_up
 from workbench.remat import remat
 from workbench.trace import trace
-
-CUDA_GRANULARITY = 512  # the caching allocator rounds every block up to this
 
 
 @dataclass
@@ -77,7 +76,7 @@ def held_bytes(tensors: Iterable[Any], granularity: int = 1) -> int:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = -(-storage.nbytes() // granularity) * granularity
+            seen[storage.data_ptr()] = round_up(storage.nbytes(), granularity)
     return sum(seen.values())
 
 
@@ -152,13 +151,8 @@ def _measure(
         sync()
         times.append(time.perf_counter() - start)
     gc.collect()
-    if device.type == "cuda":
-        extra, outputs = _cuda_peak(run, device)
-        granularity = CUDA_GRANULARITY
-    else:
-        extra, outputs = _cpu_peak(run)
-        granularity = 1
-    held = held_bytes(inputs, granularity)
+    extra, outputs = _cuda_peak(run, device) if device.type == "cuda" else _cpu_peak(run)
+    held = held_bytes(inputs, allocation_granularity(device))
     return Measurement(
         name=name,
         device=str(device),
@@ -282,17 +276,17 @@ def measure_policy(
     warmup: int = 1,
     repeats: int = 5,
     graph: JointGraph | None = None,
+    estimator: Estimator | None = None,
 ) -> PolicyMeasurement:
     """Trace, remat with torch's pass, estimate, refuse what cannot fit, run, and compare
-    loss and gradients bitwise with a plain eager step."""
+    loss and gradients bitwise with a plain eager step. `graph` and `estimator`: already
+    built ones of this workload, so they are not built again."""
     graph = graph if graph is not None else trace(workload, mode="real")
     assert graph.example_inputs is not None
     device = _device_of(graph.example_inputs)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
     result = remat(graph, policy)
-    granularity = CUDA_GRANULARITY if device.type == "cuda" else 1
-    est = estimate_remat(graph, result, Estimator(graph, profiles=()), granularity)
+    estimator = estimator or Estimator(graph, profiles=())
+    est = estimate_remat(graph, result, estimator, allocation_granularity(device))
     check_fits(est.peak_bytes, held_bytes(graph.example_inputs), device, workload.name)
     measured = measure_graph(
         graph, result.gm, name=f"graph SAC ({policy.preset})", warmup=warmup, repeats=repeats

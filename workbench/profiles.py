@@ -23,14 +23,12 @@ from workbench.errors import WorkbenchError
 @dataclass(frozen=True)
 class DeviceProfile:
     """Rates a roofline needs. `matmul_flops_per_s` is keyed by dtype name; ops the flop
-    counter does not count are memory-bound at `bytes_per_s`. `alloc_granularity` rounds
-    every allocation up, like CUDA's caching allocator (512 B blocks)."""
+    counter does not count are memory-bound at `bytes_per_s`."""
 
     name: str
     description: str
     matmul_flops_per_s: dict[str, float]
     bytes_per_s: float
-    alloc_granularity: int = 1
 
     def matmul_rate(self, dtype: str | None) -> float:
         return self.matmul_flops_per_s.get(dtype or "float32", self.matmul_flops_per_s["float32"])
@@ -46,7 +44,6 @@ H100 = DeviceProfile(
     description="NVIDIA H100 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 3.35 TB/s",
     matmul_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     bytes_per_s=3.35e12,
-    alloc_granularity=512,
 )
 # The same compute as the H100, with HBM3e's bandwidth.
 H200 = replace(
@@ -55,6 +52,19 @@ H200 = replace(
     description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
     bytes_per_s=4.8e12,
 )
+
+
+# CUDA's caching allocator rounds every block up to a multiple of this; the CPU's does not.
+CUDA_ALLOC_GRANULARITY = 512
+
+
+def allocation_granularity(device: torch.device | str) -> int:
+    """What one allocation of `device` is rounded up to, as `max_memory_allocated` counts."""
+    return CUDA_ALLOC_GRANULARITY if torch.device(device).type == "cuda" else 1
+
+
+def round_up(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity
 
 
 def _cache_path() -> Path:

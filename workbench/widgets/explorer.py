@@ -300,7 +300,13 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             )
         self.running, self.status = True, "rematerializing with torch's pass and measuring…"
         try:
-            result = measure_policy(self.workload, self.policy, graph=self.graph, repeats=repeats)
+            result = measure_policy(
+                self.workload,
+                self.policy,
+                graph=self.graph,
+                estimator=self.estimator,
+                repeats=repeats,
+            )
         finally:
             self.running = False
         summary = {**result.to_json(), "policy": self.policy.to_json()}
