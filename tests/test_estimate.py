@@ -191,3 +191,20 @@ def test_whatif_refuses_graphs_with_aot_autograd_tags(llama_debug: Fixture) -> N
     tagged = JointGraph(gm, graph.nodes, graph.inputs, graph.model_name, graph.mode, 1)
     with pytest.raises(WorkbenchError, match="AOTAutograd tags \\(ac_graph_id\\).*estimate_remat"):
         Estimator(tagged, PROFILES).estimate(Policy("full"))
+
+
+def test_backward_readers_follow_views(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    estimator = Estimator(graph, PROFILES)
+    node = next(n for n in graph.gm.graph.nodes if n.name == "mm_4")  # feed_forward.w1
+    direct = [u.name for u in node.users if graph.nodes[u.name].phase == "backward"]
+    readers = estimator.backward_readers("mm_4")
+    assert direct == [] and readers  # backward reads it only through its views
+    views = [u for u in node.users if graph.nodes[u.name].phase == "forward"]
+    through_views = {
+        r.name for v in views for r in v.users if graph.nodes[r.name].phase == "backward"
+    }
+    assert through_views <= set(readers)
+    assert all(graph.nodes[r].phase == "backward" for r in readers)
+    assert any(r.startswith("silu_backward") for r in readers)
+    assert estimator.backward_readers("mm") == []  # wq's output: backward never needs it

@@ -229,6 +229,23 @@ class Estimator:
             seconds.append(max(compute, (read + written) / profile.bytes_per_s))
         return seconds
 
+    def backward_readers(self, name: str) -> list[str]:
+        """Backward ops that read `name`'s output, directly or through forward views of its
+        storage (a matmul's output is often read by backward only via its `_unsafe_view`)."""
+        readers: set[str] = set()
+        todo, seen = [self.index_of[name]], set()
+        while todo:
+            i = todo.pop()
+            for u in self.users[i]:
+                if self.phase[u] == "backward":
+                    readers.add(self.names[u])
+                elif u not in seen and any(
+                    isinstance(slot, tuple) and self.args[u][slot[0]] == i for slot in self.slots[u]
+                ):
+                    seen.add(u)
+                    todo.append(u)
+        return sorted(readers)
+
     # --- the remat pass on indices ---------------------------------------------------------
 
     def recompute_set(self, decisions: Decisions) -> list[bool]:

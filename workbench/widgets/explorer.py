@@ -120,7 +120,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._undo: list[Policy] = []
         self._redo: list[Policy] = []
         self._decisions: Decisions = {}
-        self._estimate: Estimate | None = None
+        self._preset_decisions: dict[str, Decisions] = {}
         infos = [i for i in self.graph.nodes.values() if decidable(i)]
         self.modules = sorted({layer_pattern(i.module) for i in infos})
         self.ops = sorted({i.op for i in infos})
@@ -401,16 +401,16 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
     def _refresh(self, record: bool = False) -> None:
         self._decisions = decide(self.graph, self.policy)
-        self._estimate = self.estimator.estimate(self._decisions)
+        estimate = self.estimator.estimate(self._decisions)
         self.policy_json = self.policy.to_json()
         self.can_undo, self.can_redo = bool(self._undo), bool(self._redo)
-        self.metrics = self._metrics(self._estimate)
+        self.metrics = self._metrics(estimate)
         self.export_code = export(self.policy, self.export_format, graph=self.graph)
         if self.selected:
             self.details = self._details(self.selected)
         self._draw()
         if record:
-            self._add_point(self._estimate.peak_bytes, self._step_seconds(self._estimate))
+            self._add_point(estimate.peak_bytes, self._step_seconds(estimate))
             self._autosave()
 
     def _draw(self) -> None:
@@ -469,28 +469,14 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         changes = len(policy["selectors"]) + len(policy["overrides"])
         return policy["preset"] + (f" + {changes} edits" if changes else "")
 
-    def _backward_readers(self, name: str) -> list[str]:
-        """Backward ops reading this value, directly or through views of its storage."""
-        est = self.estimator
-        readers: list[str] = []
-        todo, seen = [est.index_of[name]], set()
-        while todo:
-            i = todo.pop()
-            for u in est.users[i]:
-                if est.phase[u] == "backward":
-                    readers.append(est.names[u])
-                elif u not in seen and any(
-                    isinstance(slot, tuple) and est.args[u][slot[0]] == i for slot in est.slots[u]
-                ):
-                    seen.add(u)
-                    todo.append(u)
-        return sorted(set(readers))
-
     def _details(self, name: str) -> dict[str, Any]:
         info = self.graph.nodes[name]
         decision = self._decisions.get(name)
-        preset = decide(self.graph, Policy(self.policy.preset)).get(name)
-        consumers = self._backward_readers(name)
+        preset_name = self.policy.preset
+        if preset_name not in self._preset_decisions:
+            self._preset_decisions[preset_name] = decide(self.graph, Policy(preset_name))
+        preset = self._preset_decisions[preset_name].get(name)
+        consumers = self.estimator.backward_readers(name)
         return {
             "name": name,
             "op": info.op,
