@@ -11,14 +11,18 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import DTYPES, Workload, load_workload
 from workbench.policy import parse_policy
 from workbench.trace import timed_trace
+
+if TYPE_CHECKING:
+    from workbench.estimate import Estimator
 
 EXIT_USAGE = 2
 
@@ -36,6 +40,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="batch size")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise WorkbenchError(f"{flag} must be a positive integer, got {value}")
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
@@ -61,8 +70,7 @@ def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
-    if args.repeat < 1:
-        raise WorkbenchError(f"--repeat must be a positive integer, got {args.repeat}")
+    _check_positive("--repeat", args.repeat)
     times, summary = [], {}
     for _ in range(args.repeat):
         graph, seconds = _trace_from_args(args)
@@ -180,14 +188,12 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     """Random flips: what-if time per flip vs the full path (tag, torch's pass, simulate),
     and whether both gave equal figures."""
     import random
-    import time
 
     from workbench.estimate import Estimator, estimate_remat
     from workbench.policy import decide, flip
     from workbench.remat import remat
 
-    if args.flips < 1:
-        raise WorkbenchError(f"--flips must be a positive integer, got {args.flips}")
+    _check_positive("--flips", args.flips)
     graph, trace_seconds = _trace_from_args(args)
     estimator = Estimator(graph)
     policy = parse_policy(args.policy)
@@ -223,8 +229,6 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
     """Draw one view of the policy's decisions to --out (.svg, .png, .pdf or .dot)."""
-    import time
-
     from workbench.policy import decide
     from workbench.viz import parse_view, render_view
 
@@ -246,13 +250,10 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     """Time the overview and one layer's view (build + `dot` layout to SVG), median of
     --repeat runs; tracing and deciding are timed apart."""
-    import time
-
     from workbench.policy import decide
     from workbench.viz import render_view
 
-    if args.repeat < 1:
-        raise WorkbenchError(f"--repeat must be a positive integer, got {args.repeat}")
+    _check_positive("--repeat", args.repeat)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
     decisions = decide(graph, parse_policy(args.policy))
@@ -279,7 +280,7 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _budget_from_args(args: argparse.Namespace, graph: JointGraph, estimator: Any) -> int:
+def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
     from workbench.policy import Policy
 
     if args.budget_bytes is not None:
@@ -298,7 +299,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
 
     graph, trace_seconds = _trace_from_args(args)
     estimator = Estimator(graph, (args.profile,))
-    budget = _budget_from_args(args, graph, estimator)
+    budget = _budget_from_args(args, estimator)
     solution = solve(
         graph,
         budget,
@@ -317,8 +318,6 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
-    import time
-
     from workbench.estimate import Estimator
     from workbench.solve import Solution, pareto, preset_points
 

@@ -456,8 +456,7 @@ def flip(
     key = node_keys(graph)[node]
     overrides = dict(policy.overrides)
     if all_layers:
-        suffix = key.split("::", 1)[1]
-        pattern = key.split("::", 1)[0]
+        pattern, _, suffix = key.partition("::")
         for other in list(overrides):
             module, _, rest = other.partition("::")
             if rest == suffix and layer_pattern(module) == pattern:
