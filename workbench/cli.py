@@ -237,7 +237,7 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     decisions = decide(graph, parse_policy(args.policy))
     view = render_view(graph, decisions, args.view, policy_name=args.policy, force=args.force)
-    path = view.write(args.out)
+    path = view.write(args.out, overwrite=args.overwrite)
     return {
         "path": str(path),
         "view": args.view,
@@ -461,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     render.add_argument("--out", required=True, help="file to write: .svg, .png, .pdf or .dot")
     render.add_argument("--force", action="store_true", help="lay out huge views anyway")
+    render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     render.set_defaults(run=cmd_render)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.files import write_file
 from workbench.graph import JointGraph
 from workbench.policy import COMPUTE_INTENSIVE_OPS, MATMUL_OPS, Policy, validate
 
@@ -33,43 +33,9 @@ def export(policy: Policy, fmt: str, graph: JointGraph | None = None) -> str:
 
 
 def write_export(text: str, path: str | os.PathLike[str], overwrite: bool = False) -> Path:
-    """Write `text` atomically (temp file + rename). An existing file is kept unless
+    """Write `text` (see `workbench.files.write_file`). An existing file is kept unless
     `overwrite`: exported code is often edited by hand afterwards."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise WorkbenchError(f"cannot write {str(target)!r}: folder {str(target.parent)!r} missing")
-    if target.exists() and not overwrite:
-        raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)
-        if overwrite:
-            os.replace(tmp, target)
-        else:
-            _link_or_move(tmp, target)
-    except FileExistsError:
-        raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it") from None
-    except OSError as err:
-        raise WorkbenchError(f"cannot write {str(target)!r}: {err.strerror}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _link_or_move(tmp: str, target: Path) -> None:
-    """A hard link fails if the target appeared since the check, so it never clobbers; on
-    file systems without hard links, fall back to a rename after one more check."""
-    try:
-        os.link(tmp, target)
-    except FileExistsError:
-        raise
-    except OSError:
-        if target.exists():
-            raise FileExistsError(str(target)) from None
-        os.replace(tmp, target)
+    return write_file(path, text, overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import difflib
 import fnmatch
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Literal
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.errors import WorkbenchError
+from workbench.files import write_file
 from workbench.graph import JointGraph, NodeInfo, layer_pattern
 
 SCHEMA = "sac-workbench/policy"
@@ -241,15 +241,7 @@ class Policy:
 
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write atomically; an existing file is replaced only when `overwrite` is set."""
-        target = Path(path)
-        if target.exists() and not overwrite:
-            raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it")
-        fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(self.to_json(), handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, target)
-        return target
+        return write_file(path, json.dumps(self.to_json(), indent=2) + "\n", overwrite=overwrite)
 
 
 def parse_policy(spec: str) -> Policy:

@@ -8,6 +8,7 @@ are bare `Figure`s drawn by Agg: the global pyplot backend is left alone.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from workbench.errors import WorkbenchError
+from workbench.files import write_file
 from workbench.viz.style import BLUE, ORANGE, PURPLE, SKY, VERMILLION, YELLOW
 
 PALETTE = [BLUE, ORANGE, "#009E73", VERMILLION, SKY, PURPLE, YELLOW, "#999999"]
@@ -173,11 +175,13 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]]) -> Figure:
     return fig
 
 
-def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Save with no date and a fixed SVG hash salt: the same data give identical files."""
+def save_figure(fig: Figure, path: str | Path, overwrite: bool = False) -> Path:
+    """Save with no date and a fixed SVG hash salt: the same data give identical files.
+    An existing file is kept unless `overwrite`."""
     target = Path(path)
     fmt = target.suffix.lstrip(".").lower()
     metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
+    buffer = io.BytesIO()
     with matplotlib.rc_context({"svg.hashsalt": "sac-workbench"}):
-        fig.savefig(target, metadata=metadata)
-    return target
+        fig.savefig(buffer, format=fmt or None, metadata=metadata)
+    return write_file(target, buffer.getvalue(), overwrite=overwrite)

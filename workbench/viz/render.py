@@ -15,6 +15,7 @@ import graphviz
 import torch.fx as fx
 
 from workbench.errors import WorkbenchError
+from workbench.files import write_file
 from workbench.graph import JointGraph, short_op
 from workbench.policy import Decisions
 from workbench.viz.network import (
@@ -72,8 +73,8 @@ class View:
     def svg(self) -> str:
         return to_svg(self.dot)
 
-    def write(self, path: str | Path) -> Path:
-        return write(self.dot, path)
+    def write(self, path: str | Path, overwrite: bool = False) -> Path:
+        return write(self.dot, path, overwrite)
 
     def _repr_svg_(self) -> str:
         return self.svg()
@@ -317,8 +318,9 @@ def to_svg(dot: graphviz.Digraph) -> str:
     return dot.pipe(format="svg", encoding="utf-8")
 
 
-def write(dot: graphviz.Digraph, path: str | Path) -> Path:
-    """Write SVG, PNG, PDF or DOT source, chosen by the file suffix."""
+def write(dot: graphviz.Digraph, path: str | Path, overwrite: bool = False) -> Path:
+    """Write SVG, PNG, PDF or DOT source, chosen by the file suffix (never replacing an
+    existing file unless `overwrite`)."""
     target = Path(path)
     fmt = target.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
@@ -326,8 +328,5 @@ def write(dot: graphviz.Digraph, path: str | Path) -> Path:
             f"cannot write {str(target)!r}: suffix must be one of "
             f"{', '.join('.' + f for f in FORMATS)}"
         )
-    if fmt == "dot":
-        target.write_text(dot.source)
-    else:
-        target.write_bytes(dot.pipe(format=fmt))
-    return target
+    data = dot.source if fmt == "dot" else dot.pipe(format=fmt)
+    return write_file(target, data, overwrite=overwrite)

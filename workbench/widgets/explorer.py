@@ -18,6 +18,7 @@ import traitlets
 from workbench.errors import WorkbenchError
 from workbench.estimate import Estimate, Estimator
 from workbench.export import FORMATS, export
+from workbench.files import write_file
 from workbench.graph import JointGraph, layer_pattern
 from workbench.models import Workload, load_workload
 from workbench.policy import (
@@ -283,7 +284,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 f"{str(target)!r} exists and was not written by this explorer (or was edited "
                 "since): choose another export path"
             )
-        target.write_text(self.export_code)
+        write_file(target, self.export_code, overwrite=target.exists())
         self._written_exports[target] = self.export_code
         self.message = f"saved {self.export_format} export to {target}"
         return target

@@ -1,0 +1,68 @@
+"""One way to write a user-visible file: atomic, never clobbering unless asked.
+
+Entry point: `write_file(path, data, overwrite=False) -> Path`. Every writer of the workbench
+(policy save, export, render, figures, autosave) goes through it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+
+__all__ = ["write_file"]
+
+
+def write_file(path: str | os.PathLike[str], data: str | bytes, *, overwrite: bool = False) -> Path:
+    """Write `data` to `path` through a temporary file in the same folder.
+
+    Without `overwrite`, an existing file (or a dangling symbolic link) is never replaced,
+    also when it appears between the check and the write: the final step is a hard link,
+    which fails if the name exists. With `overwrite`, the rename replaces the file (a
+    symbolic link is replaced itself, never followed). Refuses a folder, a missing folder
+    and an unwritable one with a one-line error.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise WorkbenchError(f"cannot write {str(target)!r}: it is a folder; name a file")
+    folder = target.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "is missing"
+        raise WorkbenchError(f"cannot write {str(target)!r}: folder {str(folder)!r} {what}")
+    if not overwrite and os.path.lexists(target):
+        raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as err:
+        raise WorkbenchError(f"cannot write {str(target)!r}: {err.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o644)
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            _link_new(tmp, target)
+    except FileExistsError:
+        raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it") from None
+    except OSError as err:
+        raise WorkbenchError(f"cannot write {str(target)!r}: {err.strerror}") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _link_new(tmp: str, target: Path) -> None:
+    """A hard link fails if the target appeared since the check, so it never clobbers; on
+    file systems without hard links, fall back to a rename after one more check."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise
+    except OSError:
+        if os.path.lexists(target):
+            raise FileExistsError(str(target)) from None
+        os.replace(tmp, target)
