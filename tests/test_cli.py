@@ -240,3 +240,15 @@ def test_estimate_command_errors(
 def test_measure_cuda_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["measure", "--model", "llama3-debug", "--device", "cuda", "--json"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug"])
+def test_estimate_and_verify_report_the_same_saved_bytes(
+    capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    size = ["--layers", "2", "--seq", "32"]
+    for preset in ("none", "default", "eager", "full"):
+        est = run_json(capsys, "estimate", "--model", model, *size, "--policy", preset, "--json")
+        ver = run_json(capsys, "verify", "--model", model, *size, "--policy", preset, "--json")
+        assert ver["bitwise_equal"]
+        assert est["saved_activation_bytes"] == ver["saved_activation_bytes"] > 0, preset

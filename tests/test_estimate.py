@@ -16,6 +16,7 @@ from workbench.policy import Policy, decide, flip
 from workbench.profiles import DeviceProfile
 from workbench.remat import copy_graph_module, remat
 from workbench.trace import trace
+from workbench.viz import overview
 
 Fixture = tuple[Workload, JointGraph]
 PRESETS = ["none", "default", "eager", "full"]
@@ -208,3 +209,18 @@ def test_backward_readers_follow_views(llama_debug: Fixture) -> None:
     assert all(graph.nodes[r].phase == "backward" for r in readers)
     assert any(r.startswith("silu_backward") for r in readers)
     assert estimator.backward_readers("mm") == []  # wq's output: backward never needs it
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("model", ["llama_debug", "dsv3_debug"])
+def test_one_definition_of_saved_bytes(
+    model: str, preset: str, request: pytest.FixtureRequest
+) -> None:
+    """The what-if, torch's remat output (verify's report) and the overview header agree."""
+    _, graph = request.getfixturevalue(model)
+    est = Estimator(graph).estimate(Policy(preset))
+    report = remat(graph, Policy(preset)).report
+    assert report.saved_bytes_after == est.saved_activation_bytes > 0
+    assert report.saved_bytes_by_node_after == est.saved_by_node
+    assert overview(graph, decide(graph, Policy(preset))).saved_bytes == est.saved_activation_bytes
+    assert report.to_json()["saved_activation_bytes"] == est.to_json()["saved_activation_bytes"]

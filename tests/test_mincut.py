@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from workbench.eager import eager_step
-from workbench.mincut import min_cut_partition, saved_by_op, split_saved
+from workbench.mincut import min_cut_partition, read_by_backward, saved_by_op, split_saved
 from workbench.models import load_workload
 from workbench.policy import Policy
 from workbench.remat import remat
@@ -29,8 +29,9 @@ def test_budget_trades_saved_bytes_for_recompute() -> None:
 def test_split_saved_puts_weight_transposes_with_inputs() -> None:
     graph = trace(load_workload("llama3-debug", layers=1, seq=32), mode="real")
     result = remat(graph, Policy("none"))
-    saved = split_saved(result.gm, graph.nodes, result.report.saved_after)
-    assert len(saved.activations) + len(saved.aliases) == len(result.report.saved_after)
+    read = read_by_backward(graph, result)
+    saved = split_saved(result.gm, graph.nodes, read)
+    assert len(saved.activations) + len(saved.aliases) == len(read)
     assert any(i.op == "aten.t.default" for i in saved.aliases)
     assert all(i.op != "aten.t.default" for i in saved.activations)
     assert 0 < saved.bytes <= sum(i.bytes for i in saved.activations)

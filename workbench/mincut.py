@@ -20,7 +20,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from workbench.graph import JointGraph, NodeInfo, describe_nodes, short_op
-from workbench.index import distinct_storage_bytes
+from workbench.index import distinct_storage_bytes, graph_index
 from workbench.models import Workload
 from workbench.remat import RematResult
 
@@ -82,8 +82,16 @@ def split_saved(gm: fx.GraphModule, infos: dict[str, NodeInfo], names: Iterable[
 
 
 def graph_sac_saved(graph: JointGraph, result: RematResult) -> Saved:
-    """What a graph SAC result keeps for backward."""
-    return split_saved(result.gm, graph.nodes, result.report.saved_after)
+    """What a graph SAC result hands from forward to backward, as the partitioner's saved
+    outputs are counted (the values backward reads, split into activations and aliases)."""
+    return split_saved(result.gm, graph.nodes, read_by_backward(graph, result))
+
+
+def read_by_backward(graph: JointGraph, result: RematResult) -> list[str]:
+    """Forward nodes that the rewritten graph's backward reads directly, in graph order."""
+    index = graph_index(graph)
+    read = index.read_directly(index.schedule_of(result.gm))
+    return [name for name in graph.nodes if name in read]
 
 
 def _replayed(bw_gm: fx.GraphModule, infos: dict[str, NodeInfo]) -> list[NodeInfo]:

@@ -26,18 +26,20 @@ def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> list[boo
     return flags
 
 
-def replay(index: GraphIndex, recompute: Sequence[bool]) -> Schedule:
+def replay(index: GraphIndex, recompute: Sequence[bool], allow_random: bool = False) -> Schedule:
     """Node order and inputs of the graph `remat_using_tags_for_fwd_loss_bwd_graph` would
     produce: the forward as is, each backward node preceded by the recompute-tagged forward
     nodes it needs (in forward order, each copied once), then dead-code elimination with
-    torch's own impurity test, and getitems raised to their producers."""
+    torch's own impurity test, and getitems raised to their producers. Random ops tagged
+    recompute are refused as torch refuses them, unless `allow_random` (partitioner tags
+    in the studies, whose pass replays RNG: their schedule is only read for bytes)."""
     n, args0 = index.n, index.args
     identity = index.identity()
     chosen = [i for i in range(n) if recompute[i]]
     if not chosen:
         return identity
     random = [index.names[i] for i in chosen if index.is_random[i]]
-    if random:
+    if random and not allow_random:
         raise WorkbenchError(
             f"random ops cannot be recomputed by torch's remat pass: {', '.join(random[:3])}"
         )
@@ -117,8 +119,10 @@ def _raise_getitems(
 
 def kept_for_backward(graph: JointGraph, decisions: Mapping[str, Tag] | None) -> dict[str, int]:
     """Saved activation bytes by forward node once `decisions` are rematerialized (the
-    joint graph as traced when None): `GraphIndex.saved_by_node` of the replayed schedule."""
+    joint graph as traced when None): `GraphIndex.saved_by_node` of the replayed schedule.
+    Pictures and diffs read it, also for partitioner tags that recompute random ops."""
     index = graph_index(graph)
     if decisions is None:
         return index.saved_by_node(index.identity())
-    return index.saved_by_node(replay(index, recompute_flags(index, decisions)))
+    flags = recompute_flags(index, decisions)
+    return index.saved_by_node(replay(index, flags, allow_random=True))
