@@ -269,7 +269,7 @@ def shard_workload(
     check_tp_shapes(workload, parallel)
     model = copy.deepcopy(workload.model)
     if parallel.tp > 1:
-        plan = tp_plan or getattr(workload, "tp_plan", None) or reference_tp_plan(model)
+        plan = tp_plan or workload.tp_plan or reference_tp_plan(model)
         if plan is None:
             raise WorkbenchError(
                 f"--tp {parallel.tp}: model {workload.name!r} has no tensor-parallel plan; give "
