@@ -90,7 +90,9 @@ def test_rank_graph_node_facts(model: str, rank_graphs: dict[str, JointGraph]) -
         "layers.0.attention_norm.weight",
         "layers.0.attention.wq.weight",
     ]
-    shapes = {s.fqn: graph.nodes[s.placeholder].shapes[0] for s in graph.inputs if s.kind == "param"}
+    shapes = {
+        s.fqn: graph.nodes[s.placeholder].shapes[0] for s in graph.inputs if s.kind == "param"
+    }
     # wq: heads split by tp, rows again by fsdp; norms: rows by fsdp only; embedding: vocab
     # split by tp (row-wise parallel) and by fsdp
     assert shapes["layers.0.attention.wq.weight"] == (256 // 4, 256)

@@ -71,9 +71,7 @@ def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
-    return timed_trace(
-        _workload_from_args(args, args.mode), args.mode, _parallel_from_args(args)
-    )
+    return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
 
 
 def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:

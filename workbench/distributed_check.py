@@ -60,8 +60,13 @@ def check_rank(rank: RankWorkload, presets: list[str]) -> list[RankCheck]:
 
 
 def _worker(
-    index: int, port: int, queue: Any, spec: str, parallel: Parallel, presets: list[str],
-    shape: dict[str, int | None],
+    index: int,
+    port: int,
+    queue: Any,
+    spec: str,
+    parallel: Parallel,
+    presets: list[str],
+    shape: dict[str, Any],
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -103,7 +108,7 @@ def check_ranks(
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     queue = context.SimpleQueue()
-    shape = {"layers": layers, "seq": seq, "batch": batch}
+    shape: dict[str, Any] = {"layers": layers, "seq": seq, "batch": batch}
     mp.start_processes(
         _worker,
         args=(_free_port(), queue, spec, parallel, presets, shape),

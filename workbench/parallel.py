@@ -244,7 +244,7 @@ class RankWorkload:
         """This rank's parameter shards, detached leaves in `shards` order."""
         named = dict(self.workload.model.named_parameters())
         return [
-            named[s.key].to_local().detach().requires_grad_(named[s.key].requires_grad)
+            _local(named[s.key]).detach().requires_grad_(named[s.key].requires_grad)
             for s in self.shards
         ]
 
@@ -321,7 +321,11 @@ def _shard_parameters(
             )
             full_shape = param.shape
             dtensor = DTensor.from_local(
-                shard, mesh, placements, run_check=False, shape=full_shape,
+                shard,
+                mesh,
+                placements,
+                run_check=False,
+                shape=full_shape,
                 stride=_contiguous_stride(full_shape),
             )
             done[id(param)] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
@@ -334,7 +338,7 @@ def _shard_parameters(
         ParamShard(
             fqn=_clean_fqn(key),
             key=key,
-            placements=tuple(p.placements),
+            placements=tuple(p.placements) if isinstance(p, DTensor) else (),
             shape=p.shape,
             stride=tuple(p.stride()),
         )

@@ -123,7 +123,7 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         check_grads(workload, list(params), grads)
         return [loss, *grads]
 
-    kinds = [
+    kinds: list[tuple[InputKind, str]] = [
         *(("param", name) for name in params),
         *(("buffer", name) for name in buffers),
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
