@@ -166,6 +166,13 @@ def _llama(**changes: int) -> Workload:
     return Workload(model, ids[:, :-1], ids[:, 1:], name="tiny")
 
 
+def test_tied_embeddings_stay_tied_under_tp() -> None:
+    workload = _llama(tie_embeddings=True)
+    graph = trace(workload, "fake", Parallel(fsdp=2, tp=2))
+    assert len(graph.param_names) == len(list(workload.model.parameters()))
+    assert "output.weight" not in graph.param_names
+
+
 @pytest.mark.parametrize(
     ("workload", "parallel", "message"),
     [

@@ -276,15 +276,43 @@ def shard_workload(
                 "one as workload.tp_plan (or shard_workload's tp_plan): a dict {module path: "
                 "ParallelStyle} for parallelize_module or a callable(model, tp_mesh); or use --tp 1"
             )
+        tied = _tied_parameters(model)
         if callable(plan):
             plan(model, mesh["tp"])
         else:
             parallelize_module(model, mesh["tp"], plan)
+        _retie(tied, workload.name)
     shards = _shard_parameters(model, workload.name, parallel, mesh)
     sharded = copy.copy(workload)
     sharded.model = model
     sharded.config = {**workload.config, **parallel.to_json()}
     return RankWorkload(sharded, parallel, mesh, shards)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Parameters shared by several modules (tied embeddings), as (path, module, name)."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((path, module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(tied: list[list[tuple[str, nn.Module, str]]], model_name: str) -> None:
+    """parallelize_module gives each module its own DTensor parameter: tie them again
+    when TP placed them alike, and refuse when it did not."""
+    for (path, module, name), *others in tied:
+        first = module._parameters[name]
+        for other_path, other, other_name in others:
+            param = other._parameters[other_name]
+            if getattr(param, "placements", None) != getattr(first, "placements", None):
+                raise WorkbenchError(
+                    f"tied parameters {path}.{name} and {other_path}.{other_name} of "
+                    f"{model_name!r} get different tensor-parallel placements; untie them "
+                    "or give both modules the same sharding"
+                )
+            other._parameters[other_name] = first
 
 
 def _shard_parameters(
