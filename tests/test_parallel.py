@@ -136,6 +136,8 @@ def test_real_rank_graph_runs_in_a_fake_group_and_matches_its_eager_shapes() -> 
         outputs = graph.run()
         eager = eager_rank_step(shard_workload(workload, parallel, mesh))
     assert not dist.is_initialized()
+    with pytest.raises(WorkbenchError, match="runs collectives: run it inside the process group"):
+        graph.run()
     assert [t.shape for t in outputs] == [t.shape for t in eager]
     assert [t.dtype for t in outputs[1:]] == [torch.float32] * len(graph.param_names)
     # the caller's model is left unsharded

@@ -181,13 +181,19 @@ class JointGraph:
 
     def run(self, inputs: Sequence[Any] | None = None) -> list[torch.Tensor]:
         """Execute the step under no_grad (the graph already holds the backward)."""
+        from workbench.errors import WorkbenchError
+
         args = list(inputs) if inputs is not None else self.example_inputs
         if args is None:
-            from workbench.errors import WorkbenchError
-
             raise WorkbenchError(
                 f"graph of {self.model_name!r} was traced in fake mode and holds no tensors: "
                 "trace with mode='real' or pass inputs"
+            )
+        if self.mesh_dims and not torch.distributed.is_initialized():
+            raise WorkbenchError(
+                f"per-rank graph of {self.model_name!r} runs collectives: run it inside the "
+                "process group it was traced in (workbench.parallel.fake_process_group and "
+                "trace_rank(..., mesh), or a real group)"
             )
         with torch.no_grad():
             return list(self.gm(*args))
