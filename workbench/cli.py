@@ -141,9 +141,8 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
     """One gloo process per rank: each rank's remat'd graph against its eager step."""
     from workbench.distributed_check import check_ranks
 
-    checks = check_ranks(
-        args.model, parallel, [args.policy], layers=args.layers, seq=args.seq, batch=args.batch
-    )
+    shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+    checks = check_ranks(args.model, parallel, [args.policy], **shape)
     return {
         "model": args.model,
         "policy": parse_policy(args.policy).to_json(),
@@ -159,8 +158,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
     policy = parse_policy(args.policy)
-    workload = _workload_from_args(args, "fake")
-    graph, _ = timed_trace(workload, "fake", _parallel_from_args(args))
+    graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
     text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
     if args.out:

@@ -94,6 +94,7 @@ def check_ranks(
     layers: int | None = None,
     seq: int | None = None,
     batch: int | None = None,
+    dtype: str = "float32",
 ) -> list[RankCheck]:
     """Spawn `parallel.world_size` CPU processes on a gloo group; every rank checks every
     preset. Results sorted by rank, then preset order."""
@@ -108,7 +109,7 @@ def check_ranks(
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     queue = context.SimpleQueue()
-    shape: dict[str, Any] = {"layers": layers, "seq": seq, "batch": batch}
+    shape: dict[str, Any] = {"layers": layers, "seq": seq, "batch": batch, "dtype": dtype}
     mp.start_processes(
         _worker,
         args=(_free_port(), queue, spec, parallel, presets, shape),
