@@ -4,6 +4,7 @@ on sharded graphs, the CLI flags, bad input, and the bitwise check on real gloo 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -246,3 +247,7 @@ def test_gloo_ranks_match_eager_bitwise_for_every_preset() -> None:
     checks = check_ranks("llama3-debug", Parallel(2, 2), PRESETS, layers=2, seq=32)
     assert [(c.rank, c.preset) for c in checks] == [(r, p) for r in range(4) for p in PRESETS]
     assert [c for c in checks if not c.bitwise_equal] == []
+    # the same batch on every rank: one loss, near log(vocab) for an untrained model, which
+    # a rank whose collectives did not run would not reach
+    assert len({c.loss for c in checks}) == 1
+    assert abs(checks[0].loss - math.log(2048)) < 0.5

@@ -28,11 +28,13 @@ __all__ = ["RankCheck", "check_rank", "check_ranks"]
 
 @dataclass(frozen=True)
 class RankCheck:
-    """One rank's comparison under one preset: names of outputs that differ in any bit."""
+    """One rank's comparison under one preset: names of outputs that differ in any bit,
+    and the loss (every rank of a correct run computes the same one)."""
 
     rank: int
     preset: str
     mismatched: tuple[str, ...]
+    loss: float
 
     @property
     def bitwise_equal(self) -> bool:
@@ -55,7 +57,7 @@ def check_rank(rank: RankWorkload, presets: list[str]) -> list[RankCheck]:
         mismatched = tuple(
             name for name, a, b in zip(names, traced, eager, strict=True) if not torch.equal(a, b)
         )
-        checks.append(RankCheck(dist.get_rank(), preset, mismatched))
+        checks.append(RankCheck(dist.get_rank(), preset, mismatched, float(traced[0])))
     return checks
 
 
