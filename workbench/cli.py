@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import DTYPES, Workload, load_workload
+from workbench.parallel import Parallel
 from workbench.policy import parse_policy
 from workbench.trace import timed_trace
 
@@ -39,6 +40,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, help="sequence length")
     parser.add_argument("--batch", type=int, help="batch size")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--fsdp", type=int, default=1, help="FSDP degree: trace one rank")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -60,8 +63,15 @@ def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu"
     )
 
 
+def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
+    """None unless --fsdp or --tp asks for more than one rank."""
+    if args.fsdp == 1 and args.tp == 1:
+        return None
+    return Parallel(fsdp=args.fsdp, tp=args.tp)
+
+
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
-    return timed_trace(_workload_from_args(args, args.mode), args.mode)
+    return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
 
 
 def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,6 +90,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
         "model": summary["model"],
         "mode": summary["mode"],
         "nodes": summary["nodes"],
+        "world_size": summary["world_size"],
+        "collectives": summary["collectives"],
         "seconds": round(statistics.median(times), 3),
         "all_seconds": [round(t, 3) for t in times],
         "cpu_count": os.cpu_count(),
@@ -102,6 +114,9 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode != "real":
         raise WorkbenchError("verify runs the graph: use --mode real")
     policy = parse_policy(args.policy)
+    parallel = _parallel_from_args(args)
+    if parallel is not None:
+        return _verify_ranks(args, parallel)
     workload = _workload_from_args(args, "real")
     graph, _ = timed_trace(workload, "real")
     result = remat(graph, policy)
@@ -122,13 +137,28 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any]:
+    """One gloo process per rank: each rank's remat'd graph against its eager step."""
+    from workbench.distributed_check import check_ranks
+
+    shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+    checks = check_ranks(args.model, parallel, [args.policy], **shape)
+    return {
+        "model": args.model,
+        "policy": parse_policy(args.policy).to_json(),
+        **parallel.to_json(),
+        "bitwise_equal": all(c.bitwise_equal for c in checks),
+        "mismatched": {str(c.rank): list(c.mismatched) for c in checks if c.mismatched},
+    }
+
+
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.export import FORMATS, export, write_export
 
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
     policy = parse_policy(args.policy)
-    graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake")
+    graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
     text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
     if args.out:
@@ -173,6 +203,11 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
+    if _parallel_from_args(args) is not None:
+        raise WorkbenchError(
+            "measure runs one unsharded process; for --fsdp/--tp use estimate (one rank's "
+            "memory) or verify (every rank on gloo)"
+        )
     policy = parse_policy(args.policy)
     fake = trace(_workload_from_args(args, "fake"), "fake")
     guess = Estimator(fake, profiles=()).estimate(policy, allocation_granularity(args.device))

@@ -1,11 +1,13 @@
 """`JointGraph`: one FX graph of forward + loss + backward, with the facts SAC decides on.
 
-Entry points: `JointGraph` (built by `workbench.trace.trace`) and `describe_nodes(gm)`,
-which reads `node.meta` (val, custom["module"], autograd_backward, seq_nr, stack_trace).
+Entry points: `JointGraph` (built by `workbench.trace.trace`; `collectives()` lists a
+per-rank graph's communication) and `describe_nodes(gm)`, which reads `node.meta` (val,
+custom["module"], autograd_backward, seq_nr, stack_trace).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from collections.abc import Iterator, Sequence
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 Phase = Literal["input", "forward", "loss", "backward", "output"]
-InputKind = Literal["param", "buffer", "input", "target"]
+InputKind = Literal["param", "buffer", "input", "target", "mesh"]
 
 LOSS_MODULE = "loss"
 # node.meta key holding (trace token, node name): FX copies meta onto every copy of a node,
@@ -75,6 +77,31 @@ class InputSpec:
     fqn: str
 
 
+# torch's functional collectives (what DTensor emits while tracing), by their short kind.
+COLLECTIVE_OPS: dict[str, str] = {
+    "_c10d_functional.all_gather_into_tensor.default": "all_gather",
+    "_c10d_functional.reduce_scatter_tensor.default": "reduce_scatter",
+    "_c10d_functional.all_reduce.default": "all_reduce",
+    "_c10d_functional.all_to_all_single.default": "all_to_all",
+    "_c10d_functional.broadcast.default": "broadcast",
+    "_c10d_functional.wait_tensor.default": "wait",
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One communication op of a rank's step. `bytes` is the larger of its input and
+    output: the whole buffer the group exchanges (all-gather output, reduce-scatter input).
+    `mesh_dim` names the device-mesh dimension of its process group, when known."""
+
+    node: str
+    kind: str
+    group: str
+    mesh_dim: str | None
+    bytes: int
+    phase: Phase
+
+
 @dataclass(eq=False)
 class JointGraph:
     """The traced train step: outputs are `[loss, *grads]`, grads in `param_names` order.
@@ -90,6 +117,8 @@ class JointGraph:
     tokens: int
     config: dict[str, Any] = field(default_factory=dict)
     example_inputs: list[Any] | None = None
+    # Process-group name -> device-mesh dimension ("fsdp", "tp") of a per-rank graph.
+    mesh_dims: dict[str, str] = field(default_factory=dict)
 
     @property
     def param_names(self) -> list[str]:
@@ -101,6 +130,45 @@ class JointGraph:
     def ops(self) -> Iterator[NodeInfo]:
         """Call nodes (no placeholders or output)."""
         return (i for i in self.nodes.values() if i.phase not in ("input", "output"))
+
+    @property
+    def world_size(self) -> int:
+        return int(self.config.get("world_size", 1))
+
+    def collectives(self) -> list[Collective]:
+        """Communication ops in graph order (waits included: they end a collective)."""
+        return list(self._collectives)
+
+    @functools.cached_property
+    def _collectives(self) -> tuple[Collective, ...]:
+        found = []
+        for node in self.gm.graph.nodes:
+            kind = COLLECTIVE_OPS.get(self.nodes[node.name].op)
+            if kind is None:
+                continue
+            group = str(node.args[-1]) if kind != "wait" else ""
+            if kind == "wait":
+                started = next(iter(node.all_input_nodes), None)
+                group = str(started.args[-1]) if started is not None and started.args else ""
+            sizes = [self.nodes[n.name].bytes for n in node.all_input_nodes]
+            found.append(
+                Collective(
+                    node=node.name,
+                    kind=kind,
+                    group=group,
+                    mesh_dim=self.mesh_dims.get(group),
+                    bytes=max([self.nodes[node.name].bytes, *sizes]),
+                    phase=self.nodes[node.name].phase,
+                )
+            )
+        return tuple(found)
+
+    def collective_counts(self) -> dict[str, int]:
+        """How many collectives of each kind (`all_gather`, ..., `wait`) the step runs."""
+        counts: dict[str, int] = {}
+        for c in self.collectives():
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+        return counts
 
     def summary(self) -> dict[str, Any]:
         counts = {p: 0 for p in ("forward", "loss", "backward")}
@@ -118,18 +186,26 @@ class JointGraph:
                 self.nodes[s.placeholder].bytes for s in self.inputs if s.kind == "param"
             ),
             "tokens": self.tokens,
+            "world_size": self.world_size,
+            "collectives": self.collective_counts(),
             **self.config,
         }
 
     def run(self, inputs: Sequence[Any] | None = None) -> list[torch.Tensor]:
         """Execute the step under no_grad (the graph already holds the backward)."""
+        from workbench.errors import WorkbenchError
+
         args = list(inputs) if inputs is not None else self.example_inputs
         if args is None:
-            from workbench.errors import WorkbenchError
-
             raise WorkbenchError(
                 f"graph of {self.model_name!r} was traced in fake mode and holds no tensors: "
                 "trace with mode='real' or pass inputs"
+            )
+        if self.mesh_dims and not torch.distributed.is_initialized():
+            raise WorkbenchError(
+                f"per-rank graph of {self.model_name!r} runs collectives: run it inside the "
+                "process group it was traced in (workbench.parallel.fake_process_group and "
+                "trace_rank(..., mesh), or a real group)"
             )
         with torch.no_grad():
             return list(self.gm(*args))

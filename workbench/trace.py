@@ -1,15 +1,15 @@
 """Trace one training step (forward + loss + backward) into a single FX graph.
 
-Entry point: `trace(workload, mode="real"|"fake") -> JointGraph`. Parameters and buffers
-are lifted as graph inputs; the graph returns `[loss, *grads]`.
+Entry point: `trace(workload, mode="real"|"fake", parallel=None) -> JointGraph`. Parameters
+and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx as fx
@@ -21,8 +21,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from torch.fx.traceback import annotate, preserve_node_meta
 
 from workbench.errors import WorkbenchError
-from workbench.graph import LOSS_MODULE, InputSpec, JointGraph, describe_nodes
+from workbench.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.models import Workload
+
+if TYPE_CHECKING:
+    from workbench.parallel import Parallel
 
 Mode = Literal["real", "fake"]
 
@@ -32,6 +35,8 @@ def annotate_modules(model: nn.Module) -> Iterator[None]:
     """Tag every op with the path of the innermost module whose forward ran it."""
     patched: list[tuple[nn.Module, Any]] = []
     for path, module in model.named_modules():
+        if "parametrizations" in path.split("."):
+            continue  # a parameter's getter (FSDP's gather) belongs to the module using it
         forward = module.forward
         patched.append((module, module.__dict__.get("forward")))
 
@@ -83,24 +88,25 @@ def _device_of(workload: Workload) -> torch.device:
     return torch.device("cpu")
 
 
-def trace(workload: Workload, mode: Mode = "real") -> JointGraph:
+def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = None) -> JointGraph:
     """Trace `workload`'s train step.
 
     Tracing always runs on fake tensors, so data-dependent control flow fails the same
     way in both modes. `real` keeps the workload's tensors on the graph so it can run;
     `fake` keeps none (a model built on the meta device is traced as if on the CPU).
+    With `parallel`, the graph is one rank's step of the sharded model
+    (`workbench.parallel.trace_rank`).
     """
     if mode not in ("real", "fake"):
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
+    if parallel is not None:
+        from workbench.parallel import trace_rank
+
+        return trace_rank(workload, mode, parallel)
     model = workload.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     real = [*params.values(), *buffers.values(), *workload.inputs, workload.target]
-    if mode == "real" and any(isinstance(t, torch.Tensor) and t.is_meta for t in real):
-        raise WorkbenchError(
-            f"model {workload.name!r} lives on the meta device: trace it with mode='fake' "
-            "or build it on cpu/cuda"
-        )
     n_params, n_buffers, n_inputs = len(params), len(buffers), len(workload.inputs)
     loss_fn = workload.loss_fn
     assert loss_fn is not None
@@ -112,28 +118,61 @@ def trace(workload: Workload, mode: Mode = "real") -> JointGraph:
         inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
         output = torch.func.functional_call(model, state, inputs)
         with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-            loss = loss_fn(output, flat[-1])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise WorkbenchError(
-                f"loss function of {workload.name!r} must return a scalar tensor, "
-                f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
-            )
+            loss = check_loss(workload, loss_fn(output, flat[-1]))
         grads = torch.autograd.grad(loss, p, allow_unused=True)
-        unused = [name for name, g in zip(params, grads, strict=True) if g is None]
-        if unused:
-            raise WorkbenchError(
-                f"parameters of {workload.name!r} get no gradient from the loss: "
-                f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; "
-                "freeze them (requires_grad=False) or use them"
-            )
+        check_grads(workload, list(params), grads)
         return [loss, *grads]
 
+    kinds: list[tuple[InputKind, str]] = [
+        *(("param", name) for name in params),
+        *(("buffer", name) for name in buffers),
+        *(("input", f"inputs[{i}]") for i in range(n_inputs)),
+        ("target", "target"),
+    ]
+    return trace_step(workload, step, real, kinds, mode)
+
+
+def check_loss(workload: Workload, loss: Any) -> torch.Tensor:
+    """The loss must be one number: the step differentiates it."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise WorkbenchError(
+            f"loss function of {workload.name!r} must return a scalar tensor, "
+            f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+        )
+    return loss
+
+
+def check_grads(workload: Workload, names: list[str], grads: Sequence[Any]) -> None:
+    """Every lifted parameter must get a gradient, or the graph's outputs misalign."""
+    unused = [name for name, g in zip(names, grads, strict=True) if g is None]
+    if unused:
+        raise WorkbenchError(
+            f"parameters of {workload.name!r} get no gradient from the loss: "
+            f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; "
+            "freeze them (requires_grad=False) or use them"
+        )
+
+
+def trace_step(
+    workload: Workload,
+    step: Callable[..., list[torch.Tensor]],
+    args: list[Any],
+    kinds: list[tuple[InputKind, str]],
+    mode: Mode,
+) -> JointGraph:
+    """make_fx `step(*args)` on fake copies of `args`; `kinds` names each placeholder.
+    Non-tensor arguments (a device mesh) pass through as opaque inputs."""
+    if mode == "real" and any(isinstance(t, torch.Tensor) and t.is_meta for t in args):
+        raise WorkbenchError(
+            f"model {workload.name!r} lives on the meta device: trace it with mode='fake' "
+            "or build it on cpu/cuda"
+        )
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, shape_env=ShapeEnv())
     device = _device_of(workload)
     with fake_mode:
-        fake_args = [_to_fake(fake_mode, t, device) for t in real]
+        fake_args = [_to_fake(fake_mode, t, device) for t in args]
     try:
-        with _backward_marking(fake_mode), annotate_modules(model):
+        with _backward_marking(fake_mode), annotate_modules(workload.model):
             gm = make_fx(step, record_stack_traces=True)(*fake_args)
     except WorkbenchError:
         raise
@@ -149,27 +188,19 @@ def trace(workload: Workload, mode: Mode = "real") -> JointGraph:
     return JointGraph(
         gm=gm,
         nodes=describe_nodes(gm),
-        inputs=_input_specs(gm, params, buffers, n_inputs),
+        inputs=_input_specs(gm, kinds),
         model_name=workload.name,
         mode=mode,
         tokens=workload.tokens,
         config=dict(workload.config),
-        example_inputs=real if mode == "real" else None,
+        example_inputs=args if mode == "real" else None,
     )
 
 
-def _input_specs(
-    gm: fx.GraphModule, params: dict[str, Any], buffers: dict[str, Any], n_inputs: int
-) -> list[InputSpec]:
+def _input_specs(gm: fx.GraphModule, kinds: list[tuple[InputKind, str]]) -> list[InputSpec]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    kinds: list[tuple[str, str]] = [
-        *(("param", name) for name in params),
-        *(("buffer", name) for name in buffers),
-        *(("input", f"inputs[{i}]") for i in range(n_inputs)),
-        ("target", "target"),
-    ]
     return [
-        InputSpec(placeholder=p, kind=kind, fqn=fqn)  # type: ignore[arg-type]
+        InputSpec(placeholder=p, kind=kind, fqn=fqn)
         for p, (kind, fqn) in zip(placeholders, kinds, strict=True)
     ]
 
@@ -188,8 +219,10 @@ def _where(err: BaseException) -> str:
     return _first_line(err)
 
 
-def timed_trace(workload: Workload, mode: Mode) -> tuple[JointGraph, float]:
+def timed_trace(
+    workload: Workload, mode: Mode, parallel: Parallel | None = None
+) -> tuple[JointGraph, float]:
     """`trace` plus its wall time in seconds (for the CLI and benchmarks)."""
     start = time.perf_counter()
-    graph = trace(workload, mode)
+    graph = trace(workload, mode, parallel)
     return graph, time.perf_counter() - start

@@ -39,6 +39,9 @@ class Workload:
     loss_fn: LossFn | None = None
     name: str = "model"
     config: dict[str, Any] = field(default_factory=dict)
+    # Tensor-parallel plan for `trace(..., parallel=Parallel(tp=N))` on a model that is not
+    # a reference one: {module path: ParallelStyle} or a callable(model, tp_mesh).
+    tp_plan: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, torch.Tensor):

@@ -86,11 +86,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
-        q = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeats = self.n_heads // self.n_kv_heads
+        repeats = q.shape[2] // k.shape[2]
         if repeats > 1:
             k = k.repeat_interleave(repeats, dim=2)
             v = v.repeat_interleave(repeats, dim=2)

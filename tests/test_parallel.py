@@ -1,0 +1,253 @@
+"""Per-rank graphs: FSDP x TP on one process (fake group), their collectives, the what-if
+on sharded graphs, the CLI flags, bad input, and the bitwise check on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import workbench.parallel as parallel_module
+from workbench.cli import main
+from workbench.distributed_check import check_ranks
+from workbench.errors import WorkbenchError
+from workbench.estimate import Estimator, estimate_remat
+from workbench.graph import JointGraph
+from workbench.models import Workload, load_workload
+from workbench.models.llama3 import Llama3, Llama3Config
+from workbench.parallel import (
+    Parallel,
+    eager_rank_step,
+    fake_process_group,
+    shard_workload,
+    trace_rank,
+)
+from workbench.policy import Policy
+from workbench.remat import remat
+from workbench.trace import trace
+
+PRESETS = ["none", "default", "eager", "full"]
+SMALL = {"layers": 2, "seq": 32}
+# Per rank of FSDP2 x TP2, 2 layers: one fsdp all-gather per parameter in forward and one
+# reduce-scatter of its gradient in backward; TP moves the sequence in and out of each
+# attention/FFN (all-gather before, reduce-scatter after, the reverse in backward),
+# all-reduces the gradients of the sequence-parallel norms, and loss_parallel all-reduces
+# three times. DeepSeek-V3's MoE block is replicated over tp: no TP matmul collectives
+# (a redistribute of its output to sequence shards is a local chunk).
+EXPECTED = {
+    "llama3-debug": {
+        ("all_gather", "fsdp"): 21,
+        ("reduce_scatter", "fsdp"): 21,
+        ("all_gather", "tp"): 10,
+        ("reduce_scatter", "tp"): 10,
+        ("all_reduce", "tp"): 8,
+    },
+    "dsv3-debug": {
+        ("all_gather", "fsdp"): 25,
+        ("reduce_scatter", "fsdp"): 25,
+        ("all_gather", "tp"): 10,
+        ("reduce_scatter", "tp"): 8,
+        ("all_reduce", "tp"): 8,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def rank_graphs() -> dict[str, JointGraph]:
+    """Both reference models, FSDP2 x TP2, traced for rank 0 on fake tensors."""
+    return {
+        model: trace(load_workload(model, device="meta", **SMALL), "fake", Parallel(2, 2))
+        for model in EXPECTED
+    }
+
+
+@pytest.mark.parametrize("model", list(EXPECTED))
+def test_rank_graph_collectives_by_kind_and_mesh_dim(
+    model: str, rank_graphs: dict[str, JointGraph]
+) -> None:
+    graph = rank_graphs[model]
+    found = Counter((c.kind, c.mesh_dim) for c in graph.collectives() if c.kind != "wait")
+    assert dict(found) == EXPECTED[model]
+    counts = graph.collective_counts()
+    assert counts["wait"] == sum(EXPECTED[model].values())  # each collective is waited on
+    summary = graph.summary()
+    assert summary["world_size"] == 4 and summary["collectives"] == counts
+    assert (summary["fsdp"], summary["tp"]) == (2, 2)
+
+
+@pytest.mark.parametrize("model", list(EXPECTED))
+def test_rank_graph_node_facts(model: str, rank_graphs: dict[str, JointGraph]) -> None:
+    graph = rank_graphs[model]
+    kinds = [spec.kind for spec in graph.inputs]
+    assert kinds[0] == "mesh" and kinds.count("mesh") == 1
+    assert graph.param_names[:3] == [
+        "tok_embeddings.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.attention.wq.weight",
+    ]
+    shapes = {
+        s.fqn: graph.nodes[s.placeholder].shapes[0] for s in graph.inputs if s.kind == "param"
+    }
+    # wq: heads split by tp, rows again by fsdp; norms: rows by fsdp only; embedding: vocab
+    # split by tp (row-wise parallel) and by fsdp
+    assert shapes["layers.0.attention.wq.weight"] == (256 // 4, 256)
+    assert shapes["layers.0.attention_norm.weight"] == (256 // 2,)
+    assert shapes["tok_embeddings.weight"] == (2048 // 4, 256)
+    fsdp = [c for c in graph.collectives() if c.mesh_dim == "fsdp" and c.kind != "wait"]
+    gathers = [graph.nodes[c.node] for c in fsdp if c.kind == "all_gather"]
+    scatters = [graph.nodes[c.node] for c in fsdp if c.kind == "reduce_scatter"]
+    # mixed precision: bf16 on the wire forward, fp32 gradient reduce-scatter backward
+    assert {g.dtype for g in gathers} == {"bfloat16"}
+    assert {g.phase for g in gathers} == {"forward"}
+    assert {s.dtype for s in scatters} == {"float32"}
+    assert {s.phase for s in scatters} == {"backward"}
+    wq = next(g for g in gathers if g.module == "layers.0.attention.wq")
+    assert wq.shapes == ((128, 256),)  # the tp-local whole: 8 of 16 heads
+    assert all(c.bytes > 0 for c in graph.collectives())
+    assert graph.nodes[wq.name].bytes == 128 * 256 * 2
+
+
+@pytest.mark.parametrize("model", list(EXPECTED))
+def test_whatif_equals_torch_remat_on_sharded_graphs(
+    model: str, rank_graphs: dict[str, JointGraph]
+) -> None:
+    graph = rank_graphs[model]
+    estimator = Estimator(graph, ("h100",))
+    peaks = {}
+    for preset in PRESETS:
+        fast = estimator.estimate(Policy(preset))
+        full = estimate_remat(graph, remat(graph, Policy(preset)), estimator)
+        assert fast.peak_bytes == full.peak_bytes, preset
+        assert fast.timeline == full.timeline, preset
+        peaks[preset] = fast.peak_bytes
+    assert peaks["full"] < peaks["none"]
+
+
+def test_real_rank_graph_runs_in_a_fake_group_and_matches_its_eager_shapes() -> None:
+    parallel = Parallel(fsdp=2, tp=2)
+    workload = load_workload("llama3-debug", **SMALL)
+    with fake_process_group(parallel) as mesh:
+        graph = trace_rank(workload, "real", parallel, mesh)
+        outputs = graph.run()
+        eager = eager_rank_step(shard_workload(workload, parallel, mesh))
+    assert not dist.is_initialized()
+    with pytest.raises(WorkbenchError, match="runs collectives: run it inside the process group"):
+        graph.run()
+    assert [t.shape for t in outputs] == [t.shape for t in eager]
+    assert [t.dtype for t in outputs[1:]] == [torch.float32] * len(graph.param_names)
+    # the caller's model is left unsharded
+    assert not any(".parametrizations." in name for name, _ in workload.model.named_parameters())
+
+
+def test_fsdp_only_keeps_tp_out_and_user_tp_plan() -> None:
+    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(4, 1))
+    assert {c.mesh_dim for c in graph.collectives()} == {"fsdp"}
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    workload = Workload(mlp, torch.randn(4, 8), torch.randn(4, 8), name="mlp", tp_plan=plan)
+    graph = trace(workload, "fake", Parallel(fsdp=2, tp=2))
+    kinds = Counter((c.kind, c.mesh_dim) for c in graph.collectives())
+    assert kinds[("all_reduce", "tp")] >= 1  # the row-wise output
+    assert graph.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _llama(**changes: int) -> Workload:
+    config = Llama3Config(
+        dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_hidden=96
+    )
+    fields = {**config.__dict__, **changes}
+    with torch.device("meta"):
+        model = Llama3(Llama3Config(**fields), 16)
+        ids = torch.zeros(1, 17, dtype=torch.long)
+    return Workload(model, ids[:, :-1], ids[:, 1:], name="tiny")
+
+
+def test_tied_embeddings_stay_tied_under_tp() -> None:
+    workload = _llama(tie_embeddings=True)
+    graph = trace(workload, "fake", Parallel(fsdp=2, tp=2))
+    assert len(graph.param_names) == len(list(workload.model.parameters()))
+    assert "output.weight" not in graph.param_names
+
+
+@pytest.mark.parametrize(
+    ("workload", "parallel", "message"),
+    [
+        (lambda: _llama(n_heads=2, n_kv_heads=2), Parallel(tp=4), "heads of 'tiny' (2)"),
+        (lambda: _llama(n_kv_heads=2), Parallel(tp=4), "kv heads of 'tiny' (2)"),
+        (lambda: _llama(ffn_hidden=90), Parallel(tp=4), "ffn hidden size of 'tiny' (90)"),
+        (lambda: _llama(vocab_size=130), Parallel(tp=4), "vocabulary of 'tiny' (130)"),
+        (
+            lambda: load_workload("llama3-debug", layers=1, seq=30, device="meta"),
+            Parallel(tp=4),
+            "sequence of 'llama3-debug' (30)",
+        ),
+        (lambda: _llama(dim=60), Parallel(fsdp=8), "--fsdp 8 does not divide parameter"),
+        (
+            lambda: Workload(nn.Linear(4, 4), torch.zeros(2, 4), torch.zeros(2, 4), name="lin"),
+            Parallel(tp=2),
+            "has no tensor-parallel plan; give one as workload.tp_plan",
+        ),
+    ],
+)
+def test_bad_shapes_and_plans_are_one_line_errors(
+    workload: object, parallel: Parallel, message: str
+) -> None:
+    with pytest.raises(WorkbenchError) as err:
+        trace(workload(), "fake", parallel)  # type: ignore[operator]
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_bad_degrees_and_an_initialised_group_are_refused() -> None:
+    with pytest.raises(WorkbenchError, match="fsdp must be a positive integer"):
+        Parallel(fsdp=0)
+    with pytest.raises(WorkbenchError, match="param_dtype 'fp8'"):
+        Parallel(param_dtype="fp8")  # type: ignore[arg-type]
+    workload = load_workload("llama3-debug", device="meta", **SMALL)
+    with fake_process_group(Parallel(2, 1)):
+        with pytest.raises(WorkbenchError, match="already initialised .backend fake, world size 2"):
+            trace(workload, "fake", Parallel(2, 2))
+    assert not dist.is_initialized()
+
+
+def test_real_mode_that_cannot_fit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel_module, "available_bytes", lambda device: 1024)
+    workload = load_workload("llama3-debug", **SMALL)
+    with pytest.raises(WorkbenchError, match="one rank of 'llama3-debug' at fsdp 2 x tp 2"):
+        trace(workload, "real", Parallel(2, 2))
+
+
+def test_cli_fsdp_tp_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["--model", "llama3-debug", "--layers", "2", "--seq", "32", "--mode", "fake"]
+    flags = ["--fsdp", "2", "--tp", "2", "--json"]
+    assert main(["trace", *small, *flags]) == 0
+    traced = json.loads(capsys.readouterr().out)
+    assert traced["world_size"] == 4 and traced["nodes"] > 1000
+    assert traced["collectives"]["all_gather"] == 31
+    assert main(["bench", "trace", *small, *flags]) == 0
+    bench = json.loads(capsys.readouterr().out)
+    assert bench["world_size"] == 4 and bench["collectives"] == traced["collectives"]
+    assert main(["trace", *small, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 1
+    assert main(["trace", *small, "--tp", "3", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tp 3 does not divide the heads") and err.count("\n") == 1
+
+
+def test_gloo_ranks_match_eager_bitwise_for_every_preset() -> None:
+    """World size 4 (FSDP2 x TP2) on CPU processes: each rank traces once, remats per
+    preset, runs its collectives on the gloo group, and equals its eager step bitwise."""
+    checks = check_ranks("llama3-debug", Parallel(2, 2), PRESETS, layers=2, seq=32)
+    assert [(c.rank, c.preset) for c in checks] == [(r, p) for r in range(4) for p in PRESETS]
+    assert [c for c in checks if not c.bitwise_equal] == []
+    # the same batch on every rank: one loss, near log(vocab) for an untrained model, which
+    # a rank whose collectives did not run would not reach
+    assert len({c.loss for c in checks}) == 1
+    assert abs(checks[0].loss - math.log(2048)) < 0.5
