@@ -32,7 +32,7 @@ def write_file(path: str | os.PathLike[str], data: str | bytes, *, overwrite: bo
         what = "is not a folder" if folder.exists() else "is missing"
         raise WorkbenchError(f"cannot write {str(target)!r}: folder {str(folder)!r} {what}")
     if not overwrite and os.path.lexists(target):
-        raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it")
+        raise _exists(target)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as err:
@@ -46,13 +46,20 @@ def write_file(path: str | os.PathLike[str], data: str | bytes, *, overwrite: bo
         else:
             _link_new(tmp, target)
     except FileExistsError:
-        raise WorkbenchError(f"{str(target)!r} exists; pass overwrite=True to replace it") from None
+        raise _exists(target) from None
     except OSError as err:
         raise WorkbenchError(f"cannot write {str(target)!r}: {err.strerror}") from None
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _exists(target: Path) -> WorkbenchError:
+    return WorkbenchError(
+        f"{str(target)!r} exists; pass overwrite=True (--overwrite on the command line) "
+        "to replace it"
+    )
 
 
 def _link_new(tmp: str, target: Path) -> None:

@@ -1,7 +1,8 @@
 """Measurement: run a rematerialized graph or an eager baseline for real; peak memory, step time.
 
-Entry points: `measure_graph(graph, gm)`, `measure_eager(workload, policy=None)` and
-`measure_policy(workload, policy)` (trace, remat, refuse what cannot fit, run, compare).
+Entry points: `measure_graph(graph, gm)`, `measure_eager(workload, policy=None)`,
+`measure_policy(workload, policy)` (trace, remat, refuse what cannot fit, run, compare) and
+`bitwise_mismatches(graph, gm, workload)` (the numerics check against eager).
 """
 
 from __future__ import annotations
@@ -254,6 +255,32 @@ class PolicyMeasurement:
         }
 
 
+def bitwise_mismatches(
+    graph: JointGraph, gm: fx.GraphModule, workload: Workload, seed: int = 0
+) -> list[str]:
+    """Outputs (`loss`, then parameter names) where running `gm` under no_grad differs from a
+    plain eager step. Both start from the same generator state (the caller's is restored
+    after): random ops such as dropout then draw the same numbers, since the graph runs them
+    as eager does (random ops are always saved, never replayed by remat)."""
+    inputs = graph.example_inputs
+    assert inputs is not None
+    device = _device_of(inputs)
+    devices = [device] if device.type == "cuda" else []
+
+    def seeded(run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return run()
+
+    def run_graph() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(gm(*inputs))
+
+    traced, eager = seeded(run_graph), seeded(lambda: eager_step(workload))
+    names = ["loss", *graph.param_names]
+    return [n for n, a, b in zip(names, traced, eager, strict=True) if not torch.equal(a, b)]
+
+
 def check_fits(estimated_peak: int, held: int, device: torch.device, what: str) -> None:
     """Refuse a run whose estimated peak exceeds what the device has free (beyond the inputs
     it already holds), instead of swapping or dying out of memory."""
@@ -291,11 +318,7 @@ def measure_policy(
     measured = measure_graph(
         graph, result.gm, name=f"graph SAC ({policy.preset})", warmup=warmup, repeats=repeats
     )
-    eager = eager_step(workload)
-    names = ["loss", *graph.param_names]
-    mismatched = [
-        n for n, a, b in zip(names, measured.outputs, eager, strict=True) if not torch.equal(a, b)
-    ]
+    mismatched = bitwise_mismatches(graph, result.gm, workload)
     others = []
     if baselines:
         others = [

@@ -46,6 +46,10 @@ COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
     }
 )
 MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
+# Bounds on what a policy file or a widget message may hold: far above any real model's
+# paths, far below what would make reading or matching slow.
+MAX_SELECTOR_CHARS = 1000
+MAX_POLICY_FILE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -126,15 +130,37 @@ class Selector:
     action: Action
 
     def __post_init__(self) -> None:
+        if not isinstance(self.select, str):
+            raise WorkbenchError(
+                f"selector {self.select!r}: select must be a string MODULE_PATTERN::OP_OVERLOAD, "
+                f"got {type(self.select).__name__}"
+            )
+        if len(self.select) > MAX_SELECTOR_CHARS:
+            raise WorkbenchError(
+                f"selector {self.select[:40]!r}... is {len(self.select)} characters long; "
+                f"a selector has at most {MAX_SELECTOR_CHARS}"
+            )
         if self.select.count("::") != 1:
             raise WorkbenchError(
                 f"selector {self.select!r} must be MODULE_PATTERN::OP_OVERLOAD, "
                 "e.g. 'layers.*.attention.wo::aten.mm.default'"
             )
-        if self.action not in ACTIONS:
+        if not isinstance(self.action, str) or self.action not in ACTIONS:
             raise WorkbenchError(
                 f"selector {self.select!r}: action {self.action!r} must be one of {ACTIONS}"
             )
+
+    @classmethod
+    def from_json(cls, value: Any) -> Selector:
+        """A Selector from itself or its JSON object `{"select": ..., "action": ...}`."""
+        if isinstance(value, Selector):
+            return value
+        if not isinstance(value, dict) or set(value) != {"select", "action"}:
+            raise WorkbenchError(
+                f"selector {value!r} must be an object with exactly the fields 'select' and "
+                "'action'"
+            )
+        return cls(select=value["select"], action=value["action"])
 
     @property
     def module_pattern(self) -> str:
@@ -152,22 +178,34 @@ class Selector:
 
 def module_matches(pattern: str, module: str) -> bool:
     """`layers.*.attention` matches `layers.3.attention`: fnmatch per dotted component, `**`
-    spans any number of components."""
+    spans any number of components. Time is linear in each side's component count.
+
+    >>> module_matches("layers.*.attention", "layers.3.attention")
+    True
+    >>> module_matches("**.wo", "layers.3.attention.wo"), module_matches("**", "")
+    (True, True)
+    >>> module_matches("layers.**.**.**.x", "layers.0.attention.wo")
+    False
+    """
     return _components_match(
         pattern.split(".") if pattern else [], module.split(".") if module else []
     )
 
 
 def _components_match(pattern: list[str], parts: list[str]) -> bool:
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return any(_components_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
-    return (
-        bool(parts)
-        and fnmatch.fnmatchcase(parts[0], pattern[0])
-        and _components_match(pattern[1:], parts[1:])
-    )
+    """Dynamic programming over components: `matched[j]` says whether the pattern read so
+    far matches `parts[:j]`; at most len(pattern) * len(parts) fnmatch calls, however many
+    `**` the pattern holds (backtracking would be combinatorial)."""
+    matched = [True] + [False] * len(parts)
+    for component in pattern:
+        if component == "**":
+            for j in range(1, len(matched)):
+                matched[j] = matched[j] or matched[j - 1]
+        else:
+            for j in range(len(parts), 0, -1):
+                matched[j] = matched[j - 1] and fnmatch.fnmatchcase(parts[j - 1], component)
+            matched[0] = False
+    return matched[-1]
 
 
 @dataclass
@@ -180,15 +218,32 @@ class Policy:
     overrides: dict[str, Action] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.preset, str):
+            raise WorkbenchError(
+                f"preset {self.preset!r} must be a string, one of {', '.join(PRESETS)}; "
+                f"got {type(self.preset).__name__}"
+            )
         if self.preset not in PRESETS:
             close = difflib.get_close_matches(self.preset, PRESETS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise WorkbenchError(
                 f"unknown preset {self.preset!r}{hint}; choose one of {', '.join(PRESETS)}"
             )
-        self.selectors = [s if isinstance(s, Selector) else Selector(**s) for s in self.selectors]
+        if not isinstance(self.selectors, (list, tuple)):
+            raise WorkbenchError(
+                "selectors must be a list of {'select': ..., 'action': ...} objects, "
+                f"got {type(self.selectors).__name__}"
+            )
+        self.selectors = [Selector.from_json(s) for s in self.selectors]
+        if not isinstance(self.overrides, dict):
+            raise WorkbenchError(
+                "overrides must be an object mapping node keys to 'save' or 'recompute', "
+                f"got {type(self.overrides).__name__}"
+            )
         for key, action in self.overrides.items():
-            if action not in ACTIONS:
+            if not isinstance(key, str):
+                raise WorkbenchError(f"override key {key!r} must be a string MODULE::OP#k")
+            if not isinstance(action, str) or action not in ACTIONS:
                 raise WorkbenchError(f"override {key!r}: {action!r} must be one of {ACTIONS}")
 
     def to_json(self) -> dict[str, Any]:
@@ -207,9 +262,14 @@ class Policy:
         if data.get("schema") != SCHEMA:
             raise WorkbenchError(f"{source}: not a workbench policy (schema must be {SCHEMA!r})")
         version = data.get("version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise WorkbenchError(
-                f"{source}: policy schema version {version!r} is newer than this workbench "
+                f"{source}: policy version must be a whole number from 1 to {SCHEMA_VERSION}, "
+                f"got {version!r} ({type(version).__name__})"
+            )
+        if version > SCHEMA_VERSION:
+            raise WorkbenchError(
+                f"{source}: policy schema version {version} is newer than this workbench "
                 f"reads (up to {SCHEMA_VERSION}); upgrade sac-workbench"
             )
         unknown = set(data) - {"schema", "version", "preset", "selectors", "overrides"}
@@ -218,26 +278,43 @@ class Policy:
         try:
             return cls(
                 preset=data.get("preset", "default"),
-                selectors=list(data.get("selectors", [])),
-                overrides=dict(data.get("overrides", {})),
+                selectors=data.get("selectors", []),
+                overrides=data.get("overrides", {}),
             )
-        except TypeError as err:
-            raise WorkbenchError(f"{source}: malformed selectors or overrides ({err})") from None
+        except WorkbenchError as err:
+            raise WorkbenchError(f"{source}: {err}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
+        """Read a policy file; anything but a readable, UTF-8, reasonably sized and shallow
+        JSON policy is refused with one line naming the file and the problem."""
+        name = f"policy file {str(path)!r}"
         try:
-            text = Path(path).read_text()
+            with open(path, "rb") as handle:
+                raw = handle.read(MAX_POLICY_FILE_BYTES + 1)
         except OSError as err:
-            raise WorkbenchError(f"cannot read policy file {str(path)!r}: {err.strerror}") from None
+            raise WorkbenchError(f"cannot read {name}: {err.strerror}") from None
+        if len(raw) > MAX_POLICY_FILE_BYTES:
+            raise WorkbenchError(
+                f"{name} is larger than {MAX_POLICY_FILE_BYTES // 2**20} MiB: not a policy"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise WorkbenchError(
+                f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise WorkbenchError(
-                f"policy file {str(path)!r} is not valid JSON: {err.msg} at line {err.lineno}, "
-                f"column {err.colno}"
+                f"{name} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
             ) from None
-        return cls.from_json(data, source=f"policy file {str(path)!r}")
+        except RecursionError:
+            raise WorkbenchError(f"{name} is nested too deeply to be a policy") from None
+        except ValueError as err:  # e.g. an integer with more digits than Python converts
+            raise WorkbenchError(f"{name} is not a readable policy: {err}") from None
+        return cls.from_json(data, source=name)
 
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write atomically; an existing file is replaced only when `overwrite` is set."""
