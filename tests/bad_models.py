@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -24,6 +25,7 @@ def exits_zero():
 
 def prints():
     print("hello from the factory")
+    os.write(1, b"native write\n")  # as a C library would, past sys.stdout
     torch.manual_seed(0)
     return nn.Linear(4, 2), (torch.randn(3, 4), torch.randint(0, 2, (3,)))
 

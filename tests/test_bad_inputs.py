@@ -12,8 +12,7 @@ import multiprocessing
 import os
 import random
 import re
-import subprocess
-import sys
+import stat
 import threading
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from workbench.policy import Policy, module_matches
 
 HEAD = '{"schema": "sac-workbench/policy", '
 MLP = ["--model", "user_models:mlp"]
-TESTS = Path(__file__).parent
 
 
 def fails(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> str:
@@ -148,23 +146,18 @@ def test_bad_model_spec(capsys: pytest.CaptureFixture[str], spec: str, message: 
     fails(capsys, ["trace", "--model", spec], message)
 
 
-def _workbench(*argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
-    return subprocess.run(
-        [sys.executable, "-m", "workbench", *argv, "--json"],
-        capture_output=True, text=True, env=env, check=False, timeout=120,
-    )  # fmt: skip
-
-
-def test_factory_output_never_corrupts_json() -> None:
-    """A factory's print goes to stderr; its sys.exit(0) is a failure, not an empty success."""
-    printed = _workbench("trace", "--model", "bad_models:prints")
-    assert printed.returncode == 0, printed.stderr
-    assert json.loads(printed.stdout)["model"] == "bad_models:prints"
-    assert printed.stdout.count("\n") == 1 and "hello from the factory" in printed.stderr
-    exited = _workbench("trace", "--model", "bad_models:exits_zero")
-    assert exited.returncode == 2 and exited.stdout == ""
-    assert exited.stderr.splitlines() == [
+def test_factory_output_never_corrupts_json(capfd: pytest.CaptureFixture[str]) -> None:
+    """A factory's prints (Python or native) go to stderr; its sys.exit(0) is a failure, not an
+    empty success. capfd: file descriptors 1 and 2 are what a shell would see."""
+    assert main(["trace", "--model", "bad_models:prints", "--json"]) == 0
+    captured = capfd.readouterr()
+    assert json.loads(captured.out)["model"] == "bad_models:prints"
+    assert captured.out.count("\n") == 1
+    assert "hello from the factory" in captured.err and "native write" in captured.err
+    assert main(["trace", "--model", "bad_models:exits_zero", "--json"]) == 2
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
         "error: model factory 'bad_models:exits_zero' failed: it called sys.exit(0)"
     ]
 
@@ -215,6 +208,9 @@ SIZES: list[tuple[list[str], str]] = [
     (["solve", *MLP, "--budget-bytes", "-5"], "--budget-bytes must be from 1"),
     (["solve", *MLP, "--budget-frac", "nan"], r"--budget-frac must be in \(0, 1\]"),
     (["bench", "whatif", *MLP, "--full-path", "-1"], "--full-path must be 0 or more"),
+    (["measure", *MLP, "--repeat", "0"], "--repeat must be a positive integer, got 0"),
+    (["measure", *MLP, "--warmup", "-1"], "--warmup must be 0 or more runs, got -1"),
+    (["estimate", *MLP, "--profile", ","], "--profile ',' names no device profile"),
 ]
 
 
@@ -249,6 +245,18 @@ def test_out_never_clobbers(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.svg", "link.svg", "mine.svg"]
     assert main([*base, "--out", str(existing), "--overwrite", "--json"]) == 0
     assert existing.read_text() != "user's work"  # replaced only when asked
+
+
+def test_overwrite_never_replaces_a_device_or_pipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--overwrite` onto a named pipe (or /dev/full) would replace the node with a file."""
+    pipe = tmp_path / "pipe.svg"
+    os.mkfifo(pipe)
+    base = ["render", *MLP, "--mode", "fake", "--overwrite", "--out"]
+    fails(capsys, [*base, str(pipe)], "pipe.svg': it is a device, pipe or socket, not a file")
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe.svg"]
 
 
 def test_policy_save_never_clobbers(tmp_path: Path) -> None:
@@ -302,8 +310,12 @@ def test_concurrent_saves_exactly_one_wins_processes(tmp_path: Path) -> None:
 
 def test_verify_with_dropout_is_bitwise_equal(capsys: pytest.CaptureFixture[str]) -> None:
     """Graph and eager run from one generator state: dropout draws the same masks."""
-    for preset in ("none", "full"):
-        argv = ["verify", "--model", "bad_models:dropout", "--policy", preset, "--json"]
+    model = ["--model", "bad_models:dropout", "--json"]
+    for argv in (
+        ["verify", *model, "--policy", "none"],
+        ["verify", *model, "--policy", "full"],
+        ["measure", *model, "--policy", "full", "--repeat", "1", "--warmup", "0"],
+    ):
         assert main(argv) == 0
         result = json.loads(capsys.readouterr().out)
         assert result["bitwise_equal"] is True and result["mismatched"] == []

@@ -136,6 +136,8 @@ def _profiles_from_args(args: argparse.Namespace) -> list[str]:
     from workbench.profiles import get_profile
 
     names = [p.strip() for p in args.profile.split(",") if p.strip()]
+    if not names:
+        raise WorkbenchError(f"--profile {args.profile!r} names no device profile, e.g. h100,cpu")
     for name in names:
         get_profile(name)  # raises with the list of profiles
     return names
@@ -181,6 +183,9 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from workbench.measure import measure_policy
 
+    _check_positive("--repeat", args.repeat)
+    if args.warmup < 0:
+        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     policy = parse_policy(args.policy)

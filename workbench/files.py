@@ -21,12 +21,18 @@ def write_file(path: str | os.PathLike[str], data: str | bytes, *, overwrite: bo
     Without `overwrite`, an existing file (or a dangling symbolic link) is never replaced,
     also when it appears between the check and the write: the final step is a hard link,
     which fails if the name exists. With `overwrite`, the rename replaces the file (a
-    symbolic link is replaced itself, never followed). Refuses a folder, a missing folder
-    and an unwritable one with a one-line error.
+    symbolic link is replaced itself, never followed). Refuses a folder, a device or pipe
+    (replacing `/dev/null` would break the system), a missing folder and an unwritable one
+    with a one-line error.
     """
     target = Path(path)
     if target.is_dir():
         raise WorkbenchError(f"cannot write {str(target)!r}: it is a folder; name a file")
+    if os.path.lexists(target) and not (target.is_symlink() or target.is_file()):
+        raise WorkbenchError(
+            f"cannot write {str(target)!r}: it is a device, pipe or socket, not a file; "
+            "name a regular file"
+        )
     folder = target.parent
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "is missing"
