@@ -61,3 +61,18 @@ class WithDropout(nn.Module):
 def dropout():
     torch.manual_seed(0)
     return WithDropout(), (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+
+def nan_weights():
+    """A NaN loss: bitwise equal to itself, though never `==`."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    return model, (torch.randn(3, 4), torch.randn(3, 2))
+
+
+def wrong_input_dtype():
+    """Traces on fake tensors (their matmul skips the dtype check), fails on real ones."""
+    torch.manual_seed(0)
+    return nn.Linear(4, 2), (torch.randint(0, 5, (3, 4)), torch.randn(3, 2))

@@ -139,11 +139,29 @@ MODEL_SPECS: list[tuple[str, str]] = [
     ("bad_models:data_dependent_shape", "data-dependent shapes: aten.index.Tensor .*bad_models"),
     ("user_models:data_dependent", "control flow depends on tensor values"),
 ]
+RUNS: list[tuple[list[str], str]] = [
+    (
+        ["verify", "--model", "bad_models:wrong_input_dtype"],
+        "the graph of 'bad_models:wrong_input_dtype' failed when run for real: RuntimeError: "
+        "mat1 and mat2 must have the same dtype",
+    ),
+    (
+        ["measure", "--model", "bad_models:wrong_input_dtype", "--repeat", "1"],
+        r"graph SAC \(default\) failed when run for real: RuntimeError: mat1 and mat2",
+    ),
+]
 
 
 @pytest.mark.parametrize(("spec", "message"), MODEL_SPECS)
 def test_bad_model_spec(capsys: pytest.CaptureFixture[str], spec: str, message: str) -> None:
     fails(capsys, ["trace", "--model", spec], message)
+
+
+@pytest.mark.parametrize(("argv", "message"), RUNS, ids=[a[0] for a, _ in RUNS])
+def test_model_failing_on_real_data(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    fails(capsys, argv, message)
 
 
 def test_factory_output_never_corrupts_json(capfd: pytest.CaptureFixture[str]) -> None:
@@ -309,12 +327,14 @@ def test_concurrent_saves_exactly_one_wins_processes(tmp_path: Path) -> None:
 
 
 def test_verify_with_dropout_is_bitwise_equal(capsys: pytest.CaptureFixture[str]) -> None:
-    """Graph and eager run from one generator state: dropout draws the same masks."""
+    """Graph and eager run from one generator state: dropout draws the same masks; a NaN
+    loss compares bitwise, not by value."""
     model = ["--model", "bad_models:dropout", "--json"]
     for argv in (
         ["verify", *model, "--policy", "none"],
         ["verify", *model, "--policy", "full"],
         ["measure", *model, "--policy", "full", "--repeat", "1", "--warmup", "0"],
+        ["verify", "--model", "bad_models:nan_weights", "--json"],
     ):
         assert main(argv) == 0
         result = json.loads(capsys.readouterr().out)

@@ -1,8 +1,7 @@
 """Measurement: run a rematerialized graph or an eager baseline for real; peak memory, step time.
 
-Entry points: `measure_graph(graph, gm)`, `measure_eager(workload, policy=None)`,
-`measure_policy(workload, policy)` (trace, remat, refuse what cannot fit, run, compare) and
-`bitwise_mismatches(graph, gm, workload)` (the numerics check against eager).
+Entry points: `measure_graph(graph, gm)`, `measure_eager(workload)`, `measure_policy(workload,
+policy)` (trace, remat, refuse what cannot fit, run) and `bitwise_mismatches` (against eager).
 """
 
 from __future__ import annotations
@@ -139,6 +138,32 @@ def _measure(
     """Warm up, time `repeats` runs (median), then one more run for the memory peak."""
     if repeats < 1 or warmup < 0:
         raise WorkbenchError(f"repeats must be ≥ 1 and warmup ≥ 0, got {repeats} and {warmup}")
+    with _fails_in_one_line(name):
+        return _measure_runs(name, run, inputs, tokens, warmup, repeats)
+
+
+@contextlib.contextmanager
+def _fails_in_one_line(what: str) -> Iterator[None]:
+    """Real data can fail where fake tensors passed (fake kernels skip some dtype checks; out
+    of memory): one line naming what ran instead of torch's traceback."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        text = str(err).strip()
+        raise WorkbenchError(
+            f"{what} failed when run for real: {type(err).__name__}: "
+            f"{text.splitlines()[0] if text else '(no message)'}"
+        ) from None
+
+
+def _measure_runs(
+    name: str,
+    run: Callable[[], list[torch.Tensor]],
+    inputs: Sequence[Any],
+    tokens: int,
+    warmup: int,
+    repeats: int,
+) -> Measurement:
     device = _device_of(inputs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     for _ in range(warmup):
@@ -258,8 +283,8 @@ class PolicyMeasurement:
 def bitwise_mismatches(
     graph: JointGraph, gm: fx.GraphModule, workload: Workload, seed: int = 0
 ) -> list[str]:
-    """Outputs (`loss`, then parameter names) where running `gm` under no_grad differs from a
-    plain eager step. Both start from the same generator state (the caller's is restored
+    """Outputs (`loss`, then parameter names) where running `gm` under no_grad differs bitwise
+    from a plain eager step. Both start from the same generator state (the caller's is restored
     after): random ops such as dropout then draw the same numbers, since the graph runs them
     as eager does (random ops are always saved, never replayed by remat)."""
     inputs = graph.example_inputs
@@ -276,9 +301,25 @@ def bitwise_mismatches(
         with torch.no_grad():
             return list(gm(*inputs))
 
-    traced, eager = seeded(run_graph), seeded(lambda: eager_step(workload))
+    with _fails_in_one_line(f"the graph of {graph.model_name!r}"):
+        traced = seeded(run_graph)
+    with _fails_in_one_line(f"the eager step of {graph.model_name!r}"):
+        eager = seeded(lambda: eager_step(workload))
     names = ["loss", *graph.param_names]
-    return [n for n, a, b in zip(names, traced, eager, strict=True) if not torch.equal(a, b)]
+    return [n for n, a, b in zip(names, traced, eager, strict=True) if not bitwise_equal(a, b)]
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: NaN equals an identical NaN, 0.0 differs from -0.0
+    (`torch.equal` compares values, so a NaN loss would never be equal to itself).
+
+    >>> nan = torch.tensor([float("nan"), 0.0])
+    >>> bitwise_equal(nan, nan.clone()), bitwise_equal(nan, torch.tensor([float("nan"), -0.0]))
+    (True, False)
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def check_fits(estimated_peak: int, held: int, device: torch.device, what: str) -> None:
