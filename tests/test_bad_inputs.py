@@ -21,6 +21,7 @@ import pytest
 from workbench import policy as policy_module
 from workbench.cli import main
 from workbench.errors import WorkbenchError
+from workbench.files import check_writable
 from workbench.policy import Policy, module_matches
 
 HEAD = '{"schema": "sac-workbench/policy", '
@@ -258,11 +259,26 @@ def test_out_never_clobbers(
     fails(capsys, [*base, "--out", str(tmp_path / "no" / "x.svg")], "folder .* is missing")
     (tmp_path / "dir.svg").mkdir()
     fails(capsys, [*base, "--out", str(tmp_path / "dir.svg")], "it is a folder")
+    fails(capsys, [*base, "--out", str(tmp_path / ("a" * 300 + ".svg"))], "File name too long$")
     assert existing.read_text() == "user's work"
     assert os.readlink(link) == str(tmp_path / "elsewhere.svg")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.svg", "link.svg", "mine.svg"]
     assert main([*base, "--out", str(existing), "--overwrite", "--json"]) == 0
     assert existing.read_text() != "user's work"  # replaced only when asked
+
+
+@pytest.mark.parametrize("command", ["render", "export"])
+def test_out_checked_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """A bad --out fails first: this factory would raise if it were called."""
+    existing = tmp_path / "mine.svg"
+    existing.write_text("user's work")
+    argv = [command, "--model", "bad_models:raises", "--out", str(existing)]
+    fails(capsys, argv, "mine.svg' exists")
+    with pytest.raises(WorkbenchError, match="it is a folder"):
+        check_writable(tmp_path, overwrite=True)
+    check_writable(existing, overwrite=True)  # replacing is allowed when asked
 
 
 def test_overwrite_never_replaces_a_device_or_pipe(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
+from workbench.files import check_writable
 from workbench.graph import JointGraph
 from workbench.models import DTYPES, Workload, load_workload
 from workbench.policy import Policy, parse_policy
@@ -124,6 +125,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
     policy = parse_policy(args.policy)
+    if args.out:
+        check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
     graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake")
     text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
@@ -248,6 +251,7 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.viz import parse_view, render_view
 
     parse_view(args.view)  # fail before tracing
+    check_writable(args.out, overwrite=args.overwrite)
     graph, _ = _trace_from_args(args)
     start = time.perf_counter()
     decisions = decide(graph, parse_policy(args.policy))
