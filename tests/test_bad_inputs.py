@@ -87,6 +87,14 @@ POLICY_FILES: list[tuple[str, bytes, str]] = [
         + b'::b", "action": "save"}]}',
         "a selector has at most 1000",
     ),
+    (
+        "too many selectors",
+        HEAD.encode()
+        + b'"version": 1, "selectors": ['
+        + b", ".join([b'{"select": "a::b", "action": "save"}'] * 1001)
+        + b"]}",
+        "1001 selectors: a policy has at most 1000",
+    ),
     ("overrides str", HEAD.encode() + b'"version": 1, "overrides": "ab"}', "got str"),
     ("overrides list", HEAD.encode() + b'"version": 1, "overrides": [1]}', "got list"),
     ("override int", HEAD.encode() + b'"version": 1, "overrides": {"k": 1}}', "1 must be one of"),

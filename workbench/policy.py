@@ -49,7 +49,8 @@ MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"
 # Bounds on what a policy file or a widget message may hold: far above any real model's
 # paths, far below what would make reading or matching slow.
 MAX_SELECTOR_CHARS = 1000
-MAX_POLICY_FILE_BYTES = 64 * 2**20
+MAX_SELECTORS = 1000  # each is matched against every node: per-node choices are overrides
+MAX_POLICY_FILE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ class Policy:
             raise WorkbenchError(
                 "selectors must be a list of {'select': ..., 'action': ...} objects, "
                 f"got {type(self.selectors).__name__}"
+            )
+        if len(self.selectors) > MAX_SELECTORS:
+            raise WorkbenchError(
+                f"{len(self.selectors)} selectors: a policy has at most {MAX_SELECTORS}; "
+                "name single nodes with overrides instead"
             )
         self.selectors = [Selector.from_json(s) for s in self.selectors]
         if not isinstance(self.overrides, dict):
