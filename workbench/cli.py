@@ -300,7 +300,6 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
-
     if args.budget_bytes is not None:
         if not 0 < args.budget_bytes <= INT64_MAX:
             raise WorkbenchError(

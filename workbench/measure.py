@@ -23,7 +23,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from workbench.eager import apply_eager_sac, apply_eager_sac_to, eager_step
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.models import Workload, available_bytes
@@ -149,11 +149,7 @@ def _fails_in_one_line(what: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
-        text = str(err).strip()
-        raise WorkbenchError(
-            f"{what} failed when run for real: {type(err).__name__}: "
-            f"{text.splitlines()[0] if text else '(no message)'}"
-        ) from None
+        raise WorkbenchError(f"{what} failed when run for real: {describe(err)}") from None
 
 
 def _measure_runs(

@@ -281,11 +281,12 @@ class Policy:
         unknown = set(data) - {"schema", "version", "preset", "selectors", "overrides"}
         if unknown:
             raise WorkbenchError(f"{source}: unknown policy fields {sorted(unknown)}")
+        overrides = data.get("overrides", {})
         try:
             return cls(
                 preset=data.get("preset", "default"),
                 selectors=data.get("selectors", []),
-                overrides=data.get("overrides", {}),
+                overrides=dict(overrides) if isinstance(overrides, dict) else overrides,
             )
         except WorkbenchError as err:
             raise WorkbenchError(f"{source}: {err}") from None

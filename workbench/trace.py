@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.traceback import annotate, preserve_node_meta
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.graph import LOSS_MODULE, InputSpec, JointGraph, describe_nodes
 from workbench.models import Workload
 
@@ -144,9 +144,7 @@ def trace(workload: Workload, mode: Mode = "real") -> JointGraph:
             f"tensor values ({_where(err)}); use torch.where/torch.cond or fix the shapes"
         ) from None
     except Exception as err:  # torch raises many types; the user needs one clear line
-        raise WorkbenchError(
-            f"model {workload.name!r} cannot be traced: {type(err).__name__}: {_first_line(err)}"
-        ) from err
+        raise WorkbenchError(f"model {workload.name!r} cannot be traced: {describe(err)}") from err
     _refuse_data_dependent_shapes(gm, workload.name)
     return JointGraph(
         gm=gm,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
 
@@ -227,14 +227,6 @@ def _check_fits(
         )
 
 
-def _describe(err: BaseException) -> str:
-    """`Type: first line`, or `sys.exit(code)` for an exit: one line, no traceback."""
-    if isinstance(err, SystemExit):
-        return f"it called sys.exit({err.code!r})"
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else '(no message)'}"
-
-
 def _load_user_workload(
     spec: str, *, layers: int | None, seq: int | None, batch: int | None
 ) -> Workload:
@@ -250,8 +242,7 @@ def _load_user_workload(
         raise WorkbenchError(f"cannot load model factory {spec!r}: {err}") from None
     except (Exception, SystemExit) as err:  # the module's own code failed on import
         raise WorkbenchError(
-            f"cannot load model factory {spec!r}: importing {module_name!r} failed: "
-            f"{_describe(err)}"
+            f"cannot load model factory {spec!r}: importing {module_name!r} failed: {describe(err)}"
         ) from None
     if not callable(factory):
         raise WorkbenchError(
@@ -273,7 +264,7 @@ def _load_user_workload(
     try:
         result = factory(**given)
     except (Exception, SystemExit) as err:  # user code: its error, named, in one line
-        raise WorkbenchError(f"model factory {spec!r} failed: {_describe(err)}") from None
+        raise WorkbenchError(f"model factory {spec!r} failed: {describe(err)}") from None
     if isinstance(result, Workload):
         return result
     if not isinstance(result, tuple) or len(result) not in (2, 3):
