@@ -201,7 +201,7 @@ def test_save_never_overwrites_unless_asked(tmp_path: Path) -> None:
         ('{"schema": "sac-workbench/policy", "version": 1, "extra": 1}', "unknown policy fields"),
         (
             '{"schema": "sac-workbench/policy", "version": 1, "selectors": [{"select": "x"}]}',
-            "malformed selectors",
+            "must be an object with exactly the fields",
         ),
         (
             '{"schema": "sac-workbench/policy", "version": 1, "overrides": {"a::b#0": "keep"}}',

@@ -7,25 +7,29 @@ stdout; errors print one line on stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
+from workbench.files import check_writable
 from workbench.graph import JointGraph
 from workbench.models import DTYPES, Workload, load_workload
 from workbench.parallel import Parallel
-from workbench.policy import parse_policy
+from workbench.policy import Policy, parse_policy
 from workbench.trace import timed_trace
 
 if TYPE_CHECKING:
     from workbench.estimate import Estimator
 
 EXIT_USAGE = 2
+INT64_MAX = 2**63 - 1
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -105,10 +109,9 @@ def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    """Remat with torch's pass, run under no_grad, compare loss and grads bitwise to eager."""
-    import torch
-
-    from workbench.eager import eager_step
+    """Remat with torch's pass, run under no_grad, compare loss and grads bitwise to eager
+    (both from one generator state, so dropout draws alike); refuses what cannot fit."""
+    from workbench.measure import bitwise_mismatches
     from workbench.remat import remat
 
     if args.mode != "real":
@@ -117,17 +120,11 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     parallel = _parallel_from_args(args)
     if parallel is not None:
         return _verify_ranks(args, parallel)
+    _refuse_unfit(args, policy, "cpu")
     workload = _workload_from_args(args, "real")
     graph, _ = timed_trace(workload, "real")
     result = remat(graph, policy)
-    assert graph.example_inputs is not None
-    traced = result.run(graph.example_inputs)
-    eager = eager_step(workload)
-    mismatched = [
-        name
-        for name, a, b in zip(["loss", *graph.param_names], traced, eager, strict=True)
-        if not torch.equal(a, b)
-    ]
+    mismatched = bitwise_mismatches(graph, result.gm, workload)
     return {
         "model": graph.model_name,
         "policy": policy.to_json(),
@@ -158,6 +155,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
     policy = parse_policy(args.policy)
+    if args.out:
+        check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
     graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
     text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
@@ -170,6 +169,8 @@ def _profiles_from_args(args: argparse.Namespace) -> list[str]:
     from workbench.profiles import get_profile
 
     names = [p.strip() for p in args.profile.split(",") if p.strip()]
+    if not names:
+        raise WorkbenchError(f"--profile {args.profile!r} names no device profile, e.g. h100,cpu")
     for name in names:
         get_profile(name)  # raises with the list of profiles
     return names
@@ -192,15 +193,32 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None:
+    """Before anything runs for real: estimate on fake tensors both the policy's graph and
+    the eager step it is compared with (no AC), and refuse a peak the device cannot hold."""
+    import torch
+
+    from workbench.estimate import Estimator
+    from workbench.measure import check_fits
+    from workbench.profiles import allocation_granularity
+    from workbench.trace import trace
+
+    fake = trace(_workload_from_args(args, "fake"), "fake")
+    estimator = Estimator(fake, profiles=())
+    granularity = allocation_granularity(device)
+    peak = max(estimator.estimate(p, granularity).peak_bytes for p in (policy, Policy("none")))
+    check_fits(peak, 0, torch.device(device), fake.model_name)
+
+
 def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     """Estimate on fake tensors first (refusing what cannot fit), then run for real."""
     import torch
 
-    from workbench.estimate import Estimator
-    from workbench.measure import check_fits, measure_policy
-    from workbench.profiles import allocation_granularity
-    from workbench.trace import trace
+    from workbench.measure import measure_policy
 
+    _check_positive("--repeat", args.repeat)
+    if args.warmup < 0:
+        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     if _parallel_from_args(args) is not None:
@@ -209,9 +227,7 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
             "memory) or verify (every rank on gloo)"
         )
     policy = parse_policy(args.policy)
-    fake = trace(_workload_from_args(args, "fake"), "fake")
-    guess = Estimator(fake, profiles=()).estimate(policy, allocation_granularity(args.device))
-    check_fits(guess.peak_bytes, 0, torch.device(args.device), fake.model_name)
+    _refuse_unfit(args, policy, args.device)
     workload = _workload_from_args(args, "real", device=args.device)
     result = measure_policy(
         workload, policy, baselines=args.baselines, warmup=args.warmup, repeats=args.repeat
@@ -229,6 +245,8 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.remat import remat
 
     _check_positive("--flips", args.flips)
+    if args.full_path < 0:
+        raise WorkbenchError(f"--full-path must be 0 or more flips, got {args.full_path}")
     graph, trace_seconds = _trace_from_args(args)
     estimator = Estimator(graph)
     policy = parse_policy(args.policy)
@@ -253,7 +271,7 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
         "nodes": len(graph.gm.graph.nodes),
         "flips": args.flips,
         "whatif_p50_seconds": round(statistics.median(whatif), 4),
-        "whatif_p90_seconds": round(sorted(whatif)[int(0.9 * (len(whatif) - 1))], 4),
+        "whatif_p90_seconds": round(sorted(whatif)[math.ceil(0.9 * len(whatif)) - 1], 4),
         "full_path_seconds": round(statistics.median(full), 3) if full else None,
         "full_path_runs": len(full),
         "equal_to_full_path": exact,
@@ -268,6 +286,7 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.viz import parse_view, render_view
 
     parse_view(args.view)  # fail before tracing
+    check_writable(args.out, overwrite=args.overwrite)
     graph, _ = _trace_from_args(args)
     start = time.perf_counter()
     decisions = decide(graph, parse_policy(args.policy))
@@ -316,11 +335,11 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
-    from workbench.policy import Policy
-
     if args.budget_bytes is not None:
-        if args.budget_bytes <= 0:
-            raise WorkbenchError(f"--budget-bytes must be positive, got {args.budget_bytes}")
+        if not 0 < args.budget_bytes <= INT64_MAX:
+            raise WorkbenchError(
+                f"--budget-bytes must be from 1 to {INT64_MAX} (int64), got {args.budget_bytes}"
+            )
         return int(args.budget_bytes)
     if not 0 < args.budget_frac <= 1:
         raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
@@ -507,13 +526,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """While a `--json` command runs, whatever it prints (a user factory's print, a native
+    library writing to file descriptor 1) goes to stderr: stdout holds only the JSON."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1: Python-level redirection is all there is
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
     try:
-        result = run(args)
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+            result = run(args)
     except WorkbenchError as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as err:  # user code (a factory, a loss) called sys.exit mid-command
+        print(
+            f"error: {args.command} stopped: code it ran called sys.exit({err.code!r})",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.json:
         print(json.dumps(result))

@@ -1,7 +1,7 @@
 """Measurement: run a rematerialized graph or an eager baseline for real; peak memory, step time.
 
-Entry points: `measure_graph(graph, gm)`, `measure_eager(workload, policy=None)` and
-`measure_policy(workload, policy)` (trace, remat, refuse what cannot fit, run, compare).
+Entry points: `measure_graph(graph, gm)`, `measure_eager(workload)`, `measure_policy(workload,
+policy)` (trace, remat, refuse what cannot fit, run) and `bitwise_mismatches` (against eager).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from workbench.eager import apply_eager_sac, apply_eager_sac_to, eager_step
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.models import Workload, available_bytes
@@ -138,6 +138,28 @@ def _measure(
     """Warm up, time `repeats` runs (median), then one more run for the memory peak."""
     if repeats < 1 or warmup < 0:
         raise WorkbenchError(f"repeats must be ≥ 1 and warmup ≥ 0, got {repeats} and {warmup}")
+    with _fails_in_one_line(name):
+        return _measure_runs(name, run, inputs, tokens, warmup, repeats)
+
+
+@contextlib.contextmanager
+def _fails_in_one_line(what: str) -> Iterator[None]:
+    """Real data can fail where fake tensors passed (fake kernels skip some dtype checks; out
+    of memory): one line naming what ran instead of torch's traceback."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        raise WorkbenchError(f"{what} failed when run for real: {describe(err)}") from None
+
+
+def _measure_runs(
+    name: str,
+    run: Callable[[], list[torch.Tensor]],
+    inputs: Sequence[Any],
+    tokens: int,
+    warmup: int,
+    repeats: int,
+) -> Measurement:
     device = _device_of(inputs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     for _ in range(warmup):
@@ -254,6 +276,48 @@ class PolicyMeasurement:
         }
 
 
+def bitwise_mismatches(
+    graph: JointGraph, gm: fx.GraphModule, workload: Workload, seed: int = 0
+) -> list[str]:
+    """Outputs (`loss`, then parameter names) where running `gm` under no_grad differs bitwise
+    from a plain eager step. Both start from the same generator state (the caller's is restored
+    after): random ops such as dropout then draw the same numbers, since the graph runs them
+    as eager does (random ops are always saved, never replayed by remat)."""
+    inputs = graph.example_inputs
+    assert inputs is not None
+    device = _device_of(inputs)
+    devices = [device] if device.type == "cuda" else []
+
+    def seeded(run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return run()
+
+    def run_graph() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(gm(*inputs))
+
+    with _fails_in_one_line(f"the graph of {graph.model_name!r}"):
+        traced = seeded(run_graph)
+    with _fails_in_one_line(f"the eager step of {graph.model_name!r}"):
+        eager = seeded(lambda: eager_step(workload))
+    names = ["loss", *graph.param_names]
+    return [n for n, a, b in zip(names, traced, eager, strict=True) if not bitwise_equal(a, b)]
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: NaN equals an identical NaN, 0.0 differs from -0.0
+    (`torch.equal` compares values, so a NaN loss would never be equal to itself).
+
+    >>> nan = torch.tensor([float("nan"), 0.0])
+    >>> bitwise_equal(nan, nan.clone()), bitwise_equal(nan, torch.tensor([float("nan"), -0.0]))
+    (True, False)
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def check_fits(estimated_peak: int, held: int, device: torch.device, what: str) -> None:
     """Refuse a run whose estimated peak exceeds what the device has free (beyond the inputs
     it already holds), instead of swapping or dying out of memory."""
@@ -286,16 +350,16 @@ def measure_policy(
     device = _device_of(graph.example_inputs)
     result = remat(graph, policy)
     estimator = estimator or Estimator(graph, profiles=())
-    est = estimate_remat(graph, result, estimator, allocation_granularity(device))
-    check_fits(est.peak_bytes, held_bytes(graph.example_inputs), device, workload.name)
+    granularity = allocation_granularity(device)
+    est = estimate_remat(graph, result, estimator, granularity)
+    eager_peak = estimator.estimate(Policy("none"), granularity).peak_bytes  # the comparison
+    check_fits(
+        max(est.peak_bytes, eager_peak), held_bytes(graph.example_inputs), device, workload.name
+    )
     measured = measure_graph(
         graph, result.gm, name=f"graph SAC ({policy.preset})", warmup=warmup, repeats=repeats
     )
-    eager = eager_step(workload)
-    names = ["loss", *graph.param_names]
-    mismatched = [
-        n for n, a, b in zip(names, measured.outputs, eager, strict=True) if not torch.equal(a, b)
-    ]
+    mismatched = bitwise_mismatches(graph, result.gm, workload)
     others = []
     if baselines:
         others = [

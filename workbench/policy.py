@@ -39,6 +39,11 @@ ACTIONS: tuple[Action, ...] = ("save", "recompute")
 
 # A node's tag and why (`rules.Tag`): the rules module owns the decision logic.
 Decision = Tag
+# Bounds on what a policy file or a widget message may hold: far above any real model's
+# paths, far below what would make reading or matching slow.
+MAX_SELECTOR_CHARS = 1000
+MAX_SELECTORS = 1000  # each is matched against every node: per-node choices are overrides
+MAX_POLICY_FILE_BYTES = 16 * 2**20
 Decisions = dict[str, Decision]
 
 
@@ -51,15 +56,37 @@ class Selector:
     action: Action
 
     def __post_init__(self) -> None:
+        if not isinstance(self.select, str):
+            raise WorkbenchError(
+                f"selector {self.select!r}: select must be a string MODULE_PATTERN::OP_OVERLOAD, "
+                f"got {type(self.select).__name__}"
+            )
+        if len(self.select) > MAX_SELECTOR_CHARS:
+            raise WorkbenchError(
+                f"selector {self.select[:40]!r}... is {len(self.select)} characters long; "
+                f"a selector has at most {MAX_SELECTOR_CHARS}"
+            )
         if self.select.count("::") != 1:
             raise WorkbenchError(
                 f"selector {self.select!r} must be MODULE_PATTERN::OP_OVERLOAD, "
                 "e.g. 'layers.*.attention.wo::aten.mm.default'"
             )
-        if self.action not in ACTIONS:
+        if not isinstance(self.action, str) or self.action not in ACTIONS:
             raise WorkbenchError(
                 f"selector {self.select!r}: action {self.action!r} must be one of {ACTIONS}"
             )
+
+    @classmethod
+    def from_json(cls, value: Any) -> Selector:
+        """A Selector from itself or its JSON object `{"select": ..., "action": ...}`."""
+        if isinstance(value, Selector):
+            return value
+        if not isinstance(value, dict) or set(value) != {"select", "action"}:
+            raise WorkbenchError(
+                f"selector {value!r} must be an object with exactly the fields 'select' and "
+                "'action'"
+            )
+        return cls(select=value["select"], action=value["action"])
 
     @property
     def module_pattern(self) -> str:
@@ -88,15 +115,37 @@ class Policy:
     overrides: dict[str, Action] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.preset, str):
+            raise WorkbenchError(
+                f"preset {self.preset!r} must be a string, one of {', '.join(PRESETS)}; "
+                f"got {type(self.preset).__name__}"
+            )
         if self.preset not in PRESETS:
             close = difflib.get_close_matches(self.preset, PRESETS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise WorkbenchError(
                 f"unknown preset {self.preset!r}{hint}; choose one of {', '.join(PRESETS)}"
             )
-        self.selectors = [s if isinstance(s, Selector) else Selector(**s) for s in self.selectors]
+        if not isinstance(self.selectors, (list, tuple)):
+            raise WorkbenchError(
+                "selectors must be a list of {'select': ..., 'action': ...} objects, "
+                f"got {type(self.selectors).__name__}"
+            )
+        if len(self.selectors) > MAX_SELECTORS:
+            raise WorkbenchError(
+                f"{len(self.selectors)} selectors: a policy has at most {MAX_SELECTORS}; "
+                "name single nodes with overrides instead"
+            )
+        self.selectors = [Selector.from_json(s) for s in self.selectors]
+        if not isinstance(self.overrides, dict):
+            raise WorkbenchError(
+                "overrides must be an object mapping node keys to 'save' or 'recompute', "
+                f"got {type(self.overrides).__name__}"
+            )
         for key, action in self.overrides.items():
-            if action not in ACTIONS:
+            if not isinstance(key, str):
+                raise WorkbenchError(f"override key {key!r} must be a string MODULE::OP#k")
+            if not isinstance(action, str) or action not in ACTIONS:
                 raise WorkbenchError(f"override {key!r}: {action!r} must be one of {ACTIONS}")
 
     def to_json(self) -> dict[str, Any]:
@@ -115,37 +164,60 @@ class Policy:
         if data.get("schema") != SCHEMA:
             raise WorkbenchError(f"{source}: not a workbench policy (schema must be {SCHEMA!r})")
         version = data.get("version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise WorkbenchError(
-                f"{source}: policy schema version {version!r} is newer than this workbench "
+                f"{source}: policy version must be a whole number from 1 to {SCHEMA_VERSION}, "
+                f"got {version!r} ({type(version).__name__})"
+            )
+        if version > SCHEMA_VERSION:
+            raise WorkbenchError(
+                f"{source}: policy schema version {version} is newer than this workbench "
                 f"reads (up to {SCHEMA_VERSION}); upgrade sac-workbench"
             )
         unknown = set(data) - {"schema", "version", "preset", "selectors", "overrides"}
         if unknown:
             raise WorkbenchError(f"{source}: unknown policy fields {sorted(unknown)}")
+        overrides = data.get("overrides", {})
         try:
             return cls(
                 preset=data.get("preset", "default"),
-                selectors=list(data.get("selectors", [])),
-                overrides=dict(data.get("overrides", {})),
+                selectors=data.get("selectors", []),
+                overrides=dict(overrides) if isinstance(overrides, dict) else overrides,
             )
-        except TypeError as err:
-            raise WorkbenchError(f"{source}: malformed selectors or overrides ({err})") from None
+        except WorkbenchError as err:
+            raise WorkbenchError(f"{source}: {err}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
+        """Read a policy file; anything but a readable, UTF-8, reasonably sized and shallow
+        JSON policy is refused with one line naming the file and the problem."""
+        name = f"policy file {str(path)!r}"
         try:
-            text = Path(path).read_text()
+            with open(path, "rb") as handle:
+                raw = handle.read(MAX_POLICY_FILE_BYTES + 1)
         except OSError as err:
-            raise WorkbenchError(f"cannot read policy file {str(path)!r}: {err.strerror}") from None
+            raise WorkbenchError(f"cannot read {name}: {err.strerror}") from None
+        if len(raw) > MAX_POLICY_FILE_BYTES:
+            raise WorkbenchError(
+                f"{name} is larger than {MAX_POLICY_FILE_BYTES // 2**20} MiB: not a policy"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise WorkbenchError(
+                f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise WorkbenchError(
-                f"policy file {str(path)!r} is not valid JSON: {err.msg} at line {err.lineno}, "
-                f"column {err.colno}"
+                f"{name} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
             ) from None
-        return cls.from_json(data, source=f"policy file {str(path)!r}")
+        except RecursionError:
+            raise WorkbenchError(f"{name} is nested too deeply to be a policy") from None
+        except ValueError as err:  # e.g. an integer with more digits than Python converts
+            raise WorkbenchError(f"{name} is not a readable policy: {err}") from None
+        return cls.from_json(data, source=name)
 
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write atomically; an existing file is replaced only when `overwrite` is set."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -20,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.traceback import annotate, preserve_node_meta
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.models import Workload
 
@@ -182,9 +183,8 @@ def trace_step(
             f"tensor values ({_where(err)}); use torch.where/torch.cond or fix the shapes"
         ) from None
     except Exception as err:  # torch raises many types; the user needs one clear line
-        raise WorkbenchError(
-            f"model {workload.name!r} cannot be traced: {type(err).__name__}: {_first_line(err)}"
-        ) from err
+        raise WorkbenchError(f"model {workload.name!r} cannot be traced: {describe(err)}") from err
+    _refuse_data_dependent_shapes(gm, workload.name)
     return JointGraph(
         gm=gm,
         nodes=describe_nodes(gm),
@@ -195,6 +195,31 @@ def trace_step(
         config=dict(workload.config),
         example_inputs=args if mode == "real" else None,
     )
+
+
+def _refuse_data_dependent_shapes(gm: fx.GraphModule, name: str) -> None:
+    """Sizes that depend on tensor values (boolean masks, nonzero) have no byte count to
+    estimate or save: name the first op that makes one, and the user's line if known."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in value.shape):
+                line = _user_line(node.meta.get("stack_trace") or "")
+                raise WorkbenchError(
+                    f"model {name!r} has data-dependent shapes: {node.target} "
+                    f"({node.name}{', ' + line if line else ''}) makes a tensor whose size "
+                    "depends on tensor values; use fixed-size ops (torch.where, masking by "
+                    "multiplication) instead"
+                )
+
+
+def _user_line(stack_trace: str) -> str:
+    """The last `File ...` line of a stack trace outside torch itself."""
+    lines = [
+        line.strip()
+        for line in stack_trace.splitlines()
+        if line.strip().startswith("File ") and "/torch/" not in line
+    ]
+    return lines[-1] if lines else ""
 
 
 def _input_specs(gm: fx.GraphModule, kinds: list[tuple[InputKind, str]]) -> list[InputSpec]:
@@ -212,11 +237,7 @@ def _first_line(err: BaseException) -> str:
 
 def _where(err: BaseException) -> str:
     """The user's source line that asked for a tensor value, when torch reports it."""
-    for line in str(err).splitlines():
-        line = line.strip()
-        if line.startswith("File ") and "/torch/" not in line:
-            return line
-    return _first_line(err)
+    return _user_line(str(err)) or _first_line(err)
 
 
 def timed_trace(

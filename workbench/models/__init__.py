@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
 
@@ -105,9 +105,19 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def _check_positive(what: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
+# Far above any real model, far below what would build for minutes or overflow int64 sizes.
+MAX_LAYERS = 1024
+MAX_DIM = 2**31 - 1
+MAX_TOKENS = 2**40
+
+
+def _check_size(what: str, value: int | None, limit: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise WorkbenchError(f"{what} must be a positive integer, got {value!r}")
+    if value > limit:
+        raise WorkbenchError(f"{what} must be at most {limit}, got {value}")
 
 
 def load_workload(
@@ -124,8 +134,14 @@ def load_workload(
 
     `device="meta"` builds without memory, for fake-mode tracing of big shapes.
     """
-    for what, value in (("layers", layers), ("seq", seq), ("batch", batch)):
-        _check_positive(what, value)
+    for what, value, limit in (
+        ("layers", layers, MAX_LAYERS),
+        ("seq", seq, MAX_DIM),
+        ("batch", batch, MAX_DIM),
+    ):
+        _check_size(what, value, limit)
+    if seq is not None and batch is not None and seq * batch > MAX_TOKENS:
+        raise WorkbenchError(f"batch × seq must be at most {MAX_TOKENS} tokens, got {batch * seq}")
     torch_dtype = parse_dtype(dtype)
     if ":" in spec:
         return _load_user_workload(spec, layers=layers, seq=seq, batch=batch)
@@ -189,7 +205,8 @@ def _check_fits(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Refuse a real build whose parameters and gradients alone exceed free memory."""
+    """Refuse a real build whose parameters, gradients, buffers and token ids alone exceed
+    free memory (activations are checked against an estimate before a graph runs)."""
     if device.type == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
     with torch.device("meta"):
@@ -199,13 +216,17 @@ def _check_fits(
             meta = cls(config, shape.seq)
         finally:
             torch.set_default_dtype(previous)
-    needed = 2 * sum(p.numel() * p.element_size() for p in meta.parameters())
+    needed = (
+        2 * sum(p.numel() * p.element_size() for p in meta.parameters())
+        + sum(b.numel() * b.element_size() for b in meta.buffers())
+        + shape.batch * (shape.seq + 1) * 8
+    )
     free = available_bytes(device)
     if needed > free:
         raise WorkbenchError(
-            f"{spec} needs at least {needed / 2**30:.1f} GiB on {device} for parameters and "
-            f"gradients alone, but {free / 2**30:.1f} GiB is free: trace it with --mode fake "
-            "(no memory) or fewer --layers"
+            f"{spec} needs at least {needed / 2**30:.1f} GiB on {device} for parameters, "
+            f"gradients and token ids alone, but {free / 2**30:.1f} GiB is free: trace it with "
+            "--mode fake (no memory), or fewer --layers, --batch or --seq"
         )
 
 
@@ -214,20 +235,39 @@ def _load_user_workload(
 ) -> Workload:
     """`package.module:callable` returning a Workload, (model, batch) or (model, batch, loss)."""
     module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise WorkbenchError(
+            f"model spec {spec!r} must be package.module:callable, e.g. mypkg.models:build"
+        )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise WorkbenchError(f"cannot load model factory {spec!r}: {err}") from None
+    except (Exception, SystemExit) as err:  # the module's own code failed on import
+        raise WorkbenchError(
+            f"cannot load model factory {spec!r}: importing {module_name!r} failed: {describe(err)}"
+        ) from None
+    if not callable(factory):
+        raise WorkbenchError(
+            f"model factory {spec!r} is a {type(factory).__name__}, not a callable returning "
+            "a Workload, (model, batch) or (model, batch, loss_fn)"
+        )
     overrides = {"layers": layers, "seq": seq, "batch": batch}
-    params = inspect.signature(factory).parameters
     given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        params: Any = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        params = given
     unsupported = [k for k in given if k not in params]
     if unsupported:
         raise WorkbenchError(
             f"model factory {spec!r} takes no {', '.join(unsupported)} argument; "
             f"it accepts: {', '.join(params) or 'nothing'}"
         )
-    result = factory(**given)
+    try:
+        result = factory(**given)
+    except (Exception, SystemExit) as err:  # user code: its error, named, in one line
+        raise WorkbenchError(f"model factory {spec!r} failed: {describe(err)}") from None
     if isinstance(result, Workload):
         return result
     if not isinstance(result, tuple) or len(result) not in (2, 3):
