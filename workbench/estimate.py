@@ -94,6 +94,9 @@ class Estimator:
         self.index = graph_index(graph)
         self.profiles = [get_profile(p) for p in profiles]
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
+        self._seconds = {name: np.asarray(sec) for name, sec in self.seconds.items()}
+        # names of every schedule entry: originals, then recomputed copies
+        self._entry_names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
 
     def _node_seconds(self, profile: DeviceProfile) -> list[float]:
         """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth).
@@ -147,9 +150,8 @@ class Estimator:
         n, phase = index.n, index.phase
         table = index.storages((order, args))
         storages, owner = table.held_by, table.owner
-        sizes = [round_up(size, granularity) for size in table.sizes]
-        position = {e: p for p, e in enumerate(order)}
-        allocated_at = [position[e] for e in owner]
+        sizes = table.sizes if granularity == 1 else [round_up(b, granularity) for b in table.sizes]
+        allocated_at = table.born
 
         # Values die after their last use, or right after they run when unused; graph
         # inputs are held by the caller and outputs are returned.
@@ -206,10 +208,6 @@ class Estimator:
             result.append(CATEGORIES.index(name))
         return result
 
-    def _name(self, e: int) -> str:
-        n, names = self.index.n, self.index.names
-        return names[e] if e < n else names[e - n] + RECOMPUTED_SUFFIX
-
     def _report(
         self,
         order: list[int],
@@ -247,9 +245,11 @@ class Estimator:
                 )
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
         copies = [e - n for e in order if e >= n]
+        entries, copy_array = np.asarray(order), np.asarray(copies, dtype=np.int64)
+        names = self._entry_names
         return Estimate(
             peak_bytes=peak,
-            peak_node=self._name(order[peak_p]),
+            peak_node=names[order[peak_p]],
             peak_index=peak_p,
             peak_breakdown={c: int(live[k, peak_p]) for k, c in enumerate(CATEGORIES)},
             saved_activation_bytes=sum(sizes[sid] for sid in saved),
@@ -259,13 +259,13 @@ class Estimator:
             recompute_flops=sum(index.flops[i] for i in copies),
             recomputed_nodes=[index.names[i] for i in copies],
             step_seconds={
-                name: sum(sec[e % n] for e in order) for name, sec in self.seconds.items()
+                name: float(sec[entries % n].sum()) for name, sec in self._seconds.items()
             },
             recompute_seconds={
-                name: sum(sec[i] for i in copies) for name, sec in self.seconds.items()
+                name: float(sec[copy_array].sum()) for name, sec in self._seconds.items()
             },
             tokens=self.graph.tokens,
-            order=[self._name(e) for e in order],
+            order=[names[e] for e in order],
             timeline={c: live[k].tolist() for k, c in enumerate(CATEGORIES)},
         )
 

@@ -36,11 +36,13 @@ _FORWARD = ("forward", "loss")
 
 
 class Storages(NamedTuple):
-    """Storage ids held by each schedule entry, each storage's owning entry and bytes."""
+    """Storage ids held by each schedule entry; each storage's owning entry, bytes, and the
+    position in the schedule where it is allocated."""
 
     held_by: dict[int, tuple[int, ...]]
     owner: list[int]
     sizes: list[int]
+    born: list[int]
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class GraphIndex:
         slot_storage: dict[tuple[int, int], int] = {}
         owner: list[int] = []
         sizes: list[int] = []
-        for e in order:
+        born: list[int] = []
+        for p, e in enumerate(order):
             held = []
             for s, slot in enumerate(slots[e % n]):
                 if isinstance(slot, int):
@@ -124,6 +127,7 @@ class GraphIndex:
                     sid = len(owner)
                     owner.append(e)
                     sizes.append(slot)
+                    born.append(p)
                 else:
                     aliased = slot_storage.get((args[e][slot[0]], slot[1]))
                     if aliased is None:
@@ -133,7 +137,7 @@ class GraphIndex:
                 held.append(sid)
             if held:
                 held_by[e] = tuple(dict.fromkeys(held))
-        return Storages(held_by, owner, sizes)
+        return Storages(held_by, owner, sizes, born)
 
     def saved_storages(self, schedule: Schedule, table: Storages) -> set[int]:
         """Storages of forward and loss nodes read by a backward node or a recomputed copy:

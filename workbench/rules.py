@@ -178,16 +178,8 @@ class OpFacts(NamedTuple):
     mutation: bool
     parent: str | None  # the multi-output node a getitem unpacks
     users: tuple[str, ...]
-
-    @property
-    def key(self) -> str:
-        """`layers.*.attention::aten.mm.default#0`: the op in every identical layer."""
-        return f"{layer_pattern(self.module)}::{self.op}#{self.occurrence}"
-
-    @property
-    def layer_key(self) -> str:
-        """`layers.3.attention::aten.mm.default#0`: the op in this layer only."""
-        return f"{self.module}::{self.op}#{self.occurrence}"
+    key: str  # `layers.*.attention::aten.mm.default#0`: the op in every identical layer
+    layer_key: str  # `layers.3.attention::aten.mm.default#0`: the op in this layer only
 
 
 # (name, module, op, random, mutation, parent, users), in graph order.
@@ -207,11 +199,13 @@ class OpCounter:
         layer = layer_of(module)
         if op in MATMUL_OPS:
             self.matmuls[layer] += 1
-        index = self.seen[(module, op)]
+        k = self.seen[(module, op)]
         self.seen[(module, op)] += 1
+        key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
         return OpFacts(
-            name, module, op, layer, index, self.matmuls[layer], random, mutation, parent, users
-        )
+            name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
+            key, layer_key,
+        )  # fmt: skip
 
 
 def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
