@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
-from workbench.models import DTYPES, Workload, load_workload
+from workbench.models import DTYPES, Workload, is_user_factory, load_workload
 from workbench.policy import parse_policy
 from workbench.trace import timed_trace
 
@@ -31,8 +31,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="reference model (llama3-debug, llama3-1b, llama3-3b, llama3-8b, dsv3-debug) "
-        "or package.module:callable",
+        help="reference model (llama3-debug, llama3-1b, llama3-3b, llama3-8b, dsv3-debug), "
+        "torchtitan:FAMILY/FLAVOR (e.g. torchtitan:llama3/debugmodel) or package.module:callable",
     )
     parser.add_argument("--mode", choices=("real", "fake"), default="real")
     parser.add_argument("--layers", type=int, help="number of transformer blocks")
@@ -48,8 +48,8 @@ def _check_positive(flag: str, value: int) -> None:
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
-    """Reference models in fake mode are built on the meta device: no memory at all."""
-    device = "meta" if mode == "fake" and ":" not in args.model else device
+    """Built-in and torchtitan models in fake mode are built on meta: no memory at all."""
+    device = "meta" if mode == "fake" and not is_user_factory(args.model) else device
     return load_workload(
         args.model,
         layers=args.layers,

@@ -1,7 +1,8 @@
 """Reference models and the `Workload` (model + example batch + loss) that tracing consumes.
 
 Entry point: `load_workload(spec, layers=, seq=, batch=, dtype=, device=)`, where `spec` is
-a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, ...) or `package.module:callable`.
+a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, ...), `package.module:callable`
+or `torchtitan:FAMILY/FLAVOR` (torchtitan's own models, `workbench.models.torchtitan`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import nn
 from workbench.errors import WorkbenchError
 from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
+from workbench.models.torchtitan import PREFIX as TORCHTITAN_PREFIX
+from workbench.models.torchtitan import load_torchtitan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -39,6 +42,7 @@ class Workload:
     loss_fn: LossFn | None = None
     name: str = "model"
     config: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, torch.Tensor):
@@ -102,6 +106,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def is_user_factory(spec: str) -> bool:
+    """`package.module:callable` (built by the user's code, so never on meta by us)."""
+    return ":" in spec and not spec.startswith(TORCHTITAN_PREFIX)
+
+
 def _check_positive(what: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise WorkbenchError(f"{what} must be a positive integer, got {value!r}")
@@ -124,6 +133,10 @@ def load_workload(
     for what, value in (("layers", layers), ("seq", seq), ("batch", batch)):
         _check_positive(what, value)
     torch_dtype = parse_dtype(dtype)
+    if spec.startswith(TORCHTITAN_PREFIX):
+        return load_torchtitan(  # type: ignore[no-any-return]
+            spec, layers=layers, seq=seq, batch=batch, dtype=torch_dtype, device=device, seed=seed
+        )
     if ":" in spec:
         return _load_user_workload(spec, layers=layers, seq=seq, batch=batch)
     if spec not in REFERENCE_MODELS:
@@ -186,9 +199,7 @@ def _check_fits(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Refuse a real build whose parameters and gradients alone exceed free memory."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
+    """Build the reference model on meta and refuse a build that cannot fit (`check_fits`)."""
     with torch.device("meta"):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -196,6 +207,14 @@ def _check_fits(
             meta = cls(config, shape.seq)
         finally:
             torch.set_default_dtype(previous)
+    check_fits(spec, meta, device)
+
+
+def check_fits(spec: str, meta: nn.Module, device: torch.device) -> None:
+    """Refuse a real build whose parameters and gradients alone exceed free memory;
+    `meta` is the model built on the meta device."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
     needed = 2 * sum(p.numel() * p.element_size() for p in meta.parameters())
     free = available_bytes(device)
     if needed > free:
