@@ -21,6 +21,7 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import Workload
 from workbench.policy import PRESETS, Policy, Selector, decide, layer_key, node_keys
+from workbench.rules import Why
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(
@@ -43,17 +44,17 @@ NEVER_DISPATCHED = {"aten.detach.default", "getitem"}
 # Graph decisions eager SAC cannot make: a layer's output feeding the next layer (in eager it
 # is the checkpoint's output, kept by autograd whatever policy_fn says), and in-place ops
 # (eager SAC raises in backward if an in-place op's output is cached, so they are recomputed).
-EAGER_DIFFERS = ("forced:layer boundary", "forced:mutates")
+EAGER_DIFFERS = (Why.LAYER_BOUNDARY, Why.MUTATION)
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
-def graph_decisions(graph: JointGraph, policy: Policy) -> dict[str, tuple[str, str, object]]:
-    """Layer ops by `MODULE::OP#k` -> (op, reason, policy)."""
+def graph_decisions(graph: JointGraph, policy: Policy) -> dict[str, tuple[str, Why, object]]:
+    """Layer ops by `MODULE::OP#k` -> (op, why, policy)."""
     decisions = decide(graph, policy)
     return {
         layer_key(graph.nodes[name], key): (
             graph.nodes[name].op,
-            decisions[name].reason,
+            decisions[name].why,
             decisions[name].policy,
         )
         for name, key in node_keys(graph).items()
@@ -78,8 +79,8 @@ def test_eager_sac_decides_like_the_graph_inside_layers(
     assert set(unseen) <= NEVER_DISPATCHED
     differ = {k for k in eager if eager[k] != expected[k][2]}
     for key in differ:
-        op, reason, _ = expected[key]
-        assert reason.startswith(EAGER_DIFFERS), (key, eager[key], expected[key])
+        op, why, _ = expected[key]
+        assert why in EAGER_DIFFERS, (key, eager[key], expected[key])
         assert eager[key] is CheckpointPolicy.PREFER_RECOMPUTE
     # The ones that carry the memory: matmuls, attention, norm outputs decide identically.
     core = [

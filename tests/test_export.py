@@ -165,7 +165,7 @@ def test_generated_code_reads_as_written_tables() -> None:
         (s.module_pattern, s.op_pattern, s.action) for s in CUSTOM.selectors
     ]
     assert exported["OVERRIDES"] == CUSTOM.overrides
-    assert "aten.mm.default" in exported["SAVE_OPS"]
+    assert "aten.mm.default" in exported["COMPUTE_INTENSIVE_OPS"]
     assert exported["WRAP_LAYERS"] is True
     assert load(export(Policy("none"), "policy_fn"))["WRAP_LAYERS"] is False
 

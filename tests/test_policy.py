@@ -12,7 +12,6 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import Workload
 from workbench.policy import (
-    COMPUTE_INTENSIVE_OPS,
     PRESETS,
     SCHEMA_VERSION,
     Policy,
@@ -26,6 +25,7 @@ from workbench.policy import (
     restrict,
     validate,
 )
+from workbench.rules import COMPUTE_INTENSIVE_OPS
 
 Fixture = tuple[Workload, JointGraph]
 SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"

@@ -14,6 +14,7 @@ from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
 from workbench.policy import Decision, Policy, decide, node_keys
 from workbench.remat import RematWarning, remat, saved_activations, tag_graph
+from workbench.rules import Why
 from workbench.trace import trace
 
 Fixture = tuple[Workload, JointGraph]
@@ -82,7 +83,7 @@ def test_tag_graph_tags_only_forward(llama_debug: Fixture) -> None:
         if node.meta.get("autograd_backward"):
             assert "recompute" not in node.meta
     backward = next(i.name for i in graph.ops() if i.phase == "backward")
-    bad = {backward: Decision(CheckpointPolicy.MUST_SAVE, "test")}
+    bad = {backward: Decision(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "test")}
     with pytest.raises(WorkbenchError, match="refusing to tag backward node"):
         tag_graph(graph, bad)
 

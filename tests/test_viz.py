@@ -19,6 +19,7 @@ from workbench.graph import JointGraph
 from workbench.models import load_workload
 from workbench.policy import Decision, Policy, Selector, decide
 from workbench.remat import remat, saved_activations
+from workbench.rules import Why
 from workbench.trace import trace
 from workbench.viz import (
     VIEWS,
@@ -141,7 +142,7 @@ def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
 def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
     decisions = dict(decide(four_layers, Policy("default")))
     name = next(i.name for i in four_layers.ops() if i.layer == 2 and i.op == "aten.mm.default")
-    decisions[name] = Decision(CheckpointPolicy.MUST_RECOMPUTE, "override:test")
+    decisions[name] = Decision(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "test")
     titles = [g.title for g in overview(four_layers, decisions).groups]
     assert {"layers.0–1 ×2", "layers.2", "layers.3"} <= set(titles)
 
@@ -183,8 +184,8 @@ def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
     kept = next(n for n, d in before.items() if n in saved and not d.recompute)
     dropped = next(n for n, d in before.items() if n in saved and d.recompute)
     after = dict(before)
-    after[kept] = Decision(CheckpointPolicy.MUST_RECOMPUTE, "override:a")
-    after[dropped] = Decision(CheckpointPolicy.MUST_SAVE, "override:b")
+    after[kept] = Decision(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "a")
+    after[dropped] = Decision(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "b")
     changed = diff(two_layers, before, after)
     rows = {r.node: r for r in changed.rows}
     assert set(rows) == {kept, dropped}

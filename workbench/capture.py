@@ -24,6 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from workbench import rules
 from workbench.eager import eager_step
 from workbench.export import export
 from workbench.models import Workload
@@ -90,23 +91,17 @@ class _Checkpointed(torch.nn.Module):
 
 
 def every_other_mm_policy() -> Callable[..., CheckpointPolicy]:
-    """torchtitan's rule as a plain policy_fn: save matmuls (every second mm recomputed),
-    grouped matmuls, attention and top-k; recompute the rest. No module knowledge."""
-    save = {
-        torch.ops.aten.mm.default,
-        torch.ops.aten._grouped_mm.default,
-        torch.ops.aten.topk.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-    count: collections.Counter[str] = collections.Counter()
+    """torchtitan's rule as a plain policy_fn: the `eager` preset of `workbench.rules` with
+    no module knowledge (every op counted as if in one layer), so every second mm of the
+    forward is recomputed and compute-intensive ops are saved."""
+    rule = rules.PRESETS["eager"]()
+    counters = {False: rules.OpCounter(), True: rules.OpCounter()}
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func == torch.ops.aten.mm.default:
-            count[mode] += 1
-            if count[mode] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+        op = rules.op_name(func)
+        row = (op, "layers.0", op, rules.is_random(func), rules.mutates(func), None, ())
+        facts = counters[bool(ctx.is_recompute)].facts(row)
+        return rules.eager_tag(facts, rule, "eager", (), {}).policy
 
     return policy_fn
 

@@ -6,16 +6,19 @@ Entry points: `export(policy, fmt, graph=None) -> str` for the formats in `FORMA
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from workbench import rules
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.graph import JointGraph
-from workbench.policy import COMPUTE_INTENSIVE_OPS, MATMUL_OPS, Policy, validate
+from workbench.policy import Policy, validate
 
 LINE_LENGTH = 100
 # Set on a block by the generated `apply_ac`, so a model is never checkpointed twice.
@@ -119,113 +122,64 @@ def _can_recompute(policy: Policy) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Generated Python: the policy's tables, then the rules of `workbench.policy.decide` restated
-# with torch alone. The same rule code serves the eager `policy_fn` and the FX `tag_graph`.
+# Generated Python: the policy's tables, the source of `workbench.rules` verbatim (the very
+# rules `decide` applies), and an entry point: eager `policy_fn` + `apply_ac`, or `tag_graph`.
 
-_PRESET_RULES: dict[str, list[str]] = {
-    "none": [
-        '    """Preset `none`: keep every activation."""',
-        "    return CheckpointPolicy.PREFER_SAVE",
-    ],
-    "full": [
-        '    """Preset `full`: recompute every activation."""',
-        "    return CheckpointPolicy.PREFER_RECOMPUTE",
-    ],
-    "default": [
-        '    """Preset `default`: save the compute-intensive ops, recompute the rest."""',
-        "    if op in SAVE_OPS:",
-        "        return CheckpointPolicy.PREFER_SAVE",
-        "    return CheckpointPolicy.PREFER_RECOMPUTE",
-    ],
-    "eager": [
-        '    """Preset `eager` (torchtitan\'s eager SAC): outside the layers keep everything;',
-        '    inside, save the compute-intensive ops but recompute every second matmul."""',
-        "    if layer is None:",
-        "        return CheckpointPolicy.PREFER_SAVE",
-        "    if op in MATMUL_OPS and matmul_index % 2 == 0:",
-        "        return CheckpointPolicy.PREFER_RECOMPUTE",
-        "    if op in SAVE_OPS:",
-        "        return CheckpointPolicy.PREFER_SAVE",
-        "    return CheckpointPolicy.PREFER_RECOMPUTE",
-    ],
-}
-
-_RULES = '''
-
-MUST = {"save": CheckpointPolicy.MUST_SAVE, "recompute": CheckpointPolicy.MUST_RECOMPUTE}
-RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-_LAYER_RE = re.compile(r"(?<=\\.)\\d+(?=\\.|$)")
+_RULES_HEADER = "# --- The rules: workbench/rules.py of SAC Workbench, verbatim ---"
+_POLICY_HEADER = "# --- This policy ---"
 
 
-def layer_of(module: str) -> int | None:
-    """Index of the repeated block a module path is in (`layers.3.attention` -> 3)."""
-    match = _LAYER_RE.search(module)
-    return int(match.group()) if match else None
-
-
-def layer_pattern(module: str) -> str:
-    """`layers.3.attention` -> `layers.*.attention`: the path all identical layers share."""
-    return _LAYER_RE.sub("*", module, count=1)
-
-
-def op_name(target: Any) -> str:
-    """`aten.mm.default` for an OpOverload; a plain callable's name (`getitem`) otherwise."""
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
-
-
-def module_matches(pattern: str, module: str) -> bool:
-    """fnmatch per dotted component; `**` matches any number of components."""
-    return _match(pattern.split(".") if pattern else [], module.split(".") if module else [])
-
-
-def _match(pattern: list[str], parts: list[str]) -> bool:
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return any(_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
-    if not parts or not fnmatch.fnmatchcase(parts[0], pattern[0]):
-        return False
-    return _match(pattern[1:], parts[1:])
-
-
-def is_random(target: Any) -> bool:
-    """Random ops are always saved: torch's remat pass cannot replay their RNG."""
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
+def rules_source() -> tuple[list[str], str]:
+    """`workbench.rules` split into its top-level imports and the code after them (without
+    the module docstring and `from __future__`): what every Python export embeds."""
+    source = inspect.getsource(rules)
+    tree = ast.parse(source)
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    first_code = next(
+        node for node in tree.body if node.lineno > imports[-1].lineno and node not in imports
     )
+    lines = source.splitlines()
+    statements = [ast.get_source_segment(source, node) or "" for node in imports]
+    body = "\n".join(lines[_first_line(first_code, lines) :]).strip("\n") + "\n"
+    return [s for s in statements if not s.startswith("from __future__")], body
 
 
-def mutates(target: Any) -> bool:
-    """In-place ops: the graph saves them (a remat copy would mutate twice)."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    arguments = target._schema.arguments
-    return any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+def _first_line(node: ast.stmt, lines: list[str]) -> int:
+    """0-based line where `node` starts, including the comment block just above it."""
+    start = node.lineno - 1
+    while start > 0 and lines[start - 1].startswith("#"):
+        start -= 1
+    return start
 
 
-def requested(module: str, op: str, index: int, matmul_index: int) -> CheckpointPolicy:
-    """The preset's choice, then selectors (later ones win), then overrides (a key naming one
-    layer wins over a `layers.*` key). `index`: this op's occurrence in its module, from 0;
-    `matmul_index`: the matmul count of the layer so far, from 1."""
-    policy = preset_policy(layer_of(module), op, matmul_index)
-    for module_pattern, op_pattern, action in SELECTORS:
-        if module_matches(module_pattern, module) and fnmatch.fnmatchcase(op, op_pattern):
-            policy = MUST[action]
-    for key in (f"{layer_pattern(module)}::{op}#{index}", f"{module}::{op}#{index}"):
-        if key in OVERRIDES:
-            policy = MUST[OVERRIDES[key]]
-    return policy
-'''
+def _import_block(statements: Iterable[str]) -> list[str]:
+    """Merged, sorted `import`/`from … import` lines, stdlib first, then torch (isort order)."""
+    plain: set[str] = set()
+    names: dict[str, set[str]] = {}
+    for statement in statements:
+        for node in ast.parse(statement).body:
+            if isinstance(node, ast.Import):
+                plain.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                names.setdefault(node.module, set()).update(a.name for a in node.names)
+    sections: list[list[str]] = [[], []]
+    for module in sorted(plain):
+        sections[module.split(".")[0] == "torch"].append(f"import {module}")
+    for module in sorted(names):
+        members = sorted(names[module], key=lambda n: (not n[:1].isupper(), n))
+        line = f"from {module} import {', '.join(members)}"
+        if len(line) > LINE_LENGTH:
+            line = "\n".join([f"from {module} import (", *_items(members), ")"])
+        sections[module.split(".")[0] == "torch"].append(line)
+    return [*sections[0], "", *sections[1]]
+
 
 _POLICY_FN = '''
-# What the running layer forward has done so far: the module stack kept by apply_ac's hooks,
-# and how often each (module, op) and each matmul ran, counted apart for the original forward
+_RULE = PRESETS[PRESET]()
+# The module stack kept by apply_ac's hooks, and one op counter each for the original forward
 # and the recompute (`ctx.is_recompute`). Reset at the start of every layer forward.
 _STACK: list[str] = []
-_COUNTS: collections.Counter[tuple[bool, str, str]] = collections.Counter()
-_MATMULS: collections.Counter[bool] = collections.Counter()
+_COUNTERS: dict[bool, OpCounter] = {False: OpCounter(), True: OpCounter()}
 
 
 def current_module() -> str:
@@ -234,22 +188,10 @@ def current_module() -> str:
 
 
 def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save or recompute `func`'s output, as the graph policy does for the same op (in-place
-    ops aside, see below)."""
-    module, op = current_module(), op_name(func)
-    index = _COUNTS[(ctx.is_recompute, module, op)]
-    _COUNTS[(ctx.is_recompute, module, op)] += 1
-    if op in MATMUL_OPS:
-        _MATMULS[ctx.is_recompute] += 1
-    if is_random(func):
-        return CheckpointPolicy.MUST_SAVE
-    if mutates(func):
-        # Unlike the graph, recompute: eager SAC caches an op's output before autograd bumps
-        # the version of an in-place op, so a saved in-place op fails in backward ("Tensor
-        # cached during selective activation checkpoint has been mutated"). The recompute
-        # mutates the freshly recomputed tensor, so it stays correct.
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return requested(module, op, index, _MATMULS[ctx.is_recompute])
+    """Save or recompute `func`'s output by the rules above (see `eager_tag`)."""
+    row = (str(func), current_module(), op_name(func), is_random(func), mutates(func), None, ())
+    facts = _COUNTERS[bool(ctx.is_recompute)].facts(row)
+    return eager_tag(facts, _RULE, PRESET, SELECTORS, OVERRIDES).policy
 
 
 def context_fn() -> Any:
@@ -295,8 +237,7 @@ def _checkpointed(forward: Callable[..., Any], path: str) -> Callable[..., Any]:
         # Runs for the forward and again for the recompute, which may stop early (an
         # exception): every run starts from a clean stack and fresh counts.
         _STACK[:] = [path]
-        _COUNTS.clear()
-        _MATMULS.clear()
+        _COUNTERS.update({False: OpCounter(), True: OpCounter()})
         try:
             return forward(*args, **kwargs)
         finally:
@@ -310,77 +251,45 @@ def _checkpointed(forward: Callable[..., Any], path: str) -> Callable[..., Any]:
 '''
 
 _GRAPH_PASS = '''
-def module_path(node: torch.fx.Node, in_loss: bool) -> str:
-    """The module that ran the node: meta["custom"]["module"] (SAC Workbench tracing) or
-    ["module_fqn"] (torchtitan), else the innermost nn_module_stack entry."""
-    custom = node.meta.get("custom") or {}
-    for key in ("module", "module_fqn"):
-        if key in custom:
-            return str(custom[key])
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1]
-        path = path[0] if isinstance(path, tuple) else str(path)
-        path = re.sub(r"\\[(\\d+)\\]", r".\\1", path)  # dynamo: L['self'].layers[0]
-        return path.removeprefix("L['self']").lstrip(".")
-    return "loss" if in_loss else ""
+
+def module_paths(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """The module that ran each node: meta["custom"]["module"] (SAC Workbench tracing) or
+    ["module_fqn"] (torchtitan), else the innermost nn_module_stack entry; nodes from the
+    first one marked meta["custom"]["phase_hint"] == "loss" on default to "loss"."""
+    paths: dict[torch.fx.Node, str] = {}
+    in_loss = False
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if not node.meta.get("autograd_backward"):
+            in_loss = in_loss or custom.get("phase_hint") == "loss"
+        path = next((str(custom[k]) for k in ("module", "module_fqn") if k in custom), None)
+        stack = node.meta.get("nn_module_stack")
+        if path is None and stack:
+            last = list(stack.values())[-1]
+            last = last[0] if isinstance(last, tuple) else str(last)
+            last = re.sub(r"\\[(\\d+)\\]", r".\\1", last)  # dynamo: L['self'].layers[0]
+            path = last.removeprefix("L['self']").lstrip(".")
+        paths[node] = path if path is not None else ("loss" if in_loss else "")
+    return paths
 
 
 def tag_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Write node.meta["recompute"] on every forward and loss node of a joint graph, in place.
 
-    Reads meta["autograd_backward"] (backward nodes get no tag), the module path (see
-    `module_path`) and meta["custom"]["phase_hint"] == "loss" (where the loss starts). Random
-    ops and mutations are saved; getitem follows the op it unpacks; a recompute node with a
-    recompute user in another layer is saved, or remat would chain recomputation across
-    layers. Warns about selectors and overrides that match nothing. Returns `gm`.
+    Reads meta["autograd_backward"] (backward nodes get no tag) and the module path (see
+    `module_paths`); tags by `decide_ops`. Warns about selectors and overrides that match
+    nothing. Returns `gm`.
     """
-    tags: dict[torch.fx.Node, CheckpointPolicy] = {}
-    ops: dict[torch.fx.Node, str] = {}
-    layers: dict[torch.fx.Node, int | None] = {}
-    seen: collections.Counter[tuple[str, str]] = collections.Counter()
-    matmuls: collections.Counter[int | None] = collections.Counter()
-    used_keys: set[str] = set()
-    used_selectors: set[int] = set()
-    in_loss = False
+    facts = op_facts(fx_rows(gm, module_paths(gm).__getitem__))
+    tags = decide_ops(facts, PRESET, SELECTORS, OVERRIDES)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
-        if node.op in ("placeholder", "output") or node.meta.get("autograd_backward"):
-            continue
-        in_loss = in_loss or (node.meta.get("custom") or {}).get("phase_hint") == "loss"
-        module = module_path(node, in_loss)
-        op = ops[node] = op_name(node.target) if node.op == "call_function" else node.op
-        index = seen[(module, op)]
-        seen[(module, op)] += 1
-        layers[node] = layer_of(module)
-        if op in MATMUL_OPS:
-            matmuls[layers[node]] += 1
-        tags[node] = requested(module, op, index, matmuls[layers[node]])
-        if node.op == "call_function" and (is_random(node.target) or mutates(node.target)):
-            tags[node] = CheckpointPolicy.MUST_SAVE
-        used_keys |= {f"{layer_pattern(module)}::{op}#{index}", f"{module}::{op}#{index}"}
-        used_selectors |= {
-            i
-            for i, (module_pattern, op_pattern, _) in enumerate(SELECTORS)
-            if module_matches(module_pattern, module) and fnmatch.fnmatchcase(op, op_pattern)
-        }
-    for node, tag in tags.items():
-        parent = node.args[0] if ops[node] == "getitem" and node.args else None
-        if not isinstance(parent, torch.fx.Node) or parent not in tags:
-            continue
-        if (tags[parent] in RECOMPUTE) != (tag in RECOMPUTE):
-            tags[node] = tags[parent]
-    for node in reversed(list(tags)):
-        if tags[node] in RECOMPUTE and any(
-            user in tags and tags[user] in RECOMPUTE and layers[user] != layers[node]
-            for user in node.users
-        ):
-            tags[node] = CheckpointPolicy.MUST_SAVE
-    for node, tag in tags.items():
-        node.meta["recompute"] = tag
-    for i, (module_pattern, op_pattern, _) in enumerate(SELECTORS):
-        if i not in used_selectors:
+        if node.name in tags:
+            node.meta["recompute"] = tags[node.name].policy
+    for module_pattern, op_pattern, _ in SELECTORS:
+        if not any(selector_matches(module_pattern, op_pattern, f) for f in facts):
             warnings.warn(f"selector {module_pattern}::{op_pattern} matches no node", stacklevel=2)
+    used_keys = {key for f in facts for key in (f.key, f.layer_key)}
     for key in sorted(set(OVERRIDES) - used_keys):
         warnings.warn(f"override {key} names no forward node", stacklevel=2)
     return gm
@@ -395,16 +304,9 @@ def _python_module(
     extra_constants: list[str],
     body: str,
 ) -> str:
-    constants = [f"PRESET = {py_str(policy.preset)}"]
-    if policy.preset in ("default", "eager"):
-        constants += [
-            "# Compute-intensive ops the preset saves (torchtitan's save list); the rest is",
-            "# recomputed.",
-            *_op_set("SAVE_OPS", COMPUTE_INTENSIVE_OPS),
-        ]
-    constants += [
-        "# Matmuls, counted per layer forward (the `eager` preset recomputes every second one).",
-        *_op_set("MATMUL_OPS", MATMUL_OPS),
+    rule_imports, rule_code = rules_source()
+    constants = [
+        f"PRESET = {py_str(policy.preset)}",
         "# (module pattern, op pattern, action): fnmatch per dotted module component, `**` for",
         "# any number of components. Later rows win over earlier ones.",
         *_selector_table(policy),
@@ -424,16 +326,17 @@ def _python_module(
         "",
         "from __future__ import annotations",
         "",
-        *imports,
+        *_import_block([*rule_imports, *imports]),
+        "",
+        _POLICY_HEADER,
         "",
         *constants,
         "",
+        _RULES_HEADER,
         "",
-        "def preset_policy(layer: int | None, op: str, matmul_index: int) -> CheckpointPolicy:",
-        *_PRESET_RULES[policy.preset],
-        "",
+        rule_code,
     ]
-    return "\n".join(lines) + _RULES + "\n" + body
+    return "\n".join(lines) + "\n\n# --- Entry point ---\n" + body
 
 
 def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
@@ -449,19 +352,12 @@ def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
             '"""',
         ],
         imports=[
-            "import collections",
-            "import fnmatch",
             "import functools",
-            "import re",
             "from collections.abc import Callable",
             "from typing import Any",
-            "",
             "import torch",
-            "from torch.utils.checkpoint import (",
-            "    CheckpointPolicy,",
-            "    checkpoint,",
-            "    create_selective_checkpoint_contexts,",
-            ")",
+            "from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
+            "create_selective_checkpoint_contexts",
         ],
         extra_constants=[
             "# False when the policy never recomputes: then apply_ac leaves the model alone.",
@@ -484,17 +380,7 @@ def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:
             "remat pass (remat_using_tags_for_fwd_loss_bwd_graph).",
             '"""',
         ],
-        imports=[
-            "import collections",
-            "import fnmatch",
-            "import re",
-            "import warnings",
-            "from typing import Any",
-            "",
-            "import torch",
-            "import torch.fx",
-            "from torch.utils.checkpoint import CheckpointPolicy",
-        ],
+        imports=["import re", "import warnings", "import torch", "import torch.fx"],
         extra_constants=[],
         body=_GRAPH_PASS,
     )

@@ -8,13 +8,28 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
+
+from workbench import rules
+from workbench.rules import layer_of, layer_pattern
+
+__all__ = [
+    "ORIGIN_KEY",
+    "InputSpec",
+    "JointGraph",
+    "NodeInfo",
+    "describe_nodes",
+    "layer_of",
+    "layer_pattern",
+    "op_name",
+    "short_op",
+]
 
 Phase = Literal["input", "forward", "loss", "backward", "output"]
 InputKind = Literal["param", "buffer", "input", "target"]
@@ -60,9 +75,12 @@ class InputSpec:
     fqn: str
 
 
-@dataclass
+@dataclass(eq=False)
 class JointGraph:
-    """The traced train step: outputs are `[loss, *grads]`, grads in `param_names` order."""
+    """The traced train step: outputs are `[loss, *grads]`, grads in `param_names` order.
+
+    Never mutated after tracing; compared and hashed by identity, so modules can cache what
+    they derive from it (`weakref.WeakKeyDictionary`)."""
 
     gm: fx.GraphModule
     nodes: dict[str, NodeInfo]
@@ -72,14 +90,6 @@ class JointGraph:
     tokens: int
     config: dict[str, Any] = field(default_factory=dict)
     example_inputs: list[Any] | None = None
-    # Facts derived from the (never mutated) graph, computed once: see `derived`.
-    _derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    def derived(self, key: str, compute: Callable[[], Any]) -> Any:
-        """`compute()` once per graph: what-if loops re-read keys and indices per flip."""
-        if key not in self._derived:
-            self._derived[key] = compute()
-        return self._derived[key]
 
     @property
     def param_names(self) -> list[str]:
@@ -125,28 +135,9 @@ class JointGraph:
             return list(self.gm(*args))
 
 
-_LAYER_RE = re.compile(r"(?<=\.)\d+(?=\.|$)")
-
-
-def layer_of(module: str) -> int | None:
-    """Index of the repeated block a module path belongs to (`layers.3.attention` -> 3)."""
-    match = _LAYER_RE.search(module)
-    return int(match.group()) if match else None
-
-
-def layer_pattern(module: str) -> str:
-    """`layers.3.attention.wq` -> `layers.*.attention.wq`: the path shared by identical layers."""
-    return _LAYER_RE.sub("*", module, count=1)
-
-
 def op_name(node: fx.Node) -> str:
     """`aten.mm.default` for OpOverloads, the placeholder/output kind otherwise."""
-    if node.op != "call_function":
-        return node.op
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
+    return rules.op_name(node.target) if node.op == "call_function" else node.op
 
 
 def short_op(op: str) -> str:
@@ -164,15 +155,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _schema_flags(node: fx.Node) -> tuple[bool, bool, bool]:
-    """(is_view, is_mutation, is_random) from the op's schema and tags."""
+    """(is_view, is_mutation, is_random): mutation and randomness as the rules judge them."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False, False, False
-    schema = target._schema
-    is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-    is_mutation = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-    is_random = torch.Tag.nondeterministic_seeded in target.tags
-    return is_view, is_mutation, is_random
+    returns = target._schema.returns
+    is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return is_view, rules.mutates(target), rules.is_random(target)
 
 
 def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.graph import JointGraph, describe_nodes
 from workbench.models import Workload
 from workbench.policy import Decision, Decisions
+from workbench.rules import Why
 from workbench.trace import annotate_modules
 
 PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
@@ -255,7 +256,8 @@ def partition_decisions(graph: JointGraph, recomputed: Iterable[str], why: str) 
     return {
         name: Decision(
             CheckpointPolicy.MUST_RECOMPUTE if name in again else CheckpointPolicy.MUST_SAVE,
-            f"partition:{why}",
+            Why.PARTITIONER,
+            why,
         )
         for name in forward_ops(graph.gm)
     }

@@ -1,26 +1,35 @@
 """Policies: for every forward activation, save or recompute; versioned JSON; tag decisions.
 
-Entry points: `Policy` (preset + selectors + per-node overrides), `PRESETS` (name ->
-factory of `rule(info, ctx) -> CheckpointPolicy`) and `decide(graph, policy) -> Decisions`.
+Entry points: `Policy` (preset + selectors + per-node overrides, versioned JSON) and
+`decide(graph, policy) -> Decisions`, which applies the rules of `workbench.rules`.
 """
 
 from __future__ import annotations
 
-import collections
 import difflib
 import fnmatch
 import json
 import os
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from torch.utils.checkpoint import CheckpointPolicy
-
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
-from workbench.graph import JointGraph, NodeInfo, layer_pattern
+from workbench.graph import JointGraph, NodeInfo
+from workbench.rules import (
+    PRESETS,
+    OpFacts,
+    SelectorRow,
+    Tag,
+    decide_ops,
+    fx_rows,
+    layer_pattern,
+    module_matches,
+    op_facts,
+)
 
 SCHEMA = "sac-workbench/policy"
 SCHEMA_VERSION = 1
@@ -28,93 +37,9 @@ SCHEMA_VERSION = 1
 Action = Literal["save", "recompute"]
 ACTIONS: tuple[Action, ...] = ("save", "recompute")
 
-# Compute-intensive ops torchtitan saves by default (its `_save_list`), as op names.
-COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
-    {
-        "aten.mm.default",
-        "aten.addmm.default",
-        "aten.bmm.default",
-        "aten.linear.default",
-        "aten._grouped_mm.default",
-        "aten._scaled_dot_product_efficient_attention.default",
-        "aten._scaled_dot_product_flash_attention.default",
-        "aten._scaled_dot_product_flash_attention_for_cpu.default",
-        "aten._scaled_dot_product_cudnn_attention.default",
-        "aten._scaled_dot_product_attention_math.default",
-        "aten.max.default",
-        "aten.topk.default",
-    }
-)
-MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
-
-
-@dataclass(frozen=True)
-class Decision:
-    """A node's tag and why: `preset:NAME`, `selector:S`, `override:KEY` or `forced:WHY`."""
-
-    policy: CheckpointPolicy
-    reason: str
-
-    @property
-    def recompute(self) -> bool:
-        return self.policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-
-    @property
-    def forced(self) -> bool:
-        return self.reason.startswith("forced:")
-
-
+# A node's tag and why (`rules.Tag`): the rules module owns the decision logic.
+Decision = Tag
 Decisions = dict[str, Decision]
-
-
-@dataclass
-class RuleContext:
-    """What a preset rule may look at beyond the node: its occurrence counts in the layer."""
-
-    matmul_index: dict[str, int]  # node name -> 1-based index among matmuls of its layer
-
-
-Rule = Callable[[NodeInfo, RuleContext], CheckpointPolicy]
-
-
-def _save_all() -> Rule:
-    return lambda info, ctx: CheckpointPolicy.PREFER_SAVE
-
-
-def _recompute_all() -> Rule:
-    return lambda info, ctx: CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _save_compute_intensive() -> Rule:
-    def rule(info: NodeInfo, ctx: RuleContext) -> CheckpointPolicy:
-        if info.op in COMPUTE_INTENSIVE_OPS:
-            return CheckpointPolicy.PREFER_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return rule
-
-
-def _eager_every_other_mm() -> Rule:
-    """torchtitan's eager SAC rule: only layers are checkpointed, and within a layer every
-    second mm is recomputed; everything outside the layers is saved as autograd would."""
-    compute_intensive = _save_compute_intensive()
-
-    def rule(info: NodeInfo, ctx: RuleContext) -> CheckpointPolicy:
-        if info.layer is None:
-            return CheckpointPolicy.PREFER_SAVE
-        if info.op in MATMUL_OPS and ctx.matmul_index[info.name] % 2 == 0:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        return compute_intensive(info, ctx)
-
-    return rule
-
-
-PRESETS: dict[str, Callable[[], Rule]] = {
-    "none": _save_all,
-    "full": _recompute_all,
-    "default": _save_compute_intensive,
-    "eager": _eager_every_other_mm,
-}
 
 
 @dataclass(frozen=True)
@@ -149,25 +74,8 @@ class Selector:
             info.op, self.op_pattern
         )
 
-
-def module_matches(pattern: str, module: str) -> bool:
-    """`layers.*.attention` matches `layers.3.attention`: fnmatch per dotted component, `**`
-    spans any number of components."""
-    return _components_match(
-        pattern.split(".") if pattern else [], module.split(".") if module else []
-    )
-
-
-def _components_match(pattern: list[str], parts: list[str]) -> bool:
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return any(_components_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
-    return (
-        bool(parts)
-        and fnmatch.fnmatchcase(parts[0], pattern[0])
-        and _components_match(pattern[1:], parts[1:])
-    )
+    def row(self) -> SelectorRow:
+        return (self.module_pattern, self.op_pattern, self.action)
 
 
 @dataclass
@@ -258,35 +166,29 @@ def decidable(info: NodeInfo) -> bool:
     return info.phase in ("forward", "loss")
 
 
+_FACTS: weakref.WeakKeyDictionary[JointGraph, list[OpFacts]] = weakref.WeakKeyDictionary()
+_OVERRIDE_KEYS: weakref.WeakKeyDictionary[JointGraph, tuple[set[str], set[str], set[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def graph_facts(graph: JointGraph) -> list[OpFacts]:
+    """What the rules see of the graph's decidable nodes, in graph order (built once)."""
+    if graph not in _FACTS:
+        rows = fx_rows(graph.gm, lambda node: graph.nodes[node.name].module)
+        _FACTS[graph] = op_facts(rows)
+    return _FACTS[graph]
+
+
 def node_keys(graph: JointGraph) -> dict[str, str]:
     """Stable, layer-relative keys `MODULE::OP#k` (k-th such op in that module) for decidable
     nodes; `MODULE` uses `layers.*` so one key names the op in every identical layer."""
-    return graph.derived("policy.node_keys", lambda: _node_keys(graph))  # type: ignore[no-any-return]
-
-
-def _node_keys(graph: JointGraph) -> dict[str, str]:
-    seen: collections.Counter[tuple[str, str]] = collections.Counter()
-    keys: dict[str, str] = {}
-    for info in graph.nodes.values():
-        if not decidable(info):
-            continue
-        index = seen[(info.module, info.op)]
-        seen[(info.module, info.op)] += 1
-        keys[info.name] = f"{layer_pattern(info.module)}::{info.op}#{index}"
-    return keys
+    return {f.name: f.key for f in graph_facts(graph)}
 
 
 def layer_key(info: NodeInfo, key: str) -> str:
     """The key naming this node in its own layer only (`layers.3.attention::...`)."""
     return f"{info.module}::{key.split('::', 1)[1]}"
-
-
-def _forced_reason(info: NodeInfo) -> str | None:
-    if info.is_random:
-        return "forced:random op (nondeterministic_seeded); torch's remat pass cannot replay RNG"
-    if info.is_mutation:
-        return "forced:mutates its input; recomputing would apply the mutation twice"
-    return None
 
 
 def validate(graph: JointGraph, policy: Policy) -> None:
@@ -312,9 +214,9 @@ def validate(graph: JointGraph, policy: Policy) -> None:
         )
     if not policy.overrides:
         return
-    known, backward_ops, forward_ops = graph.derived(
-        "policy.override_keys", lambda: _override_keys(graph)
-    )
+    if graph not in _OVERRIDE_KEYS:
+        _OVERRIDE_KEYS[graph] = _override_keys(graph)
+    known, backward_ops, forward_ops = _OVERRIDE_KEYS[graph]
     for key in policy.overrides:
         if key in known:
             continue
@@ -346,7 +248,7 @@ def _suggest(word: str, choices: Iterable[str]) -> str:
 
 
 def decide(graph: JointGraph, policy: Policy) -> Decisions:
-    """The tag of every decidable node, in graph order.
+    """The tag of every decidable node, in graph order, by the rules of `workbench.rules`.
 
     MUST_* for overrides, selectors and hard rules, PREFER_* for preset choices. Random ops
     and mutations are saved whatever was asked; a recompute node whose recompute user sits
@@ -354,67 +256,8 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     layers; getitem nodes follow the multi-output op they unpack.
     """
     validate(graph, policy)
-    rule = PRESETS[policy.preset]()
-    ctx = RuleContext(
-        matmul_index=graph.derived("policy.matmul_index", lambda: _matmul_index(graph))
-    )
-    keys = node_keys(graph)
-    decisions: Decisions = {}
-    for name, key in keys.items():
-        info = graph.nodes[name]
-        decision = Decision(rule(info, ctx), f"preset:{policy.preset}")
-        for selector in policy.selectors:
-            if selector.matches(info):
-                decision = Decision(_must(selector.action), f"selector:{selector.select}")
-        for override in (key, layer_key(info, key)):
-            if override in policy.overrides:
-                decision = Decision(_must(policy.overrides[override]), f"override:{override}")
-        forced = _forced_reason(info)
-        if forced is not None:
-            decision = Decision(CheckpointPolicy.MUST_SAVE, forced)
-        decisions[name] = decision
-    _follow_multi_output(graph, decisions)
-    _save_layer_boundaries(graph, decisions)
-    return decisions
-
-
-def _must(action: Action) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if action == "save" else CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _matmul_index(graph: JointGraph) -> dict[str, int]:
-    counts: collections.Counter[int | None] = collections.Counter()
-    index: dict[str, int] = {}
-    for info in graph.nodes.values():
-        if decidable(info) and info.op in MATMUL_OPS:
-            counts[info.layer] += 1
-            index[info.name] = counts[info.layer]
-    return index
-
-
-def _follow_multi_output(graph: JointGraph, decisions: Decisions) -> None:
-    for node in graph.gm.graph.nodes:
-        if node.name in decisions and graph.nodes[node.name].op == "getitem":
-            parent = decisions.get(node.args[0].name)
-            if parent is not None and parent.recompute != decisions[node.name].recompute:
-                decisions[node.name] = parent
-
-
-def _save_layer_boundaries(graph: JointGraph, decisions: Decisions) -> None:
-    """Reverse graph order, so a user's final tag is known before its inputs are judged."""
-    for node in reversed(graph.gm.graph.nodes):
-        decision = decisions.get(node.name)
-        if decision is None or not decision.recompute:
-            continue
-        layer = graph.nodes[node.name].layer
-        for user in node.users:
-            other = decisions.get(user.name)
-            if other is not None and other.recompute and graph.nodes[user.name].layer != layer:
-                decisions[node.name] = Decision(
-                    CheckpointPolicy.MUST_SAVE,
-                    f"forced:layer boundary (recomputed user {user.name} is in another layer)",
-                )
-                break
+    selectors = [s.row() for s in policy.selectors]
+    return decide_ops(graph_facts(graph), policy.preset, selectors, policy.overrides)
 
 
 def flip(
@@ -441,9 +284,7 @@ def flip(
         )
     current = (decisions if decisions is not None else decide(graph, policy))[node]
     if current.forced:
-        raise WorkbenchError(
-            f"{node!r} must be saved ({current.reason.removeprefix('forced:')}): it cannot flip"
-        )
+        raise WorkbenchError(f"{node!r} must be saved ({current.explanation}): it cannot flip")
     action: Action = "save" if current.recompute else "recompute"
     key = node_keys(graph)[node]
     overrides = dict(policy.overrides)

@@ -85,9 +85,8 @@ def node_kind(info: NodeInfo, decision: Decision | None) -> Kind:
 
 
 def forced_words(decision: Decision) -> str:
-    """`forced:layer boundary (recomputed user ...)` -> `forced: layer boundary`."""
-    why = decision.reason.removeprefix("forced:")
-    return "forced: " + re.split(r"[(;]", why, maxsplit=1)[0].strip()
+    """`forced: layer boundary`: the short form of a forced decision's reason."""
+    return f"forced: {decision.why.value}"
 
 
 def human_bytes(n: float) -> str:

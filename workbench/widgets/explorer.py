@@ -181,8 +181,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         after = self._decisions[name]
         if before is not None and after.recompute == before.recompute:
             self.message = (
-                f"{name} stays {'recomputed' if after.recompute else 'saved'}: "
-                f"{after.reason.removeprefix('forced:')}"
+                f"{name} stays {'recomputed' if after.recompute else 'saved'}: {after.explanation}"
             )
         else:
             where = "in every identical layer" if self.all_layers else "in this layer"

@@ -1,0 +1,133 @@
+"""The one rule source: decide(), the exports and the studies all run workbench.rules."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+
+import pytest
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench import rules
+from workbench.export import export, rules_source
+from workbench.graph import JointGraph
+from workbench.models import Workload
+from workbench.policy import Policy, decide, graph_facts
+from workbench.rules import OpFacts, Why, decide_ops, module_matches, op_facts
+
+
+def test_rules_import_only_torch_and_the_stdlib() -> None:
+    tree = ast.parse(inspect.getsource(rules))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots.add((node.module or "").split(".")[0])
+    assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names)
+
+
+@pytest.mark.parametrize("fmt", ["policy_fn", "graph_pass"])
+def test_exports_embed_the_rule_source_verbatim(fmt: str) -> None:
+    imports, body = rules_source()
+    code = export(Policy("eager", overrides={"layers.*::aten.mm.default#0": "save"}), fmt)
+    assert body in code
+    assert "def decide_ops(" in body and "def eager_tag(" in body and "PRESETS" in body
+    assert inspect.getsource(rules.decide_ops) in code
+    for statement in imports:  # every import the rules need is there (merged with others)
+        for node in ast.parse(statement).body:
+            names = [a.name for a in node.names]  # type: ignore[attr-defined]
+            assert all(name in code for name in names)
+
+
+def test_exported_rules_are_the_workbench_rules(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    """The exported namespace's decide_ops, run on the graph's facts, equals decide()."""
+    _, graph = small_graphs["llama3-debug"]
+    namespace: dict[str, object] = {"__name__": "exported"}
+    exec(compile(export(Policy("eager"), "graph_pass"), "<export>", "exec"), namespace)
+    exported_decide = namespace["decide_ops"]
+    exported_facts = namespace["op_facts"]
+    rows = [tuple(f)[:3] + tuple(f)[6:] for f in graph_facts(graph)]
+    rows = [
+        (f.name, f.module, f.op, f.random, f.mutation, f.parent, f.users)
+        for f in graph_facts(graph)
+    ]
+    tags = exported_decide(exported_facts(rows), "eager")  # type: ignore[operator]
+    expected = decide(graph, Policy("eager"))
+    assert {n: t.policy for n, t in tags.items()} == {n: d.policy for n, d in expected.items()}
+
+
+def facts(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> OpFacts:
+    row = (name, module, op, kw.get("random", False), kw.get("mutation", False), None,
+           kw.get("users", ()))  # fmt: skip
+    return op_facts([row])[0]  # type: ignore[list-item]
+
+
+def test_forced_saves_and_layer_boundary() -> None:
+    rows = [
+        ("a", "layers.0.ff", "aten.mul.Tensor", False, False, None, ("b",)),
+        ("b", "layers.1.ff", "aten.mul.Tensor", False, False, None, ()),
+        ("r", "layers.1.ff", "aten.bernoulli.p", True, False, None, ()),
+        ("m", "layers.1.ff", "aten.add_.Tensor", False, True, None, ()),
+    ]
+    tags = decide_ops(op_facts(rows), "full")  # type: ignore[arg-type]
+    assert tags["a"].why is Why.LAYER_BOUNDARY and tags["a"].detail == "b"
+    assert tags["a"].policy == CheckpointPolicy.MUST_SAVE and tags["a"].forced
+    assert tags["b"].recompute and tags["b"].why is Why.PRESET
+    assert tags["r"].why is Why.RANDOM and tags["m"].why is Why.MUTATION
+    assert tags["a"].reason == "forced:layer boundary (recomputed user b is in another layer)"
+
+
+def test_eager_tag_lets_the_in_place_rule_win_over_random() -> None:
+    bernoulli_ = facts("x", "layers.0.dropout", "aten.bernoulli_.float", random=True, mutation=True)
+    tag = rules.eager_tag(bernoulli_, rules.PRESETS["none"](), "none", (), {})
+    assert tag.policy == CheckpointPolicy.PREFER_RECOMPUTE and tag.why is Why.MUTATION
+
+
+def test_counter_counts_ops_per_module_and_matmuls_per_layer() -> None:
+    rows = [
+        ("a", "layers.0.wq", "aten.mm.default", False, False, None, ()),
+        ("b", "layers.0.wk", "aten.mm.default", False, False, None, ()),
+        ("c", "layers.0.wk", "aten.mm.default", False, False, None, ()),
+        ("d", "layers.1.wq", "aten.mm.default", False, False, None, ()),
+    ]
+    got = [(f.occurrence, f.matmul_index, f.key) for f in op_facts(rows)]  # type: ignore[arg-type]
+    assert got == [
+        (0, 1, "layers.*.wq::aten.mm.default#0"),
+        (0, 2, "layers.*.wk::aten.mm.default#0"),
+        (1, 3, "layers.*.wk::aten.mm.default#1"),
+        (0, 1, "layers.*.wq::aten.mm.default#0"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "module", "expected"),
+    [
+        ("layers.*.attention", "layers.3.attention", True),
+        ("layers.*", "layers.3.attention", False),
+        ("**", "", True),
+        ("", "", True),
+        ("**.wq", "layers.3.attention.wq", True),
+        ("layers.**.wq", "layers.wq", True),
+        ("layers.**.wk", "layers.3.attention.wq", False),
+        ("a.**.**.b", "a.x.y.b", True),
+    ],
+)
+def test_module_matches(pattern: str, module: str, expected: bool) -> None:
+    assert module_matches(pattern, module) is expected
+
+
+def test_module_matching_is_not_combinatorial() -> None:
+    """Many `**` against a long path that almost matches: linear, not exponential."""
+    pattern = ".".join(["**"] * 200 + ["nope"])
+    assert module_matches(pattern, ".".join(["x"] * 200)) is False
+
+
+def test_doctests() -> None:
+    import doctest
+
+    result = doctest.testmod(rules)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,394 @@
+"""The tagging rules: which forward ops of a joint graph are saved or recomputed, and why.
+
+Entry points: `PRESETS` (name -> rule factory), `op_facts(rows)`, `decide_ops(facts, ...)`
+for graph SAC and `eager_tag(facts, ...)` for eager SAC's `policy_fn`.
+"""
+
+# This module imports only torch and the standard library: the exported `graph_pass` and
+# `policy_fn` embed its source verbatim, so a training job runs these very rules and the
+# workbench's `decide` cannot drift from what it exports. Records are NamedTuples, not
+# dataclasses, so the embedded code also runs where it is exec'd outside `sys.modules`.
+
+from __future__ import annotations
+
+import collections
+import enum
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+# Compute-intensive ops torchtitan saves by default (its `_save_list`), as op names.
+COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.linear.default",
+        "aten._grouped_mm.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten.max.default",
+        "aten.topk.default",
+    }
+)
+# Matmuls, counted per layer forward (the `eager` preset recomputes every second one).
+MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
+
+RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+MUST = {"save": CheckpointPolicy.MUST_SAVE, "recompute": CheckpointPolicy.MUST_RECOMPUTE}
+
+_LAYER_RE = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def layer_of(module: str) -> int | None:
+    """Index of the repeated block a module path belongs to.
+
+    >>> layer_of("layers.3.attention"), layer_of("norm")
+    (3, None)
+    """
+    match = _LAYER_RE.search(module)
+    return int(match.group()) if match else None
+
+
+def layer_pattern(module: str) -> str:
+    """The path shared by identical layers.
+
+    >>> layer_pattern("layers.3.attention.wq")
+    'layers.*.attention.wq'
+    """
+    return _LAYER_RE.sub("*", module, count=1)
+
+
+def op_name(target: Any) -> str:
+    """`aten.mm.default` for an OpOverload; a plain callable's name (`getitem`) otherwise."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def is_random(target: Any) -> bool:
+    """Ops tagged nondeterministic_seeded: torch's remat pass cannot replay their RNG."""
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in target.tags
+    )
+
+
+def mutates(target: Any) -> bool:
+    """In-place ops: a recomputed copy would apply the mutation twice."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def module_matches(pattern: str, module: str) -> bool:
+    """fnmatch per dotted component, `**` spans any number of components. Linear in the
+    product of the component counts (no backtracking), whatever the pattern.
+
+    >>> module_matches("layers.*.attention", "layers.3.attention")
+    True
+    >>> module_matches("**.wq", "layers.3.attention.wq"), module_matches("**", "")
+    (True, True)
+    """
+    pattern_parts = pattern.split(".") if pattern else []
+    parts = module.split(".") if module else []
+    # matched[j]: pattern_parts[i:] matches parts[j:], computed from the last component back.
+    matched = [False] * len(parts) + [True]
+    for component in reversed(pattern_parts):
+        after = matched
+        matched = [False] * (len(parts) + 1)
+        for j in range(len(parts), -1, -1):
+            if component == "**":
+                matched[j] = after[j] or (j < len(parts) and matched[j + 1])
+            else:
+                matched[j] = (
+                    j < len(parts) and after[j + 1] and fnmatch.fnmatchcase(parts[j], component)
+                )
+    return matched[0]
+
+
+class Why(enum.Enum):
+    """Why a node has its tag. The last three are forced saves: no request can undo them."""
+
+    PRESET = "preset"
+    SELECTOR = "selector"
+    OVERRIDE = "override"
+    PARTITIONER = "partition"  # a partitioner's choice replayed as tags (the studies)
+    RANDOM = "random op"
+    MUTATION = "mutates its input"
+    LAYER_BOUNDARY = "layer boundary"
+
+    @property
+    def forced(self) -> bool:
+        return self in (Why.RANDOM, Why.MUTATION, Why.LAYER_BOUNDARY)
+
+
+_FORCED_WORDS = {
+    Why.RANDOM: " (nondeterministic_seeded); torch's remat pass cannot replay RNG",
+    Why.MUTATION: "; recomputing would apply the mutation twice",
+    Why.LAYER_BOUNDARY: " (recomputed user {} is in another layer)",
+}
+
+
+class Tag(NamedTuple):
+    """A node's checkpoint policy and why; `detail` is the preset name, the selector, the
+    override key or the boundary-crossing user."""
+
+    policy: CheckpointPolicy
+    why: Why
+    detail: str = ""
+
+    @property
+    def recompute(self) -> bool:
+        return self.policy in RECOMPUTE
+
+    @property
+    def forced(self) -> bool:
+        return self.why.forced
+
+    @property
+    def explanation(self) -> str:
+        """Why, in words: `preset:eager`, `selector:S`, `layer boundary (recomputed user ...)`."""
+        if self.forced:
+            return self.why.value + _FORCED_WORDS[self.why].format(self.detail)
+        return f"{self.why.value}:{self.detail}"
+
+    @property
+    def reason(self) -> str:
+        """`explanation`, marked `forced:` for the decisions no request can change."""
+        return f"forced:{self.explanation}" if self.forced else self.explanation
+
+
+class OpFacts(NamedTuple):
+    """What the rules see of one forward or loss node."""
+
+    name: str
+    module: str
+    op: str
+    layer: int | None
+    occurrence: int  # occurrences of (module, op) before this one
+    matmul_index: int  # matmuls of this layer so far, this one included (from 1)
+    random: bool
+    mutation: bool
+    parent: str | None  # the multi-output node a getitem unpacks
+    users: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        """`layers.*.attention::aten.mm.default#0`: the op in every identical layer."""
+        return f"{layer_pattern(self.module)}::{self.op}#{self.occurrence}"
+
+    @property
+    def layer_key(self) -> str:
+        """`layers.3.attention::aten.mm.default#0`: the op in this layer only."""
+        return f"{self.module}::{self.op}#{self.occurrence}"
+
+
+# (name, module, op, random, mutation, parent, users), in graph order.
+Row = tuple[str, str, str, bool, bool, "str | None", tuple[str, ...]]
+
+
+class OpCounter:
+    """Counts ops per module and matmuls per layer, in the order they run: the graph's order
+    for graph SAC, dispatch order inside one layer forward for eager SAC."""
+
+    def __init__(self) -> None:
+        self.seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.matmuls: collections.Counter[int | None] = collections.Counter()
+
+    def facts(self, row: Row) -> OpFacts:
+        name, module, op, random, mutation, parent, users = row
+        layer = layer_of(module)
+        if op in MATMUL_OPS:
+            self.matmuls[layer] += 1
+        index = self.seen[(module, op)]
+        self.seen[(module, op)] += 1
+        return OpFacts(
+            name, module, op, layer, index, self.matmuls[layer], random, mutation, parent, users
+        )
+
+
+def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
+    """Facts of the forward and loss nodes of a graph, counted in graph order."""
+    counter = OpCounter()
+    return [counter.facts(row) for row in rows]
+
+
+def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:
+    """Rows of the forward and loss call nodes of a joint graph: every node that is neither
+    a placeholder, the output, nor marked `meta["autograd_backward"]`."""
+    rows: list[Row] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node.meta.get("autograd_backward"):
+            continue
+        target = node.target if node.op == "call_function" else None
+        op = op_name(target) if target is not None else node.op
+        parent = node.args[0] if op == "getitem" and node.args else None
+        rows.append(
+            (
+                node.name,
+                module_of(node),
+                op,
+                is_random(target),
+                mutates(target),
+                parent.name if isinstance(parent, torch.fx.Node) else None,
+                tuple(user.name for user in node.users),
+            )  # fmt: skip
+        )
+    return rows
+
+
+# --- presets: rule(facts) -> CheckpointPolicy -------------------------------------------
+
+Rule = Callable[[OpFacts], CheckpointPolicy]
+
+
+def _save_all() -> Rule:
+    """Keep every activation (no activation checkpointing)."""
+    return lambda facts: CheckpointPolicy.PREFER_SAVE
+
+
+def _recompute_all() -> Rule:
+    """Recompute every activation that may be recomputed."""
+    return lambda facts: CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_compute_intensive() -> Rule:
+    """Save the compute-intensive ops (torchtitan's save list), recompute the rest."""
+
+    def rule(facts: OpFacts) -> CheckpointPolicy:
+        if facts.op in COMPUTE_INTENSIVE_OPS:
+            return CheckpointPolicy.PREFER_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return rule
+
+
+def _eager_every_other_mm() -> Rule:
+    """torchtitan's eager SAC rule: only layers are checkpointed, and within a layer every
+    second matmul is recomputed; everything outside the layers is saved as autograd would."""
+    compute_intensive = _save_compute_intensive()
+
+    def rule(facts: OpFacts) -> CheckpointPolicy:
+        if facts.layer is None:
+            return CheckpointPolicy.PREFER_SAVE
+        if facts.op in MATMUL_OPS and facts.matmul_index % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return compute_intensive(facts)
+
+    return rule
+
+
+PRESETS: dict[str, Callable[[], Rule]] = {
+    "none": _save_all,
+    "full": _recompute_all,
+    "default": _save_compute_intensive,
+    "eager": _eager_every_other_mm,
+}
+
+# (module pattern, op pattern, action), later ones win.
+SelectorRow = tuple[str, str, str]
+
+
+def selector_matches(module_pattern: str, op_pattern: str, facts: OpFacts) -> bool:
+    return module_matches(module_pattern, facts.module) and fnmatch.fnmatchcase(
+        facts.op, op_pattern
+    )
+
+
+def requested(
+    facts: OpFacts,
+    rule: Rule,
+    preset: str,
+    selectors: Sequence[SelectorRow],
+    overrides: Mapping[str, str],
+) -> Tag:
+    """What the policy asks for: the preset's choice, then selectors (later ones win), then
+    overrides (a key naming one layer wins over a `layers.*` key)."""
+    tag = Tag(rule(facts), Why.PRESET, preset)
+    for module_pattern, op_pattern, action in selectors:
+        if selector_matches(module_pattern, op_pattern, facts):
+            tag = Tag(MUST[action], Why.SELECTOR, f"{module_pattern}::{op_pattern}")
+    for key in (facts.key, facts.layer_key):
+        if key in overrides:
+            tag = Tag(MUST[overrides[key]], Why.OVERRIDE, key)
+    return tag
+
+
+def forced_save(facts: OpFacts) -> Why | None:
+    """Graph SAC saves random ops and in-place ops whatever was asked."""
+    if facts.random:
+        return Why.RANDOM
+    if facts.mutation:
+        return Why.MUTATION
+    return None
+
+
+def decide_ops(
+    facts: Sequence[OpFacts],
+    preset: str,
+    selectors: Sequence[SelectorRow] = (),
+    overrides: Mapping[str, str] | None = None,
+) -> dict[str, Tag]:
+    """The tag of every node in `facts` (graph order): the request, then the forced saves,
+    then getitems follow the op they unpack, then the layer-boundary rule."""
+    rule, overrides = PRESETS[preset](), overrides or {}
+    tags: dict[str, Tag] = {}
+    for f in facts:
+        forced = forced_save(f)
+        tags[f.name] = (
+            Tag(CheckpointPolicy.MUST_SAVE, forced)
+            if forced is not None
+            else requested(f, rule, preset, selectors, overrides)
+        )
+    for f in facts:
+        parent = tags.get(f.parent) if f.parent is not None else None
+        if parent is not None and parent.recompute != tags[f.name].recompute:
+            tags[f.name] = parent
+    save_layer_boundaries(facts, tags)
+    return tags
+
+
+def crosses_layer(layer: int | None, user_layer: int | None) -> bool:
+    """A recomputed node feeding a recomputed user in another layer must be saved, or
+    torch's remat pass would chain recomputation across layers."""
+    return layer != user_layer
+
+
+def save_layer_boundaries(facts: Sequence[OpFacts], tags: dict[str, Tag]) -> None:
+    """In reverse graph order, so a user's final tag is known before its inputs are judged."""
+    layer = {f.name: f.layer for f in facts}
+    for f in reversed(facts):
+        if not tags[f.name].recompute:
+            continue
+        for user in f.users:
+            other = tags.get(user)
+            if other is not None and other.recompute and crosses_layer(f.layer, layer[user]):
+                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
+                break
+
+
+def eager_tag(
+    facts: OpFacts,
+    rule: Rule,
+    preset: str,
+    selectors: Sequence[SelectorRow],
+    overrides: Mapping[str, str],
+) -> Tag:
+    """Eager SAC's decision for one op as it runs. In-place ops come first and are
+    recomputed: eager SAC caches an op's output before autograd bumps an in-place op's
+    version, so a saved in-place op fails in backward ("Tensor cached during selective
+    activation checkpoint has been mutated"); its recompute mutates a fresh tensor, and
+    checkpoint restores the RNG state, so a random in-place op (`bernoulli_`) replays exactly.
+    Other random ops are saved, as in the graph."""
+    if facts.mutation:
+        return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.MUTATION)
+    if facts.random:
+        return Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
+    return requested(facts, rule, preset, selectors, overrides)
