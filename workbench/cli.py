@@ -123,13 +123,18 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
-    from workbench.export import FORMATS, export, write_export
+    from workbench.export import FORMATS, export, torchtitan_options, write_export
 
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
+    if args.torchtitan_version is not None and args.format != "torchtitan":
+        raise WorkbenchError("--torchtitan-version goes with --format torchtitan only")
     policy = parse_policy(args.policy)
     graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake")
-    text = export(policy, args.format, graph=graph)
+    if args.format == "torchtitan":
+        text = torchtitan_options(policy, graph, args.torchtitan_version)
+    else:
+        text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
     if args.out:
         result["path"] = str(write_export(text, args.out, overwrite=args.overwrite))
@@ -396,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_arg(export)
     export.add_argument(
         "--format", default="policy_fn", help="policy_fn, graph_pass, torchtitan or json"
+    )
+    export.add_argument(
+        "--torchtitan-version",
+        help="torchtitan version the options are for (0.3.0, main; default: the installed "
+        "one, else the newest release known)",
     )
     export.add_argument("--out", help="write the code to this file")
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
