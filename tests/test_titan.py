@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.activations import activation_log, activation_rows
 from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
@@ -21,7 +22,7 @@ from workbench.models.torchtitan import SDPA_NOTE, flavors
 from workbench.policy import Policy, decide
 from workbench.remat import remat
 from workbench.rules import TITAN_SAVE_OPS, Why, op_name
-from workbench.titan import compare, graph_trainer_tags
+from workbench.titan import compare, graph_trainer_log, graph_trainer_tags
 from workbench.trace import trace
 
 needs_torchtitan = pytest.mark.skipif(
@@ -174,3 +175,22 @@ def test_without_torchtitan_the_error_says_what_to_install(
     graph = JointGraph.__new__(JointGraph)
     with pytest.raises(WorkbenchError, match=r"pip install -e '\.\[torchtitan\]'"):
         graph_trainer_tags(graph, "default")
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("spec", TITAN_MODELS)
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
+def test_activation_log_is_graph_trainers_line_for_line(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str, preset: str
+) -> None:
+    """The workbench's table of a titan preset is the log graph trainer prints for its own
+    policy, but for the CPU-forced rows (tagged SAVE here, RECOMPUTE there)."""
+    _, graph = titan_graphs[spec]
+    ours = activation_log(activation_rows(graph, preset)).splitlines()
+    theirs = graph_trainer_log(graph, preset.removeprefix("titan-")).splitlines()
+    assert len(ours) == len(theirs) and any(line.startswith("Total: ") for line in ours)
+    differ = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    for our_line, their_line in differ:
+        assert CPU_FORCED_OP in our_line and " SAVE " in our_line and " RECOMPUTE " in their_line
+    forced = preset != "titan-full" and spec.endswith("llama3/debugmodel")
+    assert len(differ) == (2 if forced else 0)  # the logsumexp row of each layer

@@ -141,6 +141,22 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
+    """graph trainer's activation-memory table for the policy: rows, totals and the log text."""
+    from workbench.activations import activation_log, activation_rows, totals
+
+    policy = parse_policy(args.policy)
+    graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
+    rows = activation_rows(graph, policy)
+    return {
+        "model": graph.model_name,
+        "policy": policy.to_json(),
+        "total": totals(rows),
+        "rows": [row.to_json() for row in rows],
+        "table": activation_log(rows),
+    }
+
+
 def _profiles_from_args(args: argparse.Namespace) -> list[str]:
     from workbench.profiles import get_profile
 
@@ -411,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     export.set_defaults(run=cmd_export)
 
+    activations = commands.add_parser(
+        "activations", help="graph trainer's per-activation table (layer, bytes, tag, op, ...)"
+    )
+    _add_model_args(activations)
+    _add_policy_arg(activations)
+    activations.set_defaults(run=cmd_activations)
+
     estimate = commands.add_parser("estimate", help="estimate peak memory and step time")
     _add_model_args(estimate)
     _add_policy_arg(estimate)
@@ -494,6 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result))
     elif args.command == "export" and not args.out:
         print(result["code"])
+    elif args.command == "activations":
+        print(result["table"])
     else:
         _print_human(result)
     return 0

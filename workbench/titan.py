@@ -1,17 +1,22 @@
 """Parity with torchtitan's graph trainer: its own memory-policy pass run on a workbench graph.
 
-Entry points: `graph_trainer_tags(graph, memory_policy)` (torchtitan's tags per forward node)
-and `compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`.
+Entry points: `graph_trainer_tags(graph, memory_policy)` (torchtitan's tags per forward node),
+`graph_trainer_log(graph, memory_policy)` (its activation-memory log) and
+`compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import logging
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.errors import WorkbenchError
@@ -20,7 +25,7 @@ from workbench.policy import Policy, decidable, decide
 from workbench.remat import copy_graph_module
 from workbench.rules import RECOMPUTE
 
-__all__ = ["MEMORY_POLICIES", "Mismatch", "compare", "graph_trainer_tags"]
+__all__ = ["MEMORY_POLICIES", "Mismatch", "compare", "graph_trainer_log", "graph_trainer_tags"]
 
 # Graph trainer's memory policies the harness runs (`sac_and_offload` needs an accelerator
 # stream), and the key its pass reads the module path from (`common_utils._MODULE_FQN`).
@@ -51,14 +56,11 @@ def _config(memory_policy: str) -> Any:
     )
 
 
-def graph_trainer_tags(graph: JointGraph, memory_policy: str) -> dict[str, CheckpointPolicy | None]:
-    """torchtitan's tag (None: untagged) for every forward and loss node of `graph`.
-
-    Runs graph trainer's registered pass for `memory_policy` on a copy of the graph whose
-    nodes carry what it reads: `meta["custom"]["module_fqn"]` (the workbench's module
-    path, as its `annotate_module_fqns` would set it) and `meta["autograd_backward"]`
-    (already set by tracing). The graph itself is not changed.
-    """
+def _tagged_copy(graph: JointGraph, memory_policy: str) -> fx.GraphModule:
+    """A copy of the graph tagged by graph trainer's registered pass for `memory_policy`,
+    its nodes carrying what the pass reads: `meta["custom"]["module_fqn"]` (the workbench's
+    module path, as its `annotate_module_fqns` would set it) and `meta["autograd_backward"]`
+    (already set by tracing)."""
     if memory_policy not in MEMORY_POLICIES:
         raise WorkbenchError(
             f"unknown graph trainer memory policy {memory_policy!r}; choose one of "
@@ -71,18 +73,52 @@ def graph_trainer_tags(graph: JointGraph, memory_policy: str) -> dict[str, Check
         custom = dict(node.meta.get("custom") or {})
         custom[MODULE_FQN] = graph.nodes[node.name].module
         node.meta["custom"] = custom
-    logger = logging.getLogger("torchtitan")
-    level = logger.level
-    logger.setLevel(logging.WARNING)  # its per-layer summary is for training logs
-    try:
+    with _torchtitan_log(logging.WARNING):  # its per-layer summary is for training logs
         registry[memory_policy](gm, config=_config(memory_policy))
+    return gm
+
+
+@contextlib.contextmanager
+def _torchtitan_log(level: int, handler: logging.Handler | None = None) -> Iterator[None]:
+    logger = logging.getLogger()  # torchtitan logs through the root logger
+    previous = logger.level
+    logger.setLevel(level)
+    if handler is not None:
+        logger.addHandler(handler)
+    try:
+        yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(previous)
+        if handler is not None:
+            logger.removeHandler(handler)
+
+
+def graph_trainer_tags(graph: JointGraph, memory_policy: str) -> dict[str, CheckpointPolicy | None]:
+    """torchtitan's tag (None: untagged) for every forward and loss node of `graph`, from
+    graph trainer's own pass on a copy of it; the graph itself is not changed."""
+    gm = _tagged_copy(graph, memory_policy)
     return {
         node.name: node.meta.get("recompute")
         for node in gm.graph.nodes
         if decidable(graph.nodes[node.name])
     }
+
+
+def graph_trainer_log(graph: JointGraph, memory_policy: str) -> str:
+    """The activation-memory table graph trainer logs after tagging `graph` with its own
+    `memory_policy` (`log_activation_memory_policy`, captured from its debug log)."""
+    from torchtitan.experiments.graph_trainer.log_activation_memory_policy import (
+        log_activation_memory_policy,
+    )
+
+    gm = _tagged_copy(graph, memory_policy)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    with _torchtitan_log(logging.DEBUG, handler):
+        log_activation_memory_policy(gm)
+    text = stream.getvalue()
+    return text[text.index("\n") + 1 :].rstrip("\n")  # without its one-line heading
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def _use_sdpa(config: Any) -> None:
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
     for block in config.layers:
-        attention = getattr(block, "attention", None)
+        attention: Any = getattr(block, "attention", None)  # absent in linear-attention blocks
         if isinstance(getattr(attention, "inner_attention", None), FlexAttention.Config):
             attention.inner_attention = ScaledDotProductAttention.Config()
 
