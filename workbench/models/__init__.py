@@ -199,7 +199,7 @@ def _check_fits(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Build the reference model on meta and refuse a build that cannot fit (`check_fits`)."""
+    """Build the reference model on meta, then `check_build_fits`."""
     with torch.device("meta"):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -207,10 +207,10 @@ def _check_fits(
             meta = cls(config, shape.seq)
         finally:
             torch.set_default_dtype(previous)
-    check_fits(spec, meta, device)
+    check_build_fits(spec, meta, device)
 
 
-def check_fits(spec: str, meta: nn.Module, device: torch.device) -> None:
+def check_build_fits(spec: str, meta: nn.Module, device: torch.device) -> None:
     """Refuse a real build whose parameters and gradients alone exceed free memory;
     `meta` is the model built on the meta device."""
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -142,7 +142,7 @@ def load_torchtitan(
     seed: int,
 ) -> Any:
     """A `Workload` of torchtitan's model `spec`; `device="meta"` for fake-mode tracing."""
-    from workbench.models import Workload, check_fits, token_cross_entropy
+    from workbench.models import Workload, check_build_fits, token_cross_entropy
 
     family, flavor = _parse(spec)
     config = _model_config(family, flavor, layers)
@@ -150,7 +150,7 @@ def load_torchtitan(
     batch, seq = batch or default_batch, seq or default_seq
     if str(device) != "meta":
         meta = _build(config, dtype, "meta")
-        check_fits(spec, meta, torch.device(device))
+        check_build_fits(spec, meta, torch.device(device))
     torch.manual_seed(seed)
     model = _build(config, dtype, device)
     with torch.device(device):
