@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_facts import read_by_backward
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
+from workbench.estimate import estimate
 from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
 from workbench.policy import Decision, Policy, decide, node_keys
-from workbench.remat import RematWarning, remat, saved_activations, tag_graph
+from workbench.remat import RematWarning, remat, tag_graph
 from workbench.rules import Why
 from workbench.trace import trace
 
@@ -55,9 +57,8 @@ def test_recomputed_nodes_are_the_tagged_ones(llama_debug: Fixture) -> None:
     copies = [n for n in result.gm.graph.nodes if n.name.endswith("_recomputed")]
     assert all(n.meta.get("autograd_backward") for n in copies)
     # nothing tagged recompute is still read by backward from the forward region
-    assert not [
-        n for n in result.report.saved_after if decisions.get(n, None) and decisions[n].recompute
-    ]
+    direct = read_by_backward(graph, result.gm)
+    assert not [n for n in direct if decisions.get(n, None) and decisions[n].recompute]
 
 
 def test_more_recompute_saves_less(llama_debug: Fixture) -> None:
@@ -105,10 +106,16 @@ def test_nothing_recomputed_is_said_loudly(llama_debug: Fixture) -> None:
     assert [str(w.message) for w in caught] == result.report.problems
 
 
-def test_saved_activations_of_the_traced_graph(llama_debug: Fixture) -> None:
+def test_saved_bytes_of_the_traced_graph_are_the_no_ac_estimate(llama_debug: Fixture) -> None:
+    """Before remat, the report's saved bytes are autograd's: the `none` estimate's."""
     _, graph = llama_debug
-    saved = saved_activations(graph)
+    report = remat(graph, Policy("none")).report
+    saved = report.saved_bytes_by_node_before
     assert saved and all(graph.nodes[n].phase in ("forward", "loss") for n in saved)
+    assert report.saved_bytes_before == report.saved_bytes_after
+    assert report.saved_bytes_before == estimate(graph, Policy("none")).saved_activation_bytes
+    # views are followed to their base: no view owns kept bytes
+    assert not [n for n in saved if graph.nodes[n].is_view]
 
 
 @pytest.fixture(scope="module", params=["llama3-debug", "dsv3-debug"])

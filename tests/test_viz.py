@@ -9,16 +9,18 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from graph_facts import read_by_backward
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.cli import main
 from workbench.errors import WorkbenchError
+from workbench.estimate import estimate
 from workbench.graph import JointGraph
 from workbench.models import load_workload
 from workbench.policy import Decision, Policy, Selector, decide
-from workbench.remat import remat, saved_activations
+from workbench.remat import remat
 from workbench.rules import Why
 from workbench.trace import trace
 from workbench.viz import (
@@ -120,19 +122,12 @@ def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
     data = overview(four_layers, decisions)
     folded = data.group("layers.0–3 ×4")
     assert folded.layers == (0, 1, 2, 3)
-    saved = set(saved_activations(four_layers))
+    kept = estimate(four_layers, decisions).saved_by_node
     per_layer = [
-        sum(
-            i.bytes
-            for i in four_layers.ops()
-            if i.layer == layer
-            and i.phase == "forward"
-            and i.name in saved
-            and not decisions[i.name].recompute
-        )
-        for layer in range(4)
+        sum(b for n, b in kept.items() if four_layers.nodes[n].layer == layer) for layer in range(4)
     ]
     assert folded.saved_bytes == sum(per_layer) > 0
+    assert data.saved_bytes == estimate(four_layers, decisions).saved_activation_bytes
     assert len({*per_layer}) == 1
     svg = render_overview(four_layers, decisions).svg()
     assert "layers.0–3 ×4" in svg
@@ -180,7 +175,7 @@ def test_layer_view_after_remat_links_copies_to_originals(two_layers: JointGraph
 
 def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
     before = decide(two_layers, Policy("default"))
-    saved = set(saved_activations(two_layers))
+    saved = read_by_backward(two_layers)
     kept = next(n for n, d in before.items() if n in saved and not d.recompute)
     dropped = next(n for n, d in before.items() if n in saved and d.recompute)
     after = dict(before)
@@ -188,27 +183,32 @@ def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
     after[dropped] = Decision(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "b")
     changed = diff(two_layers, before, after)
     rows = {r.node: r for r in changed.rows}
-    assert set(rows) == {kept, dropped}
+    flipped = {n for n, r in rows.items() if {r.before, r.after} == {"save", "recompute"}}
+    assert flipped == {kept, dropped}
     k, d = two_layers.nodes[kept], two_layers.nodes[dropped]
     assert (rows[kept].before, rows[kept].after) == ("save", "recompute")
-    assert rows[kept].saved_bytes_delta == -k.bytes
+    # the rows add up to the estimates' difference in saved activation bytes
+    est_before, est_after = estimate(two_layers, before), estimate(two_layers, after)
+    assert changed.saved_bytes_delta == (
+        est_after.saved_activation_bytes - est_before.saved_activation_bytes
+    )
+    assert rows[kept].saved_bytes_delta == -est_before.saved_by_node.get(kept, 0)
     assert rows[kept].recompute_flops_delta == k.flops
-    assert rows[dropped].saved_bytes_delta == d.bytes
     assert rows[dropped].recompute_flops_delta == -d.flops
     assert changed.totals() == {
-        "changed": 2,
-        "saved_bytes_delta": d.bytes - k.bytes,
+        "changed": len(rows),
+        "saved_bytes_delta": changed.saved_bytes_delta,
         "recompute_flops_delta": k.flops - d.flops,
     }
     table = changed.markdown()
-    assert kept in table and dropped in table and table.count("\n| ") == 3
+    assert kept in table and dropped in table and table.count("\n| ") == 1 + len(rows)
     assert (
         overview(two_layers, after).saved_bytes - overview(two_layers, before).saved_bytes
         == changed.saved_bytes_delta
     )
     assert diff(two_layers, before, before).rows == []
     svg = changed.render(two_layers).svg()
-    assert "CHANGED 1 op:" in svg and "2 activations changed" in svg
+    assert "CHANGED 1 op:" in svg and f"{len(rows)} activations changed" in svg
     layer = two_layers.nodes[kept].layer
     if layer is not None:
         assert "changed: save → recompute" in changed.render(two_layers, f"layer:{layer}").svg()
@@ -253,15 +253,15 @@ def test_networkx_export_carries_facts_decisions_and_saved_edges(two_layers: Joi
     assert facts["policy"] == decisions[mm.name].policy.name
     assert facts["reason"] == decisions[mm.name].reason
     saved_sources = {u for u, _, s in graph.edges(data="saved") if s}
-    assert saved_sources == set(saved_activations(two_layers))
+    assert saved_sources == read_by_backward(two_layers)
     result = remat(two_layers, decisions)
     after = to_networkx(two_layers, decisions, result.gm)
     copies = [n for n, original in after.nodes(data="original") if original]
     assert copies and all(after.nodes[c]["recomputed"] for c in copies)
     links = [(u, v) for u, v, k in after.edges(data="kind") if k == "recomputed_copy"]
     assert links and all(v == f"{u}_recomputed" for u, v in links)
-    assert {u for u, _, s in after.edges(data="saved") if s} == set(
-        saved_activations(two_layers, result.gm)
+    assert {u for u, _, s in after.edges(data="saved") if s} == read_by_backward(
+        two_layers, result.gm
     )
 
 

@@ -20,6 +20,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from workbench.graph import JointGraph, NodeInfo, describe_nodes, short_op
+from workbench.index import distinct_storage_bytes
 from workbench.models import Workload
 from workbench.remat import RematResult
 
@@ -68,17 +69,16 @@ class Saved:
 def split_saved(gm: fx.GraphModule, infos: dict[str, NodeInfo], names: Iterable[str]) -> Saved:
     """Follow each saved tensor through view ops to the node that owns its storage."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    activations, aliases, roots = [], [], {}
+    activations: list[NodeInfo] = []
+    aliases: list[NodeInfo] = []
     for name in names:
         node = nodes[name]
         while node.op == "call_function" and infos[node.name].is_view and node.all_input_nodes:
             node = node.all_input_nodes[0]
-        if node.op == "placeholder":
-            aliases.append(infos[name])
-        else:
-            activations.append(infos[name])
-            roots[node.name] = infos[node.name].bytes
-    return Saved(activations, aliases, sum(roots.values()))
+        (aliases if node.op == "placeholder" else activations).append(infos[name])
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kept = distinct_storage_bytes([*inputs, *(nodes[i.name] for i in activations)])
+    return Saved(activations, aliases, kept)
 
 
 def graph_sac_saved(graph: JointGraph, result: RematResult) -> Saved:

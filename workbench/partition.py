@@ -23,6 +23,7 @@ from torch.fx.traceback import preserve_node_meta
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.graph import JointGraph, describe_nodes
+from workbench.index import distinct_storage_bytes
 from workbench.models import Workload
 from workbench.policy import Decision, Decisions
 from workbench.rules import Why
@@ -231,14 +232,9 @@ def compute_ops(joint: fx.GraphModule, names: Iterable[str]) -> list[str]:
 def activation_bytes(joint: fx.GraphModule, names: Iterable[str]) -> int:
     """Bytes of the distinct storages behind `names` that are not graph inputs (parameters
     and data are held anyway): views and aliases of one tensor count once."""
-    nodes = {n.name: n for n in joint.graph.nodes}
-    bases = {_base(nodes[name]) for name in names}
-    total = 0
-    for base in bases:
-        value = base.meta.get("val")
-        if base.op != "placeholder" and isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
+    wanted = set(names)
+    nodes = [n for n in joint.graph.nodes if n.op == "placeholder" or n.name in wanted]
+    return distinct_storage_bytes(nodes)
 
 
 def as_joint_graph(partition: Partition, name: str) -> JointGraph:

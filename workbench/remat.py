@@ -18,6 +18,7 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph, short_op
+from workbench.index import graph_index
 from workbench.policy import Decisions, Policy, decide
 
 RECOMPUTED_SUFFIX = "_recomputed"
@@ -29,18 +30,39 @@ class RematWarning(UserWarning):
 
 @dataclass
 class RematReport:
-    """What the remat pass did. Saved = forward outputs that backward reads."""
+    """What the remat pass did. Saved: the storages of forward nodes that backward (or a
+    recomputed copy) reads, by the node owning each (`GraphIndex.saved_by_node`), before
+    the pass (what autograd keeps) and after it."""
 
     tagged_save: int
     tagged_recompute: int
     recomputed_nodes: list[str]
-    saved_before: list[str]
-    saved_after: list[str]
-    saved_bytes_before: int
-    saved_bytes_after: int
-    bytes_no_longer_saved: int
+    saved_bytes_by_node_before: dict[str, int]
+    saved_bytes_by_node_after: dict[str, int]
     forced: dict[str, str]
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def saved_before(self) -> list[str]:
+        return list(self.saved_bytes_by_node_before)
+
+    @property
+    def saved_after(self) -> list[str]:
+        return list(self.saved_bytes_by_node_after)
+
+    @property
+    def saved_bytes_before(self) -> int:
+        return sum(self.saved_bytes_by_node_before.values())
+
+    @property
+    def saved_bytes_after(self) -> int:
+        return sum(self.saved_bytes_by_node_after.values())
+
+    @property
+    def bytes_no_longer_saved(self) -> int:
+        """Bytes autograd would keep that the rewritten graph no longer keeps."""
+        after = self.saved_bytes_by_node_after
+        return sum(max(0, b - after.get(n, 0)) for n, b in self.saved_bytes_by_node_before.items())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,7 +72,7 @@ class RematReport:
             "saved_before": len(self.saved_before),
             "saved_after": len(self.saved_after),
             "saved_bytes_before": self.saved_bytes_before,
-            "saved_bytes_after": self.saved_bytes_after,
+            "saved_activation_bytes": self.saved_bytes_after,
             "bytes_no_longer_saved": self.bytes_no_longer_saved,
             "forced_saves": len(self.forced),
             "problems": self.problems,
@@ -90,34 +112,6 @@ def tag_graph(graph: JointGraph, decisions: Decisions) -> fx.GraphModule:
     return gm
 
 
-def saved_activations(graph: JointGraph, gm: fx.GraphModule | None = None) -> list[str]:
-    """Forward nodes of `gm` (default: the joint graph) whose outputs backward reads.
-
-    Backward is known from the JointGraph's phases, not only from node.meta, so a graph
-    whose autograd_backward marks went missing still shows what it saves.
-    """
-    gm = graph.gm if gm is None else gm
-
-    def backward(node: fx.Node) -> bool:
-        info = graph.nodes.get(node.name)
-        return bool(node.meta.get("autograd_backward")) or (
-            info is not None and info.phase == "backward"
-        )
-
-    return [
-        node.name
-        for node in gm.graph.nodes
-        if node.op not in ("placeholder", "output")
-        and not backward(node)
-        and any(backward(user) for user in node.users)
-    ]
-
-
-def _bytes(graph: JointGraph, names: list[str]) -> int:
-    """Output bytes of forward nodes (views counted at their size: an upper bound)."""
-    return sum(graph.nodes[n].bytes for n in names)
-
-
 def remat(graph: JointGraph, policy: Policy | Decisions) -> RematResult:
     """Tag, run `remat_using_tags_for_fwd_loss_bwd_graph`, and report what changed."""
     decisions = decide(graph, policy) if isinstance(policy, Policy) else policy
@@ -134,27 +128,26 @@ def remat(graph: JointGraph, policy: Policy | Decisions) -> RematResult:
         for n in out.graph.nodes
         if n.name.endswith(RECOMPUTED_SUFFIX)
     ]
-    before, after = saved_activations(graph), saved_activations(graph, out)
-    after_set = set(after)
-    freed = _bytes(graph, [n for n in before if n not in after_set])
+    index = graph_index(graph)
+    rewritten = index.schedule_of(out)
+    before = index.saved_by_node(index.identity())
+    after = index.saved_by_node(rewritten)
     report = RematReport(
         tagged_save=sum(not d.recompute for d in decisions.values()),
         tagged_recompute=sum(d.recompute for d in decisions.values()),
         recomputed_nodes=recomputed,
-        saved_before=before,
-        saved_after=after,
-        saved_bytes_before=_bytes(graph, before),
-        saved_bytes_after=_bytes(graph, after),
-        bytes_no_longer_saved=freed,
+        saved_bytes_by_node_before=before,
+        saved_bytes_by_node_after=after,
         forced={n: d.reason for n, d in decisions.items() if d.forced},
     )
-    wanted = {n for n in before if decisions.get(n) is not None and decisions[n].recompute}
+    read = index.read_directly(index.identity())
+    wanted = {n for n in read if decisions.get(n) is not None and decisions[n].recompute}
     if wanted and not recomputed:
         report.problems.append(
             f"policy tags {len(wanted)} saved activations for recompute, but the remat pass "
             "recomputed nothing: check that backward nodes carry autograd_backward"
         )
-    still_saved = sorted(wanted & after_set)
+    still_saved = sorted(wanted & index.read_directly(rewritten))
     if still_saved:
         report.problems.append(
             f"{len(still_saved)} activations tagged recompute are still saved "
@@ -189,7 +182,8 @@ def region_summary(graph: JointGraph, result: RematResult, module: str) -> Regio
         info = graph.nodes.get(name)
         return info is not None and (info.module == module or info.module.startswith(module + "."))
 
-    kept = [n for n in result.report.saved_after if inside(n)]
+    after = result.report.saved_bytes_by_node_after
+    kept = [n for n in after if inside(n)]
     recomputed = [n for n in result.report.recomputed_nodes if inside(n)]
     ops = sorted({short_op(graph.nodes[n].op) for n in recomputed})
-    return RegionSummary(module, kept, _bytes(graph, kept), recomputed, ops)
+    return RegionSummary(module, kept, sum(after[n] for n in kept), recomputed, ops)

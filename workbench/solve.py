@@ -17,6 +17,7 @@ import numpy as np
 from workbench.errors import WorkbenchError
 from workbench.estimate import Estimate, Estimator
 from workbench.graph import JointGraph
+from workbench.index import GraphIndex
 from workbench.policy import PRESETS, Action, Policy, node_keys
 from workbench.profiles import DeviceProfile, get_profile
 
@@ -103,7 +104,7 @@ class _Model:
 
     def __init__(self, graph: JointGraph, estimator: Estimator, objective: str, profile: str):
         keys = node_keys(graph)
-        est = estimator
+        est = estimator.index
         self.nodes = [est.index_of[name] for name in keys]
         self.key_of = list(keys.values())
         position = {i: p for p, i in enumerate(self.nodes)}
@@ -132,14 +133,14 @@ class _Model:
         self.read_by_backward = [any(est.is_bwd[u] for u in est.users[i]) for i in self.nodes]
         self.storages, self.sizes = self._storages(est, position)
         flops = np.asarray([est.flops[i] for i in self.nodes], dtype=float)
-        seconds = np.asarray([est.seconds[profile][i] for i in self.nodes], dtype=float)
+        seconds = np.asarray([estimator.seconds[profile][i] for i in self.nodes], dtype=float)
         primary, secondary = (seconds, flops) if objective == "recompute_time" else (flops, seconds)
         # ties in the objective (FLOP-free elementwise ops) are broken by the other measure
         scale = primary.sum() / secondary.sum() if secondary.sum() > 0 else 0.0
         self.cost = (primary + 1e-6 * scale * secondary).tolist()
 
     @staticmethod
-    def _unread(graph: JointGraph, est: Estimator) -> set[str]:
+    def _unread(graph: JointGraph, est: GraphIndex) -> set[str]:
         """Keys none of whose nodes feed backward, even through forward ops: never saved."""
         keys = node_keys(graph)
         feeds = [False] * est.n
@@ -149,7 +150,7 @@ class _Model:
         return set(keys.values()) - read
 
     def _storages(
-        self, est: Estimator, position: dict[int, int]
+        self, est: GraphIndex, position: dict[int, int]
     ) -> tuple[list[tuple[int, ...]], list[int]]:
         """Each node's storages (fresh ones of forward nodes; inputs are held anyway)."""
         root: dict[tuple[int, int], int | None] = {}

@@ -12,7 +12,8 @@ from typing import Any
 from workbench.graph import JointGraph
 from workbench.policy import Decisions
 from workbench.remat import RematResult
-from workbench.viz.network import DiffRow, is_recompute, original_of, saved_names
+from workbench.replay import kept_for_backward
+from workbench.viz.network import DiffRow, is_recompute, original_of
 from workbench.viz.render import View
 from workbench.viz.style import human_bytes, human_flops, signed
 
@@ -83,10 +84,10 @@ class PolicyDiff:
         return expand(graph, self.decisions, view, changes=self.changes(), title=heading)
 
 
-def _delta(graph: JointGraph, name: str, before: str, after: str, kept: bool) -> DiffRow:
+def _delta(
+    graph: JointGraph, name: str, before: str, after: str, kept_delta: int, recompute_delta: int
+) -> DiffRow:
     info = graph.nodes[name]
-    keeps = {"save": 1, "kept": 1}
-    recomputes = {"recompute": 1, "recomputed": 1}
     return DiffRow(
         node=name,
         module=info.module,
@@ -96,9 +97,22 @@ def _delta(graph: JointGraph, name: str, before: str, after: str, kept: bool) ->
         after=after,
         bytes=info.bytes,
         flops=info.flops,
-        saved_bytes_delta=info.bytes * (keeps.get(after, 0) - keeps.get(before, 0)) * kept,
-        recompute_flops_delta=info.flops * (recomputes.get(after, 0) - recomputes.get(before, 0)),
+        saved_bytes_delta=kept_delta,
+        recompute_flops_delta=info.flops * recompute_delta,
     )
+
+
+def _kept_rows(
+    graph: JointGraph, before: dict[str, int], after: dict[str, int], skip: set[str]
+) -> list[tuple[str, str, str, int]]:
+    """Nodes (not in `skip`) whose kept bytes changed: (name, before, after, Δ bytes)."""
+    rows = []
+    for name in graph.nodes:
+        delta = after.get(name, 0) - before.get(name, 0)
+        if delta and name not in skip:
+            state = ("not kept", "kept") if delta > 0 else ("kept", "not kept")
+            rows.append((name, *state, delta))
+    return rows
 
 
 def diff(
@@ -107,18 +121,26 @@ def diff(
     decisions_b: Decisions,
     names: tuple[str, str] = ("a", "b"),
 ) -> PolicyDiff:
-    """Nodes tagged save in one and recompute in the other. Δ kept bytes counts the node's
-    output bytes only when backward reads it (otherwise it is never kept either way);
-    Δ recompute FLOPs counts its FLOPs. MUST vs PREFER of the same action is no change."""
-    saved = saved_names(graph)
-    rows = []
+    """Nodes tagged save in one and recompute in the other, and nodes whose kept bytes
+    changed without a flip of their own (the base of a view that is now saved). Δ kept
+    bytes is the change of `kept_for_backward` (the estimate's saved activation bytes) at
+    each node, so the rows add up to the estimates' difference; Δ recompute FLOPs counts a
+    flipped node's FLOPs. MUST vs PREFER of the same action is no change."""
+    kept_a, kept_b = kept_for_backward(graph, decisions_a), kept_for_backward(graph, decisions_b)
+    rows, flipped = [], set()
     for name in graph.nodes:
         if name not in decisions_a or name not in decisions_b:
             continue
         a, b = is_recompute(decisions_a, name), is_recompute(decisions_b, name)
         if a != b:
             before, after = ("recompute", "save") if a else ("save", "recompute")
-            rows.append(_delta(graph, name, before, after, name in saved))
+            delta = kept_b.get(name, 0) - kept_a.get(name, 0)
+            rows.append(_delta(graph, name, before, after, delta, 1 if b else -1))
+            flipped.add(name)
+    for name, before, after, delta in _kept_rows(graph, kept_a, kept_b, flipped):
+        rows.append(_delta(graph, name, before, after, delta, 0))
+    order = {name: i for i, name in enumerate(graph.nodes)}
+    rows.sort(key=lambda r: order[r.node])
     return PolicyDiff(rows, *names, decisions=decisions_b)
 
 
@@ -126,17 +148,19 @@ def remat_diff(graph: JointGraph, result: RematResult) -> PolicyDiff:
     """Before vs after torch's remat pass: activations no longer kept (recomputed, or not
     needed), newly kept ones, and every recomputed node with its FLOPs."""
     report = result.report
-    before, after = set(report.saved_before), set(report.saved_after)
+    before, after = report.saved_bytes_by_node_before, report.saved_bytes_by_node_after
     recomputed = {
         original_of(n.name) for n in result.gm.graph.nodes if original_of(n.name) is not None
     }
     rows = []
+    for name, was, now, delta in _kept_rows(graph, before, after, set()):
+        state = "recomputed" if name in recomputed and now == "not kept" else now
+        rows.append(_delta(graph, name, was, state, delta, int(name in recomputed)))
+    shown = {r.node for r in rows}
     for name in graph.nodes:
-        if name in before and name not in after:
-            state = "recomputed" if name in recomputed else "not kept"
-            rows.append(_delta(graph, name, "kept", state, True))
-        elif name in after and name not in before:
-            rows.append(_delta(graph, name, "not kept", "kept", True))
-        elif name in recomputed and name not in before:
-            rows.append(_delta(graph, name, "not kept", "recomputed", True))
+        if name in recomputed and name not in shown:
+            was = "kept" if name in before else "not kept"
+            rows.append(_delta(graph, name, was, "recomputed", 0, 1))
+    order = {name: i for i, name in enumerate(graph.nodes)}
+    rows.sort(key=lambda r: order[r.node])
     return PolicyDiff(rows, "before remat", "after remat", decisions=result.decisions)

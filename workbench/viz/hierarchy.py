@@ -16,13 +16,8 @@ import torch.fx as fx
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph, NodeInfo
 from workbench.policy import Decisions
-from workbench.viz.network import (
-    forward_side,
-    is_recompute,
-    recompute_flops,
-    saved_bytes,
-    saved_names,
-)
+from workbench.replay import kept_for_backward
+from workbench.viz.network import forward_side, is_recompute, recompute_flops
 from workbench.viz.render import Changes, View, new_digraph, op_view
 from workbench.viz.style import (
     FADED,
@@ -166,11 +161,11 @@ def overview(
     depth: int = 1,
 ) -> Overview:
     """Group forward ops by module, `depth` levels below a layer; fold runs of consecutive
-    layers whose ops, sizes and decisions are identical. Saved bytes count forward outputs
-    that backward reads and that are not tagged recompute; recompute FLOPs count forward
-    ops tagged recompute."""
+    layers whose ops, sizes and decisions are identical. Kept bytes are the saved activation
+    bytes of `workbench.replay.kept_for_backward` (the estimate's figure), by the node owning
+    each storage; recompute FLOPs count forward ops tagged recompute."""
     changes = changes or {}
-    saved = saved_names(graph)
+    kept = kept_for_backward(graph, decisions)
     units: dict[Unit, list[str]] = {}
     box_key: dict[str, str] = {}
     for info in graph.ops():
@@ -200,7 +195,7 @@ def overview(
                 group.boxes[key].nodes.append(name)
                 box_of[name] = (len(groups), group.boxes[key])
         for box in group.boxes.values():
-            box.saved_bytes = saved_bytes(graph, box.nodes, decisions, saved)
+            box.saved_bytes = sum(kept.get(n, 0) for n in box.nodes)
             box.recompute_flops = recompute_flops(graph, box.nodes, decisions)
             box.recompute_ops = sum(is_recompute(decisions, n) for n in box.nodes)
             box.saved_ops = len(box.nodes) - box.recompute_ops if decisions else 0
@@ -224,7 +219,7 @@ def overview(
     return Overview(
         groups=groups,
         edges=list(edges),
-        saved_bytes=saved_bytes(graph, fwd, decisions, saved),
+        saved_bytes=sum(kept.values()),
         recompute_flops=recompute_flops(graph, fwd, decisions),
         forward_ops=len(fwd),
         backward_ops=len(graph.by_phase("backward")),

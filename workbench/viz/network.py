@@ -1,7 +1,7 @@
 """The joint graph as a networkx DiGraph, for analyses the workbench does not ship.
 
-Entry point: `to_networkx(graph, decisions=None, gm=None)`; `saved_names(graph, gm)` and
-`forward_side(info)` are shared with the pictures.
+Entry point: `to_networkx(graph, decisions=None, gm=None)`; `forward_side(info)` and
+`recompute_flops` are shared with the pictures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from workbench.graph import JointGraph, NodeInfo
 from workbench.policy import Decisions
-from workbench.remat import RECOMPUTED_SUFFIX, saved_activations
+from workbench.remat import RECOMPUTED_SUFFIX
 
 
 def forward_side(info: NodeInfo) -> bool:
@@ -26,11 +26,6 @@ def forward_side(info: NodeInfo) -> bool:
 def original_of(name: str) -> str | None:
     """`mm_3_recomputed` -> `mm_3`; None for nodes that are not remat copies."""
     return name.removesuffix(RECOMPUTED_SUFFIX) if name.endswith(RECOMPUTED_SUFFIX) else None
-
-
-def saved_names(graph: JointGraph, gm: fx.GraphModule | None = None) -> set[str]:
-    """Forward outputs that backward reads (before any decision: what autograd keeps)."""
-    return set(saved_activations(graph, gm))
 
 
 def node_facts(graph: JointGraph, name: str) -> NodeInfo | None:
@@ -86,13 +81,6 @@ def to_networkx(
 def is_recompute(decisions: Decisions | None, name: str) -> bool:
     decision = (decisions or {}).get(name)
     return decision is not None and decision.recompute
-
-
-def saved_bytes(
-    graph: JointGraph, names: list[str], decisions: Decisions | None, saved: set[str]
-) -> int:
-    """Bytes kept for backward: nodes backward reads that are not tagged recompute."""
-    return sum(graph.nodes[n].bytes for n in names if n in saved and not is_recompute(decisions, n))
 
 
 def recompute_flops(graph: JointGraph, names: list[str], decisions: Decisions | None) -> int:

@@ -18,6 +18,7 @@ from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.graph import JointGraph, short_op
 from workbench.policy import Decisions
+from workbench.replay import kept_for_backward
 from workbench.viz.network import (
     DiffRow,
     forward_side,
@@ -25,8 +26,6 @@ from workbench.viz.network import (
     node_facts,
     original_of,
     recompute_flops,
-    saved_bytes,
-    saved_names,
 )
 from workbench.viz.style import (
     BLUE,
@@ -111,7 +110,7 @@ def _op_label(
     graph: JointGraph,
     name: str,
     decisions: Decisions | None,
-    saved: set[str],
+    kept: tuple[dict[str, int], dict[str, int]],
     change: DiffRow | None,
 ) -> str:
     info = node_facts(graph, name)
@@ -119,8 +118,10 @@ def _op_label(
     lines = [short_op(info.op), short_shape(info), human_bytes(info.bytes)]
     if original_of(name) is not None and name not in graph.nodes:
         lines[0] += " (recomputed copy)"
-    elif forward_side(info) and name in saved:
-        lines[2] += " · recomputed for bwd" if is_recompute(decisions, name) else " · kept for bwd"
+    elif forward_side(info) and name in kept[1]:
+        lines[2] += " · kept for bwd"
+    elif forward_side(info) and name in kept[0] and is_recompute(decisions, name):
+        lines[2] += " · recomputed for bwd"
     decision = (decisions or {}).get(name)
     if decision is not None and decision.forced:
         lines.append(forced_words(decision))
@@ -196,14 +197,15 @@ def op_view(
         raise WorkbenchError(f"no such nodes in {graph.model_name!r}: {', '.join(unknown[:5])}")
     copies = [] if gm is None else [f"{n}_recomputed" for n in shown if f"{n}_recomputed" in source]
     check_layout_size(len(shown) + len(copies), force)
-    saved = saved_names(graph)
+    # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
+    kept = kept_for_backward(graph, None), kept_for_backward(graph, decisions)
     diffing = changes is not None
     changes = changes or {}
     members = set(shown) | set(copies)
     fwd = [n for n in shown if forward_side(graph.nodes[n])]
     heading = title or f"{graph.model_name}: {len(shown)} ops"
     lines = [
-        f"kept for backward here: {human_bytes(saved_bytes(graph, fwd, decisions, saved))}"
+        f"kept for backward here: {human_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
         f" · recomputed here: {human_flops(recompute_flops(graph, fwd, decisions))}"
         f" (of forward ops tagged recompute)",
         "box: op · output shape and dtype · output size; hover for node name and reason",
@@ -221,7 +223,7 @@ def op_view(
         change = changes.get(name)
         dot.node(
             svg_id("n", name),
-            _op_label(graph, name, decisions, saved, change),
+            _op_label(graph, name, decisions, kept, change),
             id=svg_id("n", name),
             tooltip=_tooltip(graph, name, decisions),
             **_attrs(kind, change, diffing),
