@@ -507,7 +507,8 @@ def decide_titan_ops(
     for f in facts:
         if f.module.startswith(TITAN_UNTAGGED_MODULES):
             tag = requested(f, leave, preset, selectors, overrides)
-            tags[f.name] = untagged._replace(detail=f.module) if tag.why is Why.PRESET else tag
+            detail = f"{f.module} (graph trainer never tags lm_head*/loss* modules)"
+            tags[f.name] = untagged._replace(detail=detail) if tag.why is Why.PRESET else tag
             continue
         if f.parent is not None:
             tags[f.name] = tags.get(f.parent, untagged)
