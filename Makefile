@@ -9,6 +9,11 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
+# torchtitan for its models and the titan-* parity tests, without its training-only
+# requirements (datasets, wandb, tensorboard, ...): only what importing its models and
+# graph trainer needs. Nothing here depends on torch, so torch is never changed.
+TORCHTITAN      := torchtitan==0.3.0
+TORCHTITAN_DEPS := spmd_types==0.2.3 tyro triton
 NOTEBOOK := notebooks/sac_llama3.ipynb
 
 LAB_ARGS    ?=
@@ -28,9 +33,9 @@ venv: $(STAMP)
 $(PY):
 	python3 -m venv $(VENV)
 
-# Reinstalls only when pyproject.toml changes. torch is installed first, and only when the
-# venv has no torch>=2.13 yet, so a GPU build installed by hand is kept.
-$(STAMP): pyproject.toml | $(PY)
+# Reinstalls only when pyproject.toml or this Makefile changes. torch is installed first, and
+# only when the venv has no torch>=2.13 yet, so a GPU build installed by hand is kept.
+$(STAMP): pyproject.toml Makefile | $(PY)
 	@if $(PY) -c 'import sys, torch; v = torch.__version__.split("+")[0].split("."); sys.exit(0 if (int(v[0]), int(v[1])) >= (2, 13) else 1)' 2>/dev/null; then \
 		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV): keeping it"; \
 	else \
@@ -38,6 +43,11 @@ $(STAMP): pyproject.toml | $(PY)
 		$(PIP) install $(TORCH); \
 	fi
 	$(PIP) install -e '.[test]'
+	@if $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then \
+		$(PIP) install --no-deps $(TORCHTITAN) && $(PIP) install $(TORCHTITAN_DEPS); \
+	else \
+		echo "NOTE: torchtitan needs Python >= 3.11: its tests will be skipped"; \
+	fi
 	touch $@
 
 # --- internal: system packages (graphviz `dot`, Debian chromium for the browser test) ---

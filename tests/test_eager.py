@@ -21,7 +21,7 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.models import Workload
 from workbench.policy import PRESETS, Policy, Selector, decide, layer_key, node_keys
-from workbench.rules import Why
+from workbench.rules import TITAN_PRESETS, Why
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(
@@ -37,7 +37,11 @@ CUSTOM = Policy(
         "layers.0::aten.add.Tensor#0": "recompute",
     },
 )
-POLICIES: dict[str, Policy] = {**{name: Policy(name) for name in PRESETS}, "custom": CUSTOM}
+# The workbench's own presets: the titan-* ones reproduce graph trainer, not eager SAC.
+POLICIES: dict[str, Policy] = {
+    **{name: Policy(name) for name in PRESETS if name not in TITAN_PRESETS},
+    "custom": CUSTOM,
+}
 # Graph nodes eager SAC never sees: torch's SAC ignores aten.detach (SAC_IGNORED_OPS), and
 # getitem is Python unpacking a multi-output op's tuple, not a dispatched op.
 NEVER_DISPATCHED = {"aten.detach.default", "getitem"}

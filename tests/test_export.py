@@ -21,7 +21,15 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
 
 from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
-from workbench.export import FORMATS, export, py_str, write_export
+from workbench.export import (
+    FORMATS,
+    TORCHTITAN_VERSIONS,
+    export,
+    installed_torchtitan,
+    py_str,
+    torchtitan_options,
+    write_export,
+)
 from workbench.graph import JointGraph
 from workbench.models import Workload
 from workbench.policy import PRESETS, Policy, Selector, decide
@@ -220,22 +228,87 @@ def test_names_with_quotes_backslashes_and_newlines_cannot_break_the_output(fmt:
     assert text.isascii()
 
 
-TORCHTITAN_POLICY = {"none": "none", "full": "full", "default": "default", "eager": "eager"}
+TORCHTITAN_POLICY = {name: name.removeprefix("titan-") for name in PRESETS}
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_torchtitan_options_for_each_preset(preset: str) -> None:
-    lines = export(Policy(preset), "torchtitan").splitlines()
+    lines = torchtitan_options(Policy(preset), version="main").splitlines()
     options = [line for line in lines if not line.startswith("#")]
     assert options == [f"--compile.memory_policy {TORCHTITAN_POLICY[preset]}"]
     assert any("graph_trainer/configs.py" in line for line in lines)
     assert not any("cannot express" in line for line in lines)
 
 
+def test_torchtitan_030_has_no_none_policy_and_no_save_ops_option() -> None:
+    lines = torchtitan_options(Policy("none"), version="0.3.0").splitlines()
+    assert not any(line.startswith("--") for line in lines)
+    assert any("cannot express preset 'none'" in line for line in lines)
+    assert any("graph_pass" in line for line in lines)
+    policy = Policy("titan-full", selectors=[Selector("layers.*.attention.wo::*", "save")])
+    lines = torchtitan_options(policy, version="0.3.0").splitlines()
+    assert [line for line in lines if line.startswith("--")] == ["--compile.memory_policy full"]
+    assert any("has no --compile.full_recompute_save_ops" in line for line in lines)
+
+
+def test_torchtitan_version_defaults_to_the_installed_one() -> None:
+    text = export(Policy("titan-eager"), "torchtitan")
+    installed = installed_torchtitan()
+    expected = installed if installed in TORCHTITAN_VERSIONS else "0.3.0"
+    assert f"For torchtitan {expected} (" in text
+    with pytest.raises(WorkbenchError, match="unknown torchtitan version '0.2'.*0.3.0, main"):
+        torchtitan_options(Policy("default"), version="0.2")
+
+
+def _installed_compile_options() -> dict[str, Any]:
+    """Fields of the installed graph trainer's `GraphTrainerCompileConfig` (its own and its
+    base `CompileConfig`'s) and the choices of `memory_policy`, read from its source: its
+    module imports torchtitan's whole trainer, whose training-only requirements
+    (datasets, tensorboard, ...) the test set-up does not install."""
+    import dataclasses
+    import importlib.util
+
+    from torchtitan.config.configs import CompileConfig
+
+    spec = importlib.util.find_spec("torchtitan")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(spec.submodule_search_locations[0], "experiments/graph_trainer/configs.py")
+    tree = ast.parse(path.read_text())
+    config = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.name == "GraphTrainerCompileConfig"
+    )
+    fields: dict[str, Any] = {f.name: None for f in dataclasses.fields(CompileConfig)}
+    for item in config.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            fields[item.target.id] = item.annotation
+    choices = ast.literal_eval(fields["memory_policy"].slice)  # Literal["default", ...]
+    return {"fields": set(fields), "memory_policy": tuple(choices)}
+
+
+@pytest.mark.skipif(installed_torchtitan() is None, reason="torchtitan not installed")
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_torchtitan_options_exist_in_the_installed_config_class(preset: str) -> None:
+    installed = _installed_compile_options()
+    version = TORCHTITAN_VERSIONS[installed_torchtitan() or ""]
+    assert version.memory_policies == installed["memory_policy"]
+    assert version.save_ops_option == ("full_recompute_save_ops" in installed["fields"])
+    selectors = [Selector("layers.*.attention.wo::*", "save")]
+    for policy in (Policy(preset), Policy(preset, selectors=selectors)):
+        for line in export(policy, "torchtitan").splitlines():
+            if line.startswith("--"):
+                option, value = shlex.split(line)
+                assert option.startswith("--compile.")
+                assert option.removeprefix("--compile.") in installed["fields"]
+                if option == "--compile.memory_policy":
+                    assert value in installed["memory_policy"]
+
+
 def test_torchtitan_full_with_save_selectors_uses_full_recompute_save_ops() -> None:
     selects = ["layers.*.feed_forward.router.gate::aten.mm.default", "layers.*.attention.wo::*"]
     policy = Policy("full", selectors=[Selector(s, "save") for s in selects])
-    lines = export(policy, "torchtitan").splitlines()
+    lines = torchtitan_options(policy, version="main").splitlines()
     option = [line for line in lines if line.startswith("--compile.full_recompute_save_ops")]
     assert len(option) == 1
     assert shlex.split(option[0])[1:] == [" | ".join(selects)]
@@ -255,7 +328,7 @@ SAVE_THEN_RECOMPUTE = [Selector("layers.*::*", "save"), Selector("layers.*.wo::*
     ],
 )
 def test_torchtitan_says_what_it_cannot_express(policy: Policy) -> None:
-    lines = export(policy, "torchtitan").splitlines()
+    lines = torchtitan_options(policy, version="main").splitlines()
     assert sum("cannot express" in line for line in lines) == 1
     assert any(line.startswith("#") and "graph_pass" in line for line in lines)
 

@@ -218,11 +218,13 @@ def test_bad_policy_files(tmp_path: Path, text: str, message: str) -> None:
 
 
 def test_unknown_preset_and_missing_file() -> None:
-    with pytest.raises(WorkbenchError, match="choose one of none, full, default, eager"):
+    with pytest.raises(WorkbenchError, match="choose one of none, full, default, eager, titan-"):
         parse_policy("selective")
     with pytest.raises(WorkbenchError, match="cannot read policy file"):
         parse_policy("missing/policy.json")
-    assert set(PRESETS) == {"none", "full", "default", "eager"}
+    assert set(PRESETS) == {"none", "full", "default", "eager"} | {
+        f"titan-{name}" for name in ("default", "full", "eager")
+    }
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.errors import WorkbenchError
 from workbench.files import check_writable
 from workbench.graph import JointGraph
-from workbench.models import DTYPES, Workload, load_workload
+from workbench.models import DTYPES, Workload, is_user_factory, load_workload
 from workbench.parallel import Parallel
 from workbench.policy import Policy, parse_policy
 from workbench.trace import timed_trace
@@ -36,8 +36,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="reference model (llama3-debug, llama3-1b, llama3-3b, llama3-8b, dsv3-debug) "
-        "or package.module:callable",
+        help="reference model (llama3-debug, llama3-1b, llama3-3b, llama3-8b, dsv3-debug), "
+        "torchtitan:FAMILY/FLAVOR (e.g. torchtitan:llama3/debugmodel) or package.module:callable",
     )
     parser.add_argument("--mode", choices=("real", "fake"), default="real")
     parser.add_argument("--layers", type=int, help="number of transformer blocks")
@@ -55,8 +55,8 @@ def _check_positive(flag: str, value: int) -> None:
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
-    """Reference models in fake mode are built on the meta device: no memory at all."""
-    device = "meta" if mode == "fake" and ":" not in args.model else device
+    """Built-in and torchtitan models in fake mode are built on meta: no memory at all."""
+    device = "meta" if mode == "fake" and not is_user_factory(args.model) else device
     return load_workload(
         args.model,
         layers=args.layers,
@@ -150,19 +150,40 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
-    from workbench.export import FORMATS, export, write_export
+    from workbench.export import FORMATS, export, torchtitan_options, write_export
 
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
+    if args.torchtitan_version is not None and args.format != "torchtitan":
+        raise WorkbenchError("--torchtitan-version goes with --format torchtitan only")
     policy = parse_policy(args.policy)
     if args.out:
         check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
     graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
-    text = export(policy, args.format, graph=graph)
+    if args.format == "torchtitan":
+        text = torchtitan_options(policy, graph, args.torchtitan_version)
+    else:
+        text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
     if args.out:
         result["path"] = str(write_export(text, args.out, overwrite=args.overwrite))
     return result
+
+
+def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
+    """graph trainer's activation-memory table for the policy: rows, totals and the log text."""
+    from workbench.activations import activation_log, activation_rows, totals
+
+    policy = parse_policy(args.policy)
+    graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
+    rows = activation_rows(graph, policy)
+    return {
+        "model": graph.model_name,
+        "policy": policy.to_json(),
+        "total": totals(rows),
+        "rows": [row.to_json() for row in rows],
+        "table": activation_log(rows),
+    }
 
 
 def _profiles_from_args(args: argparse.Namespace) -> list[str]:
@@ -451,9 +472,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--format", default="policy_fn", help="policy_fn, graph_pass, torchtitan or json"
     )
+    export.add_argument(
+        "--torchtitan-version",
+        help="torchtitan version the options are for (0.3.0, main; default: the installed "
+        "one, else the newest release known)",
+    )
     export.add_argument("--out", help="write the code to this file")
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     export.set_defaults(run=cmd_export)
+
+    activations = commands.add_parser(
+        "activations", help="graph trainer's per-activation table (layer, bytes, tag, op, ...)"
+    )
+    _add_model_args(activations)
+    _add_policy_arg(activations)
+    activations.set_defaults(run=cmd_activations)
 
     estimate = commands.add_parser("estimate", help="estimate peak memory and step time")
     _add_model_args(estimate)
@@ -566,6 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result))
     elif args.command == "export" and not args.out:
         print(result["code"])
+    elif args.command == "activations":
+        print(result["table"])
     else:
         _print_human(result)
     return 0

@@ -7,11 +7,13 @@ Entry points: `export(policy, fmt, graph=None) -> str` for the formats in `FORMA
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import inspect
 import json
 import os
 import shlex
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from workbench import rules
@@ -387,49 +389,129 @@ def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# torchtitan graph_trainer. Option names and memory policies as read in pytorch/torchtitan,
-# torchtitan/experiments/graph_trainer/configs.py (GraphTrainerCompileConfig) and
-# memory_policy.py: `--compile.memory_policy` in none (newer versions only), default, full,
-# eager, min_cut, sac_and_offload; `--compile.full_recompute_save_ops` takes
-# `MODULE_FQN_PATTERN::OP` selectors joined by `|`, used by the `full` policy only.
+# torchtitan graph_trainer: `--compile.*` options for one torchtitan version. Each version's
+# options and memory policies as read in its torchtitan/experiments/graph_trainer/configs.py
+# (GraphTrainerCompileConfig) and memory_policy.py; tests check the installed one against
+# its config class.
 
-TORCHTITAN_SOURCE = (
-    "pytorch/torchtitan torchtitan/experiments/graph_trainer/configs.py "
-    "(GraphTrainerCompileConfig.memory_policy, .full_recompute_save_ops)"
-)
+
+@dataclass(frozen=True)
+class TorchtitanVersion:
+    """What one torchtitan version's graph trainer accepts."""
+
+    name: str
+    memory_policies: tuple[str, ...]  # `--compile.memory_policy` choices
+    save_ops_option: bool  # has `--compile.full_recompute_save_ops` (used by `full` only)
+    source: str
+
+
+TORCHTITAN_VERSIONS: dict[str, TorchtitanVersion] = {
+    "0.3.0": TorchtitanVersion(
+        "0.3.0",
+        ("default", "full", "eager", "sac_and_offload"),
+        save_ops_option=False,
+        source="torchtitan 0.3.0 (PyPI), torchtitan/experiments/graph_trainer/configs.py "
+        "(GraphTrainerCompileConfig.memory_policy)",
+    ),
+    "main": TorchtitanVersion(
+        "main",
+        (
+            "none",
+            "default",
+            "full",
+            "eager",
+            "min_cut",
+            "sac_and_offload",
+            "cpu_offload_all",
+            "sac_and_paged_stash",
+        ),  # fmt: skip
+        save_ops_option=True,
+        source="pytorch/torchtitan main after 0.3.0 (unreleased), torchtitan/experiments/"
+        "graph_trainer/configs.py (GraphTrainerCompileConfig.memory_policy, "
+        ".full_recompute_save_ops)",
+    ),
+}
+TORCHTITAN_NEWEST_RELEASE = "0.3.0"
 # Workbench preset -> (torchtitan memory_policy, how the two differ).
 TORCHTITAN_POLICIES: dict[str, tuple[str, str]] = {
-    "none": (
-        "none",
-        "'none' is registered in newer graph_trainer versions only; older ones have no "
-        "no-recompute policy.",
-    ),
+    "none": ("none", "torchtitan's 'none' saves everything, as the workbench's does."),
     "full": (
         "full",
-        "torchtitan tags MUST_RECOMPUTE and leaves modules named lm_head*/loss* untagged; the "
-        "workbench also tags the output projection and loss.",
+        "torchtitan tags MUST_RECOMPUTE, recomputes in-place ops and leaves modules named "
+        "lm_head*/loss* untagged; the workbench saves in-place ops and also tags the output "
+        "projection and loss (preset 'titan-full' is torchtitan's).",
     ),
     "default": (
         "default",
         "torchtitan saves its own save list (MUST_SAVE, plus FSDP all-gathers without "
-        "reshard-after-forward); the workbench saves COMPUTE_INTENSIVE_OPS.",
+        "reshard-after-forward); the workbench saves COMPUTE_INTENSIVE_OPS (preset "
+        "'titan-default' is torchtitan's).",
     ),
     "eager": (
         "eager",
         "torchtitan also alternates matmuls outside the layers; the workbench keeps "
-        "everything outside the layers.",
+        "everything outside the layers (preset 'titan-eager' is torchtitan's).",
     ),
+    **{
+        f"titan-{name}": (
+            name,
+            "the same tags node for node (workbench.rules.decide_titan_ops), except random "
+            "ops: the workbench saves them (torch's remat pass refuses to recompute them).",
+        )
+        for name in ("default", "full", "eager")
+    },
 }
 
 
-def _torchtitan(policy: Policy, graph: JointGraph | None) -> str:
-    """`--compile.*` options; what they cannot say becomes `#` lines pointing elsewhere."""
+def installed_torchtitan() -> str | None:
+    """The installed torchtitan's version (without a local `+...` part), or None."""
+    try:
+        return importlib.metadata.version("torchtitan").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torchtitan_version(name: str | None = None) -> tuple[TorchtitanVersion, str]:
+    """The version asked for, else the installed one, else the newest release known; and a
+    line saying which and why."""
+    if name is not None:
+        if name not in TORCHTITAN_VERSIONS:
+            raise WorkbenchError(
+                f"unknown torchtitan version {name!r}; choose one of "
+                f"{', '.join(TORCHTITAN_VERSIONS)}"
+            )
+        return TORCHTITAN_VERSIONS[name], f"torchtitan {name} (asked for)"
+    installed = installed_torchtitan()
+    if installed in TORCHTITAN_VERSIONS:
+        return TORCHTITAN_VERSIONS[installed], f"torchtitan {installed} (installed)"
+    newest = TORCHTITAN_VERSIONS[TORCHTITAN_NEWEST_RELEASE]
+    why = "not installed" if installed is None else f"installed {installed} is not one known"
+    return newest, f"torchtitan {newest.name} (newest release known; torchtitan {why})"
+
+
+def torchtitan_options(
+    policy: Policy, graph: JointGraph | None = None, version: str | None = None
+) -> str:
+    """`--compile.*` options of `version` (see `torchtitan_version`); what they cannot say
+    becomes `#` lines pointing to the `graph_pass` export."""
+    if graph is not None:
+        validate(graph, policy)
+    target, which = torchtitan_version(version)
     memory_policy, difference = TORCHTITAN_POLICIES[policy.preset]
-    save_ops, notes, unexpressed = _full_recompute_save_ops(policy)
+    save_ops, notes, unexpressed = _full_recompute_save_ops(policy, target)
+    if memory_policy not in target.memory_policies:
+        unexpressed.insert(
+            0,
+            (
+                f"preset {policy.preset!r}",
+                f"torchtitan {target.name} has no memory_policy {memory_policy!r} (it has "
+                f"{', '.join(target.memory_policies)})",
+            ),
+        )
     lines = [
         "# torchtitan graph_trainer options (append to run_train.sh) for this policy:",
         "# " + json.dumps(policy.to_json(), separators=(",", ":")),
-        _comment(f"Option names confirmed in {TORCHTITAN_SOURCE}."),
+        _comment(f"For {which}: option names as in {target.source}."),
         _comment(f"Preset {policy.preset!r} -> memory_policy {memory_policy!r}: {difference}"),
         *(_comment(note) for note in notes),
         *(_comment(f"cannot express {what}: {why}") for what, why in unexpressed),
@@ -444,28 +526,37 @@ def _torchtitan(policy: Policy, graph: JointGraph | None) -> str:
             "# For this policy as written, export format 'graph_pass' and run its tag_graph(gm) "
             "in place of torchtitan's memory-policy pass."
         )
-    lines.append(f"--compile.memory_policy {memory_policy}")
+    if memory_policy in target.memory_policies:
+        lines.append(f"--compile.memory_policy {memory_policy}")
     if save_ops:
         lines.append(f"--compile.full_recompute_save_ops {shlex.quote(' | '.join(save_ops))}")
     return "\n".join(lines) + "\n"
 
 
+def _torchtitan(policy: Policy, graph: JointGraph | None) -> str:
+    return torchtitan_options(policy, graph)
+
+
 def _full_recompute_save_ops(
-    policy: Policy,
+    policy: Policy, target: TorchtitanVersion
 ) -> tuple[list[str], list[str], list[tuple[str, str]]]:
     """Selectors torchtitan takes as `full_recompute_save_ops` ("save these, recompute the
     rest" under `full`), notes on selectors that change nothing, and what cannot be said."""
     save_ops: list[str] = []
     notes: list[str] = []
     unexpressed: list[tuple[str, str]] = []
+    full = policy.preset in ("full", "titan-full")
     for s in policy.selectors:
         what = f"selector {s.select} -> {s.action}"
-        redundant = {"full": "recompute", "none": "save"}.get(policy.preset)
+        redundant = "recompute" if full else "save" if policy.preset == "none" else None
         if s.action == redundant and not save_ops:
             notes.append(f"{what} changes nothing under {policy.preset!r} (dropped)")
-        elif policy.preset != "full" or s.action != "save":
+        elif not target.save_ops_option:
+            why = f"torchtitan {target.name} has no --compile.full_recompute_save_ops"
+            unexpressed.append((what, why))
+        elif not full or s.action != "save":
             why = "full_recompute_save_ops only adds saves to memory_policy 'full'"
-            if policy.preset == "full":
+            if full:
                 why = "a recompute selector after save selectors would undo some of them"
             unexpressed.append((what, why))
         elif "|" in s.select or not s.select.isprintable():

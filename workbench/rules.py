@@ -1,7 +1,8 @@
 """The tagging rules: which forward ops of a joint graph are saved or recomputed, and why.
 
-Entry points: `PRESETS` (name -> rule factory), `op_facts(rows)`, `decide_ops(facts, ...)`
-for graph SAC and `eager_tag(facts, ...)` for eager SAC's `policy_fn`.
+Entry points: `PRESETS` (name -> rule factory; the `titan-*` ones are torchtitan graph
+trainer's, node for node), `op_facts(rows)`, `decide_ops(facts, ...)` for graph SAC and
+`eager_tag(facts, ...)` for eager SAC's `policy_fn`.
 """
 
 # This module imports only torch and the standard library: the exported `graph_pass` and
@@ -120,6 +121,7 @@ class Why(enum.Enum):
     SELECTOR = "selector"
     OVERRIDE = "override"
     PARTITIONER = "partition"  # a partitioner's choice replayed as tags (the studies)
+    UNTAGGED = "untagged"  # left without a tag, as torchtitan's graph trainer leaves it
     RANDOM = "random op"
     MUTATION = "mutates its input"
     LAYER_BOUNDARY = "layer boundary"
@@ -279,11 +281,122 @@ def _eager_every_other_mm() -> Rule:
     return rule
 
 
+# --- torchtitan graph trainer's presets, node for node ---------------------------------
+# As torchtitan 0.3.0 tags a joint graph (torchtitan/experiments/graph_trainer/
+# memory_policy.py, `tag_sac_policy` with its default / full / eager policy functions):
+# - its save list (`_get_default_save_ops()` on torch 2.13): no `_grouped_mm` and no CPU
+#   flash attention, but convolutions, `_scaled_mm`, flex attention and collectives;
+# - nodes of modules named `lm_head*` / `loss*` are never tagged (so they are saved), and
+#   in-place ops are tagged like any other op (recomputed by `default` and `full`);
+# - a getitem takes its parent's tag, whatever it is;
+# - the layer-boundary rule runs in graph order and only fires when the recomputed user's
+#   layer id is *higher*; its layer id is N for `layers.N...` and -1 for everything else;
+# - `eager` counts matmuls in one running count that restarts when a new layer begins
+#   (nodes outside the layers count on without restarting it), also outside the layers.
+# Graph trainer also saves SymInt outputs and FSDP unshards without reshard-after-forward
+# and makes wait_tensor follow its collective; the workbench traces static shapes on one
+# device, so none of those occur in its graphs.
+
+TITAN_SAVE_OPS: frozenset[str] = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.linear.default",
+        "aten._scaled_mm.default",
+        "aten.convolution.default",
+        "aten.convolution_backward.default",
+        "aten.upsample_bilinear2d.default",
+        "aten.max.default",
+        "aten.topk.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten._scaled_dot_product_fused_attention_overrideable.default",
+        "aten._flash_attention_forward.default",
+        "aten._efficient_attention_forward.default",
+        "flex_attention",
+        "inductor_compiled_code",
+        "torch_attn._varlen_attn.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "_c10d_functional.all_to_all_single.default",
+        "deepep.dispatch.default",
+        "deepep.combine.default",
+        "hybridep.dispatch.default",
+        "hybridep.combine.default",
+    }
+)
+TITAN_UNTAGGED_MODULES = ("lm_head", "loss")  # module path prefixes graph trainer skips
+TITAN_NOT_IN_LAYERS = -1
+
+
+def titan_layer(module: str) -> int:
+    """Graph trainer's layer id: N for `layers.N...`, -1 for every other module.
+
+    >>> titan_layer("layers.3.attention"), titan_layer("norm"), titan_layer("model.layers.3")
+    (3, -1, -1)
+    """
+    parts = module.split(".")
+    if parts[0] == "layers" and len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1])
+    return TITAN_NOT_IN_LAYERS
+
+
+def _titan_default() -> Rule:
+    """graph trainer `default`: MUST_SAVE its save list, PREFER_RECOMPUTE the rest."""
+
+    def rule(facts: OpFacts) -> CheckpointPolicy:
+        if facts.op in TITAN_SAVE_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return rule
+
+
+def _titan_full() -> Rule:
+    """graph trainer `full`: MUST_RECOMPUTE everything but random ops (MUST_SAVE)."""
+
+    def rule(facts: OpFacts) -> CheckpointPolicy:
+        if facts.random:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE
+
+    return rule
+
+
+def _titan_eager() -> Rule:
+    """graph trainer `eager`: `default`, but every second matmul of the running count is
+    PREFER_RECOMPUTE. Stateful: call it once per tagged node, in graph order."""
+    default = _titan_default()
+    count, current = 0, TITAN_NOT_IN_LAYERS
+
+    def rule(facts: OpFacts) -> CheckpointPolicy:
+        nonlocal count, current
+        layer = titan_layer(facts.module)
+        if layer not in (TITAN_NOT_IN_LAYERS, current):
+            count, current = 0, layer
+        if facts.op in MATMUL_OPS:
+            count += 1
+            if facts.op in TITAN_SAVE_OPS and count % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return default(facts)
+
+    return rule
+
+
+TITAN_PRESETS: dict[str, Callable[[], Rule]] = {
+    "titan-default": _titan_default,
+    "titan-full": _titan_full,
+    "titan-eager": _titan_eager,
+}
+
 PRESETS: dict[str, Callable[[], Rule]] = {
     "none": _save_all,
     "full": _recompute_all,
     "default": _save_compute_intensive,
     "eager": _eager_every_other_mm,
+    **TITAN_PRESETS,
 }
 
 # (module pattern, op pattern, action), later ones win.
@@ -331,7 +444,10 @@ def decide_ops(
     overrides: Mapping[str, str] | None = None,
 ) -> dict[str, Tag]:
     """The tag of every node in `facts` (graph order): the request, then the forced saves,
-    then getitems follow the op they unpack, then the layer-boundary rule."""
+    then getitems follow the op they unpack, then the layer-boundary rule. The `titan-*`
+    presets run graph trainer's own variants of these steps (`decide_titan_ops`)."""
+    if preset in TITAN_PRESETS:
+        return decide_titan_ops(facts, preset, selectors, overrides)
     rule, overrides = PRESETS[preset](), overrides or {}
     tags: dict[str, Tag] = {}
     for f in facts:
@@ -366,6 +482,49 @@ def save_layer_boundaries(facts: Sequence[OpFacts], tags: dict[str, Tag]) -> Non
             if other is not None and other.recompute and crosses_layer(f.layer, layer[user]):
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
                 break
+
+
+def decide_titan_ops(
+    facts: Sequence[OpFacts],
+    preset: str,
+    selectors: Sequence[SelectorRow] = (),
+    overrides: Mapping[str, str] | None = None,
+) -> dict[str, Tag]:
+    """Graph trainer's `tag_sac_policy` on the facts (graph order): `lm_head*`/`loss*`
+    nodes untagged, getitems take their parent's tag, the rest the request; then, in graph
+    order, a recomputed node with a recomputed user in a higher layer is saved. Random ops
+    are saved whatever was asked, as in every graph SAC preset here: torch's remat pass
+    refuses them (on the CPU, graph trainer's `default` and `eager` recompute SDPA)."""
+    rule, overrides = PRESETS[preset](), overrides or {}
+    leave, untagged = _save_all(), Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "")
+    tags: dict[str, Tag] = {}
+    for f in facts:
+        if f.module.startswith(TITAN_UNTAGGED_MODULES):
+            tag = requested(f, leave, preset, selectors, overrides)
+            detail = f"{f.module} (graph trainer never tags lm_head*/loss* modules)"
+            tags[f.name] = untagged._replace(detail=detail) if tag.why is Why.PRESET else tag
+            continue
+        if f.parent is not None:
+            tags[f.name] = tags.get(f.parent, untagged)
+            continue
+        tag = requested(f, rule, preset, selectors, overrides)
+        if f.random and tag.recompute:
+            tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
+        tags[f.name] = tag
+    module = {f.name: f.module for f in facts}
+    for f in facts:
+        if not tags[f.name].recompute:
+            continue
+        for user in f.users:
+            other = tags.get(user)
+            if (
+                other is not None
+                and other.recompute
+                and titan_layer(module[user]) > titan_layer(f.module)
+            ):
+                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
+                break
+    return tags
 
 
 def eager_tag(

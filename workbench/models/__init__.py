@@ -1,7 +1,8 @@
 """Reference models and the `Workload` (model + example batch + loss) that tracing consumes.
 
 Entry point: `load_workload(spec, layers=, seq=, batch=, dtype=, device=)`, where `spec` is
-a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, ...) or `package.module:callable`.
+a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, ...), `package.module:callable`
+or `torchtitan:FAMILY/FLAVOR` (torchtitan's own models, `workbench.models.torchtitan`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import nn
 from workbench.errors import WorkbenchError, describe
 from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
+from workbench.models.torchtitan import PREFIX as TORCHTITAN_PREFIX
+from workbench.models.torchtitan import load_torchtitan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -42,6 +45,7 @@ class Workload:
     # Tensor-parallel plan for `trace(..., parallel=Parallel(tp=N))` on a model that is not
     # a reference one: {module path: ParallelStyle} or a callable(model, tp_mesh).
     tp_plan: Any = None
+    notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, torch.Tensor):
@@ -105,6 +109,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def is_user_factory(spec: str) -> bool:
+    """`package.module:callable` (built by the user's code, so never on meta by us)."""
+    return ":" in spec and not spec.startswith(TORCHTITAN_PREFIX)
+
+
 # Far above any real model, far below what would build for minutes or overflow int64 sizes.
 MAX_LAYERS = 1024
 MAX_DIM = 2**31 - 1
@@ -143,6 +152,10 @@ def load_workload(
     if seq is not None and batch is not None and seq * batch > MAX_TOKENS:
         raise WorkbenchError(f"batch × seq must be at most {MAX_TOKENS} tokens, got {batch * seq}")
     torch_dtype = parse_dtype(dtype)
+    if spec.startswith(TORCHTITAN_PREFIX):
+        return load_torchtitan(  # type: ignore[no-any-return]
+            spec, layers=layers, seq=seq, batch=batch, dtype=torch_dtype, device=device, seed=seed
+        )
     if ":" in spec:
         return _load_user_workload(spec, layers=layers, seq=seq, batch=batch)
     if spec not in REFERENCE_MODELS:
@@ -205,10 +218,7 @@ def _check_fits(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Refuse a real build whose parameters, gradients, buffers and token ids alone exceed
-    free memory (activations are checked against an estimate before a graph runs)."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
+    """Build the reference model on meta, then `check_build_fits`."""
     with torch.device("meta"):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -216,10 +226,21 @@ def _check_fits(
             meta = cls(config, shape.seq)
         finally:
             torch.set_default_dtype(previous)
+    check_build_fits(spec, meta, device, token_bytes=shape.batch * (shape.seq + 1) * 8)
+
+
+def check_build_fits(
+    spec: str, meta: nn.Module, device: torch.device, token_bytes: int = 0
+) -> None:
+    """Refuse a real build whose parameters, gradients, buffers and token ids alone exceed
+    free memory (activations are checked against an estimate before a graph runs); `meta`
+    is the model built on the meta device."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise WorkbenchError("device 'cuda' requested but no CUDA GPU is available; use cpu")
     needed = (
         2 * sum(p.numel() * p.element_size() for p in meta.parameters())
         + sum(b.numel() * b.element_size() for b in meta.buffers())
-        + shape.batch * (shape.seq + 1) * 8
+        + token_bytes
     )
     free = available_bytes(device)
     if needed > free:

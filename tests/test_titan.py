@@ -1,0 +1,196 @@
+"""torchtitan's own models as inputs, and the titan-* presets against graph trainer's tagging.
+
+The parity tests run torchtitan 0.3.0's memory-policy pass on the very graph the workbench
+traced; they are skipped, with the reason, where torchtitan is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.activations import activation_log, activation_rows
+from workbench.eager import eager_step
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph
+from workbench.models import Workload, load_workload
+from workbench.models.torchtitan import SDPA_NOTE, flavors
+from workbench.policy import Policy, decide
+from workbench.remat import remat
+from workbench.rules import TITAN_SAVE_OPS, Why, op_name
+from workbench.titan import compare, graph_trainer_log, graph_trainer_tags
+from workbench.trace import trace
+
+needs_torchtitan = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan not installed: pip install -e '.[torchtitan]'",
+)
+
+TITAN_MODELS = ("torchtitan:llama3/debugmodel", "torchtitan:deepseek_v3/debugmodel")
+# Decisions forced on the CPU: torch tags the CPU flash-attention op nondeterministic_seeded
+# and its remat pass refuses to recompute random ops, so the workbench saves it (and the
+# getitems unpacking it) where graph trainer's `default` and `eager` tag it
+# PREFER_RECOMPUTE (on CUDA the flash op is in graph trainer's save list). DeepSeek-V3's
+# attention (different q/k and v head dims) takes the math path instead: nothing forced.
+CPU_FORCED_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+@pytest.fixture(scope="module")
+def titan_graphs() -> dict[str, tuple[Workload, JointGraph]]:
+    graphs = {}
+    for spec in TITAN_MODELS:
+        workload = load_workload(spec, layers=2, seq=32)
+        graphs[spec] = (workload, trace(workload, mode="real"))
+    return graphs
+
+
+def _cpu_forced(graph: JointGraph) -> set[str]:
+    """The CPU flash-attention nodes and the getitems that unpack them."""
+    ops = {name for name, info in graph.nodes.items() if info.op == CPU_FORCED_OP}
+    getitems = {
+        n.name
+        for n in graph.gm.graph.nodes
+        if n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0].name in ops
+    }
+    return ops | getitems
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("spec", TITAN_MODELS)
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full", "titan-eager"])
+def test_titan_presets_match_graph_trainer_node_for_node(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str, preset: str
+) -> None:
+    _, graph = titan_graphs[spec]
+    mismatches = compare(graph, preset)
+    # graph trainer's own `full` saves random ops, so only default and eager differ
+    forced = set() if preset == "titan-full" else _cpu_forced(graph)
+    assert {m.node for m in mismatches} == forced
+    assert all(m.graph_trainer is CheckpointPolicy.PREFER_RECOMPUTE for m in mismatches)
+    assert all(m.reason.startswith("forced:random op") for m in mismatches)
+    if spec.endswith("llama3/debugmodel") and preset != "titan-full":
+        assert len(mismatches) == 6  # 2 layers x (the op + its output and logsumexp getitems)
+    # beyond save vs recompute, the very tags agree (untagged where graph trainer skips)
+    theirs = graph_trainer_tags(graph, preset.removeprefix("titan-"))
+    ours = {
+        name: None if tag.why is Why.UNTAGGED else tag.policy
+        for name, tag in decide(graph, Policy(preset)).items()
+        if name not in forced
+    }
+    assert ours == {name: tag for name, tag in theirs.items() if name not in forced}
+
+
+@needs_torchtitan
+def test_workbench_presets_differ_where_documented(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    """The workbench's own `full` saves in-place ops and tags lm_head/loss; graph trainer's
+    recomputes the one and leaves the other untagged (saved)."""
+    _, graph = titan_graphs["torchtitan:llama3/debugmodel"]
+    mismatches = compare(graph, "full")
+    in_place = {m.node for m in mismatches if m.reason.startswith("forced:mutates")}
+    untagged = {m.node for m in mismatches if m.graph_trainer is None}
+    assert in_place and all(graph.nodes[n].op.endswith("_.Scalar") for n in in_place)
+    assert {graph.nodes[n].module for n in untagged} == {"lm_head", "loss"}
+    assert "_log_softmax" in untagged
+
+
+@needs_torchtitan
+def test_titan_save_list_is_graph_trainers() -> None:
+    from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
+
+    theirs = {op_name(op) for op in _get_default_save_ops()}
+    assert theirs <= TITAN_SAVE_OPS  # ours also names ops of optional backends
+    assert all(
+        op.split(".")[0] in ("deepep", "hybridep", "torch_attn") for op in TITAN_SAVE_OPS - theirs
+    )
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full", "titan-eager"])
+def test_titan_presets_remat_bitwise(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]], preset: str
+) -> None:
+    workload, graph = titan_graphs["torchtitan:llama3/debugmodel"]
+    result = remat(graph, Policy(preset))
+    assert result.report.recomputed_nodes and not result.report.problems
+    assert graph.example_inputs is not None
+    got = result.run(graph.example_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager_step(workload), strict=True))
+
+
+@needs_torchtitan
+def test_torchtitan_models_trace_with_layer_module_paths(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    workload, graph = titan_graphs["torchtitan:deepseek_v3/debugmodel"]
+    assert workload.notes == [SDPA_NOTE]
+    assert workload.config["layers"] == 2 and graph.tokens == 2 * 32
+    modules = {i.module for i in graph.nodes.values() if i.phase == "forward"}
+    assert {"layers.0.attention.inner_attention", "layers.1.moe", "lm_head"} <= modules
+    assert {i.layer for i in graph.nodes.values() if i.phase == "forward"} == {None, 0, 1}
+
+
+@needs_torchtitan
+def test_big_flavor_traces_on_fake_tensors() -> None:
+    workload = load_workload("torchtitan:qwen3/8B", layers=1, seq=64, device="meta")
+    graph = trace(workload, mode="fake")
+    assert graph.mode == "fake" and graph.example_inputs is None
+    assert graph.summary()["param_bytes"] > 2 * 10**9  # 8B's embeddings and lm_head alone
+
+
+@needs_torchtitan
+@pytest.mark.parametrize(
+    "spec, kwargs, message",
+    [
+        ("torchtitan:llama3", {}, "must be torchtitan:FAMILY/FLAVOR"),
+        ("torchtitan:llama4/debugmodel", {}, "choose one of"),
+        ("torchtitan:llama3/9B", {}, "choose one of debugmodel, 1B"),
+        ("torchtitan:llama3/debugmodel", {"layers": 7}, "has 6 layers"),
+    ],
+)
+def test_bad_torchtitan_specs_are_clear_errors(spec: str, kwargs: dict, message: str) -> None:
+    with pytest.raises(WorkbenchError, match=message):
+        load_workload(spec, **kwargs)
+
+
+@needs_torchtitan
+def test_flavors_are_torchtitans_registries() -> None:
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    assert flavors("deepseek_v3") == list(deepseekv3_configs)
+
+
+def test_without_torchtitan_the_error_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchtitan.models", None)
+    with pytest.raises(WorkbenchError, match=r"pip install -e '\.\[torchtitan\]'"):
+        load_workload("torchtitan:llama3/debugmodel")
+    monkeypatch.setitem(sys.modules, "torchtitan.experiments.graph_trainer.memory_policy", None)
+    graph = JointGraph.__new__(JointGraph)
+    with pytest.raises(WorkbenchError, match=r"pip install -e '\.\[torchtitan\]'"):
+        graph_trainer_tags(graph, "default")
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("spec", TITAN_MODELS)
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
+def test_activation_log_is_graph_trainers_line_for_line(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str, preset: str
+) -> None:
+    """The workbench's table of a titan preset is the log graph trainer prints for its own
+    policy, but for the CPU-forced rows (tagged SAVE here, RECOMPUTE there)."""
+    _, graph = titan_graphs[spec]
+    ours = activation_log(activation_rows(graph, preset)).splitlines()
+    theirs = graph_trainer_log(graph, preset.removeprefix("titan-")).splitlines()
+    assert len(ours) == len(theirs) and any(line.startswith("Total: ") for line in ours)
+    differ = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    for our_line, their_line in differ:
+        assert CPU_FORCED_OP in our_line and " SAVE " in our_line and " RECOMPUTE " in their_line
+    forced = preset != "titan-full" and spec.endswith("llama3/debugmodel")
+    assert len(differ) == (2 if forced else 0)  # the logsumexp row of each layer
