@@ -64,6 +64,7 @@ class Group:
     title: str  # `layers.0–31 ×32`, `tok_embeddings`
     layers: tuple[int, ...]
     boxes: dict[str, Box]  # layer-relative key -> box
+    path: str = ""  # `layers.0–31`: the title without the count, as clicks name it
 
     @property
     def saved_bytes(self) -> int:
@@ -188,7 +189,8 @@ def overview(
             title = prefix or "(top level)"
         else:
             title = _range(prefix, layers) + (f" ×{len(layers)}" if len(layers) > 1 else "")
-        group = Group(title=title, layers=layers, boxes={})
+        span = _range(prefix, layers) if layers else prefix
+        group = Group(title=title, layers=layers, boxes={}, path=span)
         for unit in run:
             for name in units[unit]:
                 key = box_key[name]
@@ -338,7 +340,7 @@ def render_overview(
                 f"recompute {human_flops(group.recompute_flops)}",
                 style="rounded",
                 color="#888888",
-                id=svg_id("g", group.title),
+                id=svg_id("g", group.path),
             )
             for box in group.boxes.values():
                 cluster.node(
