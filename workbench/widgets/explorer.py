@@ -305,25 +305,22 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.focus = {"id": target, "serial": self.focus.get("serial", 0) + 1}
 
     def go_to_peak(self) -> None:
-        """Show where the estimated peak happens: the op, or the backward ops of its module."""
+        """Show where the estimated peak happens: the op, or the forward ops of the module
+        whose backward runs at the peak."""
         est = self._current_estimate()
-        name = est.peak_node
-        original = name.removesuffix("_recomputed")
-        target = original if original in self.graph.nodes else name
-        if target not in self.graph.nodes:
-            raise WorkbenchError(f"the peak is at {name}, which no view draws")
-        self.reveal(target)
-        info = self.graph.nodes[target]
-        where = (
-            "its backward ops are the grey note"
-            if not decidable(info)
-            else "recomputed copy of this op"
-            if target != name
-            else "this op"
-        )
+        name, twins = self._peak_twins()
+        if not twins:
+            raise WorkbenchError(f"the peak is at {est.peak_node}, which no view draws")
+        info = self.graph.nodes[name]
+        self.reveal(twins[0])
+        self.focus = {"id": self.peak_ids[0] if self.peak_ids else svg_id("n", twins[0]),
+                      "serial": self.focus.get("serial", 0) + 1}  # fmt: skip
+        if decidable(info):
+            where = "its recomputed copy" if est.peak_node != name else "this op"
+        else:
+            where = f"the backward of {info.module or 'top level'}; its forward ops are marked"
         self.message = (
-            f"peak {human_bytes(est.peak_bytes)} while {name} runs ({info.phase}, "
-            f"{info.module or 'top level'}): {where}"
+            f"peak {human_bytes(est.peak_bytes)} while {est.peak_node} runs ({info.phase}): {where}"
         )
 
     def set_preset(self, name: str) -> None:
@@ -639,21 +636,29 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         title = f"{self.graph.model_name} · policy {policy_label(self.policy_json)}: {where}"
         return {"title": title, "lines": lines}
 
+    def _peak_twins(self) -> tuple[str, list[str]]:
+        """The graph node the peak happens at, and the forward ops that stand for it in a
+        picture: itself, or for a backward op the forward ops of its module."""
+        name = self._current_estimate().peak_node.removesuffix("_recomputed")
+        info = self.graph.nodes.get(name)
+        if info is None:
+            return name, []
+        if decidable(info):
+            return name, [name]
+        same = [n for n, i in self.graph.nodes.items() if decidable(i) and i.module == info.module]
+        return name, same
+
     def _peak_ids(self) -> list[str]:
         """SVG ids that stand for the peak node in the current view (op, note or box)."""
-        est = self._current_estimate()
-        name = est.peak_node.removesuffix("_recomputed")
+        name, twins = self._peak_twins()
         info = self.graph.nodes.get(name)
         if info is None:
             return []
-        ids = [svg_id("n", name), svg_id("b", info.module)]
+        ids = [svg_id("n", n) for n in [name, *twins]] + [svg_id("b", info.module)]
         if self.view == "overview":
-            twins = {name} | {
-                n for n, i in self.graph.nodes.items() if decidable(i) and i.module == info.module
-            }
             for group in overview(self.graph, self._decisions).groups:
-                ids += [b.svg_id for b in group.boxes.values() if twins & set(b.nodes)]
-        return ids
+                ids += [b.svg_id for b in group.boxes.values() if set(twins) & set(b.nodes)]
+        return list(dict.fromkeys(ids))
 
     def _step_seconds(self, est: Estimate) -> float:
         return est.step_seconds[self.profile]
