@@ -14,7 +14,7 @@ from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
 from workbench.policy import Policy, decide
 from workbench.trace import trace
-from workbench.viz import svg_id
+from workbench.viz import render_overview, svg_id
 from workbench.widgets import PolicyExplorer
 from workbench.widgets.session import History, Point
 
@@ -282,6 +282,8 @@ def test_clicking_a_folded_layer_frame_opens_the_layer(
     frame = svg_id("g", "layers.0–1")  # the frame of `layers.0–1 ×2`, as the browser sends it
     assert f'id="{frame}"' in html.unescape(ex.svg)
     assert any("'layers.0–1 ×2': 2 identical layers" in line for line in ex.legend["lines"])
+    static = html.unescape(render_overview(small_graphs["llama3-debug"][1]).dot.source)
+    assert "'layers.0–1 ×2' = 2 identical layers" in static and "×32" not in static
     send(ex, type="click", id=frame)
     assert ex.view == "layer:0" and ex.message == ""
     send(ex, type="show", view="overview")

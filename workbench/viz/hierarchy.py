@@ -300,7 +300,11 @@ def render_overview(
         f"{data.backward_ops} backward ops (not drawn)",
         "kept for backward = forward outputs backward reads that are not recomputed",
         "recompute = FLOPs of forward ops tagged recompute (run again in backward)",
-        "'layers.0–31 ×32' = 32 identical layers drawn once; figures are totals over them",
+        *[
+            f"'{g.title}' = {len(g.layers)} identical layers drawn once; figures are totals"
+            for g in data.groups
+            if len(g.layers) > 1
+        ],
         "expand one with the view 'layer:N' or 'module:PATH'",
     ]
     rows = [

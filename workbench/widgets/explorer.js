@@ -102,7 +102,7 @@ function render({ model, el }) {
   const reset = button("Reset", "reset", "drop every edit, keep the preset");
   const overview = h("button", { class: "sacwb-overview", title: "back to the module overview",
     onclick: () => send({ type: "show", view: "overview" }) }, "⌂ Overview");
-  const peakButton = button("⛰ Go to peak", "peak", "open the view where the estimated peak happens");
+  const peakButton = button("▲ Go to peak", "peak", "open the view where the estimated peak happens");
   const run = h("button", { class: "sacwb-run", title: "remat with torch's pass and measure for real",
     onclick: () => send({ type: "run" }) }, "▶ Run");
   const searchBox = h("input", { type: "search", class: "sacwb-search", size: 18,
