@@ -16,7 +16,7 @@ from workbench.policy import Policy, decide
 from workbench.trace import trace
 from workbench.viz import render_overview, svg_id
 from workbench.widgets import PolicyExplorer
-from workbench.widgets.session import History, Point
+from workbench.widgets.session import Autosave, Edits, History, Point
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -502,3 +502,22 @@ def test_a_message_that_is_not_an_object_is_refused(
     ex = explorer(small_graphs["llama3-debug"], tmp_path)
     ex._on_msg(ex, ["click"], None)
     assert "not an object" in ex.message
+
+
+def test_session_pieces_without_a_widget(tmp_path: Path) -> None:
+    edits = Edits(Policy("default"))
+    assert not edits.change(Policy("default")) and edits.change(Policy("full"))
+    assert edits.undo() == Policy("default") and edits.can_redo
+    assert edits.redo() == Policy("full") and not edits.can_redo
+    with pytest.raises(WorkbenchError, match="nothing to redo"):
+        edits.redo()
+    autosave = Autosave(tmp_path / "p.json")
+    assert autosave.save(Policy("eager")) == ""
+    assert Policy.load(tmp_path / "p.json") == Policy("eager")
+    (tmp_path / "p.json").write_text('{"edited": "by hand"}')
+    assert "changed outside" in autosave.save(Policy("full"))
+    assert (tmp_path / "p.json").read_text() == '{"edited": "by hand"}'
+    assert Policy.load(tmp_path / "p.2.json") == Policy("full")
+    (tmp_path / "plain").write_text("")
+    note = Autosave(tmp_path / "plain" / "p.json").save(Policy("full"))
+    assert note.startswith("NOT autosaved") and "live only in this explorer" in note
