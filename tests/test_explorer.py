@@ -357,6 +357,7 @@ def test_search_opens_and_selects_then_cycles_and_peak_is_marked(
     send(ex, type="peak")
     assert "peak" in ex.message and ex.metrics["peak"] in ex.message
     assert any(f'id="{i}"' in html.unescape(ex.svg) for i in ex.peak_ids)
+    assert f'id="{ex.focus["id"]}"' in html.unescape(ex.svg)
     marks = ex.timeline["marks"]
     assert 0 <= marks["peak"] <= 1 and len(ex.timeline["values"]) <= 240
     assert max(ex.timeline["values"]) == ex.timeline["max"] == ex.metrics["peak_bytes"]

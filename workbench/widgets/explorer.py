@@ -7,6 +7,7 @@ traitlets and every action is a method, so it is driven the same from a browser 
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from workbench.policy import (
 from workbench.profiles import PROFILES
 from workbench.trace import trace
 from workbench.viz import node_from_svg_id, overview, render_view, svg_id
+from workbench.viz.hierarchy import Group
 from workbench.viz.style import human_bytes, human_flops
 from workbench.widgets.session import Autosave, Edits, History, Point, policy_label
 
@@ -313,8 +315,9 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             raise WorkbenchError(f"the peak is at {est.peak_node}, which no view draws")
         info = self.graph.nodes[name]
         self.reveal(twins[0])
-        self.focus = {"id": self.peak_ids[0] if self.peak_ids else svg_id("n", twins[0]),
-                      "serial": self.focus.get("serial", 0) + 1}  # fmt: skip
+        drawn = html.unescape(self.svg)
+        shown = [i for i in self.peak_ids if f'id="{i}"' in drawn] or [svg_id("n", twins[0])]
+        self.focus = {"id": shown[0], "serial": self.focus.get("serial", 0) + 1}
         if decidable(info):
             where = "its recomputed copy" if est.peak_node != name else "this op"
         else:
@@ -560,7 +563,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.export_path = str(old.with_name(self.graph.model_name + ending))
         else:
             self.export_path = str(old.with_suffix(Path(ending).suffix))
-        self._refresh()
+        self.export_code = export(self.policy, change["new"], graph=self.graph)
 
     def _current_estimate(self) -> Estimate:
         if self._estimate is None:
@@ -608,10 +611,11 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         )
         picture.dot.graph_attr["label"] = ""  # the widget draws its own legend beside it
         self.svg = picture.svg()
-        self.legend = self._legend()
-        self.peak_ids = self._peak_ids()
+        groups = overview(self.graph, self._decisions).groups if self.view == "overview" else []
+        self.legend = self._legend(groups)
+        self.peak_ids = self._peak_ids(groups)
 
-    def _legend(self) -> dict[str, Any]:
+    def _legend(self, groups: list[Group]) -> dict[str, Any]:
         """Title and lines for the picture: folded layers named as this model has them."""
         est = self._current_estimate()
         lines = [
@@ -619,8 +623,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             f"peak {human_bytes(est.peak_bytes)} at {est.peak_node}"
         ]
         if self.view == "overview":
-            data = overview(self.graph, self._decisions)
-            folded = [g.title for g in data.groups if len(g.layers) > 1]
+            folded = [g.title for g in groups if len(g.layers) > 1]
             for title in folded:
                 count = title.rsplit("×", 1)[-1]
                 lines.append(
@@ -648,16 +651,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         same = [n for n, i in self.graph.nodes.items() if decidable(i) and i.module == info.module]
         return name, same
 
-    def _peak_ids(self) -> list[str]:
+    def _peak_ids(self, groups: list[Group]) -> list[str]:
         """SVG ids that stand for the peak node in the current view (op, note or box)."""
         name, twins = self._peak_twins()
         info = self.graph.nodes.get(name)
         if info is None:
             return []
         ids = [svg_id("n", n) for n in [name, *twins]] + [svg_id("b", info.module)]
-        if self.view == "overview":
-            for group in overview(self.graph, self._decisions).groups:
-                ids += [b.svg_id for b in group.boxes.values() if set(twins) & set(b.nodes)]
+        for group in groups:
+            ids += [b.svg_id for b in group.boxes.values() if set(twins) & set(b.nodes)]
         return list(dict.fromkeys(ids))
 
     def _step_seconds(self, est: Estimate) -> float:
