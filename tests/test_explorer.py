@@ -183,6 +183,10 @@ def test_export_shows_every_format_and_saves_without_clobbering(
     send(ex, type="save_export", path=str(target))
     assert "not written by this explorer" in ex.message
     assert target.read_text() == "# my own edits"
+    send(ex, type="save_export", path=str(tmp_path))
+    assert "is a folder" in ex.message
+    send(ex, type="save_export", path=str(tmp_path / "nowhere" / "ac.py"))
+    assert "is missing" in ex.message
 
 
 def test_autosave_restores_and_drops_what_no_longer_applies(peaky: Fixture, tmp_path: Path) -> None:
@@ -370,8 +374,13 @@ def test_policy_rows_show_solver_output_and_each_is_editable(
     send(ex, type="suggest", budget=(ex.budget_range["min"] + ex.budget_range["max"]) // 2)
     policy = ex.policy_json
     assert policy["overrides"] and ex.metrics["peak_bytes"] < ex.budget_range["max"]
-    assert f"{len(policy['overrides'])} overrides (listed under Policy)" in ex.message
+    assert policy["preset"] == "full" and "many more overrides" in ex.message
     ex.set_preset("default")
+    send(ex, type="suggest", budget=(ex.budget_range["min"] + ex.budget_range["max"]) // 2)
+    assert ex.policy_json["preset"] == "default"  # the drop-down keeps the user's preset
+    assert ex.policy_json["overrides"] and ex.metrics["peak_bytes"] < ex.budget_range["max"]
+    assert f"{len(ex.policy_json['overrides'])} overrides (listed under Policy)" in ex.message
+    ex.reset()
     send(ex, type="switch", module="layers.*.attention", op="aten.mm.default", action="save")
     send(ex, type="edit_selector", index=0, action="recompute")
     assert ex.policy_json["selectors"][0]["action"] == "recompute"

@@ -26,12 +26,15 @@ from workbench.models import Workload, load_workload
 from workbench.policy import (
     ACTIONS,
     PRESETS,
+    Action,
     Decisions,
     Policy,
     Selector,
     decidable,
     decide,
     flip,
+    layer_key,
+    node_keys,
     validate,
 )
 from workbench.profiles import PROFILES
@@ -402,12 +405,20 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
         solution = solve(self.graph, int(budget_bytes), method=method or self.suggest_method,
                          profile=self.profile, estimator=self.estimator)  # fmt: skip
-        self._change(solution.policy)
-        policy = solution.policy
+        rebased = _rebased(self.graph, solution.policy, self.policy)
+        own = len(solution.policy.overrides) + len(solution.policy.selectors)
+        # Keep the user's preset unless that takes far more rows than the solver's own base.
+        if rebased is not None and len(rebased.overrides) <= 2 * own + 8:
+            policy, note = rebased, ""
+        else:
+            policy = solution.policy
+            note = f" (on {self.policy.preset!r} it would take many more overrides)"
+        self._change(policy)
         self.message = (
             f"suggested by {solution.method} for a budget of {human_bytes(budget_bytes)}: "
             f"peak {human_bytes(solution.estimate.peak_bytes)}, recompute "
-            f"{human_flops(solution.estimate.recompute_flops)}; preset {policy.preset!r} with "
+            f"{human_flops(solution.estimate.recompute_flops)}; "
+            f"preset {policy.preset!r}{note} with "
             f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
             "under Policy); refine it by clicking ops"
         )
@@ -432,12 +443,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     def save_export(self, path: str | None = None) -> Path:
         """Write the shown code. A file that changed since this explorer wrote it is kept."""
         target = Path(path or self.export_path)
-        if target.exists() and self._written_exports.get(target) != target.read_text():
+        if target.is_dir():
+            raise WorkbenchError(f"{str(target)!r} is a folder: name a file to export to")
+        ours = self._written_exports.get(target)
+        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours.encode()):
             raise WorkbenchError(
                 f"{str(target)!r} exists and was not written by this explorer (or was edited "
                 "since): choose another export path"
             )
-        write_file(target, self.export_code, overwrite=target.exists())
+        write_file(target, self.export_code, overwrite=os.path.lexists(target))
         self._written_exports[target] = self.export_code
         self.export_path = str(target)
         self.message = f"saved {self.export_format} export to {target}"
@@ -734,6 +748,40 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         by_op = [i.name for i in infos if text in i.op.lower()]
         by_module = [i.name for i in infos if text in i.module.lower()]
         return list(dict.fromkeys(exact + by_name + by_op + by_module))
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
+    """`policy`'s save/recompute decisions as overrides on `base`'s preset and selectors (so
+    a suggestion keeps the user's preset and lists what it changes), or None when the rules
+    that depend on final decisions (layer boundaries) would make them differ."""
+    want = decide(graph, policy)
+    have = decide(graph, Policy(base.preset, list(base.selectors)))
+    keys = node_keys(graph)
+    by_key: dict[str, list[str]] = {}
+    for name in want:
+        if name in keys:
+            by_key.setdefault(keys[name], []).append(name)
+    overrides: dict[str, Action] = {}
+    for key, names in by_key.items():
+        differ = [n for n in names if want[n].recompute != have[n].recompute]
+        if not differ:
+            continue
+        if len({want[n].recompute for n in names}) == 1:
+            overrides[key] = "recompute" if want[names[0]].recompute else "save"
+            continue
+        for n in differ:
+            overrides[layer_key(graph.nodes[n], key)] = "recompute" if want[n].recompute else "save"
+    rebased = Policy(base.preset, list(base.selectors), overrides)
+    got = decide(graph, rebased)
+    same = all(got[n].recompute == d.recompute for n, d in want.items())
+    return rebased if same else None
 
 
 def _default_autosave(model_name: str) -> Path:
