@@ -219,6 +219,8 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             assert saved.read_text().startswith("# torchtitan graph_trainer options")
             wrap = page.eval_on_selector(".sacwb-code", "c => getComputedStyle(c).whiteSpace")
             assert wrap == "pre"  # scrolls sideways, never breaks a line mid-word
+            side = page.eval_on_selector(".sacwb-side", "s => s.getBoundingClientRect().width")
+            assert side <= 345  # long code lines scroll inside the panel, never widen it
             page.locator(".sacwb-copy").click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-copy-note').innerText !== ''", timeout=10_000
