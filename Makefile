@@ -68,8 +68,17 @@ system:
 
 # --- user targets -------------------------------------------------------------------------
 
+# Opens working copies in out/lab/ (git-ignored, made once; delete one to get the repo's
+# version again), trusted so their pictures show: running cells never modifies the repo.
+LAB_DIR := out/lab
+
 lab: venv system
-	exec $(VENV)/bin/jupyter-lab $(ALLOW_ROOT) $(LAB_ARGS) $(NOTEBOOK)
+	mkdir -p $(LAB_DIR)
+	@for nb in notebooks/*.ipynb; do \
+		[ -e $(LAB_DIR)/$$(basename $$nb) ] || cp $$nb $(LAB_DIR)/; \
+	done
+	$(VENV)/bin/jupyter trust $(LAB_DIR)/*.ipynb
+	exec $(VENV)/bin/jupyter-lab $(ALLOW_ROOT) $(LAB_ARGS) $(LAB_DIR)/$(notdir $(NOTEBOOK))
 
 lint: venv
 	$(VENV)/bin/ruff check workbench tests

@@ -16,8 +16,12 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 from workbench.viz import svg_id
 
@@ -30,9 +34,10 @@ SHOTS = Path(__file__).resolve().parents[1] / "out" / "browser"
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
+# Four layers fold into one `layers.0–3 ×4` frame; 128 tokens leave room for Suggest.
 NOTEBOOK_CELLS = [
     "from workbench.models import load_workload\nfrom workbench.widgets import PolicyExplorer",
-    'explorer = PolicyExplorer(load_workload("llama3-debug", layers=2, seq=256), "default",\n'
+    'explorer = PolicyExplorer(load_workload("llama3-debug", layers=4, seq=128), "default",\n'
     '                          autosave="explorer.policy.json")\n'
     "explorer",
 ]
@@ -56,8 +61,9 @@ def _notebook(path: Path) -> None:
 
 
 @pytest.fixture
-def lab(tmp_path: Path) -> Iterator[str]:
-    """A JupyterLab server on 127.0.0.1 serving a notebook with the explorer; its URL."""
+def lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A JupyterLab server on 127.0.0.1 serving a notebook with the explorer; its URL and
+    the folder it serves (the kernel's working folder)."""
     if not Path(CHROMIUM).exists():
         pytest.skip(
             "Debian's chromium is not installed: `make test` installs it when run as root "
@@ -95,7 +101,7 @@ def lab(tmp_path: Path) -> Iterator[str]:
                 if server.poll() is not None or time.monotonic() > deadline:
                     pytest.fail("JupyterLab did not start on 127.0.0.1 within 60 s")
                 time.sleep(0.5)
-        yield f"{base}/lab/tree/explorer.ipynb?token={token}"
+        yield f"{base}/lab/tree/explorer.ipynb?token={token}", root
     finally:
         server.terminate()
         try:
@@ -105,46 +111,121 @@ def lab(tmp_path: Path) -> Iterator[str]:
             server.wait()
 
 
-def test_click_flips_a_decision_and_the_peak_moves(lab: str) -> None:
+def _spread(page: Page, plot: int) -> float:
+    """Horizontal spread in pixels of the estimated points of the history plot `plot`."""
+    xs = page.evaluate(
+        "(i) => [...document.querySelectorAll('.sacwb-history .sacwb-plot')[i]"
+        ".querySelectorAll('circle')].map(m => Number(m.getAttribute('cx')))",
+        plot,
+    )
+    return float(max(xs) - min(xs)) if xs else 0.0
+
+
+def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
+    """Open a folded layer, flip an op, search, Suggest, Run, export: each visible."""
     from playwright.sync_api import sync_playwright
 
+    url, root = lab
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:  # launch() gives chromium a fresh, temporary profile
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(lab)
+            page.goto(url)
             page.wait_for_function(
                 "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
                 "?.status === 'idle'", timeout=120_000,
             )  # fmt: skip
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             try:
-                page.wait_for_selector(".sacwb-graph svg", timeout=120_000)
+                page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
             except Exception:
                 page.screenshot(path=str(SHOTS / "explorer-failed-to-render.png"))
                 raise
-            peak = page.locator(".sacwb-peak")
-            before = peak.inner_text()
+            page.locator(".sacwb").scroll_into_view_if_needed()
+            legend = page.locator(".sacwb-legend")
+            assert "'layers.0–3 ×4': 4 identical layers" in legend.inner_text()
             page.screenshot(path=str(SHOTS / "explorer-overview.png"))
+            message = page.locator(".sacwb-message")
 
-            # the overview folds identical layers: the box is `layers.0–1.feed_forward`
-            box = (
-                f'g.node[id^="{svg_id("m", "layers.0")}"][id$="{svg_id("", ".feed_forward")[1:]}"]'
-            )
-            page.locator(box).first.click()
-            op = page.locator(f'[id="{svg_id("n", "mm_4")}"]')
-            op.wait_for(timeout=60_000)
-            op.click()
+            # 1. the folded layers' frame opens layer 0
+            frame = page.locator(f'g.cluster[id="{svg_id("g", "layers.0–3")}"] > text').first
+            frame.click()
             page.wait_for_function(
-                "([before]) => document.querySelector('.sacwb-peak').innerText !== before",
-                arg=[before], timeout=60_000,
+                "document.querySelector('.sacwb-legend').innerText.includes('layer:0')",
+                timeout=60_000,
+            )
+            assert message.inner_text() == ""
+            page.screenshot(path=str(SHOTS / "explorer-layer.png"))
+
+            # 2. flip an op
+            page.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText"
+                ".includes('recomputed in every identical layer')", timeout=60_000,
             )  # fmt: skip
-            details = page.locator(".sacwb-details").inner_text()
-            page.screenshot(path=str(SHOTS / "explorer-after-flip.png"))
-            assert "MUST_RECOMPUTE" in details and "mm_4" in details
-            assert peak.inner_text() != before
-            message = page.locator(".sacwb-message").inner_text()
-            assert "recomputed in every identical layer" in message
+            assert "MUST_RECOMPUTE" in page.locator(".sacwb-details").inner_text()
+
+            # 3. search opens and highlights the match
+            page.locator(".sacwb-search").fill("wo")
+            page.locator(".sacwb-search").press("Enter")
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText.includes('match 1 of')",
+                timeout=60_000,
+            )
+            assert page.locator(".sacwb-graph g.sacwb-selected").count() == 1
+            page.screenshot(path=str(SHOTS / "explorer-search.png"))
+
+            # 4. Suggest for a budget: the solver's rows are listed
+            page.eval_on_selector(
+                ".sacwb-budget",
+                "b => { b.value = Number(b.min) + 0.3 * (Number(b.max) - Number(b.min));"
+                " b.dispatchEvent(new Event('input')); }",
+            )
+            page.locator(".sacwb-suggest-go").click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText.includes('suggested by')",
+                timeout=120_000,
+            )
+            rows = page.locator(".sacwb-row-override, .sacwb-row-selector")
+            assert rows.count() > 0
+            page.locator(".sacwb-policy").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "explorer-suggest.png"))
+
+            # 5. Run: the measured point has its own plot; estimates still spread
+            page.locator(".sacwb-run").click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-status').innerText.startsWith('measured on')",
+                timeout=300_000,
+            )
+            assert page.locator(".sacwb-history .sacwb-plot").count() == 2
+            assert page.locator(".sacwb-history rect.sacwb-point").count() == 1
+            assert _spread(page, 0) > 100  # pixels: not one vertical line
+            page.locator(".sacwb-history").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "explorer-after-run.png"))
+
+            # 6. export: torchtitan's flags go to a .sh file; Copy says what it did
+            page.locator(".sacwb-export-format").select_option("torchtitan")
+            page.wait_for_function(
+                "document.querySelector('.sacwb-export-path').value.endsWith('.sh')",
+                timeout=60_000,
+            )
+            page.locator(".sacwb-save").click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText.includes('saved torchtitan')",
+                timeout=60_000,
+            )
+            saved = root / "llama3-debug_sac_torchtitan.sh"
+            assert saved.read_text().startswith("# torchtitan graph_trainer options")
+            wrap = page.eval_on_selector(".sacwb-code", "c => getComputedStyle(c).whiteSpace")
+            assert wrap == "pre"  # scrolls sideways, never breaks a line mid-word
+            side = page.eval_on_selector(".sacwb-side", "s => s.getBoundingClientRect().width")
+            assert side <= 345  # long code lines scroll inside the panel, never widen it
+            page.locator(".sacwb-copy").click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-copy-note').innerText !== ''", timeout=10_000
+            )
+            page.locator(".sacwb-export").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "explorer-export.png"))
         finally:
             browser.close()

@@ -252,3 +252,39 @@ def test_estimate_and_verify_report_the_same_saved_bytes(
         ver = run_json(capsys, "verify", "--model", model, *size, "--policy", preset, "--json")
         assert ver["bitwise_equal"]
         assert est["saved_activation_bytes"] == ver["saved_activation_bytes"] > 0, preset
+
+
+def test_human_output_has_units_tables_and_short_lines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["estimate", "--model", "llama3-debug", "--layers", "1", "--seq", "16"]
+    assert main([*argv, "--policy", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert not out.startswith("{") and "peak_bytes" in out
+    assert "MiB" in out and ("µs" in out or " ms" in out) and "tokens/s" in out
+    assert max(len(line) for line in out.splitlines()) <= 200
+
+
+def test_export_out_says_where_instead_of_printing_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ac.py"
+    argv = ["export", "--model", "llama3-debug", "--layers", "1", "--policy", "eager",
+            "--format", "policy_fn", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and str(out) in printed and "policy_fn export" in printed
+    assert "def policy_fn" in out.read_text()
+
+
+def test_readme_solve_example_is_feasible(llama_debug: tuple[object, object]) -> None:
+    import re
+
+    from workbench.estimate import Estimator
+    from workbench.policy import Policy
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    frac = float(re.search(r"solve --model llama3-debug --budget-frac ([\d.]+)", readme)[1])
+    estimator = Estimator(llama_debug[1], ["h100"])  # type: ignore[arg-type]
+    full, none = (estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
+    assert frac * none >= full, f"README's --budget-frac {frac} is below full's {full / none:.2f}"

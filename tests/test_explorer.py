@@ -14,8 +14,9 @@ from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
 from workbench.policy import Policy, decide
 from workbench.trace import trace
-from workbench.viz import svg_id
+from workbench.viz import render_overview, svg_id
 from workbench.widgets import PolicyExplorer
+from workbench.widgets.session import Autosave, Edits, History, Point
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -182,6 +183,10 @@ def test_export_shows_every_format_and_saves_without_clobbering(
     send(ex, type="save_export", path=str(target))
     assert "not written by this explorer" in ex.message
     assert target.read_text() == "# my own edits"
+    send(ex, type="save_export", path=str(tmp_path))
+    assert "is a folder" in ex.message
+    send(ex, type="save_export", path=str(tmp_path / "nowhere" / "ac.py"))
+    assert "is missing" in ex.message
 
 
 def test_autosave_restores_and_drops_what_no_longer_applies(peaky: Fixture, tmp_path: Path) -> None:
@@ -214,6 +219,11 @@ def test_run_measures_and_marks_the_point(small_graphs: dict[str, Fixture], tmp_
     measured = [p for p in ex.history if p["measured"]]
     assert len(measured) == 1 and measured[0]["device"] == "cpu"
     assert "bitwise equal to eager" in ex.status and not ex.running
+    assert measured[0]["profile"] == "cpu" and len(ex.history) == 2
+    ex.flip("mm_4")  # the Run's line now says it was for another policy
+    assert ex.status.startswith("last Run was for eager (measured on cpu")
+    ex.undo()
+    assert ex.status.startswith("measured on cpu")
 
 
 def test_run_on_a_fake_graph_explains(tmp_path: Path) -> None:
@@ -264,3 +274,260 @@ def test_run_that_cannot_fit_refuses_and_keeps_the_edits(
     send(ex, type="run")
     assert "estimated to need" in ex.message and "GiB" in ex.message
     assert ex.policy_json == edited and not ex.running and ex.run_result == {}
+
+
+# --- issue 16: each problem a researcher met, driven through the widget's messages ---------
+
+
+def test_clicking_a_folded_layer_frame_opens_the_layer(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    frame = svg_id("g", "layers.0–1")  # the frame of `layers.0–1 ×2`, as the browser sends it
+    assert f'id="{frame}"' in html.unescape(ex.svg)
+    assert any("'layers.0–1 ×2': 2 identical layers" in line for line in ex.legend["lines"])
+    static = html.unescape(render_overview(small_graphs["llama3-debug"][1]).dot.source)
+    assert "'layers.0–1 ×2' = 2 identical layers" in static and "×32" not in static
+    send(ex, type="click", id=frame)
+    assert ex.view == "layer:0" and ex.message == ""
+    send(ex, type="show", view="overview")
+    send(ex, type="click", id=svg_id("g", "layers.0–1 ×2"))  # an older id with the count
+    assert ex.view == "layer:0"
+
+
+def test_history_is_retimed_per_profile_and_measured_points_stand_apart(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path, "none")
+    ex.set_preset("full")
+    est = Estimator(small_graphs["llama3-debug"][1], ["h100", "cpu"])
+    full = est.estimate(Policy("full"))
+    assert ex.history[-1]["step_seconds"] == full.step_seconds["h100"]
+    ex.profile = "cpu"
+    assert ex.history[-1]["step_seconds"] == full.step_seconds["cpu"]
+    assert all(p["profile"] == "cpu" for p in ex.history) and ex.metrics["profile"] == "cpu"
+    history = History()
+    for name, seconds in (("none", 1.0), ("full", 2.0)):
+        policy = Policy(name).to_json()
+        history.add(Point(policy, 10 if name == "full" else 20, {"h100": seconds * 1e-3}))
+        history.add(Point(policy, 30, {"cpu": seconds}, measured=True))
+    rows = history.to_json("h100")
+    estimated = [r for r in rows if not r["measured"]]
+    measured = [r for r in rows if r["measured"]]
+    assert all(r["pareto"] for r in estimated)  # each kind has its own front
+    assert [r["pareto"] for r in measured] == [True, False] and measured[0]["profile"] == "cpu"
+
+
+def test_one_saved_figure_and_backward_readers_through_views(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    workload, graph = small_graphs["llama3-debug"]
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    est = Estimator(graph, ["h100"]).estimate(Policy("default"))
+    assert ex.metrics["saved_bytes"] == est.saved_activation_bytes
+    assert ex.legend["lines"][0].startswith(
+        "kept for backward (whole step): " + ex.metrics["saved"]
+    )
+    assert "kept for backward" not in ex.svg.split("<g id=")[1]  # no second header figure
+    direct = {
+        n.name
+        for n in graph.gm.graph.nodes
+        if any(graph.nodes.get(u.name) and graph.nodes[u.name].phase == "backward" for u in n.users)
+    }
+    through_view = next(
+        n
+        for n, info in graph.nodes.items()
+        if info.phase == "forward" and n not in direct and ex.estimator.backward_readers(n)
+    )
+    ex.select(through_view)
+    assert ex.details["backward_consumers"] == ex.estimator.backward_readers(through_view)
+
+
+def test_search_opens_and_selects_then_cycles_and_peak_is_marked(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    assert ex.legend["title"].endswith(": overview") and ex.peak_ids
+    send(ex, type="search", query="mm_4")
+    assert ex.selected == "mm_4" and ex.view == "layer:0"
+    assert ex.focus["id"] == svg_id("n", "mm_4") and "match 1 of" in ex.message
+    send(ex, type="search", query="wo")
+    first = ex.selected
+    send(ex, type="search", query="wo")
+    assert ex.selected != first and "match 2 of" in ex.message
+    assert ex.graph.nodes[ex.selected].module.endswith("wo")
+    send(ex, type="search", query="no-such-thing")
+    assert "no forward op matches" in ex.message
+    send(ex, type="peak")
+    assert "peak" in ex.message and ex.metrics["peak"] in ex.message
+    assert any(f'id="{i}"' in html.unescape(ex.svg) for i in ex.peak_ids)
+    assert f'id="{ex.focus["id"]}"' in html.unescape(ex.svg)
+    marks = ex.timeline["marks"]
+    assert 0 <= marks["peak"] <= 1 and len(ex.timeline["values"]) <= 240
+    assert max(ex.timeline["values"]) == ex.timeline["max"] == ex.metrics["peak_bytes"]
+
+
+def test_policy_rows_show_solver_output_and_each_is_editable(
+    peaky: Fixture, tmp_path: Path
+) -> None:
+    ex = explorer(peaky, tmp_path, "none")
+    send(ex, type="suggest", budget=(ex.budget_range["min"] + ex.budget_range["max"]) // 2)
+    policy = ex.policy_json
+    assert policy["overrides"] and ex.metrics["peak_bytes"] < ex.budget_range["max"]
+    assert policy["preset"] == "full" and "many more overrides" in ex.message
+    ex.set_preset("default")
+    send(ex, type="suggest", budget=(ex.budget_range["min"] + ex.budget_range["max"]) // 2)
+    assert ex.policy_json["preset"] == "default"  # the drop-down keeps the user's preset
+    assert ex.policy_json["overrides"] and ex.metrics["peak_bytes"] < ex.budget_range["max"]
+    assert f"{len(ex.policy_json['overrides'])} overrides (listed under Policy)" in ex.message
+    ex.reset()
+    send(ex, type="switch", module="layers.*.attention", op="aten.mm.default", action="save")
+    send(ex, type="edit_selector", index=0, action="recompute")
+    assert ex.policy_json["selectors"][0]["action"] == "recompute"
+    ex.flip("mm_4")
+    key = next(iter(ex.policy_json["overrides"]))
+    send(ex, type="override", key=key, action="save")
+    assert ex.policy_json["overrides"][key] == "save"
+    send(ex, type="override", key=key)
+    assert key not in ex.policy_json["overrides"]
+
+
+def test_export_file_is_named_for_its_format(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    endings = {"policy_fn": ".py", "graph_pass": ".py", "torchtitan": ".sh", "json": ".json"}
+    names = set()
+    for fmt, suffix in endings.items():
+        ex.export_format = fmt
+        assert ex.export_path.endswith(suffix) and fmt.split("_")[-1] in ex.export_path
+        names.add(ex.export_path)
+        send(ex, type="save_export", path=ex.export_path)
+        assert Path(ex.export_path).read_text() == ex.export_code
+    assert len(names) == 4
+    ex.export_path = str(tmp_path / "mine.py")
+    ex.export_format = "torchtitan"
+    assert ex.export_path == str(tmp_path / "mine.sh")  # a chosen name keeps its stem
+
+
+def test_default_autosave_folder_comes_from_the_environment(
+    small_graphs: dict[str, Fixture], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, workload=workload)
+    assert ex.autosave_path == tmp_path / f"{graph.model_name}.policy.json"
+    assert ex.autosave_path.exists()
+
+
+# --- issue 17: nothing lost, no exception escapes the message handler -----------------------
+
+
+def test_stale_autosave_is_kept_aside_before_it_is_rewritten(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    stale = Policy("eager", overrides={"layers.7.attention::aten.mm.default#0": "save"})
+    stale.save(tmp_path / "policy.json")
+    original = (tmp_path / "policy.json").read_bytes()
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    assert ex.policy_json["overrides"] == {} and "kept as policy.json.stale" in ex.message
+    assert (tmp_path / "policy.json.stale").read_bytes() == original
+    stale.save(tmp_path / "policy.json", overwrite=True)
+    again = explorer(small_graphs["llama3-debug"], tmp_path)
+    assert "policy.json.stale.2" in again.message
+    assert (tmp_path / "policy.json.stale").read_bytes() == original
+
+
+def test_a_second_unreadable_autosave_keeps_the_first_backup(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    (tmp_path / "policy.json").write_bytes(b"{first")
+    explorer(small_graphs["llama3-debug"], tmp_path)
+    (tmp_path / "policy.json").write_bytes(b"\xff\xfe not utf-8")
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    assert "not UTF-8" in ex.message and "policy.json.unreadable.2" in ex.message
+    assert (tmp_path / "policy.json.unreadable").read_bytes() == b"{first"
+    assert (tmp_path / "policy.json.unreadable.2").read_bytes() == b"\xff\xfe not utf-8"
+
+
+def test_two_explorers_on_one_autosave_keep_both_edits(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    first = explorer(small_graphs["llama3-debug"], tmp_path)
+    second = explorer(small_graphs["llama3-debug"], tmp_path)
+    first.flip("mm_4")
+    second.set_preset("full")
+    assert "changed outside this explorer" in second.message
+    assert second.autosave_path == tmp_path / "policy.2.json"
+    assert Policy.load(tmp_path / "policy.json").to_json() == first.policy_json
+    assert Policy.load(tmp_path / "policy.2.json").to_json() == second.policy_json
+    first.reset()  # the first explorer still owns its file
+    assert Policy.load(tmp_path / "policy.json").to_json() == first.policy_json
+
+
+def test_a_failed_autosave_shows_in_the_message_line(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("a file, not a folder")
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, workload=workload, autosave=tmp_path / "file" / "policy.json")
+    assert "NOT autosaved" in ex.message
+    send(ex, type="click", id=svg_id("n", "mm_4"))
+    assert "is now recomputed" in ex.message and "NOT autosaved" in ex.message
+    assert ex.policy_json["overrides"]  # the edit itself is kept in the explorer
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"type": "click"},
+        {"type": "click", "id": 3},
+        {"type": "click", "id": "n-mm_4", "shift": "yes"},
+        {"type": "show", "view": None},
+        {"type": "preset", "name": ["full"]},
+        {"type": "selector", "select": "**::aten.mm.default"},
+        {"type": "remove_selector", "index": "zero"},
+        {"type": "restore", "index": 1.5},
+        {"type": "suggest", "budget": "lots"},
+        {"type": "suggest", "budget": True},
+        {"type": "search", "query": 42},
+        {"type": "override", "key": "nope", "action": "save"},
+        {"type": "save_export", "path": 7},
+        {"type": None},
+        {},
+    ],
+)
+def test_malformed_messages_set_the_message_line(
+    small_graphs: dict[str, Fixture], tmp_path: Path, msg: dict[str, object]
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    before = dict(ex.policy_json)
+    ex._on_msg(ex, msg, None)
+    assert ex.message and ex.policy_json == before
+
+
+def test_a_message_that_is_not_an_object_is_refused(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    ex._on_msg(ex, ["click"], None)
+    assert "not an object" in ex.message
+
+
+def test_session_pieces_without_a_widget(tmp_path: Path) -> None:
+    edits = Edits(Policy("default"))
+    assert not edits.change(Policy("default")) and edits.change(Policy("full"))
+    assert edits.undo() == Policy("default") and edits.can_redo
+    assert edits.redo() == Policy("full") and not edits.can_redo
+    with pytest.raises(WorkbenchError, match="nothing to redo"):
+        edits.redo()
+    autosave = Autosave(tmp_path / "p.json")
+    assert autosave.save(Policy("eager")) == ""
+    assert Policy.load(tmp_path / "p.json") == Policy("eager")
+    (tmp_path / "p.json").write_text('{"edited": "by hand"}')
+    assert "changed outside" in autosave.save(Policy("full"))
+    assert (tmp_path / "p.json").read_text() == '{"edited": "by hand"}'
+    assert Policy.load(tmp_path / "p.2.json") == Policy("full")
+    (tmp_path / "plain").write_text("")
+    note = Autosave(tmp_path / "plain" / "p.json").save(Policy("full"))
+    assert note.startswith("NOT autosaved") and "live only in this explorer" in note

@@ -447,10 +447,89 @@ def _add_solve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _print_human(result: dict[str, Any]) -> None:
-    width = max(len(k) for k in result)
+_LONG_TEXT = 100  # characters: longer values print as their start and a note
+_LIST_ROWS = 12  # rows of a list shown before "… N more"
+
+
+def _human_value(key: str, value: Any) -> str:
+    """One value with its unit, chosen by the key's name (`*_bytes`, `*seconds*`, `*flops*`)."""
+    from workbench.viz.style import human_bytes, human_flops
+
+    if isinstance(value, bool) or value is None:
+        return "yes" if value is True else "no" if value is False else "-"
+    if isinstance(value, int | float):
+        if key.endswith("bytes") or key.endswith("_bytes_delta"):
+            return human_bytes(value)
+        if "seconds" in key:
+            if abs(value) < 1e-3:
+                return f"{value * 1e6:,.1f} µs"
+            return f"{value * 1e3:,.2f} ms" if abs(value) < 1 else f"{value:,.2f} s"
+        if "flops" in key:
+            return human_flops(value)
+        if "tokens_per_second" in key:
+            return f"{value:,.0f} tokens/s"
+        return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
+    if value in ({}, [], ""):
+        return "none"
+    text = str(value)
+    if len(text) > _LONG_TEXT:
+        return f"{text[:_LONG_TEXT]}… ({len(text):,} characters; --json prints all)"
+    return text
+
+
+def _unit_key(parent: str, child: str) -> str:
+    """The key whose name says the unit of `parent[child]`: the child's own (`peak_bytes`),
+    else the parent's (`est_step_seconds` -> `h100`); breakdowns and per-layer maps are bytes."""
+    words = ("bytes", "seconds", "flops", "tokens_per_second")
+    if any(w in child for w in words):
+        return child
+    if "breakdown" in parent or "by_layer" in parent:
+        return "bytes"
+    return parent
+
+
+def _human_lines(result: dict[str, Any], indent: str = "") -> list[str]:
+    """Aligned `key  value` lines; nested objects indented, lists of objects as tables."""
+    lines: list[str] = []
+    width = max((len(k) for k in result), default=0)
     for key, value in result.items():
-        print(f"{key:<{width}}  {value}")
+        if isinstance(value, dict) and value:
+            lines.append(f"{indent}{key}:")
+            if all(not isinstance(v, dict | list) for v in value.values()):
+                inner = {k: _human_value(_unit_key(key, k), v) for k, v in value.items()}
+                lines += _human_lines(inner, indent + "  ")
+            else:
+                lines += _human_lines(value, indent + "  ")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            lines.append(f"{indent}{key}: {len(value)} rows")
+            lines += _table(value[:_LIST_ROWS], indent + "  ")
+            if len(value) > _LIST_ROWS:
+                lines.append(f"{indent}  … {len(value) - _LIST_ROWS} more (--json prints all)")
+        elif isinstance(value, list) and value:
+            shown = ", ".join(_human_value(key, v) for v in value[:_LIST_ROWS])
+            more = f", … {len(value) - _LIST_ROWS} more" if len(value) > _LIST_ROWS else ""
+            lines.append(f"{indent}{key:<{width}}  {_human_value('', shown + more)}")
+        else:
+            lines.append(f"{indent}{key:<{width}}  {_human_value(key, value)}")
+    return lines
+
+
+def _table(rows: list[dict[str, Any]], indent: str) -> list[str]:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    cells = [[_human_value(c, row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    line = [indent + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    return line + [indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
+                   for r in cells]  # fmt: skip
+
+
+def _print_human(result: dict[str, Any]) -> None:
+    """What a person reads without --json: units, tables, long values shortened."""
+    if "code" in result and "path" in result:  # export --out: say where, not the whole file
+        lines = result["code"].count("\n") + 1
+        print(f"wrote the {result['format']} export ({lines} lines) to {result['path']}")
+        return
+    print("\n".join(_human_lines(result)))
 
 
 def build_parser() -> argparse.ArgumentParser:

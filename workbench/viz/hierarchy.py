@@ -59,6 +59,7 @@ class Group:
     title: str  # `layers.0–31 ×32`, `tok_embeddings`
     layers: tuple[int, ...]
     boxes: dict[str, Box]  # layer-relative key -> box
+    path: str = ""  # `layers.0–31`: the title without the count, as clicks name it
 
     @property
     def saved_bytes(self) -> int:
@@ -183,7 +184,8 @@ def overview(
             title = prefix or "(top level)"
         else:
             title = _range(prefix, layers) + (f" ×{len(layers)}" if len(layers) > 1 else "")
-        group = Group(title=title, layers=layers, boxes={})
+        span = _range(prefix, layers) if layers else prefix
+        group = Group(title=title, layers=layers, boxes={}, path=span)
         for unit in run:
             for name in units[unit]:
                 key = box_key[name]
@@ -293,7 +295,11 @@ def render_overview(
         f"{data.backward_ops} backward ops (not drawn)",
         "kept for backward = forward outputs backward reads that are not recomputed",
         "recompute = FLOPs of forward ops tagged recompute (run again in backward)",
-        "'layers.0–31 ×32' = 32 identical layers drawn once; figures are totals over them",
+        *[
+            f"'{g.title}' = {len(g.layers)} identical layers drawn once; figures are totals"
+            for g in data.groups
+            if len(g.layers) > 1
+        ],
         "expand one with the view 'layer:N' or 'module:PATH'",
     ]
     rows = [
@@ -333,7 +339,7 @@ def render_overview(
                 f"recompute {human_flops(group.recompute_flops)}",
                 style="rounded",
                 color="#888888",
-                id=svg_id("g", group.title),
+                id=svg_id("g", group.path),
             )
             for box in group.boxes.values():
                 cluster.node(

@@ -78,6 +78,14 @@ class View:
     def _repr_svg_(self) -> str:
         return self.svg()
 
+    def __repr__(self) -> str:
+        """The text a front end shows when it withholds SVG (an untrusted notebook)."""
+        return (
+            f"Graphviz picture: {self.nodes} nodes, {self.edges} edges. Its SVG is hidden "
+            "because this notebook is not trusted: File > Trust Notebook, or `jupyter trust "
+            "NOTEBOOK` (`make lab` does it); `.write('view.png')` saves it as an image."
+        )
+
 
 def check_layout_size(count: int, force: bool) -> None:
     if count > MAX_LAYOUT_NODES and not force:

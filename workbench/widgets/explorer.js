@@ -1,5 +1,5 @@
 // Policy explorer front end: draws the Python state and forwards clicks as messages.
-// All decisions, estimates and history live in Python; nothing here computes them.
+// All decisions, estimates and history live in Python; here only drawing, zoom and pan.
 
 const h = (tag, attrs = {}, ...children) => {
   const node = document.createElement(tag);
@@ -14,14 +14,74 @@ const h = (tag, attrs = {}, ...children) => {
 };
 
 const SVG_NS = "http://www.w3.org/2000/svg";
-const s = (tag, attrs = {}) => {
+const s = (tag, attrs = {}, text = null) => {
   const node = document.createElementNS(SVG_NS, tag);
   for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (text !== null) node.textContent = text;
   return node;
 };
 
-function gib(bytes) {
-  return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(2)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+function bytesText(bytes) {
+  if (bytes >= 2 ** 30) return `${(bytes / 2 ** 30).toFixed(2)} GiB`;
+  if (bytes >= 2 ** 20) return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+  return `${(bytes / 2 ** 10).toFixed(0)} KiB`;
+}
+
+function secondsText(seconds) {
+  if (seconds >= 1) return `${seconds.toFixed(2)} s`;
+  if (seconds >= 1e-3) return `${(seconds * 1e3).toFixed(seconds >= 0.1 ? 0 : 2)} ms`;
+  return `${(seconds * 1e6).toFixed(0)} µs`;
+}
+
+// Three round tick values spanning [lo, hi].
+function ticks(lo, hi) {
+  if (!(hi > lo)) return [lo];
+  const step = 10 ** Math.floor(Math.log10((hi - lo) / 2));
+  const nice = [1, 2, 5, 10].map((m) => m * step).find((d) => (hi - lo) / d <= 4) ?? step * 10;
+  const out = [];
+  for (let v = Math.ceil(lo / nice) * nice; v <= hi + 1e-12; v += nice) out.push(v);
+  return out.length ? out : [lo, hi];
+}
+
+// A scatter of peak memory against step time with labelled axes; marks are circles
+// (estimates) or squares (measured); clicking one restores its policy.
+function scatterPlot(points, title, xLabel, current, onPick) {
+  const W = 320, H = 200, L = 58, B = 34, T = 8, R = 10;
+  const svg = s("svg", { width: W, height: H, class: "sacwb-scatter" });
+  const xs = points.map((p) => p.step_seconds), ys = points.map((p) => p.peak_bytes);
+  let [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  const padX = (x1 - x0) * 0.08 || x0 * 0.05 || 1e-6, padY = (y1 - y0) * 0.08 || y0 * 0.05 || 1;
+  [x0, x1, y0, y1] = [x0 - padX, x1 + padX, y0 - padY, y1 + padY];
+  const X = (v) => L + ((v - x0) / (x1 - x0)) * (W - L - R);
+  const Y = (v) => H - B - ((v - y0) / (y1 - y0)) * (H - B - T);
+  svg.append(s("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "sacwb-axis" }),
+    s("line", { x1: L, y1: T, x2: L, y2: H - B, class: "sacwb-axis" }));
+  for (const v of ticks(x0, x1)) {
+    svg.append(s("line", { x1: X(v), y1: H - B, x2: X(v), y2: H - B + 4, class: "sacwb-axis" }),
+      s("text", { x: X(v), y: H - B + 14, "text-anchor": "middle", class: "sacwb-tick-x" }, secondsText(v)));
+  }
+  for (const v of ticks(y0, y1)) {
+    svg.append(s("line", { x1: L - 4, y1: Y(v), x2: L, y2: Y(v), class: "sacwb-axis" }),
+      s("text", { x: L - 6, y: Y(v) + 3, "text-anchor": "end", class: "sacwb-tick-y" }, bytesText(v)));
+  }
+  svg.append(s("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", class: "sacwb-axis-label" }, xLabel),
+    s("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", class: "sacwb-axis-label",
+      transform: `rotate(-90 12 ${(T + H - B) / 2})` }, "peak memory"));
+  const front = points.filter((p) => p.pareto).sort((a, b) => a.step_seconds - b.step_seconds);
+  if (front.length > 1) {
+    svg.append(s("polyline", { points: front.map((p) => `${X(p.step_seconds)},${Y(p.peak_bytes)}`).join(" "),
+      class: "sacwb-front" }));
+  }
+  for (const p of points) {
+    const cls = `sacwb-point${p.pareto ? " pareto" : ""}${p.measured ? " measured" : ""}${JSON.stringify(p.policy) === current ? " current" : ""}`;
+    const mark = p.measured
+      ? s("rect", { class: cls, x: X(p.step_seconds) - 5, y: Y(p.peak_bytes) - 5, width: 10, height: 10 })
+      : s("circle", { class: cls, cx: X(p.step_seconds), cy: Y(p.peak_bytes), r: 5 });
+    mark.append(s("title", {}, `${p.name}: ${bytesText(p.peak_bytes)}, ${secondsText(p.step_seconds)}${p.measured ? ` measured on ${p.profile}` : ""}`));
+    mark.addEventListener("click", () => onPick(p.index));
+    svg.append(mark);
+  }
+  return h("div", { class: "sacwb-plot" }, h("div", { class: "sacwb-subtitle" }, title), svg);
 }
 
 function render({ model, el }) {
@@ -29,7 +89,7 @@ function render({ model, el }) {
   el.classList.add("sacwb");
 
   // --- toolbar -----------------------------------------------------------------------
-  const preset = h("select", { class: "sacwb-preset", title: "preset: what every op gets unless you say otherwise",
+  const preset = h("select", { class: "sacwb-preset", title: "preset: what every op gets unless a selector or override says otherwise",
     onchange: () => send({ type: "preset", name: preset.value }) });
   const profile = h("select", { class: "sacwb-profile", title: "device profile for the time estimate",
     onchange: () => { model.set("profile", profile.value); model.save_changes(); } });
@@ -42,21 +102,75 @@ function render({ model, el }) {
   const reset = button("Reset", "reset", "drop every edit, keep the preset");
   const overview = h("button", { class: "sacwb-overview", title: "back to the module overview",
     onclick: () => send({ type: "show", view: "overview" }) }, "⌂ Overview");
+  const peakButton = button("▲ Go to peak", "peak", "open the view where the estimated peak happens");
   const run = h("button", { class: "sacwb-run", title: "remat with torch's pass and measure for real",
     onclick: () => send({ type: "run" }) }, "▶ Run");
+  const searchBox = h("input", { type: "search", class: "sacwb-search", size: 18,
+    placeholder: "find: mm_4, mm, wo…", title: "node name, op or module; Enter again for the next match",
+    onkeydown: (e) => { if (e.key === "Enter") send({ type: "search", query: searchBox.value }); } });
+  const searchGo = h("button", { class: "sacwb-search-go", onclick: () => send({ type: "search", query: searchBox.value }) }, "Find");
   const toolbar = h("div", { class: "sacwb-toolbar" },
     h("label", {}, "Preset ", preset),
     h("label", { title: "a click flips the op in every identical layer" }, allLayers, " apply to all identical layers"),
-    h("label", {}, "Profile ", profile), undo, redo, reset, overview, run);
+    h("label", {}, "Profile ", profile), undo, redo, reset, overview, searchBox, searchGo, peakButton, run);
 
   const message = h("div", { class: "sacwb-message" });
   const status = h("div", { class: "sacwb-status" });
-  const hint = h("div", { class: "sacwb-hint" },
-    "Click a module box to open it; click an op to flip save ↔ recompute (shift-click only selects it).");
 
-  // --- graph -------------------------------------------------------------------------
+  // --- graph with zoom and pan -------------------------------------------------------
+  const legend = h("div", { class: "sacwb-legend" });
   const graph = h("div", { class: "sacwb-graph" });
+  const zoomBy = (factor, cx = 0.5, cy = 0.5) => {
+    const v = view.box; if (!v) return;
+    const w = v[2] * factor, hgt = v[3] * factor;
+    setBox([v[0] + (v[2] - w) * cx, v[1] + (v[3] - hgt) * cy, w, hgt]);
+  };
+  const zoomIn = h("button", { class: "sacwb-zoom-in", title: "zoom in (or scroll over the graph)", onclick: () => zoomBy(0.7) }, "+");
+  const zoomOut = h("button", { class: "sacwb-zoom-out", title: "zoom out", onclick: () => zoomBy(1 / 0.7) }, "−");
+  const fit = h("button", { class: "sacwb-fit", title: "fit the whole picture", onclick: () => fitView() }, "Fit");
+  const graphTools = h("div", { class: "sacwb-graph-tools" }, zoomIn, zoomOut, fit,
+    h("span", { class: "sacwb-hint" }, " drag to pan · scroll to zoom · click a box to open it, an op to flip it (shift-click selects)"));
+  const view = { full: null, box: null, name: null };
+  const setBox = (box) => {
+    view.box = box;
+    graph.querySelector("svg")?.setAttribute("viewBox", box.join(" "));
+  };
+  const fitView = () => { if (view.full) setBox([...view.full]); };
+  const centreOn = (id) => {
+    const svg = graph.querySelector("svg");
+    const target = id && svg?.querySelector(`#${CSS.escape(id)}`);
+    if (!target || !view.full) return;
+    const b = target.getBBox();
+    // graphviz puts one translate on its root group; node boxes are inside it
+    const root = svg.querySelector("g.graph");
+    const m = root?.transform?.baseVal?.consolidate()?.matrix;
+    const x = b.x + (m ? m.e : 0), y = b.y + (m ? m.f : 0);
+    const w = Math.max(view.full[2] * 0.35, b.width * 3), hgt = Math.max(view.full[3] * 0.35, b.height * 6);
+    const gw = graph.clientWidth || 800, gh = graph.clientHeight || 600;
+    const aspect = gw / gh;
+    const [bw, bh] = w / hgt > aspect ? [w, w / aspect] : [hgt * aspect, hgt];
+    setBox([x + b.width / 2 - bw / 2, y + b.height / 2 - bh / 2, bw, bh]);
+  };
+  let drag = null, dragged = false;
+  graph.addEventListener("mousedown", (e) => { if (view.box) { drag = { x: e.clientX, y: e.clientY, box: [...view.box] }; dragged = false; } });
+  window.addEventListener("mouseup", () => { drag = null; });
+  graph.addEventListener("mousemove", (e) => {
+    if (!drag) return;
+    const dx = e.clientX - drag.x, dy = e.clientY - drag.y;
+    if (Math.abs(dx) + Math.abs(dy) > 4) dragged = true;
+    if (!dragged) return;
+    const scale = drag.box[2] / (graph.clientWidth || 1), scaleY = drag.box[3] / (graph.clientHeight || 1);
+    const k = Math.max(scale, scaleY);
+    setBox([drag.box[0] - dx * k, drag.box[1] - dy * k, drag.box[2], drag.box[3]]);
+  });
+  graph.addEventListener("wheel", (e) => {
+    if (!view.box) return;
+    e.preventDefault();
+    const r = graph.getBoundingClientRect();
+    zoomBy(e.deltaY < 0 ? 0.85 : 1 / 0.85, (e.clientX - r.left) / r.width, (e.clientY - r.top) / r.height);
+  }, { passive: false });
   graph.addEventListener("click", (event) => {
+    if (dragged) { dragged = false; return; }
     const target = event.target.closest("g.node, g.cluster");
     if (!target || !target.id) return;
     send({ type: "click", id: target.id, shift: event.shiftKey });
@@ -64,30 +178,33 @@ function render({ model, el }) {
 
   // --- side panel --------------------------------------------------------------------
   const metrics = h("div", { class: "sacwb-metrics" });
+  const timeline = h("div", { class: "sacwb-timeline" });
   const details = h("div", { class: "sacwb-details" });
+  const policyRows = h("div", { class: "sacwb-policy" });
   const moduleSel = h("select", { class: "sacwb-switch-module" });
   const opSel = h("select", { class: "sacwb-switch-op" });
-  const actionSel = h("select", { class: "sacwb-switch-action" },
-    h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"));
-  const selectorList = h("ul", { class: "sacwb-selectors" });
+  const actionSelect = (cls, value, onchange) => {
+    const sel = h("select", { class: cls, onchange: onchange ? () => onchange(sel.value) : null },
+      h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"));
+    if (value) sel.value = value;
+    return sel;
+  };
+  const actionSel = actionSelect("sacwb-switch-action");
   const selectorText = h("input", { type: "text", class: "sacwb-selector-text", size: 30,
     placeholder: "layers.*.attention.wo::aten.mm.default" });
-  const selectorAction = h("select", { class: "sacwb-selector-action" },
-    h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"));
-  const selectorEntry = h("div", {}, selectorAction, " ", selectorText, " ",
-    h("button", { class: "sacwb-selector-add", title: "MODULE_PATTERN::OP_OVERLOAD; ** spans modules",
-      onclick: () => send({ type: "selector", select: selectorText.value, action: selectorAction.value }) }, "Add"));
+  const selectorAction = actionSelect("sacwb-selector-action");
   const switches = h("div", { class: "sacwb-switches" },
-    h("div", { class: "sacwb-title" }, "Selectors and op-type switches"),
-    selectorEntry,
+    h("div", { class: "sacwb-title" }, "Add a selector or an op-type switch"),
+    h("div", {}, selectorAction, " ", selectorText, " ",
+      h("button", { class: "sacwb-selector-add", title: "MODULE_PATTERN::OP_OVERLOAD; ** spans modules",
+        onclick: () => send({ type: "selector", select: selectorText.value, action: selectorAction.value }) }, "Add")),
     h("div", {}, actionSel, " every ", opSel, " in ", moduleSel, " ",
       h("button", { class: "sacwb-switch-apply", onclick: () => send({ type: "switch",
-        module: moduleSel.value, op: opSel.value, action: actionSel.value }) }, "Apply")),
-    selectorList);
+        module: moduleSel.value, op: opSel.value, action: actionSel.value }) }, "Apply")));
   const scatter = h("div", { class: "sacwb-history" });
-  const budget = h("input", { type: "range", class: "sacwb-budget", step: "any",
-    oninput: () => { budgetText.textContent = gib(Number(budget.value)); } });
   const budgetText = h("span", { class: "sacwb-budget-text" });
+  const budget = h("input", { type: "range", class: "sacwb-budget", step: "any",
+    oninput: () => { budget.dataset.touched = "1"; budgetText.textContent = bytesText(Number(budget.value)); } });
   const suggester = h("div", { class: "sacwb-suggest" },
     h("div", { class: "sacwb-title" }, "Suggest a policy for a memory budget"),
     h("div", {}, budget, " ", budgetText, " ",
@@ -98,15 +215,28 @@ function render({ model, el }) {
         onclick: () => send({ type: "sweep" }) }, "Sweep front")));
   const exportFmt = h("select", { class: "sacwb-export-format",
     onchange: () => { model.set("export_format", exportFmt.value); model.save_changes(); } });
-  const exportPath = h("input", { type: "text", class: "sacwb-export-path", size: 28 });
+  const exportPath = h("input", { type: "text", class: "sacwb-export-path", size: 30 });
   const code = h("pre", { class: "sacwb-code" });
-  const copy = h("button", { class: "sacwb-copy", onclick: () => navigator.clipboard?.writeText(code.textContent) }, "Copy");
+  const copyNote = h("span", { class: "sacwb-copy-note" });
+  const flash = (text) => { copyNote.textContent = text; setTimeout(() => { copyNote.textContent = ""; }, 2500); };
+  const copyFallback = () => {
+    const range = document.createRange(); range.selectNodeContents(code);
+    const sel = window.getSelection(); sel.removeAllRanges(); sel.addRange(range);
+    const ok = document.execCommand && document.execCommand("copy");
+    flash(ok ? "copied ✓" : "selected: press Ctrl+C to copy");
+  };
+  const copy = h("button", { class: "sacwb-copy", onclick: () => {
+    if (navigator.clipboard?.writeText) {
+      navigator.clipboard.writeText(code.textContent).then(() => flash("copied ✓"), copyFallback);
+    } else copyFallback();
+  } }, "Copy");
   const save = h("button", { class: "sacwb-save", onclick: () => send({ type: "save_export", path: exportPath.value }) }, "Save");
   const exporter = h("div", { class: "sacwb-export" },
-    h("div", { class: "sacwb-title" }, "Export"), h("div", {}, exportFmt, " ", exportPath, " ", save, " ", copy), code);
-  const side = h("div", { class: "sacwb-side" }, metrics, details, suggester, switches, scatter, exporter);
+    h("div", { class: "sacwb-title" }, "Export"), h("div", {}, exportFmt, " ", exportPath, " ", save, " ", copy, " ", copyNote), code);
+  const side = h("div", { class: "sacwb-side" }, metrics, timeline, details, policyRows, suggester, switches, scatter, exporter);
 
-  el.append(toolbar, hint, message, status, h("div", { class: "sacwb-main" }, graph, side));
+  el.append(toolbar, message, status,
+    h("div", { class: "sacwb-main" }, h("div", { class: "sacwb-left" }, legend, graphTools, graph), side));
 
   // --- drawing from state ------------------------------------------------------------
   const fill = (select, values, current, blank = "") => {
@@ -114,10 +244,32 @@ function render({ model, el }) {
     select.value = current;
   };
 
-  const drawGraph = () => {
-    graph.innerHTML = model.get("svg");
+  const markGraph = () => {
+    for (const node of graph.querySelectorAll(".sacwb-selected, .sacwb-peak-node")) node.classList.remove("sacwb-selected", "sacwb-peak-node");
     const chosen = model.get("selected_id");
     if (chosen) graph.querySelector(`#${CSS.escape(chosen)}`)?.classList.add("sacwb-selected");
+    for (const id of model.get("peak_ids")) graph.querySelector(`#${CSS.escape(id)}`)?.classList.add("sacwb-peak-node");
+  };
+
+  const drawGraph = () => {
+    const sameView = view.name === model.get("view");
+    graph.innerHTML = model.get("svg");
+    const svg = graph.querySelector("svg");
+    if (svg) {
+      const vb = (svg.getAttribute("viewBox") || "0 0 100 100").split(/[\s,]+/).map(Number);
+      view.full = vb;
+      svg.removeAttribute("width"); svg.removeAttribute("height");
+      svg.setAttribute("preserveAspectRatio", "xMidYMid meet");
+      if (sameView && view.box) setBox(view.box); else setBox([...vb]);
+    }
+    view.name = model.get("view");
+    markGraph();
+  };
+
+  const drawLegend = () => {
+    const lg = model.get("legend");
+    legend.replaceChildren(h("div", { class: "sacwb-title" }, lg.title ?? ""),
+      ...(lg.lines ?? []).map((line) => h("div", { class: "sacwb-legend-line" }, line)));
   };
 
   const drawMetrics = () => {
@@ -126,16 +278,38 @@ function render({ model, el }) {
       h("div", { class: "sacwb-title" }, "Estimate (what-if, exact)"),
       h("table", {},
         h("tr", {}, h("td", {}, "peak memory"), h("td", { class: "sacwb-peak" }, m.peak ?? "-")),
+        h("tr", {}, h("td", {}, "peak at"), h("td", { class: "sacwb-peak-at" }, m.peak_node ?? "-")),
         h("tr", {}, h("td", {}, "kept for backward"), h("td", { class: "sacwb-saved" }, m.saved ?? "-")),
         h("tr", {}, h("td", {}, "recompute"), h("td", {}, `${m.recompute ?? "-"} (${m.recomputed_nodes ?? 0} ops)`)),
         h("tr", {}, h("td", {}, `step on ${m.profile}`), h("td", {}, m.step ?? "-")),
         h("tr", {}, h("td", {}, "throughput"), h("td", {}, m.tokens_per_second_text ?? "-"))));
   };
 
+  const drawTimeline = () => {
+    const t = model.get("timeline");
+    const values = t.values ?? [];
+    const W = 320, H = 70, pad = 2;
+    const svg = s("svg", { width: W, height: H, class: "sacwb-timeline-plot" });
+    if (values.length > 1 && t.max > 0) {
+      const X = (f) => pad + f * (W - 2 * pad), Y = (v) => H - pad - (v / t.max) * (H - 2 * pad - 10);
+      const pts = values.map((v, i) => `${X(i / (values.length - 1))},${Y(v)}`);
+      svg.append(s("polygon", { points: `${X(0)},${H - pad} ${pts.join(" ")} ${X(1)},${H - pad}`, class: "sacwb-timeline-area" }));
+      const marks = t.marks ?? {};
+      const mark = (f, cls, label) => {
+        svg.append(s("line", { x1: X(f), x2: X(f), y1: 10, y2: H - pad, class: cls }));
+        svg.append(s("text", { x: Math.min(X(f) + 2, W - 60), y: 9, class: cls }, label));
+      };
+      if (marks.peak !== undefined) mark(marks.peak, "sacwb-mark-peak", `peak ${bytesText(t.max)}`);
+      if (marks.selected !== undefined) mark(marks.selected, "sacwb-mark-selected", model.get("selected"));
+      if (marks.recomputed !== undefined) mark(marks.recomputed, "sacwb-mark-selected", "recomputed");
+    }
+    timeline.replaceChildren(h("div", { class: "sacwb-subtitle" }, `live memory over the step (${t.steps ?? 0} ops)`), svg);
+  };
+
   const drawDetails = () => {
     const d = model.get("details");
     if (!d || !d.name) {
-      details.replaceChildren(h("div", { class: "sacwb-title" }, "Selected op"), h("div", {}, "none: click an op"));
+      details.replaceChildren(h("div", { class: "sacwb-title" }, "Selected op"), h("div", {}, "none: click an op or search"));
       return;
     }
     const row = (k, v) => h("tr", {}, h("td", {}, k), h("td", {}, v));
@@ -149,44 +323,38 @@ function render({ model, el }) {
         row("source", d.source)));
   };
 
-  const drawSelectors = () => {
+  const drawPolicy = () => {
     const policy = model.get("policy_json");
-    selectorList.replaceChildren(...(policy.selectors ?? []).map((sel, i) =>
-      h("li", {}, `${sel.action}: ${sel.select} `,
-        h("button", { class: "sacwb-remove", onclick: () => send({ type: "remove_selector", index: i }) }, "✕"))));
+    const remove = (msg, what) => h("button", { class: "sacwb-remove", title: `remove this ${what}`, onclick: () => send(msg) }, "✕");
+    const rows = [h("tr", { class: "sacwb-row-preset" }, h("td", {}, "preset"), h("td", {}, policy.preset ?? "-"), h("td", {}))];
+    (policy.selectors ?? []).forEach((sel, i) => rows.push(h("tr", { class: "sacwb-row-selector" },
+      h("td", {}, actionSelect("sacwb-row-action", sel.action, (a) => send({ type: "edit_selector", index: i, action: a }))),
+      h("td", { class: "sacwb-key" }, sel.select), h("td", {}, remove({ type: "remove_selector", index: i }, "selector")))));
+    for (const [key, action] of Object.entries(policy.overrides ?? {})) {
+      rows.push(h("tr", { class: "sacwb-row-override" },
+        h("td", {}, actionSelect("sacwb-row-action", action, (a) => send({ type: "override", key, action: a }))),
+        h("td", { class: "sacwb-key" }, key), h("td", {}, remove({ type: "override", key }, "override"))));
+    }
+    const count = (policy.selectors ?? []).length + Object.keys(policy.overrides ?? {}).length;
+    policyRows.replaceChildren(
+      h("div", { class: "sacwb-title" }, `Policy: preset ${policy.preset}, ${(policy.selectors ?? []).length} selectors, ${Object.keys(policy.overrides ?? {}).length} overrides`),
+      h("div", { class: "sacwb-hint" }, count ? "later rows win; overrides win over selectors" : "no edits yet: click ops, add selectors or Suggest"),
+      h("table", { class: "sacwb-policy-rows" }, rows));
   };
 
   const drawHistory = () => {
     const points = model.get("history");
-    const W = 300, H = 190, pad = 38;
-    const svg = s("svg", { width: W, height: H, class: "sacwb-scatter" });
-    if (points.length) {
-      const xs = points.map((p) => p.step_seconds), ys = points.map((p) => p.peak_bytes);
-      const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
-      const X = (v) => pad + ((v - x0) / (x1 - x0 || 1)) * (W - pad - 10);
-      const Y = (v) => H - pad + 10 - ((v - y0) / (y1 - y0 || 1)) * (H - pad - 10);
-      const front = points.filter((p) => p.pareto && !p.measured).sort((a, b) => a.step_seconds - b.step_seconds);
-      if (front.length > 1) {
-        svg.append(s("polyline", { points: front.map((p) => `${X(p.step_seconds)},${Y(p.peak_bytes)}`).join(" "),
-          class: "sacwb-front" }));
-      }
-      const current = JSON.stringify(model.get("policy_json"));
-      for (const p of points) {
-        const attrs = { class: `sacwb-point${p.pareto ? " pareto" : ""}${p.measured ? " measured" : ""}${JSON.stringify(p.policy) === current ? " current" : ""}` };
-        const mark = p.measured
-          ? s("rect", { ...attrs, x: X(p.step_seconds) - 5, y: Y(p.peak_bytes) - 5, width: 10, height: 10 })
-          : s("circle", { ...attrs, cx: X(p.step_seconds), cy: Y(p.peak_bytes), r: 5 });
-        const title = s("title");
-        title.textContent = `${p.name}${p.measured ? " (measured)" : ""}: ${gib(p.peak_bytes)}, ${(p.step_seconds * 1e3).toFixed(2)} ms`;
-        mark.append(title);
-        mark.addEventListener("click", () => send({ type: "restore", index: p.index }));
-        svg.append(mark);
-      }
-      const label = (text, x, y, anchor = "start") => { const t = s("text", { x, y, "text-anchor": anchor }); t.textContent = text; return t; };
-      svg.append(label(gib(y1), 2, 16), label(gib(y0), 2, H - pad + 10), label("step time →", W - 4, H - 6, "end"));
+    const current = JSON.stringify(model.get("policy_json"));
+    const pick = (index) => send({ type: "restore", index });
+    const estimated = points.filter((p) => !p.measured), measured = points.filter((p) => p.measured);
+    const parts = [h("div", { class: "sacwb-title" }, "History: peak memory vs step time"),
+      h("div", { class: "sacwb-hint" }, "● estimate  ■ measured  - - Pareto front; click a point to restore it")];
+    if (estimated.length) parts.push(scatterPlot(estimated, `estimated on ${model.get("profile")}`, `step time on ${model.get("profile")} (estimate)`, current, pick));
+    if (measured.length) {
+      const device = measured[0].profile;
+      parts.push(scatterPlot(measured, `measured (Run) on ${device}`, `step time measured on ${device}`, current, pick));
     }
-    scatter.replaceChildren(h("div", { class: "sacwb-title" }, "History: memory vs step time"),
-      h("div", { class: "sacwb-hint" }, "● estimate  ■ measured  — Pareto front; click a point to restore it"), svg);
+    scatter.replaceChildren(...parts);
   };
 
   const drawControls = () => {
@@ -211,18 +379,20 @@ function render({ model, el }) {
     budget.min = range.min;
     budget.max = range.max;
     if (!budget.dataset.touched) budget.value = model.get("metrics").peak_bytes ?? range.max;
-    budgetText.textContent = gib(Number(budget.value));
+    budgetText.textContent = bytesText(Number(budget.value));
   };
-  budget.addEventListener("change", () => { budget.dataset.touched = "1"; });
 
   const drawAll = () => {
-    drawBudget(); drawControls(); drawGraph(); drawMetrics(); drawDetails(); drawSelectors(); drawHistory(); };
+    drawBudget(); drawControls(); drawLegend(); drawGraph(); drawMetrics(); drawTimeline(); drawDetails(); drawPolicy(); drawHistory(); };
   drawAll();
-  for (const name of ["svg", "selected_id"]) model.on(`change:${name}`, drawGraph);
-  model.on("change:view", () => { graph.scrollTop = 0; graph.scrollLeft = 0; });
-  model.on("change:metrics", drawMetrics);
+  model.on("change:svg", drawGraph);
+  for (const name of ["selected_id", "peak_ids"]) model.on(`change:${name}`, markGraph);
+  model.on("change:focus", () => centreOn(model.get("focus").id));
+  model.on("change:legend", drawLegend);
+  model.on("change:metrics", () => { drawMetrics(); drawBudget(); });
+  model.on("change:timeline", drawTimeline);
   model.on("change:details", drawDetails);
-  model.on("change:policy_json", () => { drawSelectors(); drawControls(); drawHistory(); });
+  model.on("change:policy_json", () => { drawPolicy(); drawControls(); drawHistory(); });
   model.on("change:history", drawHistory);
   for (const name of ["message", "status", "running", "can_undo", "can_redo", "export_code", "export_format", "profile", "all_layers", "export_path"]) {
     model.on(`change:${name}`, drawControls);

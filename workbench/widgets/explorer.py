@@ -7,6 +7,8 @@ traitlets and every action is a method, so it is driven the same from a browser 
 from __future__ import annotations
 
 import contextlib
+import html
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,19 +26,23 @@ from workbench.models import Workload, load_workload
 from workbench.policy import (
     ACTIONS,
     PRESETS,
+    Action,
     Decisions,
     Policy,
     Selector,
     decidable,
     decide,
     flip,
-    restrict,
+    layer_key,
+    node_keys,
     validate,
 )
 from workbench.profiles import PROFILES
 from workbench.trace import trace
-from workbench.viz import node_from_svg_id, pareto_front, render_view, svg_id
+from workbench.viz import node_from_svg_id, overview, render_view, svg_id
+from workbench.viz.hierarchy import Group
 from workbench.viz.style import human_bytes, human_flops
+from workbench.widgets.session import Autosave, Edits, History, Point, policy_label
 
 HERE = Path(__file__).parent
 
@@ -60,11 +66,55 @@ def _module_of_box(path: str) -> str:
     return re.sub(r"\.(\d+)–\d+(?=\.|$)", r".\1", path)
 
 
+# File name endings of each export format: code is `.py`, torchtitan's options are command
+# line flags for its run script, the policy itself is JSON.
+EXPORT_NAMES = {
+    "policy_fn": "_sac_policy_fn.py",
+    "graph_pass": "_sac_graph_pass.py",
+    "torchtitan": "_sac_torchtitan.sh",
+    "json": "_sac_policy.json",
+}
+
+TIMELINE_POINTS = 240  # columns of the small memory timeline under the metrics
+
+_MISSING = object()
+
+
+def _field(content: dict[str, Any], name: str, kind: type, default: Any = _MISSING) -> Any:
+    """One field of a front-end message, checked: a one-line error names what is wrong."""
+    action = content.get("type")
+    if name not in content or content[name] is None:
+        if default is not _MISSING:
+            return default
+        raise WorkbenchError(f"message {action!r} lacks the field {name!r} ({kind.__name__})")
+    value = content[name]
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise WorkbenchError(
+            f"message {action!r}: field {name!r} must be {kind.__name__}, "
+            f"not {type(value).__name__}"
+        )
+    return value
+
+
+def _downsample(values: list[int], width: int) -> list[int]:
+    """At most `width` columns, each the largest value of its span (peaks stay visible)."""
+    if len(values) <= width:
+        return list(values)
+    return [
+        max(values[i * len(values) // width : max((i + 1) * len(values) // width, i + 1)])
+        for i in range(width)
+    ]
+
+
 class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     """Click an op to flip it (shift-click only selects it), click a module box to expand it.
 
     Metrics come from the exact what-if estimate after every change; Run remats with
     torch's pass and measures for real. The policy is autosaved to `autosave` as JSON.
+    The session logic (undo/redo, history, autosave) lives in `workbench.widgets.session`;
+    this class holds the synced state and forwards actions.
     """
 
     _esm = HERE / "explorer.js"
@@ -72,10 +122,14 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
     svg = traitlets.Unicode("").tag(sync=True)
     view = traitlets.Unicode("overview").tag(sync=True)
+    legend = traitlets.Dict().tag(sync=True)
     selected = traitlets.Unicode("").tag(sync=True)
     selected_id = traitlets.Unicode("").tag(sync=True)
+    peak_ids: traitlets.List[str] = traitlets.List().tag(sync=True)
+    focus = traitlets.Dict().tag(sync=True)
     details = traitlets.Dict().tag(sync=True)
     metrics = traitlets.Dict().tag(sync=True)
+    timeline = traitlets.Dict().tag(sync=True)
     history: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     presets = traitlets.List(list(PRESETS)).tag(sync=True)
@@ -115,24 +169,39 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}"
             )
         self.estimator = Estimator(self.graph, list(PROFILES))
-        self.autosave_path = Path(autosave or f"{self.graph.model_name}.policy.json")
-        self.export_path = str(self.autosave_path.with_name(f"{self.graph.model_name}_sac.py"))
+        self.autosave = Autosave(autosave or _default_autosave(self.graph.model_name))
+        self.export_path = str(
+            self.autosave.path.with_name(self.graph.model_name + EXPORT_NAMES[self.export_format])
+        )
         self._written_exports: dict[Path, str] = {}
-        self._undo: list[Policy] = []
-        self._redo: list[Policy] = []
         self._decisions: Decisions = {}
+        self._estimate: Estimate | None = None
         self._preset_decisions: dict[str, Decisions] = {}
+        self._search: tuple[str, int] = ("", -1)
+        self.history_log = History()
         infos = [i for i in self.graph.nodes.values() if decidable(i)]
         self.modules = sorted({layer_pattern(i.module) for i in infos})
         self.ops = sorted({i.op for i in infos})
         self.profile = profile
         start = Policy(policy) if isinstance(policy, str) else policy
-        self.policy = self._recover(start)
+        recovered, note = self.autosave.recover(self.graph, start)
+        self.edits = Edits(recovered)
         low, high = (self.estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
         self.budget_range = {"min": min(low, high), "max": max(low, high)}
         self.on_msg(self._on_msg)
-        self.observe(lambda change: self._refresh(), names=["profile", "export_format"])
+        self.observe(self._on_profile, names=["profile"])
+        self.observe(self._on_export_format, names=["export_format"])
         self._refresh(record=True)
+        self.message = note
+        self._autosave()
+
+    @property
+    def policy(self) -> Policy:
+        return self.edits.policy
+
+    @property
+    def autosave_path(self) -> Path:
+        return self.autosave.path
 
     # --- actions (what the front end's buttons and clicks call) ---------------------------
 
@@ -153,7 +222,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 else:
                     self.show(f"module:{path}")
             elif kind == "g":
-                group = _module_of_box(node_from_svg_id(element_id, "g"))
+                title = node_from_svg_id(element_id, "g")  # `layers.0–2` (or its title)
+                group = _module_of_box(re.sub(r" ×\d+$", "", title))
                 layer = re.search(r"\.(\d+)$", group)
                 self.show(f"layer:{layer.group(1)}" if layer else f"module:{group}")
             elif kind == "b":
@@ -171,6 +241,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.selected = name
         self.selected_id = svg_id("n", name)
         self.details = self._details(name)
+        self.timeline = self._timeline()
 
     def flip(self, name: str) -> None:
         """Reverse one op's decision (in every identical layer when `all_layers`)."""
@@ -186,6 +257,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         else:
             where = "in every identical layer" if self.all_layers else "in this layer"
             self.message = f"{name} is now {'recomputed' if after.recompute else 'saved'} {where}"
+        self._autosave()
 
     def show(self, view: str) -> None:
         """`overview`, `layer:N` or `module:PATH`."""
@@ -197,9 +269,69 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.view = previous
             raise
 
+    def search(self, query: str) -> str:
+        """Open the view holding the first forward op whose name, op or module contains
+        `query` and select it; the same query again moves to the next match."""
+        text = query.strip().lower()
+        if not text:
+            raise WorkbenchError("type part of a node name (mm_4), an op (mm) or a module (wo)")
+        matches = self._matches(text)
+        if not matches:
+            raise WorkbenchError(
+                f"no forward op matches {query.strip()!r} by node name, op or module"
+            )
+        previous, index = self._search
+        index = (index + 1) % len(matches) if previous == text else 0
+        self._search = (text, index)
+        name = matches[index]
+        self.reveal(name)
+        info = self.graph.nodes[name]
+        self.message = (
+            f"{name} ({info.op} in {info.module or 'top level'}): "
+            f"match {index + 1} of {len(matches)} for {query.strip()!r}"
+            + ("; search again for the next" if len(matches) > 1 else "")
+        )
+        return name
+
+    def reveal(self, name: str) -> None:
+        """Open the view that draws `name` (its layer, else its module), select and centre it."""
+        info = self.graph.nodes.get(name)
+        if info is None:
+            raise WorkbenchError(f"no node {name!r} in {self.graph.model_name!r}")
+        if info.layer is not None:
+            self.show(f"layer:{info.layer}")
+        elif info.module:
+            self.show(f"module:{info.module}")
+        else:
+            raise WorkbenchError(f"{name} lies outside every module; it is not drawn alone")
+        self.select(name)
+        target = svg_id("n", name) if decidable(info) else svg_id("b", info.module)
+        self.focus = {"id": target, "serial": self.focus.get("serial", 0) + 1}
+
+    def go_to_peak(self) -> None:
+        """Show where the estimated peak happens: the op, or the forward ops of the module
+        whose backward runs at the peak."""
+        est = self._current_estimate()
+        name, twins = self._peak_twins()
+        if not twins:
+            raise WorkbenchError(f"the peak is at {est.peak_node}, which no view draws")
+        info = self.graph.nodes[name]
+        self.reveal(twins[0])
+        drawn = html.unescape(self.svg)
+        shown = [i for i in self.peak_ids if f'id="{i}"' in drawn] or [svg_id("n", twins[0])]
+        self.focus = {"id": shown[0], "serial": self.focus.get("serial", 0) + 1}
+        if decidable(info):
+            where = "its recomputed copy" if est.peak_node != name else "this op"
+        else:
+            where = f"the backward of {info.module or 'top level'}; its forward ops are marked"
+        self.message = (
+            f"peak {human_bytes(est.peak_bytes)} while {est.peak_node} runs ({info.phase}): {where}"
+        )
+
     def set_preset(self, name: str) -> None:
         """A new preset under the same selectors and overrides."""
         self._change(Policy(name, list(self.policy.selectors), dict(self.policy.overrides)))
+        self._autosave()
 
     def add_selector(self, select: str, action: str) -> None:
         """`MODULE::OP` saved or recomputed everywhere it matches (later selectors win)."""
@@ -209,6 +341,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         validate(self.graph, policy)
         self._change(policy)
         self.message = f"added selector: {action} {select}"
+        self._autosave()
 
     def switch_op(self, module: str, op: str, action: str) -> None:
         """Save or recompute every `op` under `module` (e.g. all aten.mm in attention)."""
@@ -223,28 +356,46 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             raise WorkbenchError(f"no selector #{index}; there are {len(selectors)}")
         del selectors[index]
         self._change(Policy(self.policy.preset, selectors, dict(self.policy.overrides)))
+        self._autosave()
+
+    def edit_selector(self, index: int, action: str) -> None:
+        """Change what selector #index does (save or recompute)."""
+        selectors = list(self.policy.selectors)
+        if not 0 <= index < len(selectors):
+            raise WorkbenchError(f"no selector #{index}; there are {len(selectors)}")
+        selectors[index] = Selector(selectors[index].select, action)  # type: ignore[arg-type]
+        self._change(Policy(self.policy.preset, selectors, dict(self.policy.overrides)))
+        self._autosave()
+
+    def set_override(self, key: str, action: str | None) -> None:
+        """Set one override's action, or remove it (`action=None`)."""
+        overrides = dict(self.policy.overrides)
+        if key not in overrides:
+            raise WorkbenchError(f"no override {key!r}; the policy has {len(overrides)}")
+        if action is None:
+            del overrides[key]
+        else:
+            overrides[key] = action  # type: ignore[assignment]
+        self._change(Policy(self.policy.preset, list(self.policy.selectors), overrides))
+        self._autosave()
 
     def undo(self) -> None:
-        if not self._undo:
-            raise WorkbenchError("nothing to undo")
-        self._redo.append(self.policy)
-        self._apply(self._undo.pop())
+        self._apply(self.edits.undo())
+        self._autosave()
 
     def redo(self) -> None:
-        if not self._redo:
-            raise WorkbenchError("nothing to redo")
-        self._undo.append(self.policy)
-        self._apply(self._redo.pop())
+        self._apply(self.edits.redo())
+        self._autosave()
 
     def reset(self) -> None:
         """Back to the preset alone (undoable)."""
         self._change(Policy(self.policy.preset))
+        self._autosave()
 
     def restore(self, index: int) -> None:
         """Load the policy of a point in the history (undoable)."""
-        if not 0 <= index < len(self.history):
-            raise WorkbenchError(f"no history point #{index}; there are {len(self.history)}")
-        self._change(Policy.from_json(self.history[index]["policy"]))
+        self._change(self.history_log.policy(index))
+        self._autosave()
 
     def suggest(self, budget_bytes: int, method: str | None = None) -> None:
         """Load the solver's cheapest policy whose estimated peak fits `budget_bytes`
@@ -253,12 +404,24 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
         solution = solve(self.graph, int(budget_bytes), method=method or self.suggest_method,
                          profile=self.profile, estimator=self.estimator)  # fmt: skip
-        self._change(solution.policy)
+        rebased = _rebased(self.graph, solution.policy, self.policy)
+        own = len(solution.policy.overrides) + len(solution.policy.selectors)
+        # Keep the user's preset unless that takes far more rows than the solver's own base.
+        if rebased is not None and len(rebased.overrides) <= 2 * own + 8:
+            policy, note = rebased, ""
+        else:
+            policy = solution.policy
+            note = f" (on {self.policy.preset!r} it would take many more overrides)"
+        self._change(policy)
         self.message = (
             f"suggested by {solution.method} for a budget of {human_bytes(budget_bytes)}: "
             f"peak {human_bytes(solution.estimate.peak_bytes)}, recompute "
-            f"{human_flops(solution.estimate.recompute_flops)}; refine it by clicking ops"
+            f"{human_flops(solution.estimate.recompute_flops)}; "
+            f"preset {policy.preset!r}{note} with "
+            f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
+            "under Policy); refine it by clicking ops"
         )
+        self._autosave()
 
     def sweep(self, points: int = 8) -> None:
         """Put the solver's memory-vs-time front into the history (each point restorable)."""
@@ -271,20 +434,25 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                            progress=progress, estimator=self.estimator)  # fmt: skip
         for solution in solutions:
             est = solution.estimate
-            self._add_point(est.peak_bytes, est.step_seconds[self.profile],
-                            policy=solution.policy, solver=solution.method)  # fmt: skip
+            self.history_log.add(Point(solution.policy.to_json(), est.peak_bytes,
+                                       dict(est.step_seconds), solver=solution.method))  # fmt: skip
+        self.history = self.history_log.to_json(self.profile)
         self.status = f"{len(solutions)} solver points added to the history"
 
     def save_export(self, path: str | None = None) -> Path:
         """Write the shown code. A file that changed since this explorer wrote it is kept."""
         target = Path(path or self.export_path)
-        if target.exists() and self._written_exports.get(target) != target.read_text():
+        if target.is_dir():
+            raise WorkbenchError(f"{str(target)!r} is a folder: name a file to export to")
+        ours = self._written_exports.get(target)
+        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours.encode()):
             raise WorkbenchError(
                 f"{str(target)!r} exists and was not written by this explorer (or was edited "
                 "since): choose another export path"
             )
-        write_file(target, self.export_code, overwrite=target.exists())
+        write_file(target, self.export_code, overwrite=os.path.lexists(target))
         self._written_exports[target] = self.export_code
+        self.export_path = str(target)
         self.message = f"saved {self.export_format} export to {target}"
         return target
 
@@ -307,47 +475,67 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 estimator=self.estimator,
                 repeats=repeats,
             )
+        except BaseException:
+            self.status = "Run failed: see the message line"
+            raise
         finally:
             self.running = False
         summary = {**result.to_json(), "policy": self.policy.to_json()}
         self.run_result = summary
-        self.status = (
-            f"measured on {summary['device']}: peak {human_bytes(summary['peak_bytes'])} "
-            f"(estimated {human_bytes(summary['estimated_peak_bytes'])}), "
-            f"{summary['step_seconds'] * 1e3:.1f} ms/step, "
-            f"{'bitwise equal to eager' if summary['bitwise_equal'] else 'NOT bitwise equal'}"
-        )
-        self._add_point(
-            result.graph_sac.peak_bytes, result.graph_sac.step_seconds, measured=True,
-            device=summary["device"],
-        )  # fmt: skip
+        self.status = self._run_status()
+        self.history_log.add(Point(self.policy.to_json(), result.graph_sac.peak_bytes,
+                                   {summary["device"]: result.graph_sac.step_seconds},
+                                   measured=True, extra={"device": summary["device"]}))  # fmt: skip
+        self.history = self.history_log.to_json(self.profile)
         return summary
 
     # --- messages from the front end ------------------------------------------------------
 
-    def _on_msg(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
-        action = content.get("type")
+    def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        """Run one front-end message. Nothing escapes: every failure sets the message line."""
+        if not isinstance(content, dict):
+            self.message = f"ignored a message that is not an object: {type(content).__name__}"
+            return
+        c = content
         handlers: dict[str, Callable[[], object]] = {
-            "click": lambda: self.click(content["id"], select_only=bool(content.get("shift"))),
-            "show": lambda: self.show(content["view"]),
-            "preset": lambda: self.set_preset(content["name"]),
-            "selector": lambda: self.add_selector(content["select"], content["action"]),
-            "switch": lambda: self.switch_op(content["module"], content["op"], content["action"]),
-            "remove_selector": lambda: self.remove_selector(int(content["index"])),
+            "click": lambda: self.click(
+                _field(c, "id", str), select_only=_field(c, "shift", bool, False)
+            ),  # fmt: skip
+            "show": lambda: self.show(_field(c, "view", str)),
+            "search": lambda: self.search(_field(c, "query", str)),
+            "peak": self.go_to_peak,
+            "preset": lambda: self.set_preset(_field(c, "name", str)),
+            "selector": lambda: self.add_selector(
+                _field(c, "select", str), _field(c, "action", str)
+            ),  # fmt: skip
+            "switch": lambda: self.switch_op(
+                _field(c, "module", str), _field(c, "op", str), _field(c, "action", str)
+            ),  # fmt: skip
+            "remove_selector": lambda: self.remove_selector(_field(c, "index", int)),
+            "edit_selector": lambda: self.edit_selector(
+                _field(c, "index", int), _field(c, "action", str)
+            ),  # fmt: skip
+            "override": lambda: self.set_override(
+                _field(c, "key", str), _field(c, "action", str, None)
+            ),  # fmt: skip
             "undo": self.undo,
             "redo": self.redo,
             "reset": self.reset,
-            "restore": lambda: self.restore(int(content["index"])),
-            "save_export": lambda: self.save_export(content.get("path") or None),
+            "restore": lambda: self.restore(_field(c, "index", int)),
+            "save_export": lambda: self.save_export(_field(c, "path", str, "") or None),
             "run": self.run,
-            "suggest": lambda: self.suggest(int(content["budget"])),
+            "suggest": lambda: self.suggest(_field(c, "budget", int)),
             "sweep": self.sweep,
         }
-        if action not in handlers:
-            self.message = f"unknown action {action!r}"
+        action = c.get("type")
+        if not isinstance(action, str) or action not in handlers:
+            self.message = f"unknown action {action!r}; known: {', '.join(handlers)}"
             return
-        with self._explained():
-            handlers[action]()
+        try:
+            with self._explained():
+                handlers[action]()
+        except Exception as err:  # a bug must not kill the widget: say what happened
+            self.message = f"{action} failed: {type(err).__name__}: {err}"
 
     @contextlib.contextmanager
     def _explained(self) -> Iterator[None]:
@@ -360,68 +548,132 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
     # --- state ----------------------------------------------------------------------------
 
-    def _recover(self, policy: Policy) -> Policy:
-        """The autosaved policy when there is one (keeping what still applies)."""
-        path = self.autosave_path
-        if not path.exists():
-            return policy
-        try:
-            saved = Policy.load(path)
-        except WorkbenchError as err:
-            kept = path.with_name(path.name + ".unreadable")
-            path.rename(kept)
-            self.message = f"{err}; kept it as {kept.name} and started from {policy.preset!r}"
-            return policy
-        kept_policy, dropped = restrict(self.graph, saved)
-        if dropped:
-            self.message = (
-                f"restored {path.name}; {len(dropped)} entries no longer match this graph "
-                "and were left out: " + " | ".join(dropped)
-            )
-        else:
-            self.message = f"restored the autosaved policy from {path.name}"
-        return kept_policy
-
     def _change(self, policy: Policy) -> None:
         if policy == self.policy:
             return
-        self._undo.append(self.policy)
-        self._redo.clear()
-        self._apply(policy)
+        decisions = decide(self.graph, policy)  # raises before anything changes
+        self.edits.change(policy)
+        self._apply(policy, decisions)
 
-    def _apply(self, policy: Policy) -> None:
-        previous = self.policy
-        self.policy = policy
-        try:
-            self._refresh(record=True)
-        except WorkbenchError:
-            self.policy = previous
-            self._refresh()
-            raise
+    def _apply(self, policy: Policy, decisions: Decisions | None = None) -> None:
+        self._decisions = decide(self.graph, policy) if decisions is None else decisions
+        self._refresh(record=True, decided=True)
 
-    def _refresh(self, record: bool = False) -> None:
-        self._decisions = decide(self.graph, self.policy)
-        estimate = self.estimator.estimate(self._decisions)
+    def _autosave(self) -> None:
+        """Save the policy; a failure or a move to another file is added to the message."""
+        note = self.autosave.save(self.policy)
+        if note:
+            self.message = f"{self.message} · {note}" if self.message else note
+
+    def _on_profile(self, _change: Any) -> None:
+        self._refresh()
+        self.history = self.history_log.to_json(self.profile)
+
+    def _on_export_format(self, change: Any) -> None:
+        old = Path(self.export_path)
+        ending = EXPORT_NAMES[change["new"]]
+        if old.name == self.graph.model_name + EXPORT_NAMES.get(change["old"], ""):
+            self.export_path = str(old.with_name(self.graph.model_name + ending))
+        else:
+            self.export_path = str(old.with_suffix(Path(ending).suffix))
+        self.export_code = export(self.policy, change["new"], graph=self.graph)
+
+    def _current_estimate(self) -> Estimate:
+        if self._estimate is None:
+            self._estimate = self.estimator.estimate(self._decisions)
+        return self._estimate
+
+    def _refresh(self, record: bool = False, decided: bool = False) -> None:
+        if not decided:
+            self._decisions = decide(self.graph, self.policy)
+        self._estimate = None
+        estimate = self._current_estimate()
         self.policy_json = self.policy.to_json()
-        self.can_undo, self.can_redo = bool(self._undo), bool(self._redo)
+        self.can_undo, self.can_redo = self.edits.can_undo, self.edits.can_redo
         self.metrics = self._metrics(estimate)
+        self.timeline = self._timeline()
         self.export_code = export(self.policy, self.export_format, graph=self.graph)
         if self.selected:
             self.details = self._details(self.selected)
+        self.status = self._run_status()
         self._draw()
         if record:
-            self._add_point(estimate.peak_bytes, self._step_seconds(estimate))
-            self._autosave()
+            self.history_log.add(Point(self.policy.to_json(), estimate.peak_bytes,
+                                       dict(estimate.step_seconds)))  # fmt: skip
+        self.history = self.history_log.to_json(self.profile)
+
+    def _run_status(self) -> str:
+        """The last Run's result, said to be stale once the policy has changed since."""
+        r = self.run_result
+        if not r:
+            return ""
+        line = (
+            f"measured on {r['device']}: peak {human_bytes(r['peak_bytes'])} "
+            f"(estimated {human_bytes(r['estimated_peak_bytes'])}), "
+            f"{r['step_seconds'] * 1e3:.1f} ms/step, "
+            f"{'bitwise equal to eager' if r['bitwise_equal'] else 'NOT bitwise equal'}"
+        )
+        if r["policy"] == self.policy.to_json():
+            return line
+        label = policy_label(r["policy"])
+        return f"last Run was for {label} ({line}); Run again to measure this policy"
 
     def _draw(self) -> None:
         picture = render_view(
             self.graph, self._decisions, self.view, policy_name=self.policy.preset
         )
+        picture.dot.graph_attr["label"] = ""  # the widget draws its own legend beside it
         self.svg = picture.svg()
+        groups = overview(self.graph, self._decisions).groups if self.view == "overview" else []
+        self.legend = self._legend(groups)
+        self.peak_ids = self._peak_ids(groups)
 
-    def _autosave(self) -> None:
-        self.autosave_path.parent.mkdir(parents=True, exist_ok=True)
-        self.policy.save(self.autosave_path, overwrite=True)
+    def _legend(self, groups: list[Group]) -> dict[str, Any]:
+        """Title and lines for the picture: folded layers named as this model has them."""
+        est = self._current_estimate()
+        lines = [
+            f"kept for backward (whole step): {human_bytes(est.saved_activation_bytes)} · "
+            f"peak {human_bytes(est.peak_bytes)} at {est.peak_node}"
+        ]
+        if self.view == "overview":
+            folded = [g.title for g in groups if len(g.layers) > 1]
+            for title in folded:
+                count = title.rsplit("×", 1)[-1]
+                lines.append(
+                    f"'{title}': {count} identical layers drawn once; box figures are totals"
+                )
+            lines.append("box colour: share of its ops saved (blue) and recomputed (orange)")
+            lines.append("click a box to open it; click a layer's frame to open the whole layer")
+            where = "overview"
+        else:
+            lines.append("blue: saved · orange: recomputed · grey note: backward ops reading it")
+            lines.append("click an op to flip it; shift-click selects only")
+            where = self.view
+        title = f"{self.graph.model_name} · policy {policy_label(self.policy_json)}: {where}"
+        return {"title": title, "lines": lines}
+
+    def _peak_twins(self) -> tuple[str, list[str]]:
+        """The graph node the peak happens at, and the forward ops that stand for it in a
+        picture: itself, or for a backward op the forward ops of its module."""
+        name = self._current_estimate().peak_node.removesuffix("_recomputed")
+        info = self.graph.nodes.get(name)
+        if info is None:
+            return name, []
+        if decidable(info):
+            return name, [name]
+        same = [n for n, i in self.graph.nodes.items() if decidable(i) and i.module == info.module]
+        return name, same
+
+    def _peak_ids(self, groups: list[Group]) -> list[str]:
+        """SVG ids that stand for the peak node in the current view (op, note or box)."""
+        name, twins = self._peak_twins()
+        info = self.graph.nodes.get(name)
+        if info is None:
+            return []
+        ids = [svg_id("n", n) for n in [name, *twins]] + [svg_id("b", info.module)]
+        for group in groups:
+            ids += [b.svg_id for b in group.boxes.values() if set(twins) & set(b.nodes)]
+        return list(dict.fromkeys(ids))
 
     def _step_seconds(self, est: Estimate) -> float:
         return est.step_seconds[self.profile]
@@ -444,30 +696,22 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "tokens_per_second_text": f"{est.tokens / step:,.0f} tokens/s" if step else "-",
         }
 
-    def _add_point(
-        self,
-        peak: int,
-        seconds: float,
-        measured: bool = False,
-        policy: Policy | None = None,
-        **extra: Any,
-    ) -> None:
-        policy_json = (policy or self.policy).to_json()
-        points = [
-            p
-            for p in self.history
-            if not (p["policy"] == policy_json and p["measured"] == measured)
-        ]
-        label = ("solver: " if "solver" in extra else "") + self._label(policy_json)
-        points.append({"peak_bytes": peak, "step_seconds": seconds, "measured": measured,
-                       "name": label, "policy": policy_json, **extra})  # fmt: skip
-        front = {id(p) for p in pareto_front(points)}
-        self.history = [{**p, "index": i, "pareto": id(p) in front} for i, p in enumerate(points)]
-
-    @staticmethod
-    def _label(policy: dict[str, Any]) -> str:
-        changes = len(policy["selectors"]) + len(policy["overrides"])
-        return policy["preset"] + (f" + {changes} edits" if changes else "")
+    def _timeline(self) -> dict[str, Any]:
+        """Live bytes over the step (downsampled), with the peak and the selected op marked."""
+        est = self._current_estimate()
+        totals = est.totals()
+        steps = len(totals)
+        marks = {"peak": est.peak_index / max(steps - 1, 1)}
+        if self.selected:
+            spots = [
+                i for i, n in enumerate(est.order) if n.removesuffix("_recomputed") == self.selected
+            ]
+            if spots:
+                marks["selected"] = spots[0] / max(steps - 1, 1)
+                if len(spots) > 1:
+                    marks["recomputed"] = spots[-1] / max(steps - 1, 1)
+        return {"values": _downsample(totals, TIMELINE_POINTS), "max": max(totals, default=0),
+                "steps": steps, "marks": marks}  # fmt: skip
 
     def _details(self, name: str) -> dict[str, Any]:
         info = self.graph.nodes[name]
@@ -494,3 +738,53 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "preset_decision": "-" if preset is None else preset.policy.name,
             "can_flip": decision is not None and not decision.forced,
         }
+
+    def _matches(self, text: str) -> list[str]:
+        """Forward ops by node name (exact first), then op, then module containing `text`."""
+        infos = [i for i in self.graph.nodes.values() if decidable(i)]
+        exact = [i.name for i in infos if i.name.lower() == text]
+        by_name = [i.name for i in infos if text in i.name.lower() and i.name not in exact]
+        by_op = [i.name for i in infos if text in i.op.lower()]
+        by_module = [i.name for i in infos if text in i.module.lower()]
+        return list(dict.fromkeys(exact + by_name + by_op + by_module))
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
+    """`policy`'s save/recompute decisions as overrides on `base`'s preset and selectors (so
+    a suggestion keeps the user's preset and lists what it changes), or None when the rules
+    that depend on final decisions (layer boundaries) would make them differ."""
+    want = decide(graph, policy)
+    have = decide(graph, Policy(base.preset, list(base.selectors)))
+    keys = node_keys(graph)
+    by_key: dict[str, list[str]] = {}
+    for name in want:
+        if name in keys:
+            by_key.setdefault(keys[name], []).append(name)
+    overrides: dict[str, Action] = {}
+    for key, names in by_key.items():
+        differ = [n for n in names if want[n].recompute != have[n].recompute]
+        if not differ:
+            continue
+        if len({want[n].recompute for n in names}) == 1:
+            overrides[key] = "recompute" if want[names[0]].recompute else "save"
+            continue
+        for n in differ:
+            overrides[layer_key(graph.nodes[n], key)] = "recompute" if want[n].recompute else "save"
+    rebased = Policy(base.preset, list(base.selectors), overrides)
+    got = decide(graph, rebased)
+    same = all(got[n].recompute == d.recompute for n, d in want.items())
+    return rebased if same else None
+
+
+def _default_autosave(model_name: str) -> Path:
+    """`MODEL.policy.json` in `$SAC_WORKBENCH_AUTOSAVE_DIR` (tests point it at a temporary
+    folder, so a test run leaves nothing for the next session), else the working folder."""
+    folder = os.environ.get("SAC_WORKBENCH_AUTOSAVE_DIR") or "."
+    return Path(folder) / f"{model_name}.policy.json"

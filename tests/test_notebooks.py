@@ -1,0 +1,52 @@
+"""The notebooks as a new user meets them: every figure shown, pictures readable when the
+notebook is untrusted, and `make lab` trusted working copies apart from the test run's files."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from workbench.graph import JointGraph
+from workbench.models import Workload
+from workbench.viz import render_view
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_computed_figure_is_shown(path: Path) -> None:
+    for cell in json.loads(path.read_text())["cells"]:
+        source = "".join(cell["source"])
+        calls_a_plot = re.search(r"\bplot_\w+\(", source)
+        if cell["cell_type"] != "code" or not calls_a_plot or "# NBVAL_SKIP" in source:
+            continue
+        kinds = {k for out in cell["outputs"] for k in out.get("data", {})}
+        assert "image/png" in kinds, f"{path.name}: a cell plots but shows no figure: {source!r}"
+
+
+def test_views_carry_a_text_fallback(small_graphs: dict[str, tuple[Workload, JointGraph]]) -> None:
+    view = render_view(small_graphs["llama3-debug"][1], None, "overview")
+    text = repr(view)
+    assert text.startswith(f"Graphviz picture: {view.nodes} nodes") and "jupyter trust" in text
+
+
+def test_the_explorer_in_the_notebook_autosaves_where_tests_point_it() -> None:
+    source = (ROOT / "notebooks" / "sac_llama3.ipynb").read_text()
+    assert "PolicyExplorer(" in source and "autosave=" not in source
+    conftest = (ROOT / "notebooks" / "conftest.py").read_text()
+    assert "SAC_WORKBENCH_AUTOSAVE_DIR" in conftest
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_lab_opens_trusted_working_copies() -> None:
+    dry = subprocess.run(
+        ["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "jupyter trust out/lab/*.ipynb" in dry
+    assert dry.rstrip().splitlines()[-1].endswith("out/lab/sac_llama3.ipynb")
