@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from workbench.eager import eager_step
-from workbench.mincut import min_cut_partition, read_by_backward, saved_by_op, split_saved
 from workbench.models import load_workload
 from workbench.policy import Policy
 from workbench.remat import remat
+from workbench.studies.mincut import min_cut_partition, read_by_backward, saved_by_op
+from workbench.studies.partition import split_saved
 from workbench.trace import trace
 
 
@@ -16,14 +17,14 @@ def test_budget_trades_saved_bytes_for_recompute() -> None:
     workload = load_workload("llama3-debug", layers=2, seq=128)
     reference = eager_step(workload)
     full, tight = min_cut_partition(workload, 1.0), min_cut_partition(workload, 0.2)
-    assert tight.saved.bytes < full.saved.bytes
+    assert tight.kept.bytes < full.kept.bytes
     assert tight.recompute_flops > full.recompute_flops == 0
     for part in (full, tight):
         assert all(torch.equal(a, b) for a, b in zip(part.step(), reference, strict=True))
-        assert all(i.op != "placeholder" for i in part.saved.activations)
-    table = saved_by_op(full.saved.activations)
-    assert sum(n for n, _ in table.values()) == len(full.saved.activations)
-    assert sum(b for _, b in table.values()) >= full.saved.bytes  # views counted once there
+        assert all(i.op != "placeholder" for i in part.kept.activations)
+    table = saved_by_op(full.kept.activations)
+    assert sum(n for n, _ in table.values()) == len(full.kept.activations)
+    assert sum(b for _, b in table.values()) >= full.kept.bytes  # views counted once there
 
 
 def test_split_saved_puts_weight_transposes_with_inputs() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.models import load_workload
-from workbench.partition import (
+from workbench.studies.partition import (
     Partition,
     activation_bytes,
     as_joint_graph,

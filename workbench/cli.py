@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -84,22 +82,10 @@ def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
+    from workbench.bench import bench_trace
+
     _check_positive("--repeat", args.repeat)
-    times, summary = [], {}
-    for _ in range(args.repeat):
-        graph, seconds = _trace_from_args(args)
-        times.append(seconds)
-        summary = graph.summary()
-    return {
-        "model": summary["model"],
-        "mode": summary["mode"],
-        "nodes": summary["nodes"],
-        "world_size": summary["world_size"],
-        "collectives": summary["collectives"],
-        "seconds": round(statistics.median(times), 3),
-        "all_seconds": [round(t, 3) for t in times],
-        "cpu_count": os.cpu_count(),
-    }
+    return bench_trace(lambda: _trace_from_args(args), args.repeat)
 
 
 def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
@@ -257,48 +243,17 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
-    """Random flips: what-if time per flip vs the full path (tag, torch's pass, simulate),
-    and whether both gave equal figures."""
-    import random
-
-    from workbench.estimate import Estimator, estimate_remat
-    from workbench.policy import decide, flip
-    from workbench.remat import remat
+    """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
+    from workbench.bench import bench_whatif
 
     _check_positive("--flips", args.flips)
     if args.full_path < 0:
         raise WorkbenchError(f"--full-path must be 0 or more flips, got {args.full_path}")
     graph, trace_seconds = _trace_from_args(args)
-    estimator = Estimator(graph)
-    policy = parse_policy(args.policy)
-    decisions = decide(graph, policy)
-    candidates = sorted(n for n, d in decisions.items() if not d.forced)
-    rng = random.Random(args.seed)
-    whatif, full, exact = [], [], True
-    for k in range(args.flips):
-        node = rng.choice(candidates)
-        start = time.perf_counter()
-        policy = flip(graph, policy, node, all_layers=rng.random() < 0.5, decisions=decisions)
-        decisions = decide(graph, policy)
-        fast = estimator.estimate(decisions)
-        whatif.append(time.perf_counter() - start)
-        if k < args.full_path:
-            start = time.perf_counter()
-            slow = estimate_remat(graph, remat(graph, decisions), estimator)
-            full.append(time.perf_counter() - start)
-            exact = exact and fast == slow
-    return {
-        "model": graph.model_name,
-        "nodes": len(graph.gm.graph.nodes),
-        "flips": args.flips,
-        "whatif_p50_seconds": round(statistics.median(whatif), 4),
-        "whatif_p90_seconds": round(sorted(whatif)[math.ceil(0.9 * len(whatif)) - 1], 4),
-        "full_path_seconds": round(statistics.median(full), 3) if full else None,
-        "full_path_runs": len(full),
-        "equal_to_full_path": exact,
-        "trace_seconds": round(trace_seconds, 3),
-        "cpu_count": os.cpu_count(),
-    }
+    result = bench_whatif(
+        graph, parse_policy(args.policy), flips=args.flips, full_path=args.full_path, seed=args.seed
+    )
+    return {**result, "trace_seconds": round(trace_seconds, 3)}
 
 
 def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
@@ -323,36 +278,13 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
-    """Time the overview and one layer's view (build + `dot` layout to SVG), median of
-    --repeat runs; tracing and deciding are timed apart."""
-    from workbench.policy import decide
-    from workbench.viz import render_view
+    """Time the overview and one layer's view (see `workbench.bench`)."""
+    from workbench.bench import bench_render
 
     _check_positive("--repeat", args.repeat)
     graph, trace_seconds = _trace_from_args(args)
-    start = time.perf_counter()
-    decisions = decide(graph, parse_policy(args.policy))
-    decide_seconds = time.perf_counter() - start
-    layers = sorted({i.layer for i in graph.ops() if i.layer is not None})
-    layer_view = f"layer:{layers[len(layers) // 2]}" if layers else "overview"
-    result: dict[str, Any] = {"model": graph.model_name, "mode": graph.mode}
-    for key, view_name in (("overview", "overview"), ("layer", layer_view)):
-        times = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            view = render_view(graph, decisions, view_name)
-            view.svg()
-            times.append(time.perf_counter() - start)
-        result[f"{key}_seconds"] = round(statistics.median(times), 3)
-        result[f"{key}_nodes"] = view.nodes
-    return {
-        **result,
-        "layer_view": layer_view,
-        "graph_nodes": len(graph.nodes),
-        "trace_seconds": round(trace_seconds, 3),
-        "decide_seconds": round(decide_seconds, 3),
-        "cpu_count": os.cpu_count(),
-    }
+    result = bench_render(graph, parse_policy(args.policy), args.repeat)
+    return {**result, "trace_seconds": round(trace_seconds, 3)}
 
 
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:

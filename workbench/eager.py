@@ -21,8 +21,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.errors import WorkbenchError
 from workbench.export import WRAPPED_MARKER, export
 from workbench.graph import JointGraph
-from workbench.models import Workload
 from workbench.policy import Action, Policy, layer_key, module_matches, node_keys
+from workbench.workload import Workload
 
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 # Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is

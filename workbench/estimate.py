@@ -121,6 +121,10 @@ class Estimator:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
         return self.index.backward_readers(name)
 
+    def recompute_flags(self, decisions: Decisions) -> list[bool]:
+        """Per node of the index: tagged for recompute."""
+        return recompute_flags(self.index, decisions)
+
     def schedule(self, recompute: Sequence[bool]) -> Schedule:
         """The schedule torch's remat pass would produce (see `workbench.replay.replay`)."""
         return replay(self.index, recompute)

@@ -23,7 +23,7 @@ from torch.fx.traceback import annotate, preserve_node_meta
 
 from workbench.errors import WorkbenchError, describe
 from workbench.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
-from workbench.models import Workload
+from workbench.workload import Workload
 
 if TYPE_CHECKING:
     from workbench.parallel import Parallel

@@ -11,11 +11,10 @@ import importlib
 import inspect
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workbench.errors import WorkbenchError, describe
@@ -23,59 +22,20 @@ from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
 from workbench.models.torchtitan import PREFIX as TORCHTITAN_PREFIX
 from workbench.models.torchtitan import load_torchtitan
+from workbench.workload import LossFn, Workload, token_cross_entropy
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in float32 like torchtitan."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-
-
-@dataclass
-class Workload:
-    """What one training step needs: `loss_fn(model(*inputs), target)`."""
-
-    model: nn.Module
-    inputs: tuple[torch.Tensor, ...]
-    target: Any = None
-    loss_fn: LossFn | None = None
-    name: str = "model"
-    config: dict[str, Any] = field(default_factory=dict)
-    # Tensor-parallel plan for `trace(..., parallel=Parallel(tp=N))` on a model that is not
-    # a reference one: {module path: ParallelStyle} or a callable(model, tp_mesh).
-    tp_plan: Any = None
-    notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
-
-    def __post_init__(self) -> None:
-        if isinstance(self.inputs, torch.Tensor):
-            self.inputs = (self.inputs,)
-        if not isinstance(self.model, nn.Module):
-            raise WorkbenchError(
-                f"workload {self.name!r}: model must be a torch.nn.Module, "
-                f"got {type(self.model).__name__}"
-            )
-        if self.loss_fn is None:
-            self.loss_fn = _default_loss(self.name, self.target)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens (or samples) per step: the first input's leading two dims for token ids."""
-        first = self.inputs[0]
-        if first.dtype in (torch.int32, torch.int64) and first.dim() >= 2:
-            return int(first.shape[0] * first.shape[1])
-        return int(first.shape[0]) if first.dim() else 1
-
-
-def _default_loss(name: str, target: Any) -> LossFn:
-    if isinstance(target, torch.Tensor) and target.dtype in (torch.int32, torch.int64):
-        return token_cross_entropy
-    if isinstance(target, torch.Tensor) and target.is_floating_point():
-        return lambda out, tgt: F.mse_loss(out.float(), tgt.float())
-    raise WorkbenchError(
-        f"workload {name!r} has no loss function and its target ({type(target).__name__}) "
-        "is neither integer class labels nor a float tensor: return (model, batch, loss_fn)"
-    )
+__all__ = [
+    "DTYPES",
+    "LossFn",
+    "Workload",
+    "available_bytes",
+    "check_build_fits",
+    "is_user_factory",
+    "load_workload",
+    "model_names",
+    "parse_dtype",
+    "token_cross_entropy",
+]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Entry points: `partition_model(workload)`, `repartition_forward(first)`,
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable
@@ -22,27 +23,54 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.fx.traceback import preserve_node_meta
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.graph import JointGraph, describe_nodes
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph, NodeInfo, describe_nodes
 from workbench.index import distinct_storage_bytes
-from workbench.models import Workload
 from workbench.policy import Decision, Decisions
 from workbench.rules import Why
 from workbench.trace import annotate_modules
+from workbench.workload import Workload
 
 PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
 
 @dataclass
 class Partition:
-    """One partitioner run: the joint graph it was given (a copy, dead code eliminated and
-    CSE'd as min-cut does before it cuts), the forward and backward it returned, and the
-    forward's example inputs."""
+    """One run of a torch partitioner: the forward and backward it returned and the
+    forward's example inputs; the joint graph it was given when captured (a copy, dead code
+    eliminated and CSE'd as min-cut does before it cuts), min-cut's activation memory
+    budget, and `step()`, which runs forward and backward for real and returns
+    `[loss, *grads]`, when the run came through `aot_function`."""
 
-    joint: fx.GraphModule
     forward: fx.GraphModule
     backward: fx.GraphModule
     num_fwd_outputs: int
-    forward_inputs: list[torch.Tensor]
+    forward_inputs: list[Any]
+    joint: fx.GraphModule | None = None
+    budget: float | None = None
+    step: Callable[[], list[torch.Tensor]] | None = None
+
+    @functools.cached_property
+    def kept(self) -> Saved:
+        """The saved outputs as activations and aliases of inputs, with their bytes."""
+        return split_saved(self.forward, describe_nodes(self.forward), self.saved)
+
+    @functools.cached_property
+    def replayed(self) -> list[NodeInfo]:
+        """Backward nodes that depend on no incoming gradient: forward work run again."""
+        return _replayed(self.backward, describe_nodes(self.backward))
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(i.flops for i in self.replayed)
+
+    def joint_graph(self) -> fx.GraphModule:
+        """The joint graph the partitioner was given (runs of `partition_model` keep it)."""
+        if self.joint is None:
+            raise WorkbenchError(
+                "this partition was not captured with its joint graph: use partition_model"
+            )
+        return self.joint
 
     @property
     def saved(self) -> list[str]:
@@ -55,12 +83,54 @@ class Partition:
     @property
     def recomputed(self) -> list[str]:
         """Forward ops of the joint graph that the backward runs again."""
-        forward = set(forward_ops(self.joint))
+        forward = set(forward_ops(self.joint_graph()))
         return [
             n.name
             for n in self.backward.graph.nodes
             if n.op == "call_function" and n.name in forward
         ]
+
+
+@dataclass
+class Saved:
+    """Tensors a forward keeps for backward: `activations`, and `aliases` (graph inputs such
+    as parameters and tokens, or views of them like a weight's transpose: no memory of their
+    own). `bytes`: the distinct storages behind the activations (a saved view of a saved
+    tensor, or two views of one tensor, counted once)."""
+
+    activations: list[NodeInfo]
+    aliases: list[NodeInfo]
+    bytes: int
+
+
+def split_saved(gm: fx.GraphModule, infos: dict[str, NodeInfo], names: Iterable[str]) -> Saved:
+    """Follow each saved tensor through view ops to the node that owns its storage."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    activations: list[NodeInfo] = []
+    aliases: list[NodeInfo] = []
+    for name in names:
+        node = nodes[name]
+        while node.op == "call_function" and infos[node.name].is_view and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        (aliases if node.op == "placeholder" else activations).append(infos[name])
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kept = distinct_storage_bytes([*inputs, *(nodes[i.name] for i in activations)])
+    return Saved(activations, aliases, kept)
+
+
+def _replayed(bw_gm: fx.GraphModule, infos: dict[str, NodeInfo]) -> list[NodeInfo]:
+    from_grad: set[fx.Node] = set()
+    replayed = []
+    for node in bw_gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                from_grad.add(node)
+        elif node.op == "call_function":
+            if any(a in from_grad for a in node.all_input_nodes):
+                from_grad.add(node)
+            else:
+                replayed.append(infos[node.name])
+    return replayed
 
 
 def forward_ops(joint: fx.GraphModule) -> list[str]:
@@ -113,7 +183,7 @@ def _compile(
     )
     compiled(*args)
     joint, fw, bw, num_fwd_outputs = runs[-1]
-    return Partition(joint, fw, bw, num_fwd_outputs, seen[-1])
+    return Partition(fw, bw, num_fwd_outputs, seen[-1], joint=joint)
 
 
 def partition_model(
@@ -135,7 +205,7 @@ def repartition_forward(
     get gradients. Inputs that required grad in the first joint graph require it again."""
     grads = [
         bool(getattr(n.meta.get("tensor_meta"), "requires_grad", False))
-        for n in first.joint.graph.nodes
+        for n in first.joint_graph().graph.nodes
         if n.op == "placeholder" and n.name.startswith("primals")
     ]
     args = [
@@ -167,9 +237,9 @@ def to_first_names(first: Partition, second: Partition, names: Iterable[str]) ->
     (the second pass's own backward) are dropped."""
     placeholders = [n.name for n in first.forward.graph.nodes if n.op == "placeholder"]
     ours: dict[str, str] = {}
-    for name, key in structural_keys(first.joint).items():
+    for name, key in structural_keys(first.joint_graph()).items():
         ours.setdefault(key, name)
-    theirs = structural_keys(second.joint, placeholders)
+    theirs = structural_keys(second.joint_graph(), placeholders)
     return [ours[theirs[n]] for n in names if n in theirs and theirs[n] in ours]
 
 
@@ -187,7 +257,7 @@ def partition_saving(
     saves views that autograd emitted for the backward (a weight's transpose, a detach of the
     attention output); tags live on forward ops, so `follow_views` also tags the forward node
     each saved view is built on, the same storage."""
-    joint = _copy(first.joint)
+    joint = _copy(first.joint_graph())
     keep = set(saved)
     if follow_views:  # min-cut may save a view built by backward ops: tag the forward base
         keep |= {_base(n).name for n in joint.graph.nodes if n.name in keep}
@@ -202,7 +272,7 @@ def partition_saving(
                 else CheckpointPolicy.PREFER_RECOMPUTE
             )
     fw, bw = partition_fn(_copy(joint), None, num_fwd_outputs=first.num_fwd_outputs)
-    return Partition(joint, fw, bw, first.num_fwd_outputs, first.forward_inputs)
+    return Partition(fw, bw, first.num_fwd_outputs, first.forward_inputs, joint=joint)
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -239,7 +309,7 @@ def activation_bytes(joint: fx.GraphModule, names: Iterable[str]) -> int:
 
 def as_joint_graph(partition: Partition, name: str) -> JointGraph:
     """The partition's joint graph as a workbench `JointGraph`, for `workbench.viz`."""
-    gm = partition.joint
+    gm = partition.joint_graph()
     tokens = sum(t.numel() for t in partition.forward_inputs if not t.is_floating_point())
     return JointGraph(gm, describe_nodes(gm), [], name, "real", tokens)
 

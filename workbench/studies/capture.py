@@ -27,8 +27,8 @@ from torch.utils.checkpoint import (
 from workbench import rules
 from workbench.eager import eager_step
 from workbench.export import export
-from workbench.models import Workload
 from workbench.policy import Policy
+from workbench.workload import Workload
 
 PolicyFnFactory = Callable[[], Callable[..., CheckpointPolicy]]
 

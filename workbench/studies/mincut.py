@@ -1,8 +1,8 @@
 """The other pass stack: AOTAutograd's min-cut partitioner with an activation memory budget.
 
-Entry point: `min_cut_partition(workload, budget)` traces the same train step through
-`aot_function` and returns the forward and backward graphs it chose, what the forward saves,
-and what the backward replays; `saved_by_op` summarizes either stack's saves by op.
+Entry point: `min_cut_partition(workload, budget) -> Partition` traces the same train step
+through `aot_function` (its `kept` and `replayed` say what the forward saves and the backward
+replays); `graph_sac_saved` counts a graph SAC result alike; `saved_by_op` summarizes either.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,28 +18,11 @@ from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from workbench.graph import JointGraph, NodeInfo, describe_nodes, short_op
-from workbench.index import distinct_storage_bytes, graph_index
-from workbench.models import Workload
+from workbench.graph import JointGraph, NodeInfo, short_op
+from workbench.index import graph_index
 from workbench.remat import RematResult
-
-
-@dataclass
-class Partition:
-    """What the min-cut partitioner chose at one budget. `saved`: the forward's outputs that
-    the backward reads (see `Saved`); `replayed`: backward nodes that depend on no incoming
-    gradient, i.e. forward work recomputed in backward."""
-
-    budget: float
-    fw_gm: fx.GraphModule
-    bw_gm: fx.GraphModule
-    saved: Saved
-    replayed: list[NodeInfo]
-    step: Callable[[], list[torch.Tensor]]
-
-    @property
-    def recompute_flops(self) -> int:
-        return sum(i.flops for i in self.replayed)
+from workbench.studies.partition import Partition, Saved, split_saved
+from workbench.workload import Workload
 
 
 def saved_by_op(infos: Iterable[NodeInfo]) -> dict[str, tuple[int, int]]:
@@ -54,33 +36,6 @@ def saved_by_op(infos: Iterable[NodeInfo]) -> dict[str, tuple[int, int]]:
     return {op: (n, b) for op, (n, b) in sorted(table.items(), key=lambda kv: -kv[1][1])}
 
 
-@dataclass
-class Saved:
-    """Tensors a forward keeps for backward: `activations`, and `aliases` (graph inputs such
-    as parameters and tokens, or views of them like a weight's transpose: no memory of their
-    own). `bytes`: the distinct storages behind the activations (a saved view of a saved
-    tensor, or two views of one tensor, counted once)."""
-
-    activations: list[NodeInfo]
-    aliases: list[NodeInfo]
-    bytes: int
-
-
-def split_saved(gm: fx.GraphModule, infos: dict[str, NodeInfo], names: Iterable[str]) -> Saved:
-    """Follow each saved tensor through view ops to the node that owns its storage."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    activations: list[NodeInfo] = []
-    aliases: list[NodeInfo] = []
-    for name in names:
-        node = nodes[name]
-        while node.op == "call_function" and infos[node.name].is_view and node.all_input_nodes:
-            node = node.all_input_nodes[0]
-        (aliases if node.op == "placeholder" else activations).append(infos[name])
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    kept = distinct_storage_bytes([*inputs, *(nodes[i.name] for i in activations)])
-    return Saved(activations, aliases, kept)
-
-
 def graph_sac_saved(graph: JointGraph, result: RematResult) -> Saved:
     """What a graph SAC result hands from forward to backward, as the partitioner's saved
     outputs are counted (the values backward reads, split into activations and aliases)."""
@@ -92,21 +47,6 @@ def read_by_backward(graph: JointGraph, result: RematResult) -> list[str]:
     index = graph_index(graph)
     read = index.read_directly(index.schedule_of(result.gm))
     return [name for name in graph.nodes if name in read]
-
-
-def _replayed(bw_gm: fx.GraphModule, infos: dict[str, NodeInfo]) -> list[NodeInfo]:
-    from_grad: set[fx.Node] = set()
-    replayed = []
-    for node in bw_gm.graph.nodes:
-        if node.op == "placeholder":
-            if node.name.startswith("tangents"):
-                from_grad.add(node)
-        elif node.op == "call_function":
-            if any(a in from_grad for a in node.all_input_nodes):
-                from_grad.add(node)
-            else:
-                replayed.append(infos[node.name])
-    return replayed
 
 
 def min_cut_partition(workload: Workload, budget: float = 1.0) -> Partition:
@@ -148,9 +88,5 @@ def min_cut_partition(workload: Workload, budget: float = 1.0) -> Partition:
 
     with functorch_config.patch(activation_memory_budget=budget):
         step()  # traces and partitions on the first call
-    fw_gm, bw_gm = captured["fw"], captured["bw"]
-    fw_infos, bw_infos = describe_nodes(fw_gm), describe_nodes(bw_gm)
-    outputs = next(n for n in fw_gm.graph.nodes if n.op == "output").args[0]
-    names = [n.name for n in outputs[1:] if isinstance(n, fx.Node)]
-    saved = split_saved(fw_gm, fw_infos, names)
-    return Partition(budget, fw_gm, bw_gm, saved, _replayed(bw_gm, bw_infos), step)
+    forward_inputs = [*params, *buffers, *inputs, target]
+    return Partition(captured["fw"], captured["bw"], 1, forward_inputs, budget=budget, step=step)

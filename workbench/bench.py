@@ -1,0 +1,125 @@
+"""Benchmarks: measured figures for tracing, the what-if and rendering, as plain functions.
+
+Entry points: `bench_trace(trace_once, repeat)`, `bench_whatif(graph, policy, flips=...)` and
+`bench_render(graph, policy, repeat)`; `python -m workbench bench ...` prints them as JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workbench.estimate import Estimator, estimate_remat
+from workbench.graph import JointGraph
+from workbench.policy import Policy, decide, flip
+from workbench.remat import remat
+
+__all__ = ["bench_render", "bench_trace", "bench_whatif", "percentile"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, so p90 is never below p50.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5), percentile([1.0, 2.0, 3.0, 4.0], 0.9)
+    (2.0, 4.0)
+    """
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def bench_trace(trace_once: Callable[[], tuple[JointGraph, float]], repeat: int) -> dict[str, Any]:
+    """Median of `repeat` traces (each returns the graph and its seconds)."""
+    times, summary = [], {}
+    for _ in range(repeat):
+        graph, seconds = trace_once()
+        times.append(seconds)
+        summary = graph.summary()
+    return {
+        "model": summary["model"],
+        "mode": summary["mode"],
+        "nodes": summary["nodes"],
+        "world_size": summary["world_size"],
+        "collectives": summary["collectives"],
+        "seconds": round(statistics.median(times), 3),
+        "all_seconds": [round(t, 3) for t in times],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def bench_whatif(
+    graph: JointGraph, policy: Policy, *, flips: int, full_path: int, seed: int
+) -> dict[str, Any]:
+    """Random flips: the what-if's time per flip (flip, decide, replay, simulate) against
+    the full path (tag, torch's remat pass, simulate), and whether both gave equal figures.
+    Also the median time of each what-if stage, to say where the time goes."""
+    estimator = Estimator(graph)
+    decisions = decide(graph, policy)
+    candidates = sorted(n for n, d in decisions.items() if not d.forced)
+    rng = random.Random(seed)
+    whatif, full, exact = [], [], True
+    stages: dict[str, list[float]] = {"decide": [], "replay": [], "simulate": []}
+    for k in range(flips):
+        node = rng.choice(candidates)
+        start = time.perf_counter()
+        policy = flip(graph, policy, node, all_layers=rng.random() < 0.5, decisions=decisions)
+        decisions = decide(graph, policy)
+        replayed = time.perf_counter()
+        schedule = estimator.schedule(estimator.recompute_flags(decisions))
+        simulated = time.perf_counter()
+        fast = estimator.simulate(*schedule)
+        end = time.perf_counter()
+        whatif.append(end - start)
+        stages["decide"].append(replayed - start)
+        stages["replay"].append(simulated - replayed)
+        stages["simulate"].append(end - simulated)
+        if k < full_path:
+            start = time.perf_counter()
+            slow = estimate_remat(graph, remat(graph, decisions), estimator)
+            full.append(time.perf_counter() - start)
+            exact = exact and fast == slow
+    return {
+        "model": graph.model_name,
+        "nodes": len(graph.gm.graph.nodes),
+        "flips": flips,
+        "whatif_p50_seconds": round(statistics.median(whatif), 4),
+        "whatif_p90_seconds": round(percentile(whatif, 0.9), 4),
+        "stage_p50_seconds": {k: round(statistics.median(v), 4) for k, v in stages.items()},
+        "full_path_seconds": round(statistics.median(full), 3) if full else None,
+        "full_path_runs": len(full),
+        "equal_to_full_path": exact,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, Any]:
+    """Time the overview and one layer's view (build + `dot` layout to SVG), median of
+    `repeat` runs; deciding is timed apart."""
+    from workbench.viz import render_view
+
+    start = time.perf_counter()
+    decisions = decide(graph, policy)
+    decide_seconds = time.perf_counter() - start
+    layers = sorted({i.layer for i in graph.ops() if i.layer is not None})
+    layer_view = f"layer:{layers[len(layers) // 2]}" if layers else "overview"
+    result: dict[str, Any] = {"model": graph.model_name, "mode": graph.mode}
+    for key, view_name in (("overview", "overview"), ("layer", layer_view)):
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            view = render_view(graph, decisions, view_name)
+            view.svg()
+            times.append(time.perf_counter() - start)
+        result[f"{key}_seconds"] = round(statistics.median(times), 3)
+        result[f"{key}_nodes"] = view.nodes
+    return {
+        **result,
+        "layer_view": layer_view,
+        "graph_nodes": len(graph.nodes),
+        "decide_seconds": round(decide_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
