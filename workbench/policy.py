@@ -197,6 +197,11 @@ class Policy:
                 raw = handle.read(MAX_POLICY_FILE_BYTES + 1)
         except OSError as err:
             raise WorkbenchError(f"cannot read {name}: {err.strerror}") from None
+        return cls.from_bytes(raw, name)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, name: str) -> Policy:
+        """A policy from a file's bytes (`name` says where they came from in errors)."""
         if len(raw) > MAX_POLICY_FILE_BYTES:
             raise WorkbenchError(
                 f"{name} is larger than {MAX_POLICY_FILE_BYTES // 2**20} MiB: not a policy"

@@ -7,7 +7,6 @@ Entry points: `Edits` (undo/redo), `History` (tried policies, re-timed per profi
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,24 +126,6 @@ class History:
         return [{**r, "pareto": r["index"] in on_front} for r in rows]
 
 
-def _parse(data: bytes, source: str) -> Policy:
-    """A policy from a file's bytes, every failure a one-line WorkbenchError."""
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise WorkbenchError(f"{source} is not UTF-8 text") from None
-    except json.JSONDecodeError as err:
-        raise WorkbenchError(
-            f"{source} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
-        ) from None
-    except RecursionError:
-        raise WorkbenchError(f"{source} is nested too deeply to be a policy") from None
-    try:
-        return Policy.from_json(value, source=source)
-    except (TypeError, ValueError, RecursionError) as err:
-        raise WorkbenchError(f"{source} is not a policy: {err}") from None
-
-
 def _claim(path: Path, suffix: str, data: bytes) -> Path:
     """Write `data` to the first free name among `path+suffix`, `path+suffix.2`, ... (never
     replacing a file, also when two sessions race for the same name)."""
@@ -202,7 +183,7 @@ class Autosave:
         if data is None:
             return start, ""
         try:
-            saved = _parse(data, f"autosave {str(self.path)!r}")
+            saved = Policy.from_bytes(data, f"autosave {str(self.path)!r}")
         except WorkbenchError as err:
             kept = _claim(self.path, ".unreadable", data)
             self._last = data  # copied aside: ours to replace
