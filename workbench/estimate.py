@@ -7,6 +7,7 @@ graph torch's pass produced. Both feed one liveness simulation, so they give equ
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -151,36 +152,34 @@ class Estimator:
         free a storage once no live value refers to it (values die after their last use,
         or right after they run when nothing uses them); graph inputs and outputs stay."""
         index = self.index
-        n, phase = index.n, index.phase
+        n = index.n
         table = index.storages((order, args))
         storages, owner = table.held_by, table.owner
         sizes = table.sizes if granularity == 1 else [round_up(b, granularity) for b in table.sizes]
         allocated_at = table.born
 
         # Values die after their last use, or right after they run when unused; graph
-        # inputs are held by the caller and outputs are returned.
-        last_use: dict[int, int] = {}
-        for p, e in enumerate(order):
-            for x in args[e]:
-                last_use[x] = p
-        forever = set(args[index.output])
-        forever.update(e for e in order if e < n and phase[e] == "input")
-        dying: dict[int, list[int]] = defaultdict(list)
-        for p, e in enumerate(order):
-            if e not in forever:
-                dying[last_use.get(e, p)].append(e)
-
+        # inputs are held by the caller and outputs are returned. A storage is freed when
+        # the last value holding it dies: every value aliasing it is made from a live one,
+        # so its reference count cannot reach zero earlier.
         steps = len(order)
-        refs = [0] * len(sizes)
-        freed_at = [steps] * len(sizes)  # live through step `freed_at`, gone after it
-        for p, e in enumerate(order):
-            for sid in storages.get(e, ()):
-                refs[sid] += 1
-            for x in dying.get(p, ()):
-                for sid in storages.get(x, ()):
-                    refs[sid] -= 1
-                    if refs[sid] == 0:
-                        freed_at[sid] = p
+        entries = np.fromiter(order, dtype=np.int64, count=steps)
+        position = np.zeros(2 * n, dtype=np.int64)
+        position[entries] = np.arange(steps)
+        counts = [len(args[e]) for e in order]
+        readers = np.repeat(np.arange(steps), counts)
+        read = np.fromiter(itertools.chain.from_iterable(args[e] for e in order), np.int64)
+        death = position.copy()
+        np.maximum.at(death, read, readers)
+        forever = [*args[index.output], *(e for e in index.placeholder_category)]
+        death[np.asarray(forever, dtype=np.int64)] = steps
+        holders = [e for e in order if e in storages]
+        held = [storages[e] for e in holders]
+        sids = np.fromiter(itertools.chain.from_iterable(held), np.int64)
+        holder_death = np.repeat(death[np.asarray(holders, dtype=np.int64)], [len(h) for h in held])
+        freed = np.zeros(len(sizes), dtype=np.int64)
+        np.maximum.at(freed, sids, holder_death)
+        freed_at = freed.tolist()  # live through step `freed_at`, gone after it
 
         category = self._categories((order, args), table)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)

@@ -7,6 +7,7 @@ backward, which the estimate, remat reports, pictures and the explorer all read.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ Slot = int | tuple[int, int]
 Schedule = tuple[list[int], dict[int, tuple[int, ...]]]
 
 _FORWARD = ("forward", "loss")
+SLOT_BITS = 12  # output slots per node at most 2**12: slot keys pack into one int
 
 
 class Storages(NamedTuple):
@@ -104,6 +106,27 @@ class GraphIndex:
 
     # --- storages ----------------------------------------------------------------------
 
+    @functools.cached_property
+    def raisable(self) -> bytes:
+        """Per node: a getitem of a non-getitem, which torch's `raise_getitems` moves."""
+        return bytes(
+            getitem and not self.is_getitem[self.args[i][0]]
+            for i, getitem in enumerate(self.is_getitem)
+        )
+
+    @functools.cached_property
+    def _slot_plan(self) -> tuple[tuple[tuple[tuple[int, int], ...], ...], tuple[Any, ...]]:
+        """Per node: its fresh slots as (slot, bytes) and its aliases as (slot, input, slot)."""
+        fresh = tuple(
+            tuple((s, b) for s, b in enumerate(slots) if isinstance(b, int) and b)
+            for slots in self.slots
+        )
+        alias = tuple(
+            tuple((s, a[0], a[1]) for s, a in enumerate(slots) if isinstance(a, tuple))
+            for slots in self.slots
+        )
+        return fresh, alias
+
     def storages(self, schedule: Schedule) -> Storages:
         """The storages a schedule allocates: which each entry holds, their owners, sizes.
 
@@ -112,31 +135,35 @@ class GraphIndex:
         stands behind an alias of a placeholder that shares another's (inputs are held for
         the whole step anyway)."""
         order, args = schedule
-        n, slots = self.n, self.slots
+        n = self.n
+        fresh_of, alias_of = self._slot_plan
         held_by: dict[int, tuple[int, ...]] = {}
-        slot_storage: dict[tuple[int, int], int] = {}
+        slot_storage: dict[int, int] = {}  # entry << SLOT_BITS | slot -> storage id
         owner: list[int] = []
         sizes: list[int] = []
         born: list[int] = []
         for p, e in enumerate(order):
+            i = e if e < n else e - n
+            fresh, alias = fresh_of[i], alias_of[i]
+            if not fresh and not alias:
+                continue
             held = []
-            for s, slot in enumerate(slots[e % n]):
-                if isinstance(slot, int):
-                    if slot == 0:
-                        continue
-                    sid = len(owner)
-                    owner.append(e)
-                    sizes.append(slot)
-                    born.append(p)
-                else:
-                    aliased = slot_storage.get((args[e][slot[0]], slot[1]))
-                    if aliased is None:
-                        continue
-                    sid = aliased
-                slot_storage[(e, s)] = sid
+            for s, size in fresh:
+                sid = len(owner)
+                owner.append(e)
+                sizes.append(size)
+                born.append(p)
+                slot_storage[e << SLOT_BITS | s] = sid
                 held.append(sid)
+            if alias:
+                inputs = args[e]
+                for s, j, t in alias:
+                    aliased = slot_storage.get(inputs[j] << SLOT_BITS | t)
+                    if aliased is not None:
+                        slot_storage[e << SLOT_BITS | s] = aliased
+                        held.append(aliased)
             if held:
-                held_by[e] = tuple(dict.fromkeys(held))
+                held_by[e] = tuple(held) if len(held) == 1 else tuple(dict.fromkeys(held))
         return Storages(held_by, owner, sizes, born)
 
     def saved_storages(self, schedule: Schedule, table: Storages) -> set[int]:

@@ -270,7 +270,7 @@ def layer_key(info: NodeInfo, key: str) -> str:
 
 def validate(graph: JointGraph, policy: Policy) -> None:
     """Selectors must match something and overrides must name forward nodes."""
-    infos = [i for i in graph.nodes.values() if decidable(i)]
+    infos = [i for i in graph.nodes.values() if decidable(i)] if policy.selectors else []
     for selector in policy.selectors:
         if any(selector.matches(i) for i in infos):
             continue

@@ -57,31 +57,32 @@ def replay(index: GraphIndex, recompute: Sequence[bool], allow_random: bool = Fa
             "pass supports one: keep the recompute tags inside one backward region"
         )
     start, end = index.regions[needing.pop()]
-
-    def mapped(xs: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(n + x if recompute[x] else x for x in xs)
+    rec = bytearray(bool(r) for r in recompute)
 
     order = list(range(start))
-    args = {i: args0[i] for i in range(start)}
+    args = dict(zip(range(start), args0[:start], strict=True))
     done = bytearray(n)
     for b in range(start, end):
-        deps: list[int] = []
-        stack = [x for x in args0[b] if recompute[x] and not done[x]]
-        while stack:
-            x = stack.pop()
-            if done[x]:
-                continue
-            done[x] = 1
-            deps.append(x)
-            stack.extend(y for y in args0[x] if recompute[y] and not done[y])
-        for d in sorted(deps):
-            order.append(n + d)
-            args[n + d] = mapped(args0[d])
+        inputs = args0[b]
+        stack = [x for x in inputs if rec[x]]
+        if stack:
+            deps: list[int] = []
+            while stack:
+                x = stack.pop()
+                if done[x]:
+                    continue
+                done[x] = 1
+                deps.append(x)
+                stack.extend(y for y in args0[x] if rec[y] and not done[y])
+            for d in sorted(deps):
+                order.append(n + d)
+                args[n + d] = tuple(n + y if rec[y] else y for y in args0[d])
+            args[b] = tuple(n + x if rec[x] else x for x in inputs)
+        else:
+            args[b] = inputs
         order.append(b)
-        args[b] = mapped(args0[b])
-    for i in range(end, n):
-        order.append(i)
-        args[i] = args0[i]
+    order.extend(range(end, n))
+    args.update(zip(range(end, n), args0[end:], strict=True))
     return _raise_getitems(index, _eliminate_dead_code(index, order, args), args), args
 
 
@@ -103,17 +104,19 @@ def _raise_getitems(
 ) -> list[int]:
     """torch's `raise_getitems`: each getitem moves right after the node it unpacks
     (a getitem of a getitem, which aten graphs do not have, would stay in place)."""
-    n, is_getitem = index.n, index.is_getitem
+    n, raisable = index.n, index.raisable
     children: dict[int, list[int]] = defaultdict(list)
+    kept: list[int] = []
     for e in order:
-        if is_getitem[e % n] and not is_getitem[args[e][0] % n]:
+        if raisable[e if e < n else e - n]:
             children[args[e][0]].append(e)
+        else:
+            kept.append(e)
     raised: list[int] = []
-    for e in order:
-        if is_getitem[e % n] and not is_getitem[args[e][0] % n]:
-            continue
+    for e in kept:
         raised.append(e)
-        raised.extend(children.get(e, ()))
+        if e in children:
+            raised.extend(children[e])
     return raised
 
 
