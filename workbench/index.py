@@ -196,14 +196,14 @@ class GraphIndex:
     # --- readers -----------------------------------------------------------------------
 
     def read_directly(self, schedule: Schedule) -> set[str]:
-        """Forward and loss nodes that a backward node of the schedule takes as an input
-        (not through a recomputed copy): the values its forward region must hand over."""
+        """Forward and loss nodes that a backward node or a recomputed copy of the schedule
+        takes as an input: the values its forward region hands over to backward."""
         order, args = schedule
         n, phase = self.n, self.phase
         return {
             self.names[x]
             for e in order
-            if e < n and phase[e] == "backward"
+            if e >= n or phase[e] == "backward"
             for x in args[e]
             if x < n and phase[x] in _FORWARD
         }
