@@ -255,15 +255,18 @@ def _recompute_all() -> Rule:
     return lambda facts: CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _save_compute_intensive() -> Rule:
-    """Save the compute-intensive ops (torchtitan's save list), recompute the rest."""
+def _save_listed(ops: frozenset[str], save: CheckpointPolicy) -> Rule:
+    """`save` for the ops in `ops`, PREFER_RECOMPUTE for the rest."""
 
     def rule(facts: OpFacts) -> CheckpointPolicy:
-        if facts.op in COMPUTE_INTENSIVE_OPS:
-            return CheckpointPolicy.PREFER_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        return save if facts.op in ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     return rule
+
+
+def _save_compute_intensive() -> Rule:
+    """Save the compute-intensive ops (torchtitan's save list), recompute the rest."""
+    return _save_listed(COMPUTE_INTENSIVE_OPS, CheckpointPolicy.PREFER_SAVE)
 
 
 def _eager_every_other_mm() -> Rule:
@@ -345,13 +348,7 @@ def titan_layer(module: str) -> int:
 
 def _titan_default() -> Rule:
     """graph trainer `default`: MUST_SAVE its save list, PREFER_RECOMPUTE the rest."""
-
-    def rule(facts: OpFacts) -> CheckpointPolicy:
-        if facts.op in TITAN_SAVE_OPS:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return rule
+    return _save_listed(TITAN_SAVE_OPS, CheckpointPolicy.MUST_SAVE)
 
 
 def _titan_full() -> Rule:

@@ -16,7 +16,7 @@ from torch import nn
 
 from workbench.errors import WorkbenchError
 
-__all__ = ["LossFn", "Workload", "token_cross_entropy"]
+__all__ = ["LossFn", "Workload", "token_cross_entropy", "token_workload"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -69,4 +69,30 @@ def _default_loss(name: str, target: Any) -> LossFn:
     raise WorkbenchError(
         f"workload {name!r} has no loss function and its target ({type(target).__name__}) "
         "is neither integer class labels nor a float tensor: return (model, batch, loss_fn)"
+    )
+
+
+def token_workload(
+    model: nn.Module,
+    vocab_size: int,
+    *,
+    batch: int,
+    seq: int,
+    device: str | torch.device,
+    seed: int,
+    name: str,
+    config: dict[str, Any],
+) -> Workload:
+    """A language model's step on `batch` random sequences of `seq` token ids (next-token
+    targets, mean cross entropy); on meta, ids without values for fake tracing."""
+    with torch.device(device):
+        generator = None if str(device) == "meta" else torch.Generator(device).manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (batch, seq + 1), generator=generator)
+    return Workload(
+        model=model,
+        inputs=(ids[:, :-1],),
+        target=ids[:, 1:],
+        loss_fn=token_cross_entropy,
+        name=name,
+        config=config,
     )

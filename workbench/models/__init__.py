@@ -22,7 +22,7 @@ from workbench.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.models.llama3 import LLAMA3_FLAVORS, Llama3
 from workbench.models.torchtitan import PREFIX as TORCHTITAN_PREFIX
 from workbench.models.torchtitan import load_torchtitan
-from workbench.workload import LossFn, Workload, token_cross_entropy
+from workbench.workload import LossFn, Workload, token_cross_entropy, token_workload
 
 __all__ = [
     "DTYPES",
@@ -138,17 +138,15 @@ def load_workload(
     try:
         with torch.device(device):
             model = cls(config, shape.seq)
-            generator = None if str(device) == "meta" else torch.Generator(device).manual_seed(seed)
-            ids = torch.randint(
-                0, config.vocab_size, (shape.batch, shape.seq + 1), generator=generator
-            )
     finally:
         torch.set_default_dtype(previous)
-    return Workload(
-        model=model,
-        inputs=(ids[:, :-1],),
-        target=ids[:, 1:],
-        loss_fn=token_cross_entropy,
+    return token_workload(
+        model,
+        config.vocab_size,
+        batch=shape.batch,
+        seq=shape.seq,
+        device=device,
+        seed=seed,
         name=spec,
         config={
             "layers": config.n_layers,

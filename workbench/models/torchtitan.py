@@ -142,7 +142,8 @@ def load_torchtitan(
     seed: int,
 ) -> Any:
     """A `Workload` of torchtitan's model `spec`; `device="meta"` for fake-mode tracing."""
-    from workbench.models import Workload, check_build_fits, token_cross_entropy
+    from workbench.models import check_build_fits
+    from workbench.workload import token_workload
 
     family, flavor = _parse(spec)
     config = _model_config(family, flavor, layers)
@@ -153,14 +154,13 @@ def load_torchtitan(
         check_build_fits(spec, meta, torch.device(device))
     torch.manual_seed(seed)
     model = _build(config, dtype, device)
-    with torch.device(device):
-        generator = None if str(device) == "meta" else torch.Generator(device).manual_seed(seed)
-        ids = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
-    return Workload(
-        model=model,
-        inputs=(ids[:, :-1],),
-        target=ids[:, 1:],
-        loss_fn=token_cross_entropy,
+    workload = token_workload(
+        model,
+        config.vocab_size,
+        batch=batch,
+        seq=seq,
+        device=device,
+        seed=seed,
         name=spec,
         config={
             "layers": len(config.layers),
@@ -169,5 +169,6 @@ def load_torchtitan(
             "dtype": str(dtype).removeprefix("torch."),
             "attention": "sdpa",
         },
-        notes=[SDPA_NOTE],
     )
+    workload.notes.append(SDPA_NOTE)
+    return workload
