@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from workbench import rules
 from workbench.errors import WorkbenchError
 from workbench.estimate import Estimate, Estimator
 from workbench.graph import JointGraph
 from workbench.index import GraphIndex
-from workbench.policy import PRESETS, Action, Policy, node_keys
+from workbench.policy import PRESETS, Action, Policy, graph_facts, node_keys
 from workbench.profiles import DeviceProfile, get_profile
 
 OBJECTIVES: tuple[str, ...] = ("recompute_time", "recompute_flops")
@@ -108,11 +109,11 @@ class _Model:
         self.nodes = [est.index_of[name] for name in keys]
         self.key_of = list(keys.values())
         position = {i: p for p, i in enumerate(self.nodes)}
-        infos = [graph.nodes[est.names[i]] for i in self.nodes]
-        fixed = {keys[info.name] for info in infos if info.is_random or info.is_mutation}
-        getitem_keys = {keys[info.name] for info in infos if info.op == "getitem"}
+        facts = graph_facts(graph)  # the rules' view of each node (workbench.rules)
+        fixed = {f.key for f in facts if rules.forced_save(f) is not None}
+        getitem_keys = {f.key for f in facts if f.parent is not None}
         self.candidates = sorted(
-            {keys[info.name] for info in infos} - fixed - getitem_keys - self._unread(graph, est)
+            {f.key for f in facts} - fixed - getitem_keys - self._unread(graph, est)
         )
         key_index = {k: c for c, k in enumerate(self.candidates)}
         # `source[p]`: the candidate whose tag node p follows (-1: always saved)
@@ -127,7 +128,11 @@ class _Model:
                 self.source.append(key_index.get(key, -2))
         self.users = [tuple(position[u] for u in est.users[i] if u in position) for i in self.nodes]
         self.cross = [
-            tuple(u for u in self.users[p] if est.layer[self.nodes[u]] != est.layer[i])
+            tuple(
+                u
+                for u in self.users[p]
+                if rules.crosses_layer(est.layer[i], est.layer[self.nodes[u]])
+            )
             for p, i in enumerate(self.nodes)
         ]
         self.read_by_backward = [any(est.is_bwd[u] for u in est.users[i]) for i in self.nodes]
