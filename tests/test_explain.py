@@ -71,6 +71,7 @@ def test_titan_presets_are_graph_trainers_and_list_no_difference(preset: str) ->
     assert result["differences"] == [] and result["steps"][0].startswith("nodes of `lm_head*`")
     assert result["graph_trainer_counterpart"] == preset.removeprefix("titan-")
     assert "node for node" in explain_text(result)
+    assert any("FSDP unshards" in rule for rule in result["not_reproduced"])
 
 
 def test_rule_words_are_the_presets_docstring_and_requests_are_listed() -> None:

@@ -14,7 +14,14 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.policy import Policy, decide
 from workbench.rules import PRESETS, TITAN_PRESETS, Why
-from workbench.titan import CPU_FORCED, compare, counterpart, differences_of, explained_by
+from workbench.titan import (
+    CPU_FORCED,
+    NOT_REPRODUCED,
+    compare,
+    counterpart,
+    differences_of,
+    explained_by,
+)
 
 __all__ = ["explain", "explain_text", "steps"]
 
@@ -96,6 +103,7 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
         "graph_trainer_counterpart": memory_policy,
         "differences": [d.to_json() for d in differences_of(preset)],
         "cpu_forced_rule": CPU_FORCED.to_json() if preset in CPU_FORCED.presets else None,
+        "not_reproduced": list(NOT_REPRODUCED) if preset in TITAN_PRESETS else [],
     }
     if graph is not None:
         result["model"] = graph.model_name
@@ -115,7 +123,8 @@ def explain_text(result: dict[str, Any]) -> str:
     if counterpart_name is None:
         lines.append("graph trainer (torchtitan 0.3.0) has no memory policy of this name")
     elif preset in TITAN_PRESETS:
-        lines.append(f"graph trainer's `{counterpart_name}`, node for node")
+        lines.append(f"graph trainer's `{counterpart_name}`, node for node, but for:")
+        lines += [f"  - {rule}" for rule in result["not_reproduced"]]
     else:
         lines.append(
             f"differs from graph trainer's `{counterpart_name}` "
@@ -140,8 +149,8 @@ def explain_text(result: dict[str, Any]) -> str:
         return "\n".join(lines)
     by = ", ".join(f"{k} {n}" for k, n in against["by_difference"].items()) or "none"
     lines.append(
-        f"against graph trainer's own `{against['memory_policy']}` tagging of this graph: "
-        f"{against['mismatches']} mismatches ({by})"
+        f"against graph trainer's own `{against['memory_policy']}` tagging of this graph "
+        f"(its default config): {against['mismatches']} mismatches ({by})"
     )
     if against["cpu_forced"]:
         lines.append(f"  CPU-forced: {', '.join(against['cpu_forced'])}")
