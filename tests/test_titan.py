@@ -16,13 +16,20 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.activations import activation_log, activation_rows
 from workbench.eager import eager_step
 from workbench.errors import WorkbenchError
+from workbench.explain import explain
 from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
 from workbench.models.torchtitan import SDPA_NOTE, flavors
 from workbench.policy import Policy, decide
 from workbench.remat import remat
 from workbench.rules import TITAN_SAVE_OPS, Why, op_name
-from workbench.titan import compare, graph_trainer_log, graph_trainer_tags
+from workbench.titan import (
+    CPU_FORCED,
+    compare,
+    differences_of,
+    graph_trainer_log,
+    graph_trainer_tags,
+)
 from workbench.trace import trace
 
 needs_torchtitan = pytest.mark.skipif(
@@ -194,3 +201,28 @@ def test_activation_log_is_graph_trainers_line_for_line(
         assert CPU_FORCED_OP in our_line and " SAVE " in our_line and " RECOMPUTE " in their_line
     forced = preset != "titan-full" and spec.endswith("llama3/debugmodel")
     assert len(differ) == (2 if forced else 0)  # the logsumexp row of each layer
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("spec", TITAN_MODELS)
+@pytest.mark.parametrize(
+    "preset", ["default", "full", "eager", "titan-default", "titan-full", "titan-eager"]
+)
+def test_policy_explain_names_the_difference_behind_every_mismatch(
+    titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str, preset: str
+) -> None:
+    """Every node where a preset and graph trainer's own tagging disagree is explained by a
+    row of the differences table (for the workbench presets) or forced on the CPU."""
+    _, graph = titan_graphs[spec]
+    against = explain(preset, graph)["graph_trainer"]
+    assert against["mismatches"] == len(compare(graph, preset)) == len(against["rows"])
+    allowed = {d.key for d in differences_of(preset)} | {CPU_FORCED.key}
+    assert set(against["by_difference"]) <= allowed
+    forced = set() if preset.endswith("full") else _cpu_forced(graph)
+    assert set(against["cpu_forced"]) == forced
+    if preset.startswith("titan-"):
+        assert against["mismatches"] == len(forced)
+    else:  # the workbench's own presets differ where the table says (`eager` saves the
+        # lm_head and loss as everything outside the layers: the same as untagged there)
+        assert "in-place" in against["by_difference"]
+        assert ("lm_head/loss" in against["by_difference"]) == (preset != "eager")

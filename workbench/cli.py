@@ -21,6 +21,7 @@ from workbench.graph import JointGraph
 from workbench.models import DTYPES, Workload, is_user_factory, load_workload
 from workbench.parallel import Parallel
 from workbench.policy import Policy, parse_policy
+from workbench.rules import PRESETS
 from workbench.trace import timed_trace
 
 if TYPE_CHECKING:
@@ -30,10 +31,10 @@ EXIT_USAGE = 2
 INT64_MAX = 2**63 - 1
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument(
         "--model",
-        required=True,
+        required=required,
         help="reference model (llama3-debug, llama3-1b, llama3-3b, llama3-8b, dsv3-debug), "
         "torchtitan:FAMILY/FLAVOR (e.g. torchtitan:llama3/debugmodel) or package.module:callable",
     )
@@ -90,7 +91,9 @@ def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--policy", default="default", help="preset (none, full, default, eager) or policy.json"
+        "--policy",
+        default="default",
+        help=f"preset ({', '.join(PRESETS)}) or policy.json; `policy explain` says what it does",
     )
 
 
@@ -170,6 +173,16 @@ def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [row.to_json() for row in rows],
         "table": activation_log(rows),
     }
+
+
+def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy's rules in words and where it differs from graph trainer's; with --model,
+    its decisions by reason and mismatches with graph trainer's tagging of that graph."""
+    from workbench.explain import explain
+
+    policy = parse_policy(args.policy)
+    graph = _trace_from_args(args)[0] if args.model is not None else None
+    return explain(policy, graph)
 
 
 def _profiles_from_args(args: argparse.Namespace) -> list[str]:
@@ -499,6 +512,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_arg(activations)
     activations.set_defaults(run=cmd_activations)
 
+    policy = commands.add_parser("policy", help="what a policy does")
+    policies = policy.add_subparsers(dest="policy_command", required=True)
+    explain = policies.add_parser(
+        "explain",
+        help="a policy's rules in words, where it differs from graph trainer's, and (with "
+        "--model) its decisions by reason and mismatches with graph trainer's tagging",
+    )
+    _add_model_args(explain, required=False)
+    _add_policy_arg(explain)
+    explain.set_defaults(run=cmd_policy_explain)
+
     estimate = commands.add_parser("estimate", help="estimate peak memory and step time")
     _add_model_args(estimate)
     _add_policy_arg(estimate)
@@ -612,6 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result["code"])
     elif args.command == "activations":
         print(result["table"])
+    elif args.command == "policy":
+        from workbench.explain import explain_text
+
+        print(explain_text(result))
     else:
         _print_human(result)
     return 0

@@ -1,8 +1,9 @@
 """Parity with torchtitan's graph trainer: its own memory-policy pass run on a workbench graph.
 
 Entry points: `graph_trainer_tags(graph, memory_policy)` (torchtitan's tags per forward node),
-`graph_trainer_log(graph, memory_policy)` (its activation-memory log) and
-`compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`.
+`graph_trainer_log(graph, memory_policy)` (its activation-memory log),
+`compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`, and
+`DIFFERENCES` (where the workbench's presets differ from graph trainer's, and why).
 """
 
 from __future__ import annotations
@@ -23,9 +24,30 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.policy import Policy, decidable, decide
 from workbench.remat import copy_graph_module
-from workbench.rules import RECOMPUTE
+from workbench.rules import (
+    COMPUTE_INTENSIVE_OPS,
+    RECOMPUTE,
+    TITAN_NOT_IN_LAYERS,
+    TITAN_PRESETS,
+    TITAN_SAVE_OPS,
+    titan_layer,
+)
 
-__all__ = ["MEMORY_POLICIES", "Mismatch", "compare", "graph_trainer_log", "graph_trainer_tags"]
+__all__ = [
+    "CPU_FORCED",
+    "DIFFERENCES",
+    "MEMORY_POLICIES",
+    "NOT_REPRODUCED",
+    "Difference",
+    "Mismatch",
+    "compare",
+    "counterpart",
+    "differences_of",
+    "differences_table",
+    "explained_by",
+    "graph_trainer_log",
+    "graph_trainer_tags",
+]
 
 # Graph trainer's memory policies the harness runs (`sac_and_offload` needs an accelerator
 # stream), and the key its pass reads the module path from (`common_utils._MODULE_FQN`).
@@ -147,7 +169,8 @@ def compare(
     graph: JointGraph, policy: Policy | str, memory_policy: str | None = None
 ) -> list[Mismatch]:
     """Nodes where `decide(graph, policy)` and graph trainer's `memory_policy` (default: the
-    preset's name without `titan-`) disagree on save vs recompute, in graph order."""
+    preset's name without `titan-`; run with its default config, so FSDP reshards after
+    forward) disagree on save vs recompute, in graph order."""
     policy = policy if isinstance(policy, Policy) else Policy(policy)
     memory_policy = memory_policy or policy.preset.removeprefix("titan-")
     theirs = graph_trainer_tags(graph, memory_policy)
@@ -164,3 +187,157 @@ def compare(
         for name, tag in ours.items()
         if (theirs.get(name) in RECOMPUTE) != tag.recompute
     ]
+
+
+# --- where the workbench's own presets differ from graph trainer's ------------------------
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One rule where the workbench's `default` / `full` / `eager` decide otherwise than
+    graph trainer's memory policy of the same name (which the `titan-*` presets follow)."""
+
+    key: str
+    rule: str
+    presets: tuple[str, ...]  # the workbench presets it applies to
+    workbench: str
+    graph_trainer: str
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "rule": self.rule,
+            "presets": list(self.presets),
+            "workbench": self.workbench,
+            "graph_trainer": self.graph_trainer,
+            "why": self.why,
+        }
+
+
+# The one table of differences: the README's table is `differences_table()` verbatim (a
+# test holds them together), `policy explain` prints the rows of a preset, and
+# `explained_by` names the row behind each mismatch `compare` finds.
+DIFFERENCES: tuple[Difference, ...] = (
+    Difference(
+        key="in-place",
+        rule="in-place ops (`add_` in RMSNorm)",
+        presets=("default", "full", "eager"),
+        workbench="saved, whatever the preset asks",
+        graph_trainer="tagged like any op (recomputed)",
+        why="a recompute applies the mutation to its input a second time; the workbench "
+        "never risks it, graph trainer does not check (harmless in RMSNorm, whose `add_` "
+        "mutates the fresh `mean` recomputed with it)",
+    ),
+    Difference(
+        key="lm_head/loss",
+        rule="`lm_head*` / `loss*` modules",
+        presets=("default", "full", "eager"),
+        workbench="tagged by the preset",
+        graph_trainer="never tagged (saved): its `full` keeps `_log_softmax`",
+        why="graph trainer skips the epilogue because a chunked loss splits backward into "
+        "regions its remat pass cannot handle; the workbench lets a policy choose there",
+    ),
+    Difference(
+        key="layer boundary",
+        rule="layer boundary",
+        presets=("default", "full", "eager"),
+        workbench="saved if a recomputed user is in any *other* layer",
+        graph_trainer="saved only if it is in a *higher* layer (non-layer = -1)",
+        why="both stop recomputation chaining across layers; graph trainer looks only "
+        "forward in layer ids, so the last layer's output add feeding the final norm stays "
+        "recomputed there",
+    ),
+    Difference(
+        key="save list",
+        rule="save list",
+        presets=("default", "eager"),
+        workbench="`COMPUTE_INTENSIVE_OPS` (with `_grouped_mm`, CPU flash attention)",
+        graph_trainer="its `_get_default_save_ops()` (convolutions, `_scaled_mm`, collectives)",
+        why="the workbench saves MoE expert matmuls (`_grouped_mm`) as compute-intensive; "
+        "graph trainer 0.3.0's list lacks them",
+    ),
+    Difference(
+        key="eager outside layers",
+        rule="`eager` outside the layers",
+        presets=("eager",),
+        workbench="everything saved",
+        graph_trainer="matmuls counted on (every second one recomputed), the rest recomputed",
+        why="eager SAC wraps only the layers, so autograd saves everything outside them; "
+        "graph trainer applies its eager rule to the whole graph",
+    ),
+)
+# Decisions forced on the CPU, in every preset: not a difference of rules.
+CPU_FORCED = Difference(
+    key="cpu-forced",
+    rule="random ops (the CPU flash-attention op)",
+    presets=("default", "eager", "titan-default", "titan-eager"),
+    workbench="saved, whatever the preset asks",
+    graph_trainer="`default` and `eager` recompute it (PREFER_RECOMPUTE)",
+    why="torch tags `_scaled_dot_product_flash_attention_for_cpu` nondeterministic_seeded and "
+    "its remat pass refuses to recompute random ops; on CUDA the flash op is in graph "
+    "trainer's save list, so nothing is forced there",
+)
+
+
+# Graph trainer rules the `titan-*` presets do not reproduce yet (`compare` runs graph
+# trainer with its default config, where the first does not fire).
+NOT_REPRODUCED: tuple[str, ...] = (
+    "FSDP unshards forced MUST_SAVE when FSDP does not reshard after forward "
+    "(`--parallelism.fsdp_reshard_after_forward never`, or `default` with pipeline "
+    "parallelism; the `default` policy only): on one FSDP-2 rank of torchtitan's 2-layer "
+    "Llama3 that is 15 wait_tensor nodes `titan-default` recomputes",
+    "SymInt outputs saved: the workbench traces static shapes, so none occur",
+    "a wait_tensor takes its collective's tag: here the preset's rule gives both the same tag "
+    "on the graphs traced so far, but nothing enforces it",
+)
+
+
+def counterpart(preset: str) -> str | None:
+    """Graph trainer's memory policy of the same name (`titan-eager` -> `eager`), if any.
+
+    >>> counterpart("titan-eager"), counterpart("full"), counterpart("none")
+    ('eager', 'full', None)
+    """
+    name = preset.removeprefix("titan-")
+    return name if name in MEMORY_POLICIES else None
+
+
+def differences_of(preset: str) -> list[Difference]:
+    """The rows of `DIFFERENCES` for a workbench preset; none for the `titan-*` presets."""
+    return [d for d in DIFFERENCES if preset in d.presets]
+
+
+def differences_table() -> str:
+    """`DIFFERENCES` as the Markdown table the README shows."""
+    lines = [
+        "| rule | presets | workbench | graph trainer (`titan-*`) | why |",
+        "|---|---|---|---|---|",
+    ]
+    for d in DIFFERENCES:
+        presets = " / ".join(f"`{p}`" for p in d.presets)
+        lines.append(f"| {d.rule} | {presets} | {d.workbench} | {d.graph_trainer} | {d.why} |")
+    return "\n".join(lines)
+
+
+def explained_by(mismatch: Mismatch, preset: str) -> str:
+    """The key of the `DIFFERENCES` row (or `CPU_FORCED`) behind a mismatch of `preset`'s
+    decisions; `selector` / `override` for a policy's own requests, `unexplained` else."""
+    reason = mismatch.reason
+    if reason.startswith("forced:random op"):
+        return CPU_FORCED.key
+    if reason.startswith(("selector:", "override:")):
+        return reason.split(":", 1)[0]
+    if preset in TITAN_PRESETS:
+        return "unexplained"
+    if reason.startswith("forced:mutates"):
+        return "in-place"
+    if mismatch.graph_trainer is None:
+        return "lm_head/loss"
+    if reason.startswith("forced:layer boundary"):
+        return "layer boundary"
+    if preset == "eager" and titan_layer(mismatch.module) == TITAN_NOT_IN_LAYERS:
+        return "eager outside layers"
+    if (mismatch.op in COMPUTE_INTENSIVE_OPS) != (mismatch.op in TITAN_SAVE_OPS):
+        return "save list"
+    return "unexplained"

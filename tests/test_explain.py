@@ -1,0 +1,138 @@
+"""`policy explain`: rules in words, the one table of differences from graph trainer (the
+README's table is that table), decisions by reason on a graph, and the CLI around it.
+
+The comparisons with graph trainer's own tagging of torchtitan's models are in test_titan.py.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench import titan
+from workbench.cli import main
+from workbench.explain import explain, explain_text
+from workbench.graph import JointGraph
+from workbench.models import Workload
+from workbench.policy import Policy, decide
+from workbench.rules import PRESETS, TITAN_PRESETS
+from workbench.titan import DIFFERENCES, differences_of, differences_table
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_table() -> list[str]:
+    """The rows of the README's table that starts with the differences table's header."""
+    lines = README.read_text().splitlines()
+    start = lines.index(differences_table().splitlines()[0])
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_readme_table_is_the_librarys() -> None:
+    assert _readme_table() == differences_table().splitlines()
+    assert len(_readme_table()) == 2 + len(DIFFERENCES)
+
+
+def test_titan_doctests() -> None:
+    assert doctest.testmod(titan).failed == 0
+
+
+@pytest.mark.parametrize("preset", ["default", "full", "eager"])
+def test_workbench_presets_list_their_differences(preset: str) -> None:
+    result = explain(preset)
+    assert result["graph_trainer_counterpart"] == preset and result["kind"] == "workbench"
+    assert [d["key"] for d in result["differences"]] == [d.key for d in differences_of(preset)]
+    assert {"in-place", "lm_head/loss", "layer boundary"} <= {
+        d["key"] for d in result["differences"]
+    }
+    text = explain_text(result)
+    assert f"differs from graph trainer's `{preset}`" in text
+    assert all(d.why in text for d in differences_of(preset))
+
+
+def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> None:
+    assert "eager outside layers" in {d.key for d in differences_of("eager")}
+    assert "eager outside layers" not in {d.key for d in differences_of("default")}
+    assert "save list" not in {d.key for d in differences_of("full")}
+
+
+@pytest.mark.parametrize("preset", sorted(TITAN_PRESETS))
+def test_titan_presets_are_graph_trainers_and_list_no_difference(preset: str) -> None:
+    result = explain(preset)
+    assert result["differences"] == [] and result["steps"][0].startswith("nodes of `lm_head*`")
+    assert result["graph_trainer_counterpart"] == preset.removeprefix("titan-")
+    assert "node for node" in explain_text(result)
+    assert any("FSDP unshards" in rule for rule in result["not_reproduced"])
+
+
+def test_rule_words_are_the_presets_docstring_and_requests_are_listed() -> None:
+    policy = Policy(
+        "none",
+        selectors=[{"select": "layers.*.attention::aten.mm.default", "action": "recompute"}],
+        overrides={"layers.*.attention::aten.mul.Tensor#0": "save"},
+    )
+    result = explain(policy)
+    assert result["rule"] == " ".join((PRESETS["none"].__doc__ or "").split())
+    assert result["graph_trainer_counterpart"] is None and result["differences"] == []
+    text = explain_text(result)
+    assert "selector layers.*.attention::aten.mm.default: recompute" in text
+    assert "override layers.*.attention::aten.mul.Tensor#0: save" in text
+    assert "no memory policy of this name" in text
+
+
+def test_decisions_by_reason_count_every_decision(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    result = explain("full", graph)
+    decisions = decide(graph, Policy("full"))
+    counts = result["decisions_by_reason"]
+    assert sum(c["save"] + c["recompute"] for c in counts.values()) == len(decisions)
+    assert counts["preset"]["save"] == 0  # `full` asks to recompute everything
+    assert counts["mutates its input"] == {
+        "save": sum(t.why.value == "mutates its input" for t in decisions.values()),
+        "recompute": 0,
+    }
+
+
+def test_without_torchtitan_the_comparison_is_skipped_with_its_reason(
+    small_graphs: dict[str, tuple[Workload, JointGraph]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchtitan.experiments.graph_trainer.memory_policy", None)
+    _, graph = small_graphs["llama3-debug"]
+    result = explain("default", graph)
+    assert "pip install -e '.[torchtitan]'" in result["graph_trainer"]["skipped"]
+    assert "decisions_by_reason" in result
+    assert "against graph trainer's own tagging: skipped" in explain_text(result)
+
+
+def test_policy_explain_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "explain", "--policy", "eager", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    result = json.loads(out)
+    assert result["preset"] == "eager" and "model" not in result
+    assert main(["policy", "explain", "--policy", "eager"]) == 0
+    assert capsys.readouterr().out.startswith("policy: eager (workbench preset)\n")
+
+
+def test_policy_explain_command_with_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["policy", "explain", "--policy", "none", "--model", "llama3-debug", "--layers", "2"]
+    assert main([*argv, "--seq", "32", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "llama3-debug" and "graph_trainer" not in result  # no `none`
+    assert set(result["decisions_by_reason"]) == {"preset", "random op", "mutates its input"}
+
+
+def test_policy_explain_bad_policy_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "explain", "--policy", "titan-defualt"]) == 2
+    assert "did you mean 'titan-default'" in capsys.readouterr().err
