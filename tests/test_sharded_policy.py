@@ -22,6 +22,8 @@ from workbench.profiles import H100
 from workbench.remat import remat
 from workbench.rules import ALL_GATHER, WAIT, Why
 from workbench.trace import trace
+from workbench.viz import render_view
+from workbench.viz.style import COLLECTIVE_WORDS, svg_id
 
 SMALL = {"layers": 2, "seq": 32}
 PRESETS = ["none", "default", "eager", "full", "titan-default"]
@@ -188,3 +190,19 @@ def test_cli_estimate_optimizer_json(capsys: pytest.CaptureFixture[str]) -> None
     none = json.loads(capsys.readouterr().out)
     assert adamw["peak_breakdown"]["optimizer"] > 0 == none["peak_breakdown"]["optimizer"]
     assert adamw["peak_bytes"] - none["peak_bytes"] == adamw["peak_breakdown"]["optimizer"]
+
+
+def test_op_view_of_a_sharded_layer_marks_its_collectives(rank_graph: JointGraph) -> None:
+    decisions = decide(rank_graph, Policy("default"))
+    source = render_view(rank_graph, decisions, "module:layers.0.attention.wq").dot.source
+    assert COLLECTIVE_WORDS in source
+    gather = next(
+        c.node
+        for c in rank_graph.collectives()
+        if c.kind == "all_gather" and rank_graph.nodes[c.node].module == "layers.0.attention.wq"
+    )
+    assert f'id="{svg_id("n", gather)}" shape=hexagon' in source
+    # a single-device graph has no collectives: no hexagon, no legend line
+    one = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake")
+    plain = render_view(one, None, "module:layers.0.attention.wq").dot.source
+    assert "hexagon" not in plain
