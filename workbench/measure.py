@@ -350,7 +350,8 @@ def measure_policy(
     device = _device_of(graph.example_inputs)
     result = remat(graph, policy)
     # a graph run holds no optimizer state: compare it with the graph's own bytes
-    estimator = estimator or Estimator(graph, profiles=(), optimizer="none")
+    if estimator is None or estimator.optimizer_bytes:
+        estimator = Estimator(graph, profiles=(), optimizer="none")
     granularity = allocation_granularity(device)
     est = estimate_remat(graph, result, estimator, granularity)
     eager_peak = estimator.estimate(Policy("none"), granularity).peak_bytes  # the comparison
