@@ -130,7 +130,7 @@ def test_measured_cpu_profile_has_positive_rates() -> None:
 def test_estimate_of_the_measured_graph_is_the_full_path(small_graphs: dict[str, Fixture]) -> None:
     workload, graph = small_graphs["dsv3-debug"]
     result = measure_policy(workload, Policy("full"), graph=graph, warmup=0, repeats=1)
-    expected = estimate_remat(graph, remat(graph, Policy("full")), Estimator(graph, ()))
+    expected = estimate_remat(graph, remat(graph, Policy("full")), Estimator(graph, (), "none"))
     assert result.estimate.peak_bytes == expected.peak_bytes
 
 

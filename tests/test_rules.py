@@ -52,7 +52,7 @@ def test_exported_rules_are_the_workbench_rules(
     exported_facts = namespace["op_facts"]
     rows = [tuple(f)[:3] + tuple(f)[6:] for f in graph_facts(graph)]
     rows = [
-        (f.name, f.module, f.op, f.random, f.mutation, f.parent, f.users)
+        (f.name, f.module, f.op, f.random, f.mutation, f.parent, f.users, f.gather)
         for f in graph_facts(graph)
     ]
     tags = exported_decide(exported_facts(rows), "eager")  # type: ignore[operator]
@@ -62,16 +62,16 @@ def test_exported_rules_are_the_workbench_rules(
 
 def facts(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> OpFacts:
     row = (name, module, op, kw.get("random", False), kw.get("mutation", False), None,
-           kw.get("users", ()))  # fmt: skip
+           kw.get("users", ()), None)  # fmt: skip
     return op_facts([row])[0]  # type: ignore[list-item]
 
 
 def test_forced_saves_and_layer_boundary() -> None:
     rows = [
-        ("a", "layers.0.ff", "aten.mul.Tensor", False, False, None, ("b",)),
-        ("b", "layers.1.ff", "aten.mul.Tensor", False, False, None, ()),
-        ("r", "layers.1.ff", "aten.bernoulli.p", True, False, None, ()),
-        ("m", "layers.1.ff", "aten.add_.Tensor", False, True, None, ()),
+        ("a", "layers.0.ff", "aten.mul.Tensor", False, False, None, ("b",), None),
+        ("b", "layers.1.ff", "aten.mul.Tensor", False, False, None, (), None),
+        ("r", "layers.1.ff", "aten.bernoulli.p", True, False, None, (), None),
+        ("m", "layers.1.ff", "aten.add_.Tensor", False, True, None, (), None),
     ]
     tags = decide_ops(op_facts(rows), "full")  # type: ignore[arg-type]
     assert tags["a"].why is Why.LAYER_BOUNDARY and tags["a"].detail == "b"
@@ -89,10 +89,10 @@ def test_eager_tag_lets_the_in_place_rule_win_over_random() -> None:
 
 def test_counter_counts_ops_per_module_and_matmuls_per_layer() -> None:
     rows = [
-        ("a", "layers.0.wq", "aten.mm.default", False, False, None, ()),
-        ("b", "layers.0.wk", "aten.mm.default", False, False, None, ()),
-        ("c", "layers.0.wk", "aten.mm.default", False, False, None, ()),
-        ("d", "layers.1.wq", "aten.mm.default", False, False, None, ()),
+        ("a", "layers.0.wq", "aten.mm.default", False, False, None, (), None),
+        ("b", "layers.0.wk", "aten.mm.default", False, False, None, (), None),
+        ("c", "layers.0.wk", "aten.mm.default", False, False, None, (), None),
+        ("d", "layers.1.wq", "aten.mm.default", False, False, None, (), None),
     ]
     got = [(f.occurrence, f.matmul_index, f.key) for f in op_facts(rows)]  # type: ignore[arg-type]
     assert got == [

@@ -203,7 +203,7 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
     graph, seconds = _trace_from_args(args)
-    est = Estimator(graph, profiles).estimate(policy)
+    est = Estimator(graph, profiles, args.optimizer).estimate(policy)
     return {
         "model": graph.model_name,
         "mode": graph.mode,
@@ -224,7 +224,7 @@ def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None
     from workbench.trace import trace
 
     fake = trace(_workload_from_args(args, "fake"), "fake")
-    estimator = Estimator(fake, profiles=())
+    estimator = Estimator(fake, profiles=(), optimizer="none")  # the run holds no optimizer
     granularity = allocation_granularity(device)
     peak = max(estimator.estimate(p, granularity).peak_bytes for p in (policy, Policy("none")))
     check_fits(peak, 0, torch.device(device), fake.model_name)
@@ -318,7 +318,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.solve import solve
 
     graph, trace_seconds = _trace_from_args(args)
-    estimator = Estimator(graph, (args.profile,))
+    estimator = Estimator(graph, (args.profile,), args.optimizer)
     budget = _budget_from_args(args, estimator)
     solution = solve(
         graph,
@@ -354,7 +354,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
 
-    estimator = Estimator(graph, (args.profile,))
+    estimator = Estimator(graph, (args.profile,), args.optimizer)
     points = pareto(
         graph,
         n=args.points,
@@ -384,7 +384,18 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd", "none"),
+        default="adamw",
+        help="optimizer state held the whole step: adamw two fp32 moments per parameter "
+        "(shard), sgd one momentum buffer, none (default: adamw)",
+    )
+
+
 def _add_solve_args(parser: argparse.ArgumentParser) -> None:
+    _add_optimizer_arg(parser)
     parser.add_argument("--method", default="greedy", help="greedy, knapsack or exact")
     parser.add_argument("--profile", default="h100", help="device profile for recompute time")
     parser.add_argument(
@@ -530,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", default="h100,h200,cpu", help="device profiles, comma-separated"
     )
     estimate.add_argument("--timeline", action="store_true", help="include the memory timeline")
+    _add_optimizer_arg(estimate)
     estimate.set_defaults(run=cmd_estimate)
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")

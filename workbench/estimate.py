@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch.fx as fx
@@ -19,13 +19,49 @@ import torch.fx as fx
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.index import Schedule, Storages, graph_index
-from workbench.policy import Decisions, Policy, decide
+from workbench.policy import Decisions, Policy, decide, graph_facts
 from workbench.profiles import DeviceProfile, get_profile, round_up
 from workbench.remat import RECOMPUTED_SUFFIX, RematResult
 from workbench.replay import recompute_flags, replay
 
-CATEGORIES: tuple[str, ...] = ("parameters", "inputs", "gradients", "activations", "temporaries")
+# `gathered`: parameter copies made for compute on a per-rank graph (storages of FSDP
+# unshard chains: the low-precision cast and the all-gathered weight); `optimizer`: state
+# held the whole step, outside the graph.
+CATEGORIES: tuple[str, ...] = (
+    "parameters",
+    "inputs",
+    "gradients",
+    "activations",
+    "temporaries",
+    "gathered",
+    "optimizer",
+)
 DEFAULT_PROFILES: tuple[str, ...] = ("h100", "h200", "cpu")
+OptimizerName = Literal["adamw", "sgd", "none"]
+# fp32 state per parameter element: AdamW's two moments, SGD's momentum buffer.
+OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "sgd": 4, "none": 0}
+# Ring algorithms: bytes each rank sends, per byte of the whole buffer, in a group of W.
+RING_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_gather": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_to_all": lambda w: (w - 1) / w,
+    "broadcast": lambda w: (w - 1) / w,
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+}
+
+
+def optimizer_bytes(graph: JointGraph, optimizer: str) -> int:
+    """State the optimizer holds for this rank's parameter shards (fp32 per element)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise WorkbenchError(
+            f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATE_BYTES)}"
+        )
+    elements = 0
+    for spec in graph.inputs:
+        if spec.kind == "param":
+            shape = graph.nodes[spec.placeholder].shapes[0]
+            elements += int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return elements * OPTIMIZER_STATE_BYTES[optimizer]
 
 
 @dataclass
@@ -89,10 +125,18 @@ class Estimator:
     """
 
     def __init__(
-        self, graph: JointGraph, profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES
+        self,
+        graph: JointGraph,
+        profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES,
+        optimizer: OptimizerName = "adamw",
     ) -> None:
         self.graph = graph
         self.index = graph_index(graph)
+        self.optimizer = optimizer
+        self.optimizer_bytes = optimizer_bytes(graph, optimizer)
+        self._gathered = frozenset(
+            self.index.index_of[f.name] for f in graph_facts(graph) if f.gather is not None
+        )
         self.profiles = [get_profile(p) for p in profiles]
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
         self._seconds = {name: np.asarray(sec) for name, sec in self.seconds.items()}
@@ -100,15 +144,19 @@ class Estimator:
         self._entry_names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
 
     def _node_seconds(self, profile: DeviceProfile) -> list[float]:
-        """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth).
-
-        Views, getitems, placeholders and the output move no data."""
+        """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth); a
+        collective takes the ring time of its buffer on its group's link (waits none), not
+        overlapped with compute. Views, getitems, placeholders and the output move no data."""
         index, graph = self.index, self.graph
+        links = self._collective_seconds(profile)
         seconds: list[float] = []
         for node, slots, getitem in zip(
             graph.gm.graph.nodes, index.slots, index.is_getitem, strict=True
         ):
             info = graph.nodes[node.name]
+            if node.name in links:
+                seconds.append(links[node.name])
+                continue
             if node.op != "call_function" or info.is_view or getitem:
                 seconds.append(0.0)
                 continue
@@ -117,6 +165,26 @@ class Estimator:
             compute = info.flops / profile.matmul_rate(info.dtype) if info.flops else 0.0
             seconds.append(max(compute, (read + written) / profile.bytes_per_s))
         return seconds
+
+    def _collective_seconds(self, profile: DeviceProfile) -> dict[str, float]:
+        """Ring cost of each collective: factor(W) x buffer bytes / link rate, where W is
+        its mesh dimension's size. The mesh is ("fsdp", "tp") with tp innermost: a tp group
+        spans nodes when tp exceeds the ranks per node, an fsdp group when the world does."""
+        graph = self.graph
+        sizes = {"fsdp": int(graph.config.get("fsdp", 1)), "tp": int(graph.config.get("tp", 1))}
+        spans = {
+            "tp": sizes["tp"] > profile.ranks_per_node,
+            "fsdp": graph.world_size > profile.ranks_per_node,
+        }
+        result: dict[str, float] = {}
+        for c in graph.collectives():
+            world = sizes.get(c.mesh_dim or "", graph.world_size)
+            if c.kind == "wait" or c.kind not in RING_FACTOR or world <= 1:
+                result[c.node] = 0.0
+                continue
+            rate = profile.link_rate(spans.get(c.mesh_dim or "", graph.world_size > 8))
+            result[c.node] = RING_FACTOR[c.kind](world) * c.bytes / rate
+        return result
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
@@ -187,6 +255,7 @@ class Estimator:
         np.add.at(deltas, (cats, np.asarray(allocated_at)), size_array)
         np.add.at(deltas, (cats, np.asarray(freed_at) + 1), -size_array)
         live = np.cumsum(deltas[:, :steps], axis=1)
+        live[CATEGORIES.index("optimizer")] = self.optimizer_bytes  # held the whole step
         total = live.sum(axis=0)
         peak_p = int(np.argmax(total))
         return self._report(
@@ -204,6 +273,8 @@ class Estimator:
                 name = index.placeholder_category[e]
             elif sid in outputs:
                 name = "gradients"
+            elif e % n in self._gathered:
+                name = "gathered"
             elif sid in saved:
                 name = "activations"
             else:

@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import shlex
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from workbench import rules
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.graph import JointGraph
-from workbench.policy import Policy, validate
+from workbench.policy import Policy, decide, validate
 
 LINE_LENGTH = 100
 # Set on a block by the generated `apply_ac`, so a model is never checkpointed twice.
@@ -191,7 +192,8 @@ def current_module() -> str:
 
 def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save or recompute `func`'s output by the rules above (see `eager_tag`)."""
-    row = (str(func), current_module(), op_name(func), is_random(func), mutates(func), None, ())
+    row = (str(func), current_module(), op_name(func), is_random(func), mutates(func), None, (),
+           None)  # fmt: skip
     facts = _COUNTERS[bool(ctx.is_recompute)].facts(row)
     return eager_tag(facts, _RULE, PRESET, SELECTORS, OVERRIDES).policy
 
@@ -283,7 +285,7 @@ def tag_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     nothing. Returns `gm`.
     """
     facts = op_facts(fx_rows(gm, module_paths(gm).__getitem__))
-    tags = decide_ops(facts, PRESET, SELECTORS, OVERRIDES)
+    tags = decide_ops(facts, PRESET, SELECTORS, OVERRIDES, FSDP_RESHARD)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
         if node.name in tags:
@@ -320,6 +322,7 @@ def _python_module(
     provenance = []
     if graph is not None:
         provenance = [_comment(f"Checked against the traced graph of {graph.model_name}.")]
+        provenance += [_comment(line) for line in parallel_notes(policy, graph)]
     lines = [
         *docstring,
         "",
@@ -339,6 +342,37 @@ def _python_module(
         rule_code,
     ]
     return "\n".join(lines) + "\n\n# --- Entry point ---\n" + body
+
+
+def parallel_notes(policy: Policy, graph: JointGraph) -> list[str]:
+    """What a per-rank graph's parallel setting means for `policy`: which collectives it
+    saves and which it recomputes, and the FSDP reshard choice. Empty on one device."""
+    if graph.world_size == 1:
+        return []
+    decisions = decide(graph, policy)
+    saved: Counter[str] = Counter()
+    redone: Counter[str] = Counter()
+    for c in graph.collectives():
+        tag = decisions.get(c.node)
+        if tag is not None and c.kind != "wait":
+            (redone if tag.recompute else saved)[f"{c.kind} ({c.mesh_dim or c.group})"] += 1
+    fsdp = (
+        "reshard after forward: FSDP all-gathers run again in backward"
+        if policy.fsdp_reshard
+        else "keep unsharded: gathered parameters stay from forward to backward"
+    )
+    config = graph.config
+    return [
+        f"Per-rank graph, fsdp {config.get('fsdp', 1)} x tp {config.get('tp', 1)} "
+        f"(world size {graph.world_size}); FSDP: {fsdp}.",
+        "Forward collectives saved: "
+        + (", ".join(f"{n} {k}" for k, n in sorted(saved.items())) or "none")
+        + ".",
+        "Forward collectives recomputed in backward: "
+        + (", ".join(f"{n} {k}" for k, n in sorted(redone.items())) or "none")
+        + ".",
+        "Eager SAC (policy_fn) sees no FSDP all-gathers: FSDP2's reshard_after_forward decides.",
+    ]
 
 
 def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
@@ -383,7 +417,11 @@ def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:
             '"""',
         ],
         imports=["import re", "import warnings", "import torch", "import torch.fx"],
-        extra_constants=[],
+        extra_constants=[
+            "# FSDP parameter all-gathers: True recomputes each unshard chain in backward",
+            "# (reshard after forward), False keeps the gathered copies until backward.",
+            f"FSDP_RESHARD = {policy.fsdp_reshard}",
+        ],
         body=_GRAPH_PASS,
     )
 
@@ -515,6 +553,7 @@ def torchtitan_options(
         _comment(f"Preset {policy.preset!r} -> memory_policy {memory_policy!r}: {difference}"),
         *(_comment(note) for note in notes),
         *(_comment(f"cannot express {what}: {why}") for what, why in unexpressed),
+        *(_comment(line) for line in (parallel_notes(policy, graph) if graph else [])),
     ]
     if save_ops:
         lines.append(
@@ -528,6 +567,8 @@ def torchtitan_options(
         )
     if memory_policy in target.memory_policies:
         lines.append(f"--compile.memory_policy {memory_policy}")
+    if not policy.fsdp_reshard:
+        lines.append("--parallelism.fsdp_reshard_after_forward never")
     if save_ops:
         lines.append(f"--compile.full_recompute_save_ops {shlex.quote(' | '.join(save_ops))}")
     return "\n".join(lines) + "\n"

@@ -349,7 +349,9 @@ def measure_policy(
     assert graph.example_inputs is not None
     device = _device_of(graph.example_inputs)
     result = remat(graph, policy)
-    estimator = estimator or Estimator(graph, profiles=())
+    # a graph run holds no optimizer state: compare it with the graph's own bytes
+    if estimator is None or estimator.optimizer_bytes:
+        estimator = Estimator(graph, profiles=(), optimizer="none")
     granularity = allocation_granularity(device)
     est = estimate_remat(graph, result, estimator, granularity)
     eager_peak = estimator.estimate(Policy("none"), granularity).peak_bytes  # the comparison

@@ -6,6 +6,7 @@ Entry points: `Policy` (preset + selectors + per-node overrides, versioned JSON)
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import json
@@ -32,7 +33,7 @@ from workbench.rules import (
 )
 
 SCHEMA = "sac-workbench/policy"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added `fsdp_reshard`; a policy that keeps its default is written as 1
 
 Action = Literal["save", "recompute"]
 ACTIONS: tuple[Action, ...] = ("save", "recompute")
@@ -108,11 +109,17 @@ class Selector:
 @dataclass
 class Policy:
     """A preset, then selectors (later ones win), then per-node overrides (layer-specific
-    keys win over `layers.*` keys). Keys come from `node_keys(graph)`."""
+    keys win over `layers.*` keys). Keys come from `node_keys(graph)`.
+
+    `fsdp_reshard` decides FSDP parameter all-gathers of per-rank graphs before selectors
+    and overrides: True (as FSDP2 and torchtitan's `fsdp_reshard_after_forward="default"`
+    without pipeline parallelism) recomputes each unshard chain in backward; False keeps the
+    gathered copies from forward to backward."""
 
     preset: str = "default"
     selectors: list[Selector] = field(default_factory=list)
     overrides: dict[str, Action] = field(default_factory=dict)
+    fsdp_reshard: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, str):
@@ -147,15 +154,25 @@ class Policy:
                 raise WorkbenchError(f"override key {key!r} must be a string MODULE::OP#k")
             if not isinstance(action, str) or action not in ACTIONS:
                 raise WorkbenchError(f"override {key!r}: {action!r} must be one of {ACTIONS}")
+        if not isinstance(self.fsdp_reshard, bool):
+            raise WorkbenchError(
+                f"fsdp_reshard {self.fsdp_reshard!r} must be true (reshard after forward) or "
+                "false (keep unsharded)"
+            )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """Version 1 unless `fsdp_reshard` differs from its default (then 2 and the field):
+        files older workbenches read stay readable by them."""
+        data: dict[str, Any] = {
             "schema": SCHEMA,
-            "version": SCHEMA_VERSION,
+            "version": 1 if self.fsdp_reshard else 2,
             "preset": self.preset,
             "selectors": [{"select": s.select, "action": s.action} for s in self.selectors],
             "overrides": dict(sorted(self.overrides.items())),
         }
+        if not self.fsdp_reshard:
+            data["fsdp_reshard"] = False
+        return data
 
     @classmethod
     def from_json(cls, data: Any, source: str = "policy") -> Policy:
@@ -174,7 +191,8 @@ class Policy:
                 f"{source}: policy schema version {version} is newer than this workbench "
                 f"reads (up to {SCHEMA_VERSION}); upgrade sac-workbench"
             )
-        unknown = set(data) - {"schema", "version", "preset", "selectors", "overrides"}
+        fields = {"schema", "version", "preset", "selectors", "overrides"}
+        unknown = set(data) - fields - ({"fsdp_reshard"} if version >= 2 else set())
         if unknown:
             raise WorkbenchError(f"{source}: unknown policy fields {sorted(unknown)}")
         overrides = data.get("overrides", {})
@@ -183,6 +201,7 @@ class Policy:
                 preset=data.get("preset", "default"),
                 selectors=data.get("selectors", []),
                 overrides=dict(overrides) if isinstance(overrides, dict) else overrides,
+                fsdp_reshard=data.get("fsdp_reshard", True),
             )
         except WorkbenchError as err:
             raise WorkbenchError(f"{source}: {err}") from None
@@ -334,7 +353,9 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     """
     validate(graph, policy)
     selectors = [s.row() for s in policy.selectors]
-    return decide_ops(graph_facts(graph), policy.preset, selectors, policy.overrides)
+    return decide_ops(
+        graph_facts(graph), policy.preset, selectors, policy.overrides, policy.fsdp_reshard
+    )
 
 
 def flip(
@@ -374,7 +395,7 @@ def flip(
         overrides[key] = action
     else:
         overrides[layer_key(info, key)] = action
-    return Policy(preset=policy.preset, selectors=list(policy.selectors), overrides=overrides)
+    return dataclasses.replace(policy, selectors=list(policy.selectors), overrides=overrides)
 
 
 def restrict(graph: JointGraph, policy: Policy) -> tuple[Policy, list[str]]:
@@ -393,4 +414,4 @@ def restrict(graph: JointGraph, policy: Policy) -> tuple[Policy, list[str]]:
             overrides[key] = action
         except WorkbenchError as err:
             dropped.append(str(err))
-    return Policy(policy.preset, selectors, overrides), dropped
+    return dataclasses.replace(policy, selectors=selectors, overrides=overrides), dropped

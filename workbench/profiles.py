@@ -19,6 +19,9 @@ import torch
 
 from workbench.errors import WorkbenchError
 
+# A nominal link rate for CPU processes (gloo over shared memory or TCP varies widely).
+CPU_LINK_BYTES_PER_S = 10e9
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -29,6 +32,15 @@ class DeviceProfile:
     description: str
     matmul_flops_per_s: dict[str, float]
     bytes_per_s: float
+    # Collectives: bytes per second per direction and per rank, inside one node and across
+    # nodes; a process group spans nodes when its ranks do not fit in `ranks_per_node`.
+    intra_node_bytes_per_s: float = CPU_LINK_BYTES_PER_S
+    inter_node_bytes_per_s: float = CPU_LINK_BYTES_PER_S
+    ranks_per_node: int = 8
+    links: str = "nominal 10 GB/s for CPU ranks (not measured)"
+
+    def link_rate(self, spans_nodes: bool) -> float:
+        return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
 
     def matmul_rate(self, dtype: str | None) -> float:
         return self.matmul_flops_per_s.get(dtype or "float32", self.matmul_flops_per_s["float32"])
@@ -44,6 +56,13 @@ H100 = DeviceProfile(
     description="NVIDIA H100 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 3.35 TB/s",
     matmul_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     bytes_per_s=3.35e12,
+    # NVLink 4 (H100 SXM datasheet: 900 GB/s bidirectional, so 450 GB/s each way) among the
+    # 8 GPUs of an HGX/DGX node; across nodes one ConnectX-7 InfiniBand NDR400 port per GPU
+    # (400 Gb/s = 50 GB/s each way, DGX H100 user guide).
+    intra_node_bytes_per_s=450e9,
+    inter_node_bytes_per_s=50e9,
+    ranks_per_node=8,
+    links="NVLink4 450 GB/s per direction in a node of 8, InfiniBand NDR400 50 GB/s per GPU across",
 )
 # The same compute as the H100, with HBM3e's bandwidth.
 H200 = replace(
@@ -51,7 +70,7 @@ H200 = replace(
     name="h200",
     description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
     bytes_per_s=4.8e12,
-)
+)  # same NVLink 4 (900 GB/s bidirectional, H200 datasheet) and NDR400 links as the H100
 
 
 # CUDA's caching allocator rounds every block up to a multiple of this; the CPU's does not.

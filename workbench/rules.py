@@ -37,8 +37,15 @@ COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
         "aten._scaled_dot_product_attention_math.default",
         "aten.max.default",
         "aten.topk.default",
+        # communication torchtitan's save list also keeps, so backward does not redo it
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "_c10d_functional.all_to_all_single.default",
     }
 )
+ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
+WAIT = "_c10d_functional.wait_tensor.default"
+# Ops whose tag is their input's: a getitem unpacks it, a wait_tensor ends its collective.
+FOLLOWERS = frozenset({"getitem", WAIT})
 # Matmuls, counted per layer forward (the `eager` preset recomputes every second one).
 MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
 
@@ -120,6 +127,7 @@ class Why(enum.Enum):
     PRESET = "preset"
     SELECTOR = "selector"
     OVERRIDE = "override"
+    FSDP = "fsdp"  # the policy's reshard-after-forward choice on a parameter all-gather
     PARTITIONER = "partition"  # a partitioner's choice replayed as tags (the studies)
     UNTAGGED = "untagged"  # left without a tag, as torchtitan's graph trainer leaves it
     RANDOM = "random op"
@@ -178,14 +186,18 @@ class OpFacts(NamedTuple):
     matmul_index: int  # matmuls of this layer so far, this one included (from 1)
     random: bool
     mutation: bool
-    parent: str | None  # the multi-output node a getitem unpacks
+    parent: str | None  # the multi-output node a getitem unpacks, the collective a wait ends
     users: tuple[str, ...]
     key: str  # `layers.*.attention::aten.mm.default#0`: the op in every identical layer
     layer_key: str  # `layers.3.attention::aten.mm.default#0`: the op in this layer only
+    # The FSDP all-gather of the parameter unshard chain this node is part of (cast ->
+    # all_gather -> wait -> view ..., computed from graph inputs alone): one decision, the
+    # gather's. Its own name for the gather itself; None off such chains.
+    gather: str | None = None
 
 
-# (name, module, op, random, mutation, parent, users), in graph order.
-Row = tuple[str, str, str, bool, bool, "str | None", tuple[str, ...]]
+# (name, module, op, random, mutation, parent, users, gather), in graph order.
+Row = tuple[str, str, str, bool, bool, "str | None", tuple[str, ...], "str | None"]
 
 
 class OpCounter:
@@ -197,7 +209,7 @@ class OpCounter:
         self.matmuls: collections.Counter[int | None] = collections.Counter()
 
     def facts(self, row: Row) -> OpFacts:
-        name, module, op, random, mutation, parent, users = row
+        name, module, op, random, mutation, parent, users, gather = row
         layer = layer_of(module)
         if op in MATMUL_OPS:
             self.matmuls[layer] += 1
@@ -206,7 +218,7 @@ class OpCounter:
         key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
         return OpFacts(
             name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
-            key, layer_key,
+            key, layer_key, gather,
         )  # fmt: skip
 
 
@@ -219,13 +231,14 @@ def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
 def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:
     """Rows of the forward and loss call nodes of a joint graph: every node that is neither
     a placeholder, the output, nor marked `meta["autograd_backward"]`."""
+    gathers = unshard_chains(gm)
     rows: list[Row] = []
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or node.meta.get("autograd_backward"):
             continue
         target = node.target if node.op == "call_function" else None
         op = op_name(target) if target is not None else node.op
-        parent = node.args[0] if op == "getitem" and node.args else None
+        parent = node.args[0] if op in FOLLOWERS and node.args else None
         rows.append(
             (
                 node.name,
@@ -235,9 +248,33 @@ def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str])
                 mutates(target),
                 parent.name if isinstance(parent, torch.fx.Node) else None,
                 tuple(user.name for user in node.users),
+                gathers.get(node.name),
             )  # fmt: skip
         )
     return rows
+
+
+def unshard_chains(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Forward node -> the all-gather of its FSDP unshard chain: nodes computed from graph
+    inputs alone (no activation flows in) that lead to or come from an all-gather, the
+    parameter's cast -> all_gather -> wait -> views (TP's all-gathers of activations are
+    not on such chains)."""
+    from_inputs: dict[torch.fx.Node, str | None] = {}  # input-only node -> its gather so far
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("autograd_backward"):
+            continue
+        inputs = node.all_input_nodes
+        if not inputs or not all(x.op == "placeholder" or x in from_inputs for x in inputs):
+            continue
+        above = [from_inputs[x] for x in inputs if from_inputs.get(x)]
+        from_inputs[node] = (
+            node.name if op_name(node.target) == ALL_GATHER else next(iter(above), None)
+        )
+    for node in reversed(list(from_inputs)):  # the casts and views before a gather
+        if from_inputs[node] is None:
+            below = [from_inputs[u] for u in node.users if from_inputs.get(u)]
+            from_inputs[node] = next(iter(below), None)
+    return {node.name: gather for node, gather in from_inputs.items() if gather is not None}
 
 
 # --- presets: rule(facts) -> CheckpointPolicy -------------------------------------------
@@ -296,9 +333,9 @@ def _eager_every_other_mm() -> Rule:
 #   layer id is *higher*; its layer id is N for `layers.N...` and -1 for everything else;
 # - `eager` counts matmuls in one running count that restarts when a new layer begins
 #   (nodes outside the layers count on without restarting it), also outside the layers.
-# Graph trainer also saves SymInt outputs and FSDP unshards without reshard-after-forward
-# and makes wait_tensor follow its collective; the workbench traces static shapes on one
-# device, so none of those occur in its graphs.
+# Graph trainer also saves SymInt outputs (the workbench traces static shapes: none occur),
+# makes wait_tensor follow its collective, and with fsdp_reshard_after_forward="never"
+# (not its default without pipeline parallelism) saves FSDP unshards under `default`.
 
 TITAN_SAVE_OPS: frozenset[str] = frozenset(
     {
@@ -434,30 +471,49 @@ def forced_save(facts: OpFacts) -> Why | None:
     return None
 
 
+def fsdp_tag(reshard: bool) -> Tag:
+    """The FSDP choice for a parameter's all-gather: reshard after forward (recompute the
+    unshard chain in backward, as FSDP2 and torchtitan do by default) or keep the gathered
+    copy from forward to backward."""
+    if reshard:
+        return Tag(CheckpointPolicy.MUST_RECOMPUTE, Why.FSDP, "reshard after forward")
+    return Tag(CheckpointPolicy.MUST_SAVE, Why.FSDP, "keep unsharded")
+
+
 def decide_ops(
     facts: Sequence[OpFacts],
     preset: str,
     selectors: Sequence[SelectorRow] = (),
     overrides: Mapping[str, str] | None = None,
+    fsdp_reshard: bool = True,
 ) -> dict[str, Tag]:
-    """The tag of every node in `facts` (graph order): the request, then the forced saves,
-    then getitems follow the op they unpack, then the layer-boundary rule. The `titan-*`
-    presets run graph trainer's own variants of these steps (`decide_titan_ops`)."""
+    """The tag of every node in `facts` (graph order): the request (preset, then the FSDP
+    choice on parameter all-gathers, then selectors and overrides), the forced saves, then
+    getitems and waits follow the op they unpack or end and unshard chains their
+    all-gather, then the layer-boundary rule. The `titan-*` presets run graph trainer's own
+    variants of these steps (`decide_titan_ops`)."""
     if preset in TITAN_PRESETS:
-        return decide_titan_ops(facts, preset, selectors, overrides)
-    rule, overrides = PRESETS[preset](), overrides or {}
+        return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard)
+    preset_rule, overrides = PRESETS[preset](), overrides or {}
+    fsdp = fsdp_tag(fsdp_reshard)
+
+    def rule(f: OpFacts) -> CheckpointPolicy:
+        return fsdp.policy if f.gather == f.name else preset_rule(f)
+
     tags: dict[str, Tag] = {}
     for f in facts:
         forced = forced_save(f)
-        tags[f.name] = (
-            Tag(CheckpointPolicy.MUST_SAVE, forced)
-            if forced is not None
-            else requested(f, rule, preset, selectors, overrides)
-        )
+        if forced is not None:
+            tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, forced)
+            continue
+        tag = requested(f, rule, preset, selectors, overrides)
+        tags[f.name] = fsdp if tag.why is Why.PRESET and f.gather == f.name else tag
     for f in facts:
-        parent = tags.get(f.parent) if f.parent is not None else None
-        if parent is not None and parent.recompute != tags[f.name].recompute:
-            tags[f.name] = parent
+        leader = f.gather if f.gather not in (None, f.name) else f.parent
+        if leader is None or leader not in tags or tags[f.name].forced:
+            continue
+        if leader == f.gather or tags[leader].recompute != tags[f.name].recompute:
+            tags[f.name] = tags[leader]
     save_layer_boundaries(facts, tags)
     return tags
 
@@ -486,16 +542,26 @@ def decide_titan_ops(
     preset: str,
     selectors: Sequence[SelectorRow] = (),
     overrides: Mapping[str, str] | None = None,
+    fsdp_reshard: bool = True,
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order): `lm_head*`/`loss*`
-    nodes untagged, getitems take their parent's tag, the rest the request; then, in graph
-    order, a recomputed node with a recomputed user in a higher layer is saved. Random ops
-    are saved whatever was asked, as in every graph SAC preset here: torch's remat pass
-    refuses them (on the CPU, graph trainer's `default` and `eager` recompute SDPA)."""
+    nodes untagged, getitems and waits take their parent's tag, the rest the request; then,
+    in graph order, a recomputed node with a recomputed user in a higher layer is saved.
+    Random ops are saved whatever was asked, as in every graph SAC preset here: torch's
+    remat pass refuses them (on the CPU, graph trainer's `default` and `eager` recompute
+    SDPA). Without `fsdp_reshard` (its `fsdp_reshard_after_forward="never"`), `titan-default`
+    saves the unshard chains from their all-gather on (graph trainer saves the chain's last
+    non-view node: the same bytes); its `full` and `eager` ignore that option."""
     rule, overrides = PRESETS[preset](), overrides or {}
     leave, untagged = _save_all(), Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "")
+    keep = not fsdp_reshard and preset == "titan-default"
+    gathered: set[str] = set()
     tags: dict[str, Tag] = {}
     for f in facts:
+        if keep and (f.gather == f.name or f.gather in gathered):
+            gathered.add(f.name)
+            tags[f.name] = fsdp_tag(False)
+            continue
         if f.module.startswith(TITAN_UNTAGGED_MODULES):
             tag = requested(f, leave, preset, selectors, overrides)
             detail = f"{f.module} (graph trainer never tags lm_head*/loss* modules)"

@@ -29,6 +29,8 @@ from workbench.viz.network import (
 )
 from workbench.viz.style import (
     BLUE,
+    COLLECTIVE_STYLE,
+    COLLECTIVE_WORDS,
     DECISION_KINDS,
     FADED,
     GREY,
@@ -38,6 +40,7 @@ from workbench.viz.style import (
     forced_words,
     human_bytes,
     human_flops,
+    is_collective,
     kind_rows,
     legend_label,
     node_kind,
@@ -223,6 +226,10 @@ def op_view(
     kinds: list[Kind] = [*DECISION_KINDS, "backward"]
     if copies:
         kinds.append("recomputed_copy")
+    infos = {n: node_facts(graph, n) for n in members}
+    collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
+    if collectives:
+        lines.append(COLLECTIVE_WORDS)
     dot = new_digraph("ops", legend_label(heading, lines, _legend_rows(kinds, diffing)))
     if len(members) > QUICK_LAYOUT_ABOVE:
         dot.graph_attr.update(QUICK_LAYOUT)
@@ -235,6 +242,7 @@ def op_view(
             id=svg_id("n", name),
             tooltip=_tooltip(graph, name, decisions),
             **_attrs(kind, change, diffing),
+            **(COLLECTIVE_STYLE if name in collectives else {}),
         )
     outside: dict[str, None] = {}
     readers: dict[str, dict[str, None]] = collections.defaultdict(dict)

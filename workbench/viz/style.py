@@ -1,6 +1,7 @@
 """How pictures look: the colour-blind-safe palette, node kinds, legend rows and units.
 
-Entry points: `node_kind(info, decision)`, `KIND_STYLE`, `legend_label(rows)`, `svg_id` /
+Entry points: `node_kind(info, decision)`, `KIND_STYLE`, `COLLECTIVE_STYLE`,
+`legend_label(rows)`, `svg_id` /
 `node_from_svg_id`, and the label helpers `human_bytes` and `human_flops`.
 """
 
@@ -14,7 +15,7 @@ from typing import Literal
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.errors import WorkbenchError
-from workbench.graph import NodeInfo
+from workbench.graph import COLLECTIVE_OPS, NodeInfo
 from workbench.policy import Decision
 
 Kind = Literal[
@@ -56,6 +57,16 @@ KIND_STYLE: dict[Kind, tuple[dict[str, str], str]] = {
         "copy recomputed in backward by remat (dashed edge from its original)",
     ),
 }
+# Communication ops (all-gather, reduce-scatter, all-reduce, wait) of a per-rank graph: a
+# shape of their own, so the fill colour still tells their save/recompute decision.
+COLLECTIVE_STYLE: dict[str, str] = {"shape": "hexagon", "style": "filled"}
+COLLECTIVE_WORDS = "hexagon: communication op (all-gather, reduce-scatter, all-reduce, wait)"
+
+
+def is_collective(info: NodeInfo) -> bool:
+    return info.op in COLLECTIVE_OPS
+
+
 DECISION_KINDS: tuple[Kind, ...] = (
     "prefer_save",
     "must_save",
