@@ -46,7 +46,11 @@ def test_the_explorer_in_the_notebook_autosaves_where_tests_point_it() -> None:
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_lab_opens_trusted_working_copies() -> None:
     dry = subprocess.run(
-        ["make", "--no-print-directory", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "lab"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "jupyter trust out/lab/*.ipynb" in dry
     assert dry.rstrip().splitlines()[-1].endswith("out/lab/sac_llama3.ipynb")
