@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from graph_facts import read_by_backward
@@ -92,13 +94,12 @@ def test_tag_graph_tags_only_forward(llama_debug: Fixture) -> None:
 def test_nothing_recomputed_is_said_loudly(llama_debug: Fixture) -> None:
     """A graph whose backward lost its autograd_backward marks: remat silently does nothing."""
     _, graph = llama_debug
-    unmarked = JointGraph(**{**graph.__dict__})
     from workbench.remat import copy_graph_module
 
     gm = copy_graph_module(graph.gm)
     for node in gm.graph.nodes:
         node.meta.pop("autograd_backward", None)
-    unmarked.gm = gm
+    unmarked = dataclasses.replace(graph, gm=gm)
     with pytest.warns(RematWarning) as caught:
         result = remat(unmarked, decide(graph, Policy("full")))
     assert "recomputed nothing" in result.report.problems[0]
