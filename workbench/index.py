@@ -107,6 +107,11 @@ class GraphIndex:
     # --- storages ----------------------------------------------------------------------
 
     @functools.cached_property
+    def forward_inputs(self) -> tuple[tuple[int, ...], ...]:
+        """Per node: its inputs from forward or loss, the only ones a policy can recompute."""
+        return tuple(tuple(x for x in args if self.phase[x] in _FORWARD) for args in self.args)
+
+    @functools.cached_property
     def raisable(self) -> bytes:
         """Per node: a getitem of a non-getitem, which torch's `raise_getitems` moves."""
         return bytes(
@@ -145,7 +150,23 @@ class GraphIndex:
         for p, e in enumerate(order):
             i = e if e < n else e - n
             fresh, alias = fresh_of[i], alias_of[i]
-            if not fresh and not alias:
+            if not alias:
+                if not fresh:
+                    continue
+                if len(fresh) == 1:  # the common case: one new tensor
+                    sid = len(owner)
+                    owner.append(e)
+                    sizes.append(fresh[0][1])
+                    born.append(p)
+                    slot_storage[e << SLOT_BITS | fresh[0][0]] = sid
+                    held_by[e] = (sid,)
+                    continue
+            elif not fresh and len(alias) == 1:  # a view, getitem or in-place op
+                s, j, t = alias[0]
+                aliased = slot_storage.get(args[e][j] << SLOT_BITS | t)
+                if aliased is not None:
+                    slot_storage[e << SLOT_BITS | s] = aliased
+                    held_by[e] = (aliased,)
                 continue
             held = []
             for s, size in fresh:

@@ -62,9 +62,10 @@ def replay(index: GraphIndex, recompute: Sequence[bool], allow_random: bool = Fa
     order = list(range(start))
     args = dict(zip(range(start), args0[:start], strict=True))
     done = bytearray(n)
+    forward_inputs = index.forward_inputs
     for b in range(start, end):
         inputs = args0[b]
-        stack = [x for x in inputs if rec[x]]
+        stack = [x for x in forward_inputs[b] if rec[x]] if forward_inputs[b] else None
         if stack:
             deps: list[int] = []
             while stack:
