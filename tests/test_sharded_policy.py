@@ -102,6 +102,9 @@ def test_whatif_equals_torch_remat_with_either_fsdp_choice(
         fast = estimator.estimate(policy)
         full = estimate_remat(rank_graph, remat(rank_graph, policy), estimator)
         assert fast.peak_bytes == full.peak_bytes and fast.timeline == full.timeline, preset
+        # one definition of saved bytes: the remat report agrees, gathered weights apart
+        report = remat(rank_graph, policy).report
+        assert report.saved_bytes_after == fast.saved_activation_bytes, preset
 
 
 def test_keeping_gathered_weights_costs_their_bytes(rank_graph: JointGraph) -> None:

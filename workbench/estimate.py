@@ -19,7 +19,7 @@ import torch.fx as fx
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.index import Schedule, Storages, graph_index
-from workbench.policy import Decisions, Policy, decide, graph_facts
+from workbench.policy import Decisions, Policy, decide
 from workbench.profiles import DeviceProfile, get_profile, round_up
 from workbench.remat import RECOMPUTED_SUFFIX, RematResult
 from workbench.replay import recompute_flags, replay
@@ -134,9 +134,6 @@ class Estimator:
         self.index = graph_index(graph)
         self.optimizer = optimizer
         self.optimizer_bytes = optimizer_bytes(graph, optimizer)
-        self._gathered = frozenset(
-            self.index.index_of[f.name] for f in graph_facts(graph) if f.gather is not None
-        )
         self.profiles = [get_profile(p) for p in profiles]
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
         self._seconds = {name: np.asarray(sec) for name, sec in self.seconds.items()}
@@ -273,7 +270,7 @@ class Estimator:
                 name = index.placeholder_category[e]
             elif sid in outputs:
                 name = "gradients"
-            elif e % n in self._gathered:
+            elif e % n in index.gathered:
                 name = "gathered"
             elif sid in saved:
                 name = "activations"

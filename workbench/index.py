@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
+from workbench.rules import unshard_chains
 
 __all__ = ["GraphIndex", "Schedule", "Slot", "Storages", "distinct_storage_bytes", "graph_index"]
 
@@ -72,6 +73,7 @@ class GraphIndex:
     placeholder_category: dict[int, str]
     regions: tuple[tuple[int, int], ...]
     region_of: dict[int, int]
+    gathered: frozenset[int]  # nodes of FSDP unshard chains (`rules.unshard_chains`)
     foreign_tags: tuple[str, ...]
 
     # --- schedules ---------------------------------------------------------------------
@@ -190,8 +192,9 @@ class GraphIndex:
     def saved_storages(self, schedule: Schedule, table: Storages) -> set[int]:
         """Storages of forward and loss nodes read by a backward node or a recomputed copy:
         what the step keeps from forward for backward, views followed to their base. Not
-        the step's outputs (the loss is returned, not kept) nor inputs' storages (a view of
-        a buffer or of the tokens is held by the caller anyway)."""
+        the step's outputs (the loss is returned, not kept), inputs' storages (a view of a
+        buffer or of the tokens is held by the caller anyway), nor the gathered parameter
+        copies of FSDP unshard chains (parameters, not activations, whatever is kept)."""
         order, args = schedule
         n, phase, held_by = self.n, self.phase, table.held_by
         saved: set[int] = set()
@@ -201,7 +204,12 @@ class GraphIndex:
                     if x < n and phase[x] in _FORWARD:
                         saved.update(held_by.get(x, ()))
         saved.difference_update(*(held_by.get(x, ()) for x in args[self.output]))
-        return {sid for sid in saved if phase[table.owner[sid] % n] != "input"}
+        gathered, owner = self.gathered, table.owner
+        return {
+            sid
+            for sid in saved
+            if phase[owner[sid] % n] != "input" and owner[sid] % n not in gathered
+        }
 
     def saved_by_node(self, schedule: Schedule) -> dict[str, int]:
         """Bytes kept for backward, by the forward node that allocated each storage (its
@@ -285,6 +293,7 @@ def _build(graph: JointGraph) -> GraphIndex:
     position = {node: i for i, node in enumerate(nodes)}
     infos = [graph.nodes[node.name] for node in nodes]
     kinds = {spec.placeholder: spec.kind for spec in graph.inputs}
+    chains = unshard_chains(graph.gm)
     regions = _regions([bool(node.meta.get("autograd_backward", False)) for node in nodes])
     return GraphIndex(
         graph=graph,
@@ -316,6 +325,7 @@ def _build(graph: JointGraph) -> GraphIndex:
         },
         regions=tuple(regions),
         region_of={b: r for r, (s, e) in enumerate(regions) for b in range(s, e)},
+        gathered=frozenset(position[node] for node in nodes if node.name in chains),
         # torch's pass also reads these AOTAutograd tags; graphs from workbench.trace have none.
         foreign_tags=tuple(
             sorted({k for n in nodes for k in ("ac_graph_id", "partitioner_tag") if k in n.meta})
