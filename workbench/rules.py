@@ -494,12 +494,8 @@ def decide_ops(
     variants of these steps (`decide_titan_ops`)."""
     if preset in TITAN_PRESETS:
         return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard)
-    preset_rule, overrides = PRESETS[preset](), overrides or {}
+    rule, overrides = PRESETS[preset](), overrides or {}
     fsdp = fsdp_tag(fsdp_reshard)
-
-    def rule(f: OpFacts) -> CheckpointPolicy:
-        return fsdp.policy if f.gather == f.name else preset_rule(f)
-
     tags: dict[str, Tag] = {}
     for f in facts:
         forced = forced_save(f)
@@ -524,15 +520,22 @@ def crosses_layer(layer: int | None, user_layer: int | None) -> bool:
     return layer != user_layer
 
 
-def save_layer_boundaries(facts: Sequence[OpFacts], tags: dict[str, Tag]) -> None:
-    """In reverse graph order, so a user's final tag is known before its inputs are judged."""
-    layer = {f.name: f.layer for f in facts}
-    for f in reversed(facts):
+def save_layer_boundaries(
+    facts: Sequence[OpFacts],
+    tags: dict[str, Tag],
+    crosses: Callable[[OpFacts, OpFacts], bool] = lambda f, u: crosses_layer(f.layer, u.layer),
+    reverse: bool = True,
+) -> None:
+    """Save a recomputed node with a recomputed user that `crosses` a layer boundary. In
+    reverse graph order by default, so a user's final tag is known before its inputs are
+    judged (graph trainer walks forward: `reverse=False`)."""
+    by_name = {f.name: f for f in facts}
+    for f in reversed(facts) if reverse else facts:
         if not tags[f.name].recompute:
             continue
         for user in f.users:
             other = tags.get(user)
-            if other is not None and other.recompute and crosses_layer(f.layer, layer[user]):
+            if other is not None and other.recompute and crosses(f, by_name[user]):
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
                 break
 
@@ -574,19 +577,12 @@ def decide_titan_ops(
         if f.random and tag.recompute:
             tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
         tags[f.name] = tag
-    module = {f.name: f.module for f in facts}
-    for f in facts:
-        if not tags[f.name].recompute:
-            continue
-        for user in f.users:
-            other = tags.get(user)
-            if (
-                other is not None
-                and other.recompute
-                and titan_layer(module[user]) > titan_layer(f.module)
-            ):
-                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
-                break
+    save_layer_boundaries(
+        facts,
+        tags,
+        lambda f, u: titan_layer(u.module) > titan_layer(f.module),
+        reverse=False,
+    )
     return tags
 
 
