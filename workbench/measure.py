@@ -139,7 +139,31 @@ def _measure(
     if repeats < 1 or warmup < 0:
         raise WorkbenchError(f"repeats must be ≥ 1 and warmup ≥ 0, got {repeats} and {warmup}")
     with _fails_in_one_line(name):
-        return _measure_runs(name, run, inputs, tokens, warmup, repeats)
+        device = _device_of(inputs)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+        for _ in range(warmup):
+            run()
+        times = []
+        for _ in range(repeats):
+            gc.collect()
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            times.append(time.perf_counter() - start)
+        gc.collect()
+        extra, outputs = _cuda_peak(run, device) if device.type == "cuda" else _cpu_peak(run)
+        held = held_bytes(inputs, allocation_granularity(device))
+        return Measurement(
+            name=name,
+            device=str(device),
+            peak_bytes=held + extra,
+            held_bytes=held,
+            step_seconds=statistics.median(times),
+            all_seconds=times,
+            tokens=tokens,
+            outputs=list(outputs),
+        )
 
 
 @contextlib.contextmanager
@@ -150,41 +174,6 @@ def _fails_in_one_line(what: str) -> Iterator[None]:
         yield
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         raise WorkbenchError(f"{what} failed when run for real: {describe(err)}") from None
-
-
-def _measure_runs(
-    name: str,
-    run: Callable[[], list[torch.Tensor]],
-    inputs: Sequence[Any],
-    tokens: int,
-    warmup: int,
-    repeats: int,
-) -> Measurement:
-    device = _device_of(inputs)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - start)
-    gc.collect()
-    extra, outputs = _cuda_peak(run, device) if device.type == "cuda" else _cpu_peak(run)
-    held = held_bytes(inputs, allocation_granularity(device))
-    return Measurement(
-        name=name,
-        device=str(device),
-        peak_bytes=held + extra,
-        held_bytes=held,
-        step_seconds=statistics.median(times),
-        all_seconds=times,
-        tokens=tokens,
-        outputs=list(outputs),
-    )
 
 
 def measure_step(
