@@ -531,3 +531,16 @@ def test_session_pieces_without_a_widget(tmp_path: Path) -> None:
     (tmp_path / "plain").write_text("")
     note = Autosave(tmp_path / "plain" / "p.json").save(Policy("full"))
     assert note.startswith("NOT autosaved") and "live only in this explorer" in note
+
+
+def test_edits_keep_the_fsdp_choice(peaky: Fixture, tmp_path: Path) -> None:
+    """Preset, selector, override and reset edits change only their own field."""
+    widget = explorer(peaky, tmp_path)
+    widget._change(Policy("default", fsdp_reshard=False))
+    widget.set_preset("eager")
+    widget.add_selector("layers.*.attention.**::aten.mm.default", "save")
+    widget.edit_selector(0, "recompute")
+    widget.remove_selector(0)
+    widget.reset()
+    assert widget.policy.preset == "eager" and widget.policy.fsdp_reshard is False
+    assert widget.policy.selectors == [] and widget.policy.overrides == {}

@@ -7,6 +7,7 @@ traitlets and every action is a method, so it is driven the same from a browser 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import html
 import os
 import re
@@ -328,16 +329,23 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             f"peak {human_bytes(est.peak_bytes)} while {est.peak_node} runs ({info.phase}): {where}"
         )
 
+    def _edited(self, **changes: Any) -> Policy:
+        """The current policy with some fields changed; the rest (the FSDP choice) kept."""
+        current = {
+            "selectors": list(self.policy.selectors),
+            "overrides": dict(self.policy.overrides),
+        }
+        return dataclasses.replace(self.policy, **{**current, **changes})
+
     def set_preset(self, name: str) -> None:
         """A new preset under the same selectors and overrides."""
-        self._change(Policy(name, list(self.policy.selectors), dict(self.policy.overrides)))
+        self._change(self._edited(preset=name))
         self._autosave()
 
     def add_selector(self, select: str, action: str) -> None:
         """`MODULE::OP` saved or recomputed everywhere it matches (later selectors win)."""
         selector = Selector(select, action)  # type: ignore[arg-type]
-        policy = Policy(self.policy.preset, [*self.policy.selectors, selector],
-                        dict(self.policy.overrides))  # fmt: skip
+        policy = self._edited(selectors=[*self.policy.selectors, selector])
         validate(self.graph, policy)
         self._change(policy)
         self.message = f"added selector: {action} {select}"
@@ -355,7 +363,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         if not 0 <= index < len(selectors):
             raise WorkbenchError(f"no selector #{index}; there are {len(selectors)}")
         del selectors[index]
-        self._change(Policy(self.policy.preset, selectors, dict(self.policy.overrides)))
+        self._change(self._edited(selectors=selectors))
         self._autosave()
 
     def edit_selector(self, index: int, action: str) -> None:
@@ -364,7 +372,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         if not 0 <= index < len(selectors):
             raise WorkbenchError(f"no selector #{index}; there are {len(selectors)}")
         selectors[index] = Selector(selectors[index].select, action)  # type: ignore[arg-type]
-        self._change(Policy(self.policy.preset, selectors, dict(self.policy.overrides)))
+        self._change(self._edited(selectors=selectors))
         self._autosave()
 
     def set_override(self, key: str, action: str | None) -> None:
@@ -376,7 +384,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             del overrides[key]
         else:
             overrides[key] = action  # type: ignore[assignment]
-        self._change(Policy(self.policy.preset, list(self.policy.selectors), overrides))
+        self._change(self._edited(overrides=overrides))
         self._autosave()
 
     def undo(self) -> None:
@@ -388,8 +396,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._autosave()
 
     def reset(self) -> None:
-        """Back to the preset alone (undoable)."""
-        self._change(Policy(self.policy.preset))
+        """Back to the preset alone, keeping its FSDP choice (undoable)."""
+        self._change(self._edited(selectors=[], overrides={}))
         self._autosave()
 
     def restore(self, index: int) -> None:
