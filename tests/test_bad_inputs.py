@@ -7,6 +7,7 @@ Add a case here for every new input path (issue 17).
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import re
 import stat
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +102,16 @@ POLICY_FILES: list[tuple[str, bytes, str]] = [
     ("overrides str", HEAD.encode() + b'"version": 1, "overrides": "ab"}', "got str"),
     ("overrides list", HEAD.encode() + b'"version": 1, "overrides": [1]}', "got list"),
     ("override int", HEAD.encode() + b'"version": 1, "overrides": {"k": 1}}', "1 must be one of"),
+    (
+        "fsdp_reshard in version 1",
+        HEAD.encode() + b'"version": 1, "fsdp_reshard": false}',
+        r"unknown policy fields \['fsdp_reshard'\]",
+    ),
+    (
+        "fsdp_reshard string",
+        HEAD.encode() + b'"version": 2, "fsdp_reshard": "no"}',
+        "fsdp_reshard 'no' must be true",
+    ),
 ]
 
 
@@ -137,7 +149,7 @@ def test_library_errors_blame_the_right_field() -> None:
 
 # --- model specs and models --------------------------------------------------------------
 
-MODEL_SPECS: list[tuple[str, str]] = [
+MODEL_SPECS: list[Any] = [
     ("", "unknown model ''; choose one of"),
     (":", "model spec ':' must be package.module:callable"),
     (":mlp", "must be package.module:callable"),
@@ -149,6 +161,14 @@ MODEL_SPECS: list[tuple[str, str]] = [
     ("os.path:join", r"'os.path:join' failed: TypeError: join\(\) missing"),
     ("bad_models:data_dependent_shape", "data-dependent shapes: aten.index.Tensor .*bad_models"),
     ("user_models:data_dependent", "control flow depends on tensor values"),
+    ("torchtitan:nope", "must be torchtitan:FAMILY/FLAVOR"),
+    pytest.param(
+        "torchtitan:llama3/nope",
+        "unknown torchtitan llama3 flavor 'nope'; choose one of",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("torchtitan") is None, reason="torchtitan not installed"
+        ),
+    ),
 ]
 RUNS: list[tuple[list[str], str]] = [
     (
@@ -173,6 +193,28 @@ def test_model_failing_on_real_data(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     fails(capsys, argv, message)
+
+
+# Flags added with per-rank graphs and torchtitan: each value refused in one line.
+FLAGS: list[tuple[list[str], str]] = [
+    (["--fsdp", "0"], "parallel fsdp must be a positive integer, got 0"),
+    (["--tp", "-2"], "parallel tp must be a positive integer, got -2"),
+    (["--tp", "3"], "--tp 3 does not divide the heads"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), FLAGS, ids=[" ".join(f) for f, _ in FLAGS])
+def test_bad_parallel_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    small = ["--model", "llama3-debug", "--mode", "fake", "--layers", "1", "--seq", "8"]
+    fails(capsys, ["trace", *small, *flags], message)
+
+
+def test_unknown_torchtitan_version(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["export", "--model", "llama3-debug", "--layers", "1", "--seq", "8",
+            "--format", "torchtitan", "--torchtitan-version", "9.9"]  # fmt: skip
+    fails(capsys, argv, "unknown torchtitan version '9.9'; choose one of 0.3.0")
 
 
 def test_factory_output_never_corrupts_json(capfd: pytest.CaptureFixture[str]) -> None:
