@@ -29,3 +29,13 @@ def small_graphs() -> dict[str, tuple[Workload, JointGraph]]:
         workload = load_workload(model, layers=2, seq=32)
         result[model] = (workload, trace(workload, mode="real"))
     return result
+
+
+@pytest.fixture(scope="session")
+def rank_debug() -> JointGraph:
+    """llama3-debug, 2 layers, 128 tokens, FSDP2 x TP2, rank 0 on fake tensors: long enough
+    a sequence that activations, not parameter state, set the peak."""
+    from workbench.parallel import Parallel
+
+    workload = load_workload("llama3-debug", device="meta", layers=2, seq=128)
+    return trace(workload, "fake", Parallel(2, 2))

@@ -327,6 +327,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
         method=args.method,
         profile=args.profile,
         estimator=estimator,
+        fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
     )
     return {
         "model": graph.model_name,
@@ -339,17 +340,18 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
     from workbench.estimate import Estimator
-    from workbench.solve import Solution, pareto, preset_points
+    from workbench.solve import Solution, fsdp_choices, pareto, preset_points
 
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 
     def progress(done: int, total: int, solution: Solution) -> None:
         est = solution.estimate
+        keep = "" if solution.policy.fsdp_reshard else ", FSDP keep unsharded"
         print(
             f"[{done}/{total}] budget {(solution.budget_bytes or 0) / 2**30:.3f} GiB: peak "
             f"{est.peak_bytes / 2**30:.3f} GiB, recompute "
-            f"{est.recompute_seconds[args.profile] * 1e3:.3f} ms ({solution.seconds:.2f} s)",
+            f"{est.recompute_seconds[args.profile] * 1e3:.3f} ms{keep} ({solution.seconds:.2f} s)",
             file=sys.stderr,
             flush=True,
         )
@@ -363,21 +365,28 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
         objective=args.objective,
         progress=progress,
         estimator=estimator,
+        fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
     )
     seconds = time.perf_counter() - start
-    presets = {
-        name: {
-            "peak_bytes": est.peak_bytes,
-            "recompute_flops": est.recompute_flops,
-            "est_recompute_seconds": est.recompute_seconds[args.profile],
-            "est_step_seconds": est.step_seconds[args.profile],
+
+    def presets(fsdp_reshard: bool) -> dict[str, Any]:
+        return {
+            name: {
+                "peak_bytes": est.peak_bytes,
+                "recompute_flops": est.recompute_flops,
+                "est_recompute_seconds": est.recompute_seconds[args.profile],
+                "est_step_seconds": est.step_seconds[args.profile],
+            }
+            for name, est in preset_points(graph, args.profile, estimator, fsdp_reshard).items()
         }
-        for name, est in preset_points(graph, args.profile, estimator).items()
-    }
+
+    # on graphs with FSDP all-gathers, the presets under the other FSDP choice too
+    other = {"presets_keep_unsharded": presets(False)} if False in fsdp_choices(graph) else {}
     return {
         "model": graph.model_name,
         "points": [p.to_json() for p in points],
-        "presets": presets,
+        "presets": presets(True),
+        **other,
         "seconds": round(seconds, 3),
         "trace_seconds": round(trace_seconds, 3),
         "cpu_count": os.cpu_count(),
@@ -401,6 +410,17 @@ def _add_solve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--objective", default="recompute_time", help="recompute_time or recompute_flops"
     )
+    parser.add_argument(
+        "--fsdp-choice",
+        choices=tuple(FSDP_CHOICES),
+        default="search",
+        help="on --fsdp graphs: search both FSDP settings and keep the better (default), or "
+        "fix reshard after forward / keep unsharded",
+    )
+
+
+# --fsdp-choice -> the solver's `fsdp_reshard` (None: a decision the search makes)
+FSDP_CHOICES: dict[str, bool | None] = {"search": None, "reshard": True, "keep": False}
 
 
 _LONG_TEXT = 100  # characters: longer values print as their start and a note

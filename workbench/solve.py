@@ -66,6 +66,7 @@ class Solution:
             "profile": self.profile,
             "seconds": round(self.seconds, 3),
             "budget_bytes": self.budget_bytes,
+            "fsdp_reshard": self.policy.fsdp_reshard,
         }
 
 
@@ -97,35 +98,50 @@ class _Model:
     """Saved bytes and recompute cost of a set of saved keys, without the memory timeline.
 
     Mirrors `decide` + torch's remat pass on forward nodes: every candidate key not saved
-    is recomputed (preset `full`), getitems follow their producer, a recomputed node with a
-    recomputed user in another layer is saved; a recomputed node runs again in backward
+    is recomputed (preset `full`), getitems and waits follow the op they unpack or end,
+    FSDP unshard chains follow `fsdp_reshard` (recomputed, or saved), a recomputed node with
+    a recomputed user in another layer is saved; a recomputed node runs again in backward
     when backward or another rerun node reads it; a kept node read that way is saved.
     Bytes are storages (views cost their base once); the peak is not modelled here.
     """
 
-    def __init__(self, graph: JointGraph, estimator: Estimator, objective: str, profile: str):
+    def __init__(
+        self,
+        graph: JointGraph,
+        estimator: Estimator,
+        objective: str,
+        profile: str,
+        fsdp_reshard: bool = True,
+    ):
         keys = node_keys(graph)
         est = estimator.index
         self.nodes = [est.index_of[name] for name in keys]
         self.key_of = list(keys.values())
         position = {i: p for p, i in enumerate(self.nodes)}
-        facts = graph_facts(graph)  # the rules' view of each node (workbench.rules)
-        fixed = {f.key for f in facts if rules.forced_save(f) is not None}
-        getitem_keys = {f.key for f in facts if f.parent is not None}
+        facts = {f.name: f for f in graph_facts(graph)}  # the rules' view (workbench.rules)
+        fixed = {f.key for f in facts.values() if rules.forced_save(f) is not None}
+        # waits and getitems follow the op they end or unpack; FSDP unshard chains follow
+        # their all-gather, which the policy's `fsdp_reshard` decides: none is a choice here
+        followers = {f.key for f in facts.values() if f.parent is not None}
+        chains = {f.key for f in facts.values() if f.gather is not None}
         self.candidates = sorted(
-            {f.key for f in facts} - fixed - getitem_keys - self._unread(graph, est)
+            set(keys.values()) - fixed - followers - chains - self._unread(graph, est)
         )
         key_index = {k: c for c, k in enumerate(self.candidates)}
         # `source[p]`: the candidate whose tag node p follows (-1: always saved)
-        # (-2: recomputed whatever the choice; such a node never feeds backward)
+        # (-2: recomputed whatever the choice: unread nodes, and reshard-after-forward chains)
+        chain_source = -2 if fsdp_reshard else -1
         self.source: list[int] = []
-        for i in self.nodes:
-            owner = est.args[i][0] if est.is_getitem[i] else i
-            key = keys.get(est.names[owner])
-            if key is None or key in fixed:
+        for name in keys:
+            leader = facts[name]
+            while leader.parent in facts and leader.gather is None and leader.key not in fixed:
+                leader = facts[leader.parent]
+            if leader.key in fixed:
                 self.source.append(-1)
+            elif leader.gather is not None:
+                self.source.append(chain_source)
             else:
-                self.source.append(key_index.get(key, -2))
+                self.source.append(key_index.get(leader.key, -2))
         self.users = [tuple(position[u] for u in est.users[i] if u in position) for i in self.nodes]
         self.cross = [
             tuple(
@@ -437,23 +453,39 @@ class _Search:
     presets: list[tuple[Policy, Estimate]]
     offset: float
     path: list[tuple[int, int, float]]
+    fsdp_reshard: bool
 
     def policy(self, chosen: set[int]) -> Policy:
-        """`full` plus saves, or `none` plus recomputes, whichever needs fewer overrides."""
+        """`full` plus saves, or `none` plus recomputes, whichever needs fewer overrides;
+        with this search's FSDP choice."""
         keys = self.model.candidates
         saves = {keys[c] for c in chosen}
         if len(saves) <= len(keys) / 2:
             action: Action = "save"
-            return Policy("full", overrides={k: action for k in sorted(saves)})
+            overrides = {k: action for k in sorted(saves)}
+            return Policy("full", overrides=overrides, fsdp_reshard=self.fsdp_reshard)
         action = "recompute"
-        return Policy("none", overrides={k: action for k in keys if k not in saves})
+        overrides = {k: action for k in keys if k not in saves}
+        return Policy("none", overrides=overrides, fsdp_reshard=self.fsdp_reshard)
 
     def cost(self, est: Estimate) -> float:
         return _objective_value(est, self.objective, self.profile)
 
 
+def fsdp_choices(graph: JointGraph) -> tuple[bool, ...]:
+    """The FSDP settings a search tries: reshard after forward, and on graphs with FSDP
+    parameter all-gathers also keep unsharded (it trades gathered bytes for collectives)."""
+    if any(f.gather is not None for f in graph_facts(graph)):
+        return (True, False)
+    return (True,)
+
+
 def _search(
-    graph: JointGraph, objective: str, profile: str, estimator: Estimator | None
+    graph: JointGraph,
+    objective: str,
+    profile: str,
+    estimator: Estimator | None,
+    fsdp_reshard: bool = True,
 ) -> _Search:
     if objective not in OBJECTIVES:
         raise WorkbenchError(f"unknown objective {objective!r}; choose one of {OBJECTIVES}")
@@ -468,25 +500,42 @@ def _search(
             f"{', '.join(p.name for p in estimator.profiles) or 'none'}): build it with "
             f"Estimator(graph, profiles=[{name!r}])"
         )
-    model = _Model(graph, estimator, objective, name)
-    floor_policy, none = Policy("full"), estimator.estimate(Policy("none"))
+    model = _Model(graph, estimator, objective, name, fsdp_reshard)
+    floor_policy = Policy("full", fsdp_reshard=fsdp_reshard)
+    none = estimator.estimate(Policy("none", fsdp_reshard=fsdp_reshard))
     floor = estimator.estimate(floor_policy)
     if none.peak_bytes < floor.peak_bytes:  # recompute temporaries outweigh the savings
-        floor_policy, floor = Policy("none"), none
+        floor_policy, floor = Policy("none", fsdp_reshard=fsdp_reshard), none
     everything = set(range(len(model.candidates)))
-    top = estimator.estimate(_policy_of(model, everything))
+    top = estimator.estimate(_policy_of(model, everything, fsdp_reshard))
     # all saved activations are alive together where backward starts: the peak there is a
     # constant plus the saved bytes (the model's guess, corrected by exact estimates)
     offset = top.peak_bytes - model.evaluate(everything)[0]
     path = _greedy_path(model)
-    presets = [(Policy(p), estimator.estimate(Policy(p))) for p in PRESETS]
+    presets = [(p, estimator.estimate(p)) for p in _presets(fsdp_reshard)]
     return _Search(
-        graph, estimator, model, objective, name, floor, floor_policy, none, presets, offset, path
+        graph,
+        estimator,
+        model,
+        objective,
+        name,
+        floor,
+        floor_policy,
+        none,
+        presets,
+        offset,
+        path,
+        fsdp_reshard,
     )
 
 
-def _policy_of(model: _Model, chosen: set[int]) -> Policy:
-    return Policy("full", overrides={model.candidates[c]: "save" for c in sorted(chosen)})
+def _presets(fsdp_reshard: bool) -> list[Policy]:
+    return [Policy(p, fsdp_reshard=fsdp_reshard) for p in PRESETS]
+
+
+def _policy_of(model: _Model, chosen: set[int], fsdp_reshard: bool) -> Policy:
+    overrides: dict[str, Action] = {model.candidates[c]: "save" for c in sorted(chosen)}
+    return Policy("full", overrides=overrides, fsdp_reshard=fsdp_reshard)
 
 
 _Best = tuple[float, Policy, Estimate]
@@ -535,16 +584,41 @@ def _repair(
     return best, fitting_cap
 
 
-def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
-    """Search the model's byte cap whose policy has the best exact estimate within budget."""
-    start = time.perf_counter()
-    if budget < search.floor.peak_bytes:
-        floor = search.floor.peak_bytes
+def _searches(
+    graph: JointGraph,
+    objective: str,
+    profile: str,
+    estimator: Estimator | None,
+    fsdp_reshard: bool | None,
+) -> list[_Search]:
+    """One search per FSDP choice: the given one, or each of `fsdp_choices(graph)`."""
+    choices = fsdp_choices(graph) if fsdp_reshard is None else (fsdp_reshard,)
+    if estimator is None:
+        estimator = Estimator(graph, (profile,))
+    return [_search(graph, objective, profile, estimator, choice) for choice in choices]
+
+
+def _solve_best(searches: list[_Search], budget: int, method: str) -> Solution:
+    """The best solution for `budget` over the searches' FSDP choices: least cost, then
+    lowest peak, then the first choice (reshard after forward, FSDP's default)."""
+    floor = min(s.floor.peak_bytes for s in searches)
+    if budget < floor:
         raise WorkbenchError(
             f"budget {budget} bytes ({budget / GIB:.4g} GiB) is below what full recompute "
-            f"reaches: the smallest feasible budget for {search.graph.model_name!r} is "
+            f"reaches: the smallest feasible budget for {searches[0].graph.model_name!r} is "
             f"{floor} bytes ({floor / GIB:.4g} GiB)"
         )
+    found = [_solve_budget(s, budget, method) for s in searches if s.floor.peak_bytes <= budget]
+    return min(
+        found,
+        key=lambda sol: (sol.cost(), sol.estimate.peak_bytes, found.index(sol)),
+    )
+
+
+def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
+    """Search the model's byte cap whose policy has the best exact estimate within budget
+    (at least the search's floor)."""
+    start = time.perf_counter()
     model, order = search.model, [c for c, _, _ in search.path]
     if method == "greedy":
 
@@ -594,6 +668,7 @@ def solve(
     method: str = "greedy",
     profile: str | DeviceProfile = "h100",
     estimator: Estimator | None = None,
+    fsdp_reshard: bool | None = None,
 ) -> Solution:
     """The policy with the least recompute cost whose estimated peak is <= `budget_bytes`.
 
@@ -601,23 +676,29 @@ def solve(
     linear model (saved bytes, recompute cost) ranks choices; exact estimates
     (`Estimator.estimate`) check the peak and steer the model's cap until it fits. Methods:
     `greedy` (cost removed per byte), `knapsack` (torch's `dp_knapsack`), `exact` (integer
-    program, small graphs only). Raises WorkbenchError below full recompute's peak.
+    program, small graphs only). On graphs with FSDP parameter all-gathers the FSDP choice
+    is a decision too: `fsdp_reshard=None` searches both settings and returns the better
+    (`Solution.policy.fsdp_reshard`); True or False fixes it. Raises WorkbenchError below
+    full recompute's peak.
     """
     start = time.perf_counter()
     _check_method(method, graph)
     name = profile.name if isinstance(profile, DeviceProfile) else profile
-    search = _search(graph, objective, name, estimator)
-    solution = _solve_budget(search, int(budget_bytes), method)
+    searches = _searches(graph, objective, name, estimator, fsdp_reshard)
+    solution = _solve_best(searches, int(budget_bytes), method)
     solution.seconds = time.perf_counter() - start
     return solution
 
 
 def preset_points(
-    graph: JointGraph, profile: str = "h100", estimator: Estimator | None = None
+    graph: JointGraph,
+    profile: str = "h100",
+    estimator: Estimator | None = None,
+    fsdp_reshard: bool = True,
 ) -> dict[str, Estimate]:
-    """Estimates of the named presets, to place beside a Pareto front."""
+    """Estimates of the named presets (with that FSDP choice), to place beside a front."""
     estimator = estimator or Estimator(graph, (profile,))
-    return {name: estimator.estimate(Policy(name)) for name in PRESETS}
+    return {p.preset: estimator.estimate(p) for p in _presets(fsdp_reshard)}
 
 
 def pareto(
@@ -629,22 +710,24 @@ def pareto(
     objective: str = "recompute_time",
     progress: Progress | None = None,
     estimator: Estimator | None = None,
+    fsdp_reshard: bool | None = None,
 ) -> list[Solution]:
     """Solutions for `budgets` (default: `n` evenly spaced from full recompute's peak to no
     AC's), smallest budget first. Where a larger budget's solution costs more than a
-    smaller one's, the smaller one's is kept: the front never gets worse with memory."""
+    smaller one's, the smaller one's is kept: the front never gets worse with memory.
+    Each point takes the better FSDP choice for its budget, as `solve` does."""
     _check_method(method, graph)
     if n < 2 and budgets is None:
         raise WorkbenchError(f"n must be at least 2 points, got {n}")
-    search = _search(graph, objective, profile, estimator)
+    searches = _searches(graph, objective, profile, estimator, fsdp_reshard)
     if budgets is None:
-        low = search.floor.peak_bytes
-        high = search.top.peak_bytes
+        low = min(s.floor.peak_bytes for s in searches)
+        high = max(s.top.peak_bytes for s in searches)
         budgets = [int(b) for b in np.linspace(low, max(high, low), n)]
     solutions: list[Solution] = []
     ordered = sorted(int(b) for b in budgets)
     for k, budget in enumerate(ordered):
-        solution = _solve_budget(search, budget, method)
+        solution = _solve_best(searches, budget, method)
         if solutions and solutions[-1].cost() < solution.cost():
             previous = solutions[-1]
             solution.policy, solution.estimate = previous.policy, previous.estimate

@@ -95,6 +95,10 @@ function render({ model, el }) {
     onchange: () => { model.set("profile", profile.value); model.save_changes(); } });
   const allLayers = h("input", { type: "checkbox", class: "sacwb-all-layers",
     onchange: () => { model.set("all_layers", allLayers.checked); model.save_changes(); } });
+  const reshard = h("input", { type: "checkbox", class: "sacwb-fsdp-reshard",
+    onchange: () => send({ type: "fsdp", reshard: reshard.checked }) });
+  const reshardLabel = h("label", { class: "sacwb-fsdp", title: "FSDP: redo each parameter's all-gather in backward (checked) or keep the gathered weights from forward to backward" },
+    reshard, " reshard after forward");
   const button = (label, type, title) =>
     h("button", { class: `sacwb-${type}`, title, onclick: () => send({ type }) }, label);
   const undo = button("↶ Undo", "undo", "undo the last change");
@@ -112,6 +116,7 @@ function render({ model, el }) {
   const toolbar = h("div", { class: "sacwb-toolbar" },
     h("label", {}, "Preset ", preset),
     h("label", { title: "a click flips the op in every identical layer" }, allLayers, " apply to all identical layers"),
+    reshardLabel,
     h("label", {}, "Profile ", profile), undo, redo, reset, overview, searchBox, searchGo, peakButton, run);
 
   const message = h("div", { class: "sacwb-message" });
@@ -364,6 +369,8 @@ function render({ model, el }) {
     fill(moduleSel, model.get("modules"), moduleSel.value || model.get("modules")[0], "(anywhere)");
     fill(opSel, model.get("ops"), opSel.value || "aten.mm.default");
     allLayers.checked = model.get("all_layers");
+    reshard.checked = model.get("fsdp_reshard");
+    reshardLabel.style.display = model.get("has_fsdp") ? "" : "none";
     undo.disabled = !model.get("can_undo");
     redo.disabled = !model.get("can_redo");
     run.disabled = model.get("running");
@@ -394,7 +401,7 @@ function render({ model, el }) {
   model.on("change:details", drawDetails);
   model.on("change:policy_json", () => { drawPolicy(); drawControls(); drawHistory(); });
   model.on("change:history", drawHistory);
-  for (const name of ["message", "status", "running", "can_undo", "can_redo", "export_code", "export_format", "profile", "all_layers", "export_path"]) {
+  for (const name of ["message", "status", "running", "can_undo", "can_redo", "export_code", "export_format", "profile", "all_layers", "export_path", "fsdp_reshard", "has_fsdp"]) {
     model.on(`change:${name}`, drawControls);
   }
 }

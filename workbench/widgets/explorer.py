@@ -39,6 +39,7 @@ from workbench.policy import (
     validate,
 )
 from workbench.profiles import PROFILES
+from workbench.solve import fsdp_choices
 from workbench.trace import trace
 from workbench.viz import node_from_svg_id, overview, render_view, svg_id
 from workbench.viz.hierarchy import Group
@@ -151,6 +152,9 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     run_result = traitlets.Dict().tag(sync=True)
     budget_range = traitlets.Dict().tag(sync=True)
     suggest_method = traitlets.Unicode("greedy").tag(sync=True)
+    # the FSDP choice of per-rank graphs: shown (and toggled) only where `has_fsdp`
+    has_fsdp = traitlets.Bool(False).tag(sync=True)
+    fsdp_reshard = traitlets.Bool(True).tag(sync=True)
 
     def __init__(
         self,
@@ -177,7 +181,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._written_exports: dict[Path, str] = {}
         self._decisions: Decisions = {}
         self._estimate: Estimate | None = None
-        self._preset_decisions: dict[str, Decisions] = {}
+        self._preset_decisions: dict[tuple[str, bool], Decisions] = {}
         self._search: tuple[str, int] = ("", -1)
         self.history_log = History()
         infos = [i for i in self.graph.nodes.values() if decidable(i)]
@@ -187,8 +191,14 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         start = Policy(policy) if isinstance(policy, str) else policy
         recovered, note = self.autosave.recover(self.graph, start)
         self.edits = Edits(recovered)
-        low, high = (self.estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
-        self.budget_range = {"min": min(low, high), "max": max(low, high)}
+        choices = fsdp_choices(self.graph)
+        self.has_fsdp = len(choices) > 1
+        peaks = [
+            self.estimator.estimate(Policy(p, fsdp_reshard=r)).peak_bytes
+            for p in ("full", "none")
+            for r in choices
+        ]
+        self.budget_range = {"min": min(peaks), "max": max(peaks)}
         self.on_msg(self._on_msg)
         self.observe(self._on_profile, names=["profile"])
         self.observe(self._on_export_format, names=["export_format"])
@@ -337,6 +347,22 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         }
         return dataclasses.replace(self.policy, **{**current, **changes})
 
+    def set_fsdp_reshard(self, reshard: bool) -> None:
+        """The FSDP choice of a per-rank graph: reshard after forward (redo each parameter's
+        all-gather in backward) or keep the gathered weights unsharded until backward."""
+        if not self.has_fsdp:
+            raise WorkbenchError(
+                f"the graph of {self.graph.model_name!r} has no FSDP parameter all-gathers: "
+                "trace it with parallel=Parallel(fsdp=N) (--fsdp N) to choose resharding"
+            )
+        self._change(self._edited(fsdp_reshard=bool(reshard)))
+        self.message = (
+            "FSDP: reshard after forward (all-gathers redone in backward)"
+            if reshard
+            else "FSDP: keep unsharded (gathered weights held from forward to backward)"
+        )
+        self._autosave()
+
     def set_preset(self, name: str) -> None:
         """A new preset under the same selectors and overrides."""
         self._change(self._edited(preset=name))
@@ -413,6 +439,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         solution = solve(self.graph, int(budget_bytes), method=method or self.suggest_method,
                          profile=self.profile, estimator=self.estimator)  # fmt: skip
         rebased = _rebased(self.graph, solution.policy, self.policy)
+        choice = "reshard after forward" if solution.policy.fsdp_reshard else "keep unsharded"
+        fsdp = f"; FSDP {choice}" if self.has_fsdp else ""
         own = len(solution.policy.overrides) + len(solution.policy.selectors)
         # Keep the user's preset unless that takes far more rows than the solver's own base.
         if rebased is not None and len(rebased.overrides) <= 2 * own + 8:
@@ -424,7 +452,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.message = (
             f"suggested by {solution.method} for a budget of {human_bytes(budget_bytes)}: "
             f"peak {human_bytes(solution.estimate.peak_bytes)}, recompute "
-            f"{human_flops(solution.estimate.recompute_flops)}; "
+            f"{human_flops(solution.estimate.recompute_flops)}{fsdp}; "
             f"preset {policy.preset!r}{note} with "
             f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
             "under Policy); refine it by clicking ops"
@@ -513,6 +541,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "search": lambda: self.search(_field(c, "query", str)),
             "peak": self.go_to_peak,
             "preset": lambda: self.set_preset(_field(c, "name", str)),
+            "fsdp": lambda: self.set_fsdp_reshard(_field(c, "reshard", bool)),
             "selector": lambda: self.add_selector(
                 _field(c, "select", str), _field(c, "action", str)
             ),  # fmt: skip
@@ -597,6 +626,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._estimate = None
         estimate = self._current_estimate()
         self.policy_json = self.policy.to_json()
+        self.fsdp_reshard = self.policy.fsdp_reshard
         self.can_undo, self.can_redo = self.edits.can_undo, self.edits.can_redo
         self.metrics = self._metrics(estimate)
         self.timeline = self._timeline()
@@ -724,10 +754,11 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     def _details(self, name: str) -> dict[str, Any]:
         info = self.graph.nodes[name]
         decision = self._decisions.get(name)
-        preset_name = self.policy.preset
-        if preset_name not in self._preset_decisions:
-            self._preset_decisions[preset_name] = decide(self.graph, Policy(preset_name))
-        preset = self._preset_decisions[preset_name].get(name)
+        preset_of = (self.policy.preset, self.policy.fsdp_reshard)
+        if preset_of not in self._preset_decisions:
+            preset_policy = Policy(preset_of[0], fsdp_reshard=preset_of[1])
+            self._preset_decisions[preset_of] = decide(self.graph, preset_policy)
+        preset = self._preset_decisions[preset_of].get(name)
         consumers = self.estimator.backward_readers(name)
         return {
             "name": name,
@@ -766,10 +797,12 @@ def _read_bytes(path: Path) -> bytes | None:
 
 def _rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
     """`policy`'s save/recompute decisions as overrides on `base`'s preset and selectors (so
-    a suggestion keeps the user's preset and lists what it changes), or None when the rules
-    that depend on final decisions (layer boundaries) would make them differ."""
+    a suggestion keeps the user's preset and lists what it changes) with `policy`'s FSDP
+    choice, or None when the rules that depend on final decisions (layer boundaries) would
+    make them differ."""
     want = decide(graph, policy)
-    have = decide(graph, Policy(base.preset, list(base.selectors)))
+    start = Policy(base.preset, list(base.selectors), fsdp_reshard=policy.fsdp_reshard)
+    have = decide(graph, start)
     keys = node_keys(graph)
     by_key: dict[str, list[str]] = {}
     for name in want:
@@ -785,7 +818,7 @@ def _rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
             continue
         for n in differ:
             overrides[layer_key(graph.nodes[n], key)] = "recompute" if want[n].recompute else "save"
-    rebased = Policy(base.preset, list(base.selectors), overrides)
+    rebased = Policy(base.preset, list(base.selectors), overrides, policy.fsdp_reshard)
     got = decide(graph, rebased)
     same = all(got[n].recompute == d.recompute for n, d in want.items())
     return rebased if same else None

@@ -1,0 +1,114 @@
+"""The solver on per-rank graphs: its linear model follows `decide` on collectives, the
+FSDP choice is a decision (both settings searched, the better kept, on Pareto fronts too),
+and the figures it reports are the exact estimate of the policy it returns."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import main
+from workbench.estimate import Estimator, estimate_remat
+from workbench.graph import JointGraph
+from workbench.policy import Policy, decide, graph_facts, node_keys
+from workbench.remat import remat
+from workbench.rules import ALL_GATHER, WAIT, Why
+from workbench.solve import _search, fsdp_choices, pareto, solve
+
+PROFILES = ("h100",)
+DEBUG_RANK = ["--model", "llama3-debug", "--layers", "2", "--seq", "128", "--fsdp", "2"]
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_linear_model_follows_decide_on_collectives(rank_debug: JointGraph, reshard: bool) -> None:
+    """For saved sets of candidates, each node the model says follows a candidate (or is
+    always saved, or always recomputed) gets that tag from `decide` on the policy the
+    search writes: waits follow their collective, unshard chains the FSDP choice."""
+    search = _search(rank_debug, "recompute_time", "h100", Estimator(rank_debug, PROFILES), reshard)
+    model, facts = search.model, {f.name: f for f in graph_facts(rank_debug)}
+    names = list(node_keys(rank_debug))
+    ops = {f.op for f in facts.values() if f.key in model.candidates}
+    assert {ALL_GATHER, "_c10d_functional.reduce_scatter_tensor.default"} <= ops  # TP's
+    waits = [p for p, n in enumerate(names) if facts[n].op == WAIT]
+    assert any(model.source[p] >= 0 for p in waits)  # a TP collective's wait: a choice
+    chains = [p for p, n in enumerate(names) if facts[n].gather is not None]
+    assert chains and {model.source[p] for p in chains} == {-2 if reshard else -1}
+    rng = random.Random(0)
+    count = len(model.candidates)
+    for chosen in (set(), set(range(count)), set(rng.sample(range(count), count // 2))):
+        tags = decide(rank_debug, search.policy(chosen))
+        for p, name in enumerate(names):
+            tag, source = tags[name], model.source[p]
+            if tag.why is Why.LAYER_BOUNDARY or source == -2 and not facts[name].gather:
+                continue  # the boundary rule (modelled apart); unread nodes: never saved
+            expected = source == -2 or (source >= 0 and source not in chosen)
+            assert tag.recompute == expected, (name, tag, source)
+
+
+def test_solve_takes_the_better_fsdp_choice_for_the_budget(rank_debug: JointGraph) -> None:
+    estimator = Estimator(rank_debug, PROFILES)
+    assert fsdp_choices(rank_debug) == (True, False)
+    floors = {
+        r: min(estimator.estimate(Policy(p, fsdp_reshard=r)).peak_bytes for p in ("full", "none"))
+        for r in (True, False)
+    }
+    assert floors[True] < floors[False]  # keeping gathered weights costs their bytes
+    tight = solve(rank_debug, floors[True], estimator=estimator)
+    assert tight.policy.fsdp_reshard and tight.to_json()["fsdp_reshard"] is True
+    roomy_budget = estimator.estimate(Policy("none", fsdp_reshard=False)).peak_bytes
+    roomy = solve(rank_debug, roomy_budget, estimator=estimator)
+    assert not roomy.policy.fsdp_reshard and roomy.to_json()["fsdp_reshard"] is False
+    assert roomy.cost() == 0  # no all-gather redone, nothing recomputed
+    for found in (tight, roomy):
+        assert found.estimate.peak_bytes <= found.budget_bytes  # type: ignore[operator]
+        # the reported figures are the policy's own estimate, from a fresh estimator too
+        assert Estimator(rank_debug, PROFILES).estimate(found.policy) == found.estimate
+        full_path = estimate_remat(rank_debug, remat(rank_debug, found.policy), estimator)
+        assert full_path.peak_bytes == found.estimate.peak_bytes
+    fixed = solve(rank_debug, roomy_budget, estimator=estimator, fsdp_reshard=True)
+    assert fixed.policy.fsdp_reshard and fixed.cost() > roomy.cost()
+
+
+def test_pareto_front_holds_points_of_both_fsdp_choices(rank_debug: JointGraph) -> None:
+    points = pareto(rank_debug, n=5, estimator=Estimator(rank_debug, PROFILES))
+    choices = [p.policy.fsdp_reshard for p in points]
+    assert choices[0] is True and choices[-1] is False  # reshard where memory is tight
+    costs = [p.cost() for p in points]
+    assert all(a >= b for a, b in zip(costs, costs[1:], strict=False)) and costs[-1] == 0
+    assert all(p.estimate.peak_bytes <= (p.budget_bytes or 0) for p in points)
+    only = pareto(rank_debug, n=3, estimator=Estimator(rank_debug, PROFILES), fsdp_reshard=True)
+    assert all(p.policy.fsdp_reshard for p in only)
+
+
+@pytest.mark.parametrize("mode", ["fake", "real"])
+def test_cli_solve_on_a_rank_estimates_as_reported(
+    mode: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [*DEBUG_RANK, "--tp", "2", "--mode", mode, "--json"]
+    assert main(["solve", *common, "--budget-bytes", "15000000"]) == 0
+    solved = json.loads(capsys.readouterr().out)
+    assert solved["peak_bytes"] <= solved["budget_bytes"]
+    assert solved["policy"].get("fsdp_reshard", True) is solved["fsdp_reshard"]
+    path = tmp_path / "solved.json"
+    path.write_text(json.dumps(solved["policy"]))
+    assert main(["estimate", *common, "--policy", str(path)]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    for key in ("peak_bytes", "recompute_flops", "est_step_seconds", "saved_activation_bytes"):
+        value = estimated[key]["h100"] if isinstance(estimated[key], dict) else estimated[key]
+        assert value == solved[key], key
+
+
+def test_cli_pareto_on_a_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    common = [*DEBUG_RANK, "--tp", "2", "--mode", "fake", "--json", "--points", "4"]
+    assert main(["pareto", *common]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert {p["fsdp_reshard"] for p in result["points"]} == {True, False}
+    assert set(result["presets_keep_unsharded"]) == set(result["presets"])
+    assert "FSDP keep unsharded" in captured.err
+    assert main(["pareto", *common, "--fsdp-choice", "keep"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert {p["fsdp_reshard"] for p in kept["points"]} == {False}
