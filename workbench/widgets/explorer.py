@@ -43,7 +43,7 @@ from workbench.solve import fsdp_choices
 from workbench.trace import trace
 from workbench.viz import node_from_svg_id, overview, render_view, svg_id
 from workbench.viz.hierarchy import Group
-from workbench.viz.style import human_bytes, human_flops
+from workbench.viz.style import COLLECTIVE_WORDS, human_bytes, human_flops
 from workbench.widgets.session import Autosave, Edits, History, Point, policy_label
 
 HERE = Path(__file__).parent
@@ -660,13 +660,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         picture = render_view(
             self.graph, self._decisions, self.view, policy_name=self.policy.preset
         )
-        picture.dot.graph_attr["label"] = ""  # the widget draws its own legend beside it
+        # the widget draws its own legend beside the picture (with the hexagons' line)
+        hexagons = COLLECTIVE_WORDS in picture.dot.graph_attr.get("label", "")
+        picture.dot.graph_attr["label"] = ""
         self.svg = picture.svg()
         groups = overview(self.graph, self._decisions).groups if self.view == "overview" else []
-        self.legend = self._legend(groups)
+        self.legend = self._legend(groups, hexagons)
         self.peak_ids = self._peak_ids(groups)
 
-    def _legend(self, groups: list[Group]) -> dict[str, Any]:
+    def _legend(self, groups: list[Group], hexagons: bool = False) -> dict[str, Any]:
         """Title and lines for the picture: folded layers named as this model has them."""
         est = self._current_estimate()
         lines = [
@@ -686,6 +688,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         else:
             lines.append("blue: saved · orange: recomputed · grey note: backward ops reading it")
             lines.append("click an op to flip it; shift-click selects only")
+            if hexagons:
+                lines.append(COLLECTIVE_WORDS)
             where = self.view
         title = f"{self.graph.model_name} · policy {policy_label(self.policy_json)}: {where}"
         return {"title": title, "lines": lines}
