@@ -257,3 +257,30 @@ def test_gloo_ranks_match_eager_bitwise_for_every_preset(tmp_path: Path) -> None
     # a rank whose collectives did not run would not reach
     assert len({c.loss for c in checks}) == 1
     assert abs(checks[0].loss - math.log(2048)) < 0.5
+
+
+def test_trace_speedups_leave_the_graph_as_it_was(
+    rank_graphs: dict[str, JointGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without stack capture in backward and with the collector paused, the per-rank graph
+    is the one traced with neither: same code, nodes, facts and collectives."""
+    import contextlib
+    import importlib
+
+    trace_module = importlib.import_module(
+        "workbench.trace"
+    )  # the package's `trace` is the function
+    fast = rank_graphs["llama3-debug"]
+    monkeypatch.setattr(parallel_module, "backward_without_stack_traces", contextlib.nullcontext)
+    monkeypatch.setattr(trace_module, "_collector_paused", contextlib.nullcontext)
+    slow = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(2, 2))
+    assert fast.gm.code == slow.gm.code
+    assert len(fast.gm.graph.nodes) == len(slow.gm.graph.nodes)
+    assert fast.collectives() == slow.collectives()
+    assert fast.nodes == slow.nodes  # module, phase, bytes, FLOPs, source line of every node
+    backward = [n for n in fast.gm.graph.nodes if n.meta.get("autograd_backward")]
+    captured = [n for n in slow.gm.graph.nodes if n.meta.get("autograd_backward")]
+    # what went: stacks captured inside torch's autograd, which no node's source shows
+    assert sum(bool(n.meta.get("stack_trace")) for n in backward) < sum(
+        bool(n.meta.get("stack_trace")) for n in captured
+    )

@@ -7,6 +7,7 @@ and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -17,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.traceback import annotate, preserve_node_meta
 
@@ -73,6 +74,38 @@ def _backward_marking(fake_mode: FakeTensorMode) -> Iterator[None]:
         torch.autograd.set_multithreading_enabled(multithreading)
 
 
+@contextlib.contextmanager
+def backward_without_stack_traces() -> Iterator[None]:
+    """Around the step's `autograd.grad` while make_fx traces it: backward ops are recorded
+    without capturing a Python stack each. Their stacks lie inside torch's autograd (a
+    backward node's source comes from its forward op by `seq_nr`, which this leaves alone),
+    so only the time goes (stack capture was a sixth of a profiled sharded 8B trace)."""
+    mode = get_proxy_mode()
+    tracer = getattr(mode, "tracer", None)
+    if tracer is None or not getattr(tracer, "record_stack_traces", False):
+        yield
+        return
+    tracer.record_stack_traces = False
+    try:
+        yield
+    finally:
+        tracer.record_stack_traces = True
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while make_fx builds the graph: every full collection
+    walks the growing graph and its fake tensors again (a tenth of a large trace); the
+    collector runs as usual afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _to_fake(fake_mode: FakeTensorMode, value: Any, device: torch.device) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -120,7 +153,8 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         output = torch.func.functional_call(model, state, inputs)
         with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
             loss = check_loss(workload, loss_fn(output, flat[-1]))
-        grads = torch.autograd.grad(loss, p, allow_unused=True)
+        with backward_without_stack_traces():
+            grads = torch.autograd.grad(loss, p, allow_unused=True)
         check_grads(workload, list(params), grads)
         return [loss, *grads]
 
@@ -173,7 +207,7 @@ def trace_step(
     with fake_mode:
         fake_args = [_to_fake(fake_mode, t, device) for t in args]
     try:
-        with _backward_marking(fake_mode), annotate_modules(workload.model):
+        with _backward_marking(fake_mode), annotate_modules(workload.model), _collector_paused():
             gm = make_fx(step, record_stack_traces=True)(*fake_args)
     except WorkbenchError:
         raise
