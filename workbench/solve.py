@@ -1,7 +1,8 @@
 """Policy search: the cheapest save/recompute choice whose estimated peak fits a memory budget.
 
 Entry points: `solve(graph, budget_bytes, method=...) -> Solution` and `pareto(graph, n=20)
--> list[Solution]`, a sweep from full recompute to no AC; `preset_points(graph)` for context.
+-> list[Solution]`, a sweep from full recompute to no AC (on per-rank graphs over both FSDP
+choices, `fsdp_choices(graph)`); `preset_points(graph)` for context.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from workbench.graph import JointGraph
 from workbench.index import GraphIndex
 from workbench.policy import PRESETS, Action, Policy, graph_facts, node_keys
 from workbench.profiles import DeviceProfile, get_profile
+
+__all__ = [
+    "METHODS",
+    "OBJECTIVES",
+    "Solution",
+    "fsdp_choices",
+    "pareto",
+    "preset_points",
+    "solve",
+]
 
 OBJECTIVES: tuple[str, ...] = ("recompute_time", "recompute_flops")
 METHODS: tuple[str, ...] = ("greedy", "knapsack", "exact")
