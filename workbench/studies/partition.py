@@ -282,13 +282,12 @@ def partition_saving(
             random = isinstance(node.target, torch._ops.OpOverload) and (
                 torch.Tag.nondeterministic_seeded in node.target.tags
             )
-            node.meta["recompute"] = (
-                fsdp_tag(bool(fsdp_reshard)).policy
-                if node.name in chains
-                else CheckpointPolicy.MUST_SAVE
-                if node.name in keep or random
-                else CheckpointPolicy.PREFER_RECOMPUTE
-            )
+            if node.name in chains:
+                node.meta["recompute"] = fsdp_tag(bool(fsdp_reshard)).policy
+            elif node.name in keep or random:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            else:
+                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     fw, bw = partition_fn(_copy(joint), None, num_fwd_outputs=first.num_fwd_outputs)
     return Partition(fw, bw, first.num_fwd_outputs, first.forward_inputs, joint=joint)
 
