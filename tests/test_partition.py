@@ -1,16 +1,20 @@
 """Torch's partitioners on a real joint graph: a second min-cut pass over the partitioned
-forward, and the tag-driven default partition fed the first pass's saved set."""
+forward, and the tag-driven default partition fed the first pass's saved set; on a sharded
+model, what min-cut does with FSDP's gathered weights and what reshard tags change."""
 
 from __future__ import annotations
 
 import pytest
 
 from workbench.models import load_workload
+from workbench.parallel import Parallel, fake_process_group, shard_workload
+from workbench.rules import ALL_GATHER
 from workbench.studies.partition import (
     Partition,
     activation_bytes,
     as_joint_graph,
     compute_ops,
+    gathered_saved,
     partition_decisions,
     partition_model,
     partition_saving,
@@ -59,3 +63,35 @@ def test_tagging_the_saved_set_reproduces_it_once_views_are_followed(first: Part
     assert all(graph.nodes[r.node].is_view for r in views)  # a view is free to run again
     changed = diff(graph, before, partition_decisions(graph, naive.recomputed, "names")).rows
     assert {r.op for r in changed} >= {"aten._scaled_dot_product_flash_attention_for_cpu.default"}
+
+
+def _backward_gathers(partition: Partition) -> int:
+    return sum(
+        str(n.target) == ALL_GATHER and n.op == "call_function"
+        for n in partition.backward.graph.nodes
+    )
+
+
+def test_fsdp_gathers_kept_by_min_cut_and_re_gathered_under_reshard_tags() -> None:
+    workload = load_workload("llama3-debug", layers=1, seq=16)
+    parallel = Parallel(fsdp=2)
+    with fake_process_group(parallel) as mesh:
+        sharded = partition_model(shard_workload(workload, parallel, mesh).workload)
+        # min-cut keeps gathered bf16 weights (or their transposes) instead of re-gathering
+        kept = gathered_saved(sharded.joint, sharded.saved)
+        assert kept and _backward_gathers(sharded) == 0
+        ops = {str(n.target) for n in sharded.joint.graph.nodes if n.name in kept}
+        assert "aten.t.default" in ops  # the transposed weight the backward matmul reads
+        # tagged reshard: nothing gathered is kept, the backward gathers again
+        reshard = partition_saving(sharded, sharded.saved, fsdp_reshard=True)
+        assert gathered_saved(reshard.joint, reshard.saved) == []
+        assert _backward_gathers(reshard) == len(kept)
+        keep = partition_saving(sharded, sharded.saved, fsdp_reshard=False)
+        assert _backward_gathers(keep) == 0
+        # a second min-cut pass over the resharding forward keeps the gathers again (its
+        # tags are not in the retraced graph); tagging that pass re-gathers
+        second = repartition_forward(reshard)
+        assert gathered_saved(second.joint, second.saved) and _backward_gathers(second) == 0
+        retagged = partition_saving(second, second.saved, fsdp_reshard=True)
+        assert gathered_saved(retagged.joint, retagged.saved) == []
+        assert _backward_gathers(retagged) > 0

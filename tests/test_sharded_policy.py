@@ -55,6 +55,19 @@ def test_unshard_chains_and_waits_in_the_facts(rank_graph: JointGraph) -> None:
     assert waits and all(facts[w.parent].op.startswith("_c10d") for w in waits if w.parent)
 
 
+def test_unshard_chains_stop_where_data_comes_in_on_fsdp_only_graphs() -> None:
+    # without TP the embedding reads the gathered table and the tokens alone: it and every
+    # activation after it are on no chain, so a policy still decides them
+    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(2))
+    facts = graph_facts(graph)
+    on_chains = [f for f in facts if f.gather is not None]
+    assert {f.op for f in on_chains if f.gather == f.name} == {ALL_GATHER}
+    assert len({f.gather for f in on_chains}) == len(graph.param_names) == 21
+    assert not [f.name for f in on_chains if f.op in ("aten.embedding.default", "aten.mm.default")]
+    tags = decide(graph, Policy("none"))
+    assert not any(tags[f.name].recompute for f in facts if f.op == "aten.mm.default")
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fsdp_reshard_decides_the_chains_and_waits_follow(
     rank_graph: JointGraph, reshard: bool

@@ -258,7 +258,8 @@ def unshard_chains(gm: torch.fx.GraphModule) -> dict[str, str]:
     """Forward node -> the all-gather of its FSDP unshard chain: nodes computed from graph
     inputs alone (no activation flows in) that lead to or come from an all-gather, the
     parameter's cast -> all_gather -> wait -> views (TP's all-gathers of activations are
-    not on such chains)."""
+    not on such chains). Below a gather the chain takes only nodes fed by it alone: the
+    embedding lookup (gathered table and token input) starts the activations."""
     from_inputs: dict[torch.fx.Node, str | None] = {}  # input-only node -> its gather so far
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("autograd_backward"):
@@ -266,7 +267,9 @@ def unshard_chains(gm: torch.fx.GraphModule) -> dict[str, str]:
         inputs = node.all_input_nodes
         if not inputs or not all(x.op == "placeholder" or x in from_inputs for x in inputs):
             continue
-        above = [from_inputs[x] for x in inputs if from_inputs.get(x)]
+        above = {from_inputs.get(x) for x in inputs}
+        if above - {None} and len(above) > 1:
+            continue  # a gathered parameter meeting data or another parameter: compute
         from_inputs[node] = (
             node.name if op_name(node.target) == ALL_GATHER else next(iter(above), None)
         )

@@ -2,7 +2,8 @@
 it produced, and the tag-driven default partition; what each keeps, named by first-joint nodes.
 
 Entry points: `partition_model(workload)`, `repartition_forward(first)`,
-`partition_saving(first, saved)`, and `as_joint_graph` / `partition_decisions` for pictures.
+`partition_saving(first, saved)`, `gathered_saved` (FSDP weights kept instead of re-gathered),
+and `as_joint_graph` / `partition_decisions` for pictures.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.fx as fx
 from torch._functorch.aot_autograd import aot_function, aot_module, make_boxed_func
 from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.traceback import preserve_node_meta
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -27,7 +29,7 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph, NodeInfo, describe_nodes
 from workbench.index import distinct_storage_bytes
 from workbench.policy import Decision, Decisions
-from workbench.rules import Why
+from workbench.rules import Why, fsdp_tag, unshard_chains
 from workbench.trace import annotate_modules
 from workbench.workload import Workload
 
@@ -202,17 +204,26 @@ def repartition_forward(
 ) -> Partition:
     """Compile `first.forward` again with `partition_fn`: a second partitioner pass over an
     already partitioned forward, whose outputs (the first pass's saved tensors among them) all
-    get gradients. Inputs that required grad in the first joint graph require it again."""
-    grads = [
-        bool(getattr(n.meta.get("tensor_meta"), "requires_grad", False))
-        for n in first.joint_graph().graph.nodes
-        if n.op == "placeholder" and n.name.startswith("primals")
-    ]
+    get gradients. Inputs the first backward gave a gradient require grad again; opaque inputs
+    (a sharded model's device mesh) are passed as the objects they stand for."""
+    returned = first.backward.graph.output_node().args[0]
+    assert isinstance(returned, (tuple, list))
+    grads = [g is not None for g in returned]
     args = [
         t.detach().clone().requires_grad_(g and t.is_floating_point())
+        if isinstance(t, torch.Tensor)
+        else _real_object(t)
         for t, g in zip(first.forward_inputs, grads, strict=True)
     ]
     return _compile(aot_function, first.forward, args, partition_fn)
+
+
+def _real_object(value: Any) -> Any:
+    """The object behind an opaque input AOT recorded as fake (a sharded model's device
+    mesh): compiling again needs the object itself."""
+    if isinstance(value, FakeScriptObject):
+        return object.__getattribute__(value, "real_obj")
+    return value
 
 
 def structural_keys(gm: fx.GraphModule, inputs: list[str] | None = None) -> dict[str, str]:
@@ -249,6 +260,7 @@ def partition_saving(
     partition_fn: PartitionFn = default_partition,
     *,
     follow_views: bool = True,
+    fsdp_reshard: bool | None = None,
 ) -> Partition:
     """Partition a copy of `first.joint` with every forward op tagged: MUST_SAVE if named in
     `saved`, PREFER_RECOMPUTE otherwise (torch's SAC tags, as graph SAC writes them). Random
@@ -256,21 +268,26 @@ def partition_saving(
     recomputing them would need RNG functionalization, which needs a fake mode. Min-cut also
     saves views that autograd emitted for the backward (a weight's transpose, a detach of the
     attention output); tags live on forward ops, so `follow_views` also tags the forward node
-    each saved view is built on, the same storage."""
+    each saved view is built on, the same storage. `fsdp_reshard` (True or False) then tags
+    every node of each FSDP unshard chain (`rules.unshard_chains`: cast, all-gather, wait,
+    views) as the policy option does: recompute in backward (re-gather) or keep the
+    gathered copy, whatever `saved` says of them."""
     joint = _copy(first.joint_graph())
     keep = set(saved)
     if follow_views:  # min-cut may save a view built by backward ops: tag the forward base
         keep |= {_base(n).name for n in joint.graph.nodes if n.name in keep}
+    chains = unshard_chains(joint) if fsdp_reshard is not None else {}
     for node in joint.graph.nodes:
         if node.op == "call_function" and not node.meta.get("autograd_backward"):
             random = isinstance(node.target, torch._ops.OpOverload) and (
                 torch.Tag.nondeterministic_seeded in node.target.tags
             )
-            node.meta["recompute"] = (
-                CheckpointPolicy.MUST_SAVE
-                if node.name in keep or random
-                else CheckpointPolicy.PREFER_RECOMPUTE
-            )
+            if node.name in chains:
+                node.meta["recompute"] = fsdp_tag(bool(fsdp_reshard)).policy
+            elif node.name in keep or random:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            else:
+                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     fw, bw = partition_fn(_copy(joint), None, num_fwd_outputs=first.num_fwd_outputs)
     return Partition(fw, bw, first.num_fwd_outputs, first.forward_inputs, joint=joint)
 
@@ -305,6 +322,15 @@ def activation_bytes(joint: fx.GraphModule, names: Iterable[str]) -> int:
     wanted = set(names)
     nodes = [n for n in joint.graph.nodes if n.op == "placeholder" or n.name in wanted]
     return distinct_storage_bytes(nodes)
+
+
+def gathered_saved(joint: fx.GraphModule, names: Iterable[str]) -> list[str]:
+    """The names among `names` whose storage is an FSDP-gathered parameter (its base is on an
+    unshard chain of `joint`: the all-gathered weight, or a view of it such as its
+    transpose): what a partition keeps for backward instead of gathering again."""
+    chains = unshard_chains(joint)
+    nodes = {n.name: n for n in joint.graph.nodes}
+    return [name for name in names if name in nodes and _base(nodes[name]).name in chains]
 
 
 def as_joint_graph(partition: Partition, name: str) -> JointGraph:
