@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.graph import JointGraph
-from workbench.index import GraphIndex, Schedule, graph_index
+from workbench.index import Flat, GraphIndex, Schedule, graph_index
 from workbench.models import Workload, load_workload
 from workbench.parallel import Parallel
 from workbench.policy import Policy, decide
@@ -30,7 +30,15 @@ def graphs(small_graphs: dict[str, tuple[Workload, JointGraph]]) -> dict[str, Jo
 def _schedules(graph: JointGraph) -> list[Schedule]:
     index = graph_index(graph)
     flags = [recompute_flags(index, decide(graph, Policy(p))) for p in PRESETS]
-    return [index.identity(), *(replay(index, f) for f in flags)]
+    return [index.identity(), *(_schedule(replay(index, f)) for f in flags)]
+
+
+def _schedule(flat: Flat) -> Schedule:
+    order = flat.entries.tolist()
+    args: dict[int, list[int]] = {e: [] for e in order}
+    for position, x in zip(flat.reader.tolist(), flat.read.tolist(), strict=True):
+        args[order[position]].append(x)
+    return order, {e: tuple(xs) for e, xs in args.items()}
 
 
 def _walk(index: GraphIndex, schedule: Schedule) -> tuple[list[set[int]], list[int], list[int]]:
@@ -105,5 +113,6 @@ def test_saved_and_returned_storages_follow_their_definition(
             and index.phase[owner[sid] % n] != "input"
             and owner[sid] % n not in index.gathered
         }
+        assert index.read_directly(flat) == {index.names[x] for x in read}
         assert set(index.returned_mask(flat, table).nonzero()[0].tolist()) == returned
         assert set(index.saved_mask(flat, table).nonzero()[0].tolist()) == saved

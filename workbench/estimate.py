@@ -195,11 +195,11 @@ class Estimator:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
         return self.index.backward_readers(name)
 
-    def recompute_flags(self, decisions: Decisions) -> list[bool]:
+    def recompute_flags(self, decisions: Decisions) -> np.ndarray:
         """Per node of the index: tagged for recompute."""
         return recompute_flags(self.index, decisions)
 
-    def schedule(self, recompute: Sequence[bool]) -> Schedule:
+    def schedule(self, recompute: Sequence[bool] | np.ndarray) -> Flat:
         """The schedule torch's remat pass would produce (see `workbench.replay.replay`)."""
         return replay(self.index, recompute)
 
@@ -212,21 +212,20 @@ class Estimator:
                 "estimate_remat instead"
             )
         decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
-        order, args = replay(self.index, recompute_flags(self.index, decisions))
-        return self.simulate(order, args, granularity)
+        return self.simulate(
+            replay(self.index, recompute_flags(self.index, decisions)), granularity
+        )
 
     def schedule_of(self, gm: fx.GraphModule) -> Schedule:
         return self.index.schedule_of(gm)
 
-    def simulate(
-        self, order: list[int], args: dict[int, tuple[int, ...]], granularity: int = 1
-    ) -> Estimate:
+    def simulate(self, schedule: Schedule | Flat, granularity: int = 1) -> Estimate:
         """Walk the graph as its generated code runs: allocate each node's fresh outputs,
         free a storage once no live value refers to it (values die after their last use,
         or right after they run when nothing uses them); graph inputs and outputs stay."""
         index = self.index
         n = index.n
-        flat = index.flat((order, args))
+        flat = index.flat(schedule)
         table = index.storages(flat)
         sizes = table.sizes if granularity == 1 else -(-table.sizes // granularity) * granularity
 
@@ -234,8 +233,8 @@ class Estimator:
         # inputs are held by the caller and outputs are returned. A storage is freed when
         # the last value holding it dies: every value aliasing it is made from a live one,
         # so its reference count cannot reach zero earlier.
-        steps = len(order)
         entries = flat.entries
+        steps = len(entries)
         position = np.zeros(2 * n, dtype=np.int64)
         position[entries] = np.arange(steps)
         death = position.copy()
@@ -254,7 +253,15 @@ class Estimator:
         total = live.sum(axis=0)
         peak_p = int(np.argmax(total))
         return self._report(
-            order, int(total[peak_p]), peak_p, live, sizes, table.owner, category, table.born, freed
+            entries,
+            int(total[peak_p]),
+            peak_p,
+            live,
+            sizes,
+            table.owner,
+            category,
+            table.born,
+            freed,
         )
 
     def _categories(self, flat: Flat, table: Storages) -> np.ndarray:
@@ -280,7 +287,7 @@ class Estimator:
 
     def _report(
         self,
-        order: list[int],
+        entries: np.ndarray,
         peak: int,
         peak_p: int,
         live: np.ndarray,
@@ -313,7 +320,7 @@ class Estimator:
             if here
         ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
-        entries = np.asarray(order, dtype=np.int64)
+        order = entries.tolist()
         copy_array = entries[entries >= n] - n
         copies = copy_array.tolist()
         names = self._entry_names
@@ -358,5 +365,4 @@ def estimate_remat(
     """Figures for the graph torch's remat pass actually produced (the full path)."""
     estimator = estimator or Estimator(graph)
     gm = result.gm if isinstance(result, RematResult) else result
-    order, args = estimator.schedule_of(gm)
-    return estimator.simulate(order, args, granularity)
+    return estimator.simulate(estimator.schedule_of(gm), granularity)

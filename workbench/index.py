@@ -11,7 +11,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,8 +28,10 @@ from workbench.graph import ORIGIN_KEY, JointGraph, Phase
 from workbench.rules import unshard_chains
 
 __all__ = [
+    "Csr",
     "Flat",
     "GraphIndex",
+    "NodeArrays",
     "Schedule",
     "Slot",
     "Storages",
@@ -56,6 +58,37 @@ class Flat(NamedTuple):
     read: np.ndarray
 
 
+class Csr(NamedTuple):
+    """Per-node lists as two arrays: node i's items are `items[start[i] : start[i + 1]]`."""
+
+    start: np.ndarray
+    items: np.ndarray
+
+    @classmethod
+    def of(cls, lists: Sequence[Sequence[int]]) -> Csr:
+        counts = np.fromiter((len(x) for x in lists), np.int64, len(lists))
+        items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
+        return cls(np.concatenate(([0], np.cumsum(counts))), items)
+
+    def gather(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The lists of `nodes`, concatenated: (position in `nodes` of each item, item)."""
+        first, counts = self.start[nodes], self.start[nodes + 1] - self.start[nodes]
+        position = np.repeat(np.arange(len(nodes)), counts)
+        offsets = np.cumsum(counts) - counts
+        return position, self.items[np.arange(len(position)) - np.repeat(offsets - first, counts)]
+
+
+class NodeArrays(NamedTuple):
+    """Per-node facts as arrays, for the passes that replay torch's remat pass on them."""
+
+    inputs: Csr  # each node's inputs (`GraphIndex.args`)
+    forward: np.ndarray  # a forward or loss node
+    backward: np.ndarray  # marked autograd_backward (`GraphIndex.is_bwd`)
+    region: np.ndarray  # the backward region holding the node (`regions`), -1 outside
+    impure: np.ndarray  # kept by dead-code elimination whatever reads it
+    raisable: np.ndarray  # a getitem of a non-getitem, which torch's `raise_getitems` moves
+
+
 class Storages(NamedTuple):
     """The storages a schedule allocates, by id in allocation order: the entry that owns
     each, its bytes and the position where it is allocated; and which values hold them, as
@@ -72,11 +105,9 @@ class _Tables(NamedTuple):
     """Per-node arrays built once per graph, read by every schedule's storage walk."""
 
     slot_start: np.ndarray  # node i's slots are keys slot_start[i] .. slot_start[i + 1] - 1
-    fresh: np.ndarray  # keys of fresh slots holding bytes, node by node, in slot order
-    fresh_start: np.ndarray  # node i's fresh keys: fresh[fresh_start[i] : fresh_start[i + 1]]
+    fresh: Csr  # each node's keys of fresh slots holding bytes, in slot order
     fresh_bytes: np.ndarray  # by key
-    alias: np.ndarray  # keys of alias slots, node by node
-    alias_start: np.ndarray
+    alias: Csr  # each node's keys of alias slots
     alias_input: np.ndarray  # by key: which input of the node the slot aliases
     alias_slot: np.ndarray  # by key: which slot of that input
     forward: np.ndarray  # by entry (2n): an original forward or loss node
@@ -145,17 +176,26 @@ class GraphIndex:
     # --- storages ----------------------------------------------------------------------
 
     @functools.cached_property
-    def forward_inputs(self) -> tuple[tuple[int, ...], ...]:
-        """Per node: its inputs from forward or loss, the only ones a policy can recompute."""
-        return tuple(tuple(x for x in args if self.phase[x] in _FORWARD) for args in self.args)
+    def arrays(self) -> NodeArrays:
+        """Per-node facts as arrays (built on first use)."""
+        region = np.full(self.n, -1, np.int64)
+        for r, (start, end) in enumerate(self.regions):
+            region[start:end] = r
+        getitem = np.array(self.is_getitem, bool)
+        first_input = np.array([args[0] if args else 0 for args in self.args], np.int64)
+        return NodeArrays(
+            inputs=Csr.of(self.args),
+            forward=np.array([p in _FORWARD for p in self.phase], bool),
+            backward=np.array(self.is_bwd, bool),
+            region=region,
+            impure=np.array(self.impure, bool),
+            raisable=getitem & ~getitem[first_input],
+        )
 
     @functools.cached_property
-    def raisable(self) -> bytes:
-        """Per node: a getitem of a non-getitem, which torch's `raise_getitems` moves."""
-        return bytes(
-            getitem and not self.is_getitem[self.args[i][0]]
-            for i, getitem in enumerate(self.is_getitem)
-        )
+    def identity_flat(self) -> Flat:
+        """The joint graph as traced, as arrays."""
+        return self.flat(self.identity())
 
     @functools.cached_property
     def _tables(self) -> _Tables:
@@ -168,6 +208,7 @@ class GraphIndex:
         alias_input, alias_slot = np.array(pairs, np.int64).reshape(-1, 2).T
         node_of = np.repeat(np.arange(self.n), counts)
         fresh, alias = np.flatnonzero(fresh_bytes), np.flatnonzero(is_alias)
+        bounds = np.arange(self.n + 1)
         forward = np.array([p in _FORWARD for p in self.phase] + [False] * self.n, bool)
         backward = np.array([p == "backward" for p in self.phase] + [True] * self.n, bool)
         kept = np.array(
@@ -175,11 +216,9 @@ class GraphIndex:
         )
         return _Tables(
             slot_start=slot_start,
-            fresh=fresh,
-            fresh_start=np.searchsorted(node_of[fresh], np.arange(self.n + 1)),
+            fresh=Csr(np.searchsorted(node_of[fresh], bounds), fresh),
             fresh_bytes=fresh_bytes,
-            alias=alias,
-            alias_start=np.searchsorted(node_of[alias], np.arange(self.n + 1)),
+            alias=Csr(np.searchsorted(node_of[alias], bounds), alias),
             alias_input=np.ascontiguousarray(alias_input),
             alias_slot=np.ascontiguousarray(alias_slot),
             forward=forward,
@@ -187,8 +226,10 @@ class GraphIndex:
             kept=kept,
         )
 
-    def flat(self, schedule: Schedule) -> Flat:
+    def flat(self, schedule: Schedule | Flat) -> Flat:
         """`schedule` as arrays."""
+        if isinstance(schedule, Flat):
+            return schedule
         order, args = schedule
         entries = np.array(order, np.int64)
         counts = np.fromiter((len(args[e]) for e in order), np.int64, len(order))
@@ -212,9 +253,9 @@ class GraphIndex:
         shift = entries - nodes  # 0 for originals, n for copies
         key_shift = np.where(shift > 0, total, 0)
 
-        fresh_pos, fresh_keys = _expand(t.fresh, t.fresh_start, nodes)
+        fresh_pos, fresh_keys = t.fresh.gather(nodes)
         owner_keys = fresh_keys + key_shift[fresh_pos]
-        alias_pos, alias_keys = _expand(t.alias, t.alias_start, nodes)
+        alias_pos, alias_keys = t.alias.gather(nodes)
         first_read = np.searchsorted(flat.reader, np.arange(len(entries)))
         target = flat.read[first_read[alias_pos] + t.alias_input[alias_keys]]
         target_keys = base[target] + t.alias_slot[alias_keys]
@@ -248,12 +289,10 @@ class GraphIndex:
         anyway), nor the gathered parameter copies of FSDP unshard chains (parameters, not
         activations, whatever is kept)."""
         t, n = self._tables, self.n
-        entries = flat.entries
-        read = flat.read[t.reads_saved[entries[flat.reader]]]
         read_by_backward = np.zeros(2 * n, bool)
-        read_by_backward[read[t.forward[read]]] = True
+        read_by_backward[self._read_by_backward(flat)] = True
         saved = np.zeros(len(table.sizes), bool)
-        saved[table.held[read_by_backward[entries[table.holder]]]] = True
+        saved[table.held[read_by_backward[flat.entries[table.holder]]]] = True
         return saved & ~self.returned_mask(flat, table) & t.kept[table.owner % n]
 
     def returned_mask(self, flat: Flat, table: Storages) -> np.ndarray:
@@ -265,7 +304,7 @@ class GraphIndex:
         mask[table.held[returned[entries[table.holder]]]] = True
         return mask
 
-    def saved_by_node(self, schedule: Schedule) -> dict[str, int]:
+    def saved_by_node(self, schedule: Schedule | Flat) -> dict[str, int]:
         """Bytes kept for backward, by the forward node that allocated each storage (its
         base, for activations backward reads through views). The one definition of saved
         activation bytes: its total is `Estimate.saved_activation_bytes`."""
@@ -281,18 +320,18 @@ class GraphIndex:
 
     # --- readers -----------------------------------------------------------------------
 
-    def read_directly(self, schedule: Schedule) -> set[str]:
+    def read_directly(self, schedule: Schedule | Flat) -> set[str]:
         """Forward and loss nodes that a backward node or a recomputed copy of the schedule
         takes as an input: the values its forward region hands over to backward."""
-        order, args = schedule
-        n, phase = self.n, self.phase
-        return {
-            self.names[x]
-            for e in order
-            if e >= n or phase[e] == "backward"
-            for x in args[e]
-            if x < n and phase[x] in _FORWARD
-        }
+        read = self._read_by_backward(self.flat(schedule))
+        return {self.names[x] for x in np.unique(read).tolist()}
+
+    def _read_by_backward(self, flat: Flat) -> np.ndarray:
+        """Original forward and loss entries read by a backward node or a recomputed copy
+        (with repeats)."""
+        t = self._tables
+        read = flat.read[t.reads_saved[flat.entries[flat.reader]]]
+        return read[t.forward[read]]
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops that read `name`'s output, directly or through forward views of its
@@ -310,17 +349,6 @@ class GraphIndex:
                     seen.add(u)
                     todo.append(u)
         return sorted(readers)
-
-
-def _expand(
-    keys: np.ndarray, start: np.ndarray, nodes: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """For each position p of `nodes`, the keys `keys[start[i] : start[i + 1]]` of its node
-    i, concatenated: (position of each, key)."""
-    first, counts = start[nodes], start[nodes + 1] - start[nodes]
-    position = np.repeat(np.arange(len(nodes)), counts)
-    offsets = np.cumsum(counts) - counts
-    return position, keys[np.arange(len(position)) - np.repeat(offsets - first, counts)]
 
 
 def distinct_storage_bytes(nodes: Iterable[fx.Node]) -> int:
