@@ -29,3 +29,18 @@ def small_graphs() -> dict[str, tuple[Workload, JointGraph]]:
         workload = load_workload(model, layers=2, seq=32)
         result[model] = (workload, trace(workload, mode="real"))
     return result
+
+
+@pytest.fixture(scope="session")
+def small_graphs_and_rank(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> dict[str, JointGraph]:
+    """`small_graphs`' two graphs and rank 0 of llama3-debug (2 layers, seq 32) on FSDP2 x
+    TP2, on fake tensors: the graphs the what-if's exactness tests run on."""
+    from workbench.parallel import Parallel
+
+    rank = load_workload("llama3-debug", device="meta", layers=2, seq=32)
+    return {
+        **{name: graph for name, (_, graph) in small_graphs.items()},
+        "llama3-debug-fsdp2-tp2": trace(rank, "fake", Parallel(2, 2)),
+    }

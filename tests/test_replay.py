@@ -13,24 +13,16 @@ from workbench.errors import WorkbenchError
 from workbench.estimate import Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.index import GraphIndex, Schedule, graph_index
-from workbench.models import Workload, load_workload
-from workbench.parallel import Parallel
 from workbench.policy import Policy, decide
 from workbench.remat import remat
 from workbench.replay import recompute_flags, replay
-from workbench.trace import trace
 
 MODELS = ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"]
 
 
 @pytest.fixture(scope="module")
-def graphs(small_graphs: dict[str, tuple[Workload, JointGraph]]) -> dict[str, JointGraph]:
-    """Both reference models (2 layers, seq 32) and rank 0 of llama3-debug on FSDP2 x TP2."""
-    rank = load_workload("llama3-debug", device="meta", layers=2, seq=32)
-    return {
-        **{name: graph for name, (_, graph) in small_graphs.items()},
-        "llama3-debug-fsdp2-tp2": trace(rank, "fake", Parallel(2, 2)),
-    }
+def graphs(small_graphs_and_rank: dict[str, JointGraph]) -> dict[str, JointGraph]:
+    return small_graphs_and_rank
 
 
 def _plain_replay(index: GraphIndex, rec: list[bool]) -> Schedule:

@@ -22,10 +22,12 @@ from workbench.files import write_file
 from workbench.graph import JointGraph, NodeInfo
 from workbench.rules import (
     PRESETS,
+    DecidePlan,
     OpFacts,
     SelectorRow,
     Tag,
     decide_ops,
+    decide_plan,
     fx_rows,
     layer_pattern,
     module_matches,
@@ -263,6 +265,7 @@ def decidable(info: NodeInfo) -> bool:
 
 
 _FACTS: weakref.WeakKeyDictionary[JointGraph, list[OpFacts]] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[JointGraph, DecidePlan] = weakref.WeakKeyDictionary()
 _OVERRIDE_KEYS: weakref.WeakKeyDictionary[JointGraph, tuple[set[str], set[str], set[str]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -349,12 +352,16 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     MUST_* for overrides, selectors and hard rules, PREFER_* for preset choices. Random ops
     and mutations are saved whatever was asked; a recompute node whose recompute user sits
     in another layer is saved (layer boundary), or remat would chain recomputation across
-    layers; getitem nodes follow the multi-output op they unpack.
+    layers; getitem nodes follow the multi-output op they unpack. The graph's
+    `rules.DecidePlan` is kept with it, so re-deciding after a flip is cheap.
     """
     validate(graph, policy)
     selectors = [s.row() for s in policy.selectors]
+    facts = graph_facts(graph)
+    if graph not in _PLANS:
+        _PLANS[graph] = decide_plan(facts)
     return decide_ops(
-        graph_facts(graph), policy.preset, selectors, policy.overrides, policy.fsdp_reshard
+        facts, policy.preset, selectors, policy.overrides, policy.fsdp_reshard, _PLANS[graph]
     )
 
 
