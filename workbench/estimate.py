@@ -137,7 +137,8 @@ class Estimator:
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
         self._seconds = {name: np.asarray(sec) for name, sec in self.seconds.items()}
         # names of every schedule entry: originals, then recomputed copies
-        self._entry_names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
+        names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
+        self._entry_names = np.array(names, dtype=object)
         # per node: the category of a graph input's storage (-1 for other nodes); in an
         # FSDP unshard chain
         placeholders, n = self.index.placeholder_category, self.index.n
@@ -320,13 +321,12 @@ class Estimator:
             if here
         ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
-        order = entries.tolist()
         copy_array = entries[entries >= n] - n
         copies = copy_array.tolist()
         names = self._entry_names
         return Estimate(
             peak_bytes=peak,
-            peak_node=names[order[peak_p]],
+            peak_node=names[entries[peak_p]],
             peak_index=peak_p,
             peak_breakdown={c: int(live[k, peak_p]) for k, c in enumerate(CATEGORIES)},
             saved_activation_bytes=sum(saved_sizes),
@@ -334,7 +334,7 @@ class Estimator:
             saved_by_layer=dict(by_layer),
             saved_at_peak=rows,
             recompute_flops=sum(index.flops[i] for i in copies),
-            recomputed_nodes=[index.names[i] for i in copies],
+            recomputed_nodes=names[copy_array].tolist(),
             step_seconds={
                 name: float(sec[entries % n].sum()) for name, sec in self._seconds.items()
             },
@@ -342,7 +342,7 @@ class Estimator:
                 name: float(sec[copy_array].sum()) for name, sec in self._seconds.items()
             },
             tokens=self.graph.tokens,
-            order=[names[e] for e in order],
+            order=names[entries].tolist(),
             timeline={c: live[k].tolist() for k, c in enumerate(CATEGORIES)},
         )
 

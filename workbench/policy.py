@@ -265,6 +265,7 @@ def decidable(info: NodeInfo) -> bool:
 
 
 _FACTS: weakref.WeakKeyDictionary[JointGraph, list[OpFacts]] = weakref.WeakKeyDictionary()
+_KEYS: weakref.WeakKeyDictionary[JointGraph, dict[str, str]] = weakref.WeakKeyDictionary()
 _PLANS: weakref.WeakKeyDictionary[JointGraph, DecidePlan] = weakref.WeakKeyDictionary()
 _OVERRIDE_KEYS: weakref.WeakKeyDictionary[JointGraph, tuple[set[str], set[str], set[str]]] = (
     weakref.WeakKeyDictionary()
@@ -282,7 +283,14 @@ def graph_facts(graph: JointGraph) -> list[OpFacts]:
 def node_keys(graph: JointGraph) -> dict[str, str]:
     """Stable, layer-relative keys `MODULE::OP#k` (k-th such op in that module) for decidable
     nodes; `MODULE` uses `layers.*` so one key names the op in every identical layer."""
-    return {f.name: f.key for f in graph_facts(graph)}
+    return dict(_node_keys(graph))
+
+
+def _node_keys(graph: JointGraph) -> dict[str, str]:
+    """`node_keys`, built once per graph (a flip reads one key of it)."""
+    if graph not in _KEYS:
+        _KEYS[graph] = {f.name: f.key for f in graph_facts(graph)}
+    return _KEYS[graph]
 
 
 def layer_key(info: NodeInfo, key: str) -> str:
@@ -391,7 +399,7 @@ def flip(
     if current.forced:
         raise WorkbenchError(f"{node!r} must be saved ({current.explanation}): it cannot flip")
     action: Action = "save" if current.recompute else "recompute"
-    key = node_keys(graph)[node]
+    key = _node_keys(graph)[node]
     overrides = dict(policy.overrides)
     if all_layers:
         pattern, _, suffix = key.partition("::")

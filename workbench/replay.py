@@ -13,7 +13,7 @@ import numpy as np
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.index import Csr, Flat, GraphIndex, graph_index
-from workbench.rules import Tag
+from workbench.rules import RECOMPUTE, Tag
 
 __all__ = ["kept_for_backward", "recompute_flags", "replay"]
 
@@ -21,8 +21,8 @@ __all__ = ["kept_for_backward", "recompute_flags", "replay"]
 def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> np.ndarray:
     """Per node: tagged for recompute."""
     flags = np.zeros(index.n, bool)
-    chosen = [index.index_of[name] for name, tag in decisions.items() if tag.recompute]
-    flags[chosen] = True
+    index_of = index.index_of
+    flags[[index_of[name] for name, tag in decisions.items() if tag.policy in RECOMPUTE]] = True
     return flags
 
 
