@@ -490,8 +490,9 @@ class DecidePlan(NamedTuple):
     leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
     boundaries: list[tuple[str, tuple[str, ...]]]  # graph SAC's layer-boundary walk
     titan_boundaries: list[tuple[str, tuple[str, ...]]]  # graph trainer's
-    # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries
-    requested: dict[tuple[Any, ...], dict[str, Tag]]
+    # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
+    # and those tags once followers took their leader's
+    requested: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
 
 
 REQUEST_MEMO = 8  # request tables a plan remembers (one per preset and selector list)
@@ -539,28 +540,50 @@ def decide_ops(
     plan = plan or decide_plan(facts)
     if preset in TITAN_PRESETS:
         return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, plan)
-    tags = dict(_requested_before_overrides(facts, plan, preset, selectors, fsdp_reshard))
-    overrides = overrides or {}
+    requested, followed = _requests(facts, plan, preset, selectors, fsdp_reshard)
+    tags, overridden = dict(followed), set()
     for nodes_of in (plan.by_key, plan.by_layer_key):  # a key naming one layer wins
-        for key, action in overrides.items():
+        for key, action in (overrides or {}).items():
             for name in nodes_of.get(key, ()):
-                if not tags[name].forced:
+                if not requested[name].forced:
                     tags[name] = Tag(MUST[action], Why.OVERRIDE, key)
-    for name, leader, chain in plan.leaders:
-        if not tags[name].forced and (chain or tags[leader].recompute != tags[name].recompute):
-            tags[name] = tags[leader]
+                    overridden.add(name)
+    _follow(tags, requested, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
     return tags
 
 
-def _requested_before_overrides(
+def _follow(
+    tags: dict[str, Tag],
+    asked: Mapping[str, Tag],
+    leaders: Sequence[tuple[str, str, bool]],
+    overridden: set[str] | None = None,
+) -> None:
+    """Followers take their leader's tag: always on an unshard chain, otherwise where they
+    differ on recompute; forced saves stay. `asked`: the tags before this step. With
+    `overridden` (nodes whose tags in `tags` are overrides, the rest already followed
+    from `asked`), only the followers of changed tags are redone."""
+    changed = None if overridden is None else set(overridden)
+    for name, leader, chain in leaders:
+        if changed is not None:
+            if name not in changed and leader not in changed:
+                continue
+            changed.add(name)
+        tag = tags[name] if overridden is not None and name in overridden else asked[name]
+        if not tag.forced and (chain or tags[leader].recompute != tag.recompute):
+            tag = tags[leader]
+        tags[name] = tag
+
+
+def _requests(
     facts: Sequence[OpFacts],
     plan: DecidePlan,
     preset: str,
     selectors: Sequence[SelectorRow],
     fsdp_reshard: bool,
-) -> dict[str, Tag]:
-    """Forced saves, then the preset's rule, the FSDP choice and selectors (kept in `plan`)."""
+) -> tuple[dict[str, Tag], dict[str, Tag]]:
+    """The tags without overrides, kept in `plan`: forced saves, then the preset's rule,
+    the FSDP choice and selectors; and those tags once followers took their leader's."""
     memo_key = (preset, tuple(selectors), fsdp_reshard)
     if memo_key not in plan.requested:
         rule, fsdp = PRESETS[preset](), fsdp_tag(fsdp_reshard)
@@ -572,9 +595,11 @@ def _requested_before_overrides(
                 continue
             tag = requested(f, rule, preset, selectors, {})
             tags[f.name] = fsdp if tag.why is Why.PRESET and f.gather == f.name else tag
+        followed = dict(tags)
+        _follow(followed, tags, plan.leaders)
         if len(plan.requested) >= REQUEST_MEMO:
             plan.requested.clear()
-        plan.requested[memo_key] = tags
+        plan.requested[memo_key] = (tags, followed)
     return plan.requested[memo_key]
 
 
