@@ -194,8 +194,11 @@ class GraphIndex:
 
     @functools.cached_property
     def identity_flat(self) -> Flat:
-        """The joint graph as traced, as arrays."""
-        return self.flat(self.identity())
+        """The joint graph as traced, as arrays (read-only: every caller shares them)."""
+        flat = self.flat(self.identity())
+        for array in flat:
+            array.flags.writeable = False
+        return flat
 
     @functools.cached_property
     def _tables(self) -> _Tables:
