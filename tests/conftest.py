@@ -39,3 +39,15 @@ def rank_debug() -> JointGraph:
 
     workload = load_workload("llama3-debug", device="meta", layers=2, seq=128)
     return trace(workload, "fake", Parallel(2, 2))
+
+
+@pytest.fixture(scope="session")
+def small_graphs_and_rank(
+    small_graphs: dict[str, tuple[Workload, JointGraph]], rank_debug: JointGraph
+) -> dict[str, JointGraph]:
+    """`small_graphs`' two graphs and `rank_debug` (rank 0 of llama3-debug on FSDP2 x TP2):
+    the graphs the what-if's exactness tests run on."""
+    return {
+        **{name: graph for name, (_, graph) in small_graphs.items()},
+        "llama3-debug-fsdp2-tp2": rank_debug,
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import random
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ from workbench import rules
 from workbench.export import export, rules_source
 from workbench.graph import JointGraph
 from workbench.models import Workload
-from workbench.policy import Policy, decide, graph_facts
+from workbench.policy import Policy, Selector, decide, flip, graph_facts
 from workbench.rules import OpFacts, Why, decide_ops, module_matches, op_facts
 
 
@@ -131,3 +132,66 @@ def test_doctests() -> None:
 
     result = doctest.testmod(rules)
     assert result.attempted > 0 and result.failed == 0
+
+
+def _plain_decide(
+    facts: list[OpFacts],
+    preset: str,
+    selectors: list[rules.SelectorRow],
+    overrides: dict[str, str],
+    fsdp_reshard: bool,
+) -> dict[str, rules.Tag]:
+    """Graph SAC's tags computed from scratch, node by node, as the rules say: the request
+    or a forced save, followers take their leader's tag, then the layer boundaries."""
+    rule = rules.PRESETS[preset]()
+    tags: dict[str, rules.Tag] = {}
+    for f in facts:
+        forced = rules.forced_save(f)
+        tag = rules.requested(f, rule, preset, selectors, overrides)
+        if forced is not None:
+            tag = rules.Tag(CheckpointPolicy.MUST_SAVE, forced)
+        elif tag.why is Why.PRESET and f.gather == f.name:
+            tag = rules.fsdp_tag(fsdp_reshard)
+        tags[f.name] = tag
+    for f in facts:
+        leader = f.gather if f.gather not in (None, f.name) else f.parent
+        if leader is None or leader not in tags or tags[f.name].forced:
+            continue
+        if leader == f.gather or tags[leader].recompute != tags[f.name].recompute:
+            tags[f.name] = tags[leader]
+    by_name = {f.name: f for f in facts}
+    for f in reversed(facts):
+        if not tags[f.name].recompute:
+            continue
+        for user in f.users:
+            other = tags.get(user)
+            if other and other.recompute and by_name[user].layer != f.layer:
+                tags[f.name] = rules.Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
+                break
+    return tags
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
+    small_graphs_and_rank: dict[str, JointGraph], model: str
+) -> None:
+    """decide() keeps each graph's plan and request tables: after random flips, selector
+    and preset changes (more than the plan remembers) its tags equal a plain decision."""
+    graph = small_graphs_and_rank[model]
+    facts = graph_facts(graph)
+    rng = random.Random(3)
+    policy = Policy("default")
+    selectors = [Selector("**::aten.mm.default", "save"), Selector("layers.1.**::*", "recompute")]
+    for step in range(60):
+        if step % 10 == 9:  # another preset, selector list or FSDP choice
+            preset = rng.choice([p for p in rules.PRESETS if p != policy.preset])
+            chosen = rng.sample(selectors, rng.randint(0, 2))
+            policy = Policy(preset, chosen, fsdp_reshard=rng.random() < 0.5)
+        tags = decide(graph, policy)
+        rows, overrides = [s.row() for s in policy.selectors], policy.overrides
+        if policy.preset in rules.TITAN_PRESETS:
+            assert tags == decide_ops(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
+        else:
+            assert tags == _plain_decide(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
+        name = rng.choice([n for n, t in tags.items() if not t.forced])
+        policy = flip(graph, policy, name, all_layers=rng.random() < 0.5, decisions=tags)

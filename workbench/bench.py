@@ -71,7 +71,7 @@ def bench_whatif(
         replayed = time.perf_counter()
         schedule = estimator.schedule(estimator.recompute_flags(decisions))
         simulated = time.perf_counter()
-        fast = estimator.simulate(*schedule)
+        fast = estimator.simulate(schedule)
         end = time.perf_counter()
         whatif.append(end - start)
         stages["decide"].append(replayed - start)

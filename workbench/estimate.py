@@ -7,7 +7,6 @@ graph torch's pass produced. Both feed one liveness simulation, so they give equ
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,9 +17,9 @@ import torch.fx as fx
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
-from workbench.index import Schedule, Storages, graph_index
+from workbench.index import Flat, Schedule, Storages, graph_index
 from workbench.policy import Decisions, Policy, decide
-from workbench.profiles import DeviceProfile, get_profile, round_up
+from workbench.profiles import DeviceProfile, get_profile
 from workbench.remat import RECOMPUTED_SUFFIX, RematResult
 from workbench.replay import recompute_flags, replay
 
@@ -138,7 +137,17 @@ class Estimator:
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
         self._seconds = {name: np.asarray(sec) for name, sec in self.seconds.items()}
         # names of every schedule entry: originals, then recomputed copies
-        self._entry_names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
+        names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
+        self._entry_names = np.array(names, dtype=object)
+        # per node: the category of a graph input's storage (-1 for other nodes); in an
+        # FSDP unshard chain
+        placeholders, n = self.index.placeholder_category, self.index.n
+        self._input_category = np.array(
+            [CATEGORIES.index(placeholders[i]) if i in placeholders else -1 for i in range(n)]
+        )
+        self._held_forever = np.array(sorted(placeholders), dtype=np.int64)
+        self._gathered = np.zeros(n, dtype=bool)
+        self._gathered[list(self.index.gathered)] = True
 
     def _node_seconds(self, profile: DeviceProfile) -> list[float]:
         """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth); a
@@ -187,11 +196,11 @@ class Estimator:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
         return self.index.backward_readers(name)
 
-    def recompute_flags(self, decisions: Decisions) -> list[bool]:
+    def recompute_flags(self, decisions: Decisions) -> np.ndarray:
         """Per node of the index: tagged for recompute."""
         return recompute_flags(self.index, decisions)
 
-    def schedule(self, recompute: Sequence[bool]) -> Schedule:
+    def schedule(self, recompute: Sequence[bool] | np.ndarray) -> Flat:
         """The schedule torch's remat pass would produce (see `workbench.replay.replay`)."""
         return replay(self.index, recompute)
 
@@ -204,131 +213,128 @@ class Estimator:
                 "estimate_remat instead"
             )
         decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
-        order, args = replay(self.index, recompute_flags(self.index, decisions))
-        return self.simulate(order, args, granularity)
+        return self.simulate(
+            replay(self.index, recompute_flags(self.index, decisions)), granularity
+        )
 
     def schedule_of(self, gm: fx.GraphModule) -> Schedule:
         return self.index.schedule_of(gm)
 
-    def simulate(
-        self, order: list[int], args: dict[int, tuple[int, ...]], granularity: int = 1
-    ) -> Estimate:
+    def simulate(self, schedule: Schedule | Flat, granularity: int = 1) -> Estimate:
         """Walk the graph as its generated code runs: allocate each node's fresh outputs,
         free a storage once no live value refers to it (values die after their last use,
         or right after they run when nothing uses them); graph inputs and outputs stay."""
         index = self.index
         n = index.n
-        table = index.storages((order, args))
-        storages, owner = table.held_by, table.owner
-        sizes = table.sizes if granularity == 1 else [round_up(b, granularity) for b in table.sizes]
-        allocated_at = table.born
+        flat = index.flat(schedule)
+        table = index.storages(flat)
+        sizes = table.sizes if granularity == 1 else -(-table.sizes // granularity) * granularity
 
         # Values die after their last use, or right after they run when unused; graph
         # inputs are held by the caller and outputs are returned. A storage is freed when
         # the last value holding it dies: every value aliasing it is made from a live one,
         # so its reference count cannot reach zero earlier.
-        steps = len(order)
-        entries = np.fromiter(order, dtype=np.int64, count=steps)
+        entries = flat.entries
+        steps = len(entries)
         position = np.zeros(2 * n, dtype=np.int64)
         position[entries] = np.arange(steps)
-        counts = [len(args[e]) for e in order]
-        readers = np.repeat(np.arange(steps), counts)
-        read = np.fromiter(itertools.chain.from_iterable(args[e] for e in order), np.int64)
         death = position.copy()
-        np.maximum.at(death, read, readers)
-        forever = [*args[index.output], *(e for e in index.placeholder_category)]
-        death[np.asarray(forever, dtype=np.int64)] = steps
-        holders = [e for e in order if e in storages]
-        held = [storages[e] for e in holders]
-        sids = np.fromiter(itertools.chain.from_iterable(held), np.int64)
-        holder_death = np.repeat(death[np.asarray(holders, dtype=np.int64)], [len(h) for h in held])
+        np.maximum.at(death, flat.read, flat.reader)
+        death[self._held_forever] = steps
+        death[flat.read[entries[flat.reader] == index.output]] = steps
         freed = np.zeros(len(sizes), dtype=np.int64)
-        np.maximum.at(freed, sids, holder_death)
-        freed_at = freed.tolist()  # live through step `freed_at`, gone after it
+        np.maximum.at(freed, table.held, death[entries[table.holder]])
 
-        category = self._categories((order, args), table)
+        category = self._categories(flat, table)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
-        cats, size_array = np.asarray(category), np.asarray(sizes, dtype=np.int64)
-        np.add.at(deltas, (cats, np.asarray(allocated_at)), size_array)
-        np.add.at(deltas, (cats, np.asarray(freed_at) + 1), -size_array)
+        np.add.at(deltas, (category, table.born), sizes)
+        np.add.at(deltas, (category, freed + 1), -sizes)
         live = np.cumsum(deltas[:, :steps], axis=1)
         live[CATEGORIES.index("optimizer")] = self.optimizer_bytes  # held the whole step
         total = live.sum(axis=0)
         peak_p = int(np.argmax(total))
         return self._report(
-            order, int(total[peak_p]), peak_p, live, sizes, owner, category, allocated_at, freed_at
+            entries,
+            int(total[peak_p]),
+            peak_p,
+            live,
+            sizes,
+            table.owner,
+            category,
+            table.born,
+            freed,
         )
 
-    def _categories(self, schedule: Schedule, table: Storages) -> list[int]:
+    def _categories(self, flat: Flat, table: Storages) -> np.ndarray:
+        """Each storage's category: inputs by their kind, then returned values (gradients),
+        gathered parameter copies, saved activations, and temporaries for the rest."""
         index = self.index
-        n, phase = index.n, index.phase
-        outputs = {sid for x in schedule[1][index.output] for sid in table.held_by.get(x, ())}
-        saved = index.saved_storages(schedule, table)
-        result = []
-        for sid, e in enumerate(table.owner):
-            if e < n and phase[e] == "input":
-                name = index.placeholder_category[e]
-            elif sid in outputs:
-                name = "gradients"
-            elif e % n in index.gathered:
-                name = "gathered"
-            elif sid in saved:
-                name = "activations"
-            else:
-                name = "temporaries"
-            result.append(CATEGORIES.index(name))
-        return result
+        owner = table.owner % index.n
+        return np.select(
+            [
+                (table.owner < index.n) & (self._input_category[owner] >= 0),
+                index.returned_mask(flat, table),
+                self._gathered[owner],
+                index.saved_mask(flat, table),
+            ],
+            [
+                self._input_category[owner],
+                CATEGORIES.index("gradients"),
+                CATEGORIES.index("gathered"),
+                CATEGORIES.index("activations"),
+            ],
+            CATEGORIES.index("temporaries"),
+        )
 
     def _report(
         self,
-        order: list[int],
+        entries: np.ndarray,
         peak: int,
         peak_p: int,
         live: np.ndarray,
-        sizes: list[int],
-        owner: list[int],
-        category: list[int],
-        allocated_at: list[int],
-        freed_at: list[int],
+        sizes: np.ndarray,
+        owner: np.ndarray,
+        category: np.ndarray,
+        allocated_at: np.ndarray,
+        freed_at: np.ndarray,
     ) -> Estimate:
         index = self.index
         n = index.n
-        activations = CATEGORIES.index("activations")
-        saved = [sid for sid, c in enumerate(category) if c == activations]
+        saved = np.flatnonzero(category == CATEGORIES.index("activations"))
+        saved_nodes, saved_sizes = (owner[saved] % n).tolist(), sizes[saved].tolist()
         by_layer: dict[str, int] = defaultdict(int)
         by_node: dict[str, int] = defaultdict(int)
-        for sid in saved:
-            layer = index.layer[owner[sid] % n]
-            by_layer["-" if layer is None else str(layer)] += sizes[sid]
-            by_node[index.names[owner[sid] % n]] += sizes[sid]
-        rows: list[dict[str, Any]] = []
-        for sid in saved:
-            if allocated_at[sid] <= peak_p <= freed_at[sid]:
-                i = owner[sid] % n
-                rows.append(
-                    {
-                        "node": index.names[i],
-                        "layer": index.layer[i],
-                        "module": index.module[i],
-                        "op": index.op[i],
-                        "bytes": sizes[sid],
-                    }
-                )
+        for i, size in zip(saved_nodes, saved_sizes, strict=True):
+            layer = index.layer[i]
+            by_layer["-" if layer is None else str(layer)] += size
+            by_node[index.names[i]] += size
+        at_peak = (allocated_at[saved] <= peak_p) & (peak_p <= freed_at[saved])
+        rows = [
+            {
+                "node": index.names[i],
+                "layer": index.layer[i],
+                "module": index.module[i],
+                "op": index.op[i],
+                "bytes": size,
+            }
+            for i, size, here in zip(saved_nodes, saved_sizes, at_peak.tolist(), strict=True)
+            if here
+        ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
-        copies = [e - n for e in order if e >= n]
-        entries, copy_array = np.asarray(order), np.asarray(copies, dtype=np.int64)
+        copy_array = entries[entries >= n] - n
+        copies = copy_array.tolist()
         names = self._entry_names
         return Estimate(
             peak_bytes=peak,
-            peak_node=names[order[peak_p]],
+            peak_node=names[entries[peak_p]],
             peak_index=peak_p,
             peak_breakdown={c: int(live[k, peak_p]) for k, c in enumerate(CATEGORIES)},
-            saved_activation_bytes=sum(sizes[sid] for sid in saved),
+            saved_activation_bytes=sum(saved_sizes),
             saved_by_node=dict(by_node),
             saved_by_layer=dict(by_layer),
             saved_at_peak=rows,
             recompute_flops=sum(index.flops[i] for i in copies),
-            recomputed_nodes=[index.names[i] for i in copies],
+            recomputed_nodes=names[copy_array].tolist(),
             step_seconds={
                 name: float(sec[entries % n].sum()) for name, sec in self._seconds.items()
             },
@@ -336,7 +342,7 @@ class Estimator:
                 name: float(sec[copy_array].sum()) for name, sec in self._seconds.items()
             },
             tokens=self.graph.tokens,
-            order=[names[e] for e in order],
+            order=names[entries].tolist(),
             timeline={c: live[k].tolist() for k, c in enumerate(CATEGORIES)},
         )
 
@@ -359,5 +365,4 @@ def estimate_remat(
     """Figures for the graph torch's remat pass actually produced (the full path)."""
     estimator = estimator or Estimator(graph)
     gm = result.gm if isinstance(result, RematResult) else result
-    order, args = estimator.schedule_of(gm)
-    return estimator.simulate(order, args, granularity)
+    return estimator.simulate(estimator.schedule_of(gm), granularity)

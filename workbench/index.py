@@ -8,12 +8,14 @@ backward, which the estimate, remat reports, pictures and the explorer all read.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass import (  # noqa: E501
@@ -25,7 +27,17 @@ from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
 from workbench.rules import unshard_chains
 
-__all__ = ["GraphIndex", "Schedule", "Slot", "Storages", "distinct_storage_bytes", "graph_index"]
+__all__ = [
+    "Csr",
+    "Flat",
+    "GraphIndex",
+    "NodeArrays",
+    "Schedule",
+    "Slot",
+    "Storages",
+    "distinct_storage_bytes",
+    "graph_index",
+]
 
 # A node's output slots: an int is a fresh storage of that many bytes (0: no tensor), a
 # pair (j, s) aliases slot s of the node's j-th input (views, getitem, in-place ops).
@@ -35,17 +47,72 @@ Slot = int | tuple[int, int]
 Schedule = tuple[list[int], dict[int, tuple[int, ...]]]
 
 _FORWARD = ("forward", "loss")
-SLOT_BITS = 12  # output slots per node at most 2**12: slot keys pack into one int
+
+
+class Flat(NamedTuple):
+    """A schedule as arrays, so per-policy work is array operations: the entries in order,
+    and every input read as (reader's position, entry read), readers in order."""
+
+    entries: np.ndarray
+    reader: np.ndarray
+    read: np.ndarray
+
+
+class Csr(NamedTuple):
+    """Per-node lists as two arrays: node i's items are `items[start[i] : start[i + 1]]`."""
+
+    start: np.ndarray
+    items: np.ndarray
+
+    @classmethod
+    def of(cls, lists: Sequence[Sequence[int]]) -> Csr:
+        counts = np.fromiter((len(x) for x in lists), np.int64, len(lists))
+        items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
+        return cls(np.concatenate(([0], np.cumsum(counts))), items)
+
+    def gather(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The lists of `nodes`, concatenated: (position in `nodes` of each item, item)."""
+        first, counts = self.start[nodes], self.start[nodes + 1] - self.start[nodes]
+        position = np.repeat(np.arange(len(nodes)), counts)
+        offsets = np.cumsum(counts) - counts
+        return position, self.items[np.arange(len(position)) - np.repeat(offsets - first, counts)]
+
+
+class NodeArrays(NamedTuple):
+    """Per-node facts as arrays, for the passes that replay torch's remat pass on them."""
+
+    inputs: Csr  # each node's inputs (`GraphIndex.args`)
+    forward: np.ndarray  # a forward or loss node
+    backward: np.ndarray  # marked autograd_backward (`GraphIndex.is_bwd`)
+    region: np.ndarray  # the backward region holding the node (`regions`), -1 outside
+    impure: np.ndarray  # kept by dead-code elimination whatever reads it
+    raisable: np.ndarray  # a getitem of a non-getitem, which torch's `raise_getitems` moves
 
 
 class Storages(NamedTuple):
-    """Storage ids held by each schedule entry; each storage's owning entry, bytes, and the
-    position in the schedule where it is allocated."""
+    """The storages a schedule allocates, by id in allocation order: the entry that owns
+    each, its bytes and the position where it is allocated; and which values hold them, as
+    (holder's position, storage) pairs (a value holding one storage twice is listed twice)."""
 
-    held_by: dict[int, tuple[int, ...]]
-    owner: list[int]
-    sizes: list[int]
-    born: list[int]
+    holder: np.ndarray
+    held: np.ndarray
+    owner: np.ndarray
+    sizes: np.ndarray
+    born: np.ndarray
+
+
+class _Tables(NamedTuple):
+    """Per-node arrays built once per graph, read by every schedule's storage walk."""
+
+    slot_start: np.ndarray  # node i's slots are keys slot_start[i] .. slot_start[i + 1] - 1
+    fresh: Csr  # each node's keys of fresh slots holding bytes, in slot order
+    fresh_bytes: np.ndarray  # by key
+    alias: Csr  # each node's keys of alias slots
+    alias_input: np.ndarray  # by key: which input of the node the slot aliases
+    alias_slot: np.ndarray  # by key: which slot of that input
+    forward: np.ndarray  # by entry (2n): an original forward or loss node
+    reads_saved: np.ndarray  # by entry (2n): a backward node or a recomputed copy
+    kept: np.ndarray  # by node: an owner whose storages may count as saved activations
 
 
 @dataclass(frozen=True)
@@ -109,133 +176,165 @@ class GraphIndex:
     # --- storages ----------------------------------------------------------------------
 
     @functools.cached_property
-    def forward_inputs(self) -> tuple[tuple[int, ...], ...]:
-        """Per node: its inputs from forward or loss, the only ones a policy can recompute."""
-        return tuple(tuple(x for x in args if self.phase[x] in _FORWARD) for args in self.args)
-
-    @functools.cached_property
-    def raisable(self) -> bytes:
-        """Per node: a getitem of a non-getitem, which torch's `raise_getitems` moves."""
-        return bytes(
-            getitem and not self.is_getitem[self.args[i][0]]
-            for i, getitem in enumerate(self.is_getitem)
+    def arrays(self) -> NodeArrays:
+        """Per-node facts as arrays (built on first use)."""
+        region = np.full(self.n, -1, np.int64)
+        for r, (start, end) in enumerate(self.regions):
+            region[start:end] = r
+        getitem = np.array(self.is_getitem, bool)
+        first_input = np.array([args[0] if args else 0 for args in self.args], np.int64)
+        return NodeArrays(
+            inputs=Csr.of(self.args),
+            forward=np.array([p in _FORWARD for p in self.phase], bool),
+            backward=np.array(self.is_bwd, bool),
+            region=region,
+            impure=np.array(self.impure, bool),
+            raisable=getitem & ~getitem[first_input],
         )
 
     @functools.cached_property
-    def _slot_plan(self) -> tuple[tuple[tuple[tuple[int, int], ...], ...], tuple[Any, ...]]:
-        """Per node: its fresh slots as (slot, bytes) and its aliases as (slot, input, slot)."""
-        fresh = tuple(
-            tuple((s, b) for s, b in enumerate(slots) if isinstance(b, int) and b)
-            for slots in self.slots
+    def identity_flat(self) -> Flat:
+        """The joint graph as traced, as arrays (read-only: every caller shares them)."""
+        flat = self.flat(self.identity())
+        for array in flat:
+            array.flags.writeable = False
+        return flat
+
+    @functools.cached_property
+    def _tables(self) -> _Tables:
+        counts = np.fromiter((len(slots) for slots in self.slots), np.int64, self.n)
+        slot_start = np.concatenate(([0], np.cumsum(counts)))
+        flat = [slot for slots in self.slots for slot in slots]
+        fresh_bytes = np.array([s if isinstance(s, int) else 0 for s in flat], np.int64)
+        is_alias = np.array([isinstance(s, tuple) for s in flat], bool)
+        pairs = [s if isinstance(s, tuple) else (-1, -1) for s in flat]
+        alias_input, alias_slot = np.array(pairs, np.int64).reshape(-1, 2).T
+        node_of = np.repeat(np.arange(self.n), counts)
+        fresh, alias = np.flatnonzero(fresh_bytes), np.flatnonzero(is_alias)
+        bounds = np.arange(self.n + 1)
+        forward = np.array([p in _FORWARD for p in self.phase] + [False] * self.n, bool)
+        backward = np.array([p == "backward" for p in self.phase] + [True] * self.n, bool)
+        kept = np.array(
+            [p != "input" and i not in self.gathered for i, p in enumerate(self.phase)], bool
         )
-        alias = tuple(
-            tuple((s, a[0], a[1]) for s, a in enumerate(slots) if isinstance(a, tuple))
-            for slots in self.slots
+        return _Tables(
+            slot_start=slot_start,
+            fresh=Csr(np.searchsorted(node_of[fresh], bounds), fresh),
+            fresh_bytes=fresh_bytes,
+            alias=Csr(np.searchsorted(node_of[alias], bounds), alias),
+            alias_input=np.ascontiguousarray(alias_input),
+            alias_slot=np.ascontiguousarray(alias_slot),
+            forward=forward,
+            reads_saved=backward,
+            kept=kept,
         )
-        return fresh, alias
 
-    def storages(self, schedule: Schedule) -> Storages:
-        """The storages a schedule allocates: which each entry holds, their owners, sizes.
-
-        Fresh slots get an id when their entry runs; aliases resolve through the entry's
-        inputs, so a recomputed copy aliases its own inputs, not its original's. No storage
-        stands behind an alias of a placeholder that shares another's (inputs are held for
-        the whole step anyway)."""
+    def flat(self, schedule: Schedule | Flat) -> Flat:
+        """`schedule` as arrays."""
+        if isinstance(schedule, Flat):
+            return schedule
         order, args = schedule
-        n = self.n
-        fresh_of, alias_of = self._slot_plan
-        held_by: dict[int, tuple[int, ...]] = {}
-        slot_storage: dict[int, int] = {}  # entry << SLOT_BITS | slot -> storage id
-        owner: list[int] = []
-        sizes: list[int] = []
-        born: list[int] = []
-        for p, e in enumerate(order):
-            i = e if e < n else e - n
-            fresh, alias = fresh_of[i], alias_of[i]
-            if not alias:
-                if not fresh:
-                    continue
-                if len(fresh) == 1:  # the common case: one new tensor
-                    sid = len(owner)
-                    owner.append(e)
-                    sizes.append(fresh[0][1])
-                    born.append(p)
-                    slot_storage[e << SLOT_BITS | fresh[0][0]] = sid
-                    held_by[e] = (sid,)
-                    continue
-            elif not fresh and len(alias) == 1:  # a view, getitem or in-place op
-                s, j, t = alias[0]
-                aliased = slot_storage.get(args[e][j] << SLOT_BITS | t)
-                if aliased is not None:
-                    slot_storage[e << SLOT_BITS | s] = aliased
-                    held_by[e] = (aliased,)
-                continue
-            held = []
-            for s, size in fresh:
-                sid = len(owner)
-                owner.append(e)
-                sizes.append(size)
-                born.append(p)
-                slot_storage[e << SLOT_BITS | s] = sid
-                held.append(sid)
-            if alias:
-                inputs = args[e]
-                for s, j, t in alias:
-                    aliased = slot_storage.get(inputs[j] << SLOT_BITS | t)
-                    if aliased is not None:
-                        slot_storage[e << SLOT_BITS | s] = aliased
-                        held.append(aliased)
-            if held:
-                held_by[e] = tuple(held) if len(held) == 1 else tuple(dict.fromkeys(held))
-        return Storages(held_by, owner, sizes, born)
+        entries = np.array(order, np.int64)
+        counts = np.fromiter((len(args[e]) for e in order), np.int64, len(order))
+        read = np.fromiter(itertools.chain.from_iterable(args[e] for e in order), np.int64)
+        return Flat(entries, np.repeat(np.arange(len(order)), counts), read)
 
-    def saved_storages(self, schedule: Schedule, table: Storages) -> set[int]:
-        """Storages of forward and loss nodes read by a backward node or a recomputed copy:
-        what the step keeps from forward for backward, views followed to their base. Not
-        the step's outputs (the loss is returned, not kept), inputs' storages (a view of a
-        buffer or of the tokens is held by the caller anyway), nor the gathered parameter
-        copies of FSDP unshard chains (parameters, not activations, whatever is kept)."""
-        order, args = schedule
-        n, phase, held_by = self.n, self.phase, table.held_by
-        saved: set[int] = set()
-        for e in order:
-            if e >= n or phase[e] == "backward":
-                for x in args[e]:
-                    if x < n and phase[x] in _FORWARD:
-                        saved.update(held_by.get(x, ()))
-        saved.difference_update(*(held_by.get(x, ()) for x in args[self.output]))
-        gathered, owner = self.gathered, table.owner
-        return {
-            sid
-            for sid in saved
-            if phase[owner[sid] % n] != "input" and owner[sid] % n not in gathered
-        }
+    def storages(self, flat: Flat) -> Storages:
+        """The storages a schedule allocates and the values that hold them.
 
-    def saved_by_node(self, schedule: Schedule) -> dict[str, int]:
+        Fresh slots get an id when their entry runs, in order; aliases resolve through the
+        entry's inputs (pointer jumping over slot keys, originals' keys then copies'), so a
+        recomputed copy aliases its own inputs, not its original's. No storage stands behind
+        an alias of a slot without one: a non-tensor, or a placeholder that shares another's
+        storage (inputs are held for the whole step anyway)."""
+        t, n = self._tables, self.n
+        entries = flat.entries
+        nodes = entries % n
+        # key of an entry's slot s: base[e] + s, copies' keys after the originals'
+        total = int(t.slot_start[-1])
+        base = np.concatenate((t.slot_start[:-1], t.slot_start[:-1] + total))
+        shift = entries - nodes  # 0 for originals, n for copies
+        key_shift = np.where(shift > 0, total, 0)
+
+        fresh_pos, fresh_keys = t.fresh.gather(nodes)
+        owner_keys = fresh_keys + key_shift[fresh_pos]
+        alias_pos, alias_keys = t.alias.gather(nodes)
+        first_read = np.searchsorted(flat.reader, np.arange(len(entries)))
+        target = flat.read[first_read[alias_pos] + t.alias_input[alias_keys]]
+        target_keys = base[target] + t.alias_slot[alias_keys]
+
+        missing = 2 * total
+        root = np.full(missing + 1, missing, np.int64)
+        root[owner_keys] = owner_keys
+        root[alias_keys + key_shift[alias_pos]] = target_keys
+        while True:
+            jumped = root[root]
+            if np.array_equal(jumped, root):
+                break
+            root = jumped
+        sid_of = np.full(missing + 1, -1, np.int64)
+        sid_of[owner_keys] = np.arange(len(owner_keys))
+        aliased = sid_of[root[alias_keys + key_shift[alias_pos]]]
+        found = aliased >= 0
+        return Storages(
+            holder=np.concatenate((fresh_pos, alias_pos[found])),
+            held=np.concatenate((np.arange(len(owner_keys)), aliased[found])),
+            owner=entries[fresh_pos],
+            sizes=t.fresh_bytes[fresh_keys],
+            born=fresh_pos,
+        )
+
+    def saved_mask(self, flat: Flat, table: Storages) -> np.ndarray:
+        """Per storage: kept for backward. Storages of forward and loss nodes read by a
+        backward node or a recomputed copy: what the step keeps from forward for backward,
+        views followed to their base. Not the step's outputs (the loss is returned, not
+        kept), inputs' storages (a view of a buffer or of the tokens is held by the caller
+        anyway), nor the gathered parameter copies of FSDP unshard chains (parameters, not
+        activations, whatever is kept)."""
+        t, n = self._tables, self.n
+        read_by_backward = np.zeros(2 * n, bool)
+        read_by_backward[self._read_by_backward(flat)] = True
+        saved = np.zeros(len(table.sizes), bool)
+        saved[table.held[read_by_backward[flat.entries[table.holder]]]] = True
+        return saved & ~self.returned_mask(flat, table) & t.kept[table.owner % n]
+
+    def returned_mask(self, flat: Flat, table: Storages) -> np.ndarray:
+        """Per storage: held by a value the step returns (its gradients and the loss)."""
+        entries = flat.entries
+        returned = np.zeros(2 * self.n, bool)
+        returned[flat.read[entries[flat.reader] == self.output]] = True
+        mask = np.zeros(len(table.sizes), bool)
+        mask[table.held[returned[entries[table.holder]]]] = True
+        return mask
+
+    def saved_by_node(self, schedule: Schedule | Flat) -> dict[str, int]:
         """Bytes kept for backward, by the forward node that allocated each storage (its
         base, for activations backward reads through views). The one definition of saved
         activation bytes: its total is `Estimate.saved_activation_bytes`."""
-        table = self.storages(schedule)
+        flat = self.flat(schedule)
+        table = self.storages(flat)
+        saved = np.flatnonzero(self.saved_mask(flat, table))
         result: dict[str, int] = {}
-        for sid in sorted(self.saved_storages(schedule, table)):
-            name = self.names[table.owner[sid] % self.n]
-            result[name] = result.get(name, 0) + table.sizes[sid]
+        owners, sizes = (table.owner[saved] % self.n).tolist(), table.sizes[saved].tolist()
+        for i, size in zip(owners, sizes, strict=True):
+            name = self.names[i]
+            result[name] = result.get(name, 0) + size
         return result
 
     # --- readers -----------------------------------------------------------------------
 
-    def read_directly(self, schedule: Schedule) -> set[str]:
+    def read_directly(self, schedule: Schedule | Flat) -> set[str]:
         """Forward and loss nodes that a backward node or a recomputed copy of the schedule
         takes as an input: the values its forward region hands over to backward."""
-        order, args = schedule
-        n, phase = self.n, self.phase
-        return {
-            self.names[x]
-            for e in order
-            if e >= n or phase[e] == "backward"
-            for x in args[e]
-            if x < n and phase[x] in _FORWARD
-        }
+        read = self._read_by_backward(self.flat(schedule))
+        return {self.names[x] for x in np.unique(read).tolist()}
+
+    def _read_by_backward(self, flat: Flat) -> np.ndarray:
+        """Original forward and loss entries read by a backward node or a recomputed copy
+        (with repeats)."""
+        t = self._tables
+        read = flat.read[t.reads_saved[flat.entries[flat.reader]]]
+        return read[t.forward[read]]
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops that read `name`'s output, directly or through forward views of its

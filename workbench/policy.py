@@ -22,10 +22,12 @@ from workbench.files import write_file
 from workbench.graph import JointGraph, NodeInfo
 from workbench.rules import (
     PRESETS,
+    DecidePlan,
     OpFacts,
     SelectorRow,
     Tag,
     decide_ops,
+    decide_plan,
     fx_rows,
     layer_pattern,
     module_matches,
@@ -263,6 +265,8 @@ def decidable(info: NodeInfo) -> bool:
 
 
 _FACTS: weakref.WeakKeyDictionary[JointGraph, list[OpFacts]] = weakref.WeakKeyDictionary()
+_KEYS: weakref.WeakKeyDictionary[JointGraph, dict[str, str]] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[JointGraph, DecidePlan] = weakref.WeakKeyDictionary()
 _OVERRIDE_KEYS: weakref.WeakKeyDictionary[JointGraph, tuple[set[str], set[str], set[str]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -279,7 +283,14 @@ def graph_facts(graph: JointGraph) -> list[OpFacts]:
 def node_keys(graph: JointGraph) -> dict[str, str]:
     """Stable, layer-relative keys `MODULE::OP#k` (k-th such op in that module) for decidable
     nodes; `MODULE` uses `layers.*` so one key names the op in every identical layer."""
-    return {f.name: f.key for f in graph_facts(graph)}
+    return dict(_node_keys(graph))
+
+
+def _node_keys(graph: JointGraph) -> dict[str, str]:
+    """`node_keys`, built once per graph (a flip reads one key of it)."""
+    if graph not in _KEYS:
+        _KEYS[graph] = {f.name: f.key for f in graph_facts(graph)}
+    return _KEYS[graph]
 
 
 def layer_key(info: NodeInfo, key: str) -> str:
@@ -349,12 +360,16 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     MUST_* for overrides, selectors and hard rules, PREFER_* for preset choices. Random ops
     and mutations are saved whatever was asked; a recompute node whose recompute user sits
     in another layer is saved (layer boundary), or remat would chain recomputation across
-    layers; getitem nodes follow the multi-output op they unpack.
+    layers; getitem nodes follow the multi-output op they unpack. The graph's
+    `rules.DecidePlan` is kept with it, so re-deciding after a flip is cheap.
     """
     validate(graph, policy)
     selectors = [s.row() for s in policy.selectors]
+    facts = graph_facts(graph)
+    if graph not in _PLANS:
+        _PLANS[graph] = decide_plan(facts)
     return decide_ops(
-        graph_facts(graph), policy.preset, selectors, policy.overrides, policy.fsdp_reshard
+        facts, policy.preset, selectors, policy.overrides, policy.fsdp_reshard, _PLANS[graph]
     )
 
 
@@ -384,7 +399,7 @@ def flip(
     if current.forced:
         raise WorkbenchError(f"{node!r} must be saved ({current.explanation}): it cannot flip")
     action: Action = "save" if current.recompute else "recompute"
-    key = node_keys(graph)[node]
+    key = _node_keys(graph)[node]
     overrides = dict(policy.overrides)
     if all_layers:
         pattern, _, suffix = key.partition("::")

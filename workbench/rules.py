@@ -483,38 +483,127 @@ def fsdp_tag(reshard: bool) -> Tag:
     return Tag(CheckpointPolicy.MUST_SAVE, Why.FSDP, "keep unsharded")
 
 
+class DecidePlan(NamedTuple):
+    """What deciding derives from the facts alone, built once per graph (`decide_plan`) so
+    that re-deciding after a flip only touches the nodes a policy can change: the
+    overridden ones, the followers, and the nodes with a user across a layer boundary."""
+
+    by_key: dict[str, list[str]]  # `OpFacts.key` -> nodes
+    by_layer_key: dict[str, list[str]]  # `OpFacts.layer_key` -> nodes
+    leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
+    boundaries: list[tuple[str, tuple[str, ...]]]  # graph SAC's layer-boundary walk
+    titan_boundaries: list[tuple[str, tuple[str, ...]]]  # graph trainer's
+    # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
+    # and those tags once followers took their leader's
+    requested: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
+
+
+REQUEST_MEMO = 8  # request tables a plan remembers (one per preset and selector list)
+
+
+def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
+    """The plan of `decide_ops` for these facts (graph order)."""
+    by_name = {f.name: f for f in facts}
+    by_key: dict[str, list[str]] = collections.defaultdict(list)
+    by_layer_key: dict[str, list[str]] = collections.defaultdict(list)
+    leaders = []
+    for f in facts:
+        by_key[f.key].append(f.name)
+        by_layer_key[f.layer_key].append(f.name)
+        leader = f.gather if f.gather not in (None, f.name) else f.parent
+        if leader is not None and leader in by_name:
+            leaders.append((f.name, leader, leader == f.gather))
+    return DecidePlan(
+        dict(by_key),
+        dict(by_layer_key),
+        leaders,
+        layer_boundaries(facts, by_name, lambda f, u: crosses_layer(f.layer, u.layer)),
+        layer_boundaries(
+            facts, by_name, lambda f, u: titan_layer(u.module) > titan_layer(f.module), False
+        ),
+        {},
+    )
+
+
 def decide_ops(
     facts: Sequence[OpFacts],
     preset: str,
     selectors: Sequence[SelectorRow] = (),
     overrides: Mapping[str, str] | None = None,
     fsdp_reshard: bool = True,
+    plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
     """The tag of every node in `facts` (graph order): the request (preset, then the FSDP
     choice on parameter all-gathers, then selectors and overrides), the forced saves, then
     getitems and waits follow the op they unpack or end and unshard chains their
     all-gather, then the layer-boundary rule. The `titan-*` presets run graph trainer's own
-    variants of these steps (`decide_titan_ops`)."""
+    variants of these steps (`decide_titan_ops`). Pass the facts' `plan` to decide many
+    policies of one graph: the requests before overrides are then kept per preset and
+    selector list, so a flip costs a pass over the few nodes it can change."""
+    plan = plan or decide_plan(facts)
     if preset in TITAN_PRESETS:
-        return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard)
-    rule, overrides = PRESETS[preset](), overrides or {}
-    fsdp = fsdp_tag(fsdp_reshard)
-    tags: dict[str, Tag] = {}
-    for f in facts:
-        forced = forced_save(f)
-        if forced is not None:
-            tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, forced)
-            continue
-        tag = requested(f, rule, preset, selectors, overrides)
-        tags[f.name] = fsdp if tag.why is Why.PRESET and f.gather == f.name else tag
-    for f in facts:
-        leader = f.gather if f.gather not in (None, f.name) else f.parent
-        if leader is None or leader not in tags or tags[f.name].forced:
-            continue
-        if leader == f.gather or tags[leader].recompute != tags[f.name].recompute:
-            tags[f.name] = tags[leader]
-    save_layer_boundaries(facts, tags)
+        return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, plan)
+    requested, followed = _requests(facts, plan, preset, selectors, fsdp_reshard)
+    tags, overridden = dict(followed), set()
+    for nodes_of in (plan.by_key, plan.by_layer_key):  # a key naming one layer wins
+        for key, action in (overrides or {}).items():
+            for name in nodes_of.get(key, ()):
+                if not requested[name].forced:
+                    tags[name] = Tag(MUST[action], Why.OVERRIDE, key)
+                    overridden.add(name)
+    _follow(tags, requested, plan.leaders, overridden)
+    save_layer_boundaries(tags, plan.boundaries)
     return tags
+
+
+def _follow(
+    tags: dict[str, Tag],
+    asked: Mapping[str, Tag],
+    leaders: Sequence[tuple[str, str, bool]],
+    overridden: set[str] | None = None,
+) -> None:
+    """Followers take their leader's tag: always on an unshard chain, otherwise where they
+    differ on recompute; forced saves stay. `asked`: the tags before this step. With
+    `overridden` (nodes whose tags in `tags` are overrides, the rest already followed
+    from `asked`), only the followers of changed tags are redone."""
+    changed = None if overridden is None else set(overridden)
+    for name, leader, chain in leaders:
+        if changed is not None:
+            if name not in changed and leader not in changed:
+                continue
+            changed.add(name)
+        tag = tags[name] if overridden is not None and name in overridden else asked[name]
+        if not tag.forced and (chain or tags[leader].recompute != tag.recompute):
+            tag = tags[leader]
+        tags[name] = tag
+
+
+def _requests(
+    facts: Sequence[OpFacts],
+    plan: DecidePlan,
+    preset: str,
+    selectors: Sequence[SelectorRow],
+    fsdp_reshard: bool,
+) -> tuple[dict[str, Tag], dict[str, Tag]]:
+    """The tags without overrides, kept in `plan`: forced saves, then the preset's rule,
+    the FSDP choice and selectors; and those tags once followers took their leader's."""
+    memo_key = (preset, tuple(selectors), fsdp_reshard)
+    if memo_key not in plan.requested:
+        rule, fsdp = PRESETS[preset](), fsdp_tag(fsdp_reshard)
+        tags: dict[str, Tag] = {}
+        for f in facts:
+            forced = forced_save(f)
+            if forced is not None:
+                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, forced)
+                continue
+            tag = requested(f, rule, preset, selectors, {})
+            tags[f.name] = fsdp if tag.why is Why.PRESET and f.gather == f.name else tag
+        followed = dict(tags)
+        _follow(followed, tags, plan.leaders)
+        if len(plan.requested) >= REQUEST_MEMO:
+            plan.requested.clear()
+        plan.requested[memo_key] = (tags, followed)
+    return plan.requested[memo_key]
 
 
 def crosses_layer(layer: int | None, user_layer: int | None) -> bool:
@@ -523,23 +612,35 @@ def crosses_layer(layer: int | None, user_layer: int | None) -> bool:
     return layer != user_layer
 
 
-def save_layer_boundaries(
+def layer_boundaries(
     facts: Sequence[OpFacts],
-    tags: dict[str, Tag],
-    crosses: Callable[[OpFacts, OpFacts], bool] = lambda f, u: crosses_layer(f.layer, u.layer),
+    by_name: Mapping[str, OpFacts],
+    crosses: Callable[[OpFacts, OpFacts], bool],
     reverse: bool = True,
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The nodes with users that `crosses` a layer boundary, and those users, in the order
+    the layer-boundary rule walks them: reverse graph order by default, so a user's final
+    tag is known before its inputs are judged (graph trainer walks forward)."""
+    walk = reversed(facts) if reverse else facts
+    result = []
+    for f in walk:
+        users = tuple(u for u in f.users if u in by_name and crosses(f, by_name[u]))
+        if users:
+            result.append((f.name, users))
+    return result
+
+
+def save_layer_boundaries(
+    tags: dict[str, Tag], boundaries: Sequence[tuple[str, tuple[str, ...]]]
 ) -> None:
-    """Save a recomputed node with a recomputed user that `crosses` a layer boundary. In
-    reverse graph order by default, so a user's final tag is known before its inputs are
-    judged (graph trainer walks forward: `reverse=False`)."""
-    by_name = {f.name: f for f in facts}
-    for f in reversed(facts) if reverse else facts:
-        if not tags[f.name].recompute:
+    """Save a recomputed node with a recomputed user across a layer boundary (walking
+    `layer_boundaries`), naming the first such user."""
+    for name, users in boundaries:
+        if not tags[name].recompute:
             continue
-        for user in f.users:
-            other = tags.get(user)
-            if other is not None and other.recompute and crosses(f, by_name[user]):
-                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
+        for user in users:
+            if tags[user].recompute:
+                tags[name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
                 break
 
 
@@ -549,6 +650,7 @@ def decide_titan_ops(
     selectors: Sequence[SelectorRow] = (),
     overrides: Mapping[str, str] | None = None,
     fsdp_reshard: bool = True,
+    plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order): `lm_head*`/`loss*`
     nodes untagged, getitems and waits take their parent's tag, the rest the request; then,
@@ -580,12 +682,7 @@ def decide_titan_ops(
         if f.random and tag.recompute:
             tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
         tags[f.name] = tag
-    save_layer_boundaries(
-        facts,
-        tags,
-        lambda f, u: titan_layer(u.module) > titan_layer(f.module),
-        reverse=False,
-    )
+    save_layer_boundaries(tags, (plan or decide_plan(facts)).titan_boundaries)
     return tags
 
 

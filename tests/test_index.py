@@ -1,0 +1,110 @@
+"""The index form's array walks against plain entry-by-entry walks of the same schedules:
+storages and aliases, saved and returned storages, on both reference models and a per-rank
+graph, for schedules of several presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.graph import JointGraph
+from workbench.index import Flat, GraphIndex, Schedule, graph_index
+from workbench.policy import Policy, decide
+from workbench.replay import recompute_flags, replay
+
+PRESETS = ["none", "default", "eager", "full"]
+
+
+@pytest.fixture(scope="module")
+def graphs(small_graphs_and_rank: dict[str, JointGraph]) -> dict[str, JointGraph]:
+    return small_graphs_and_rank
+
+
+def _schedules(graph: JointGraph) -> list[Schedule]:
+    index = graph_index(graph)
+    flags = [recompute_flags(index, decide(graph, Policy(p))) for p in PRESETS]
+    return [index.identity(), *(_schedule(replay(index, f)) for f in flags)]
+
+
+def _schedule(flat: Flat) -> Schedule:
+    order = flat.entries.tolist()
+    args: dict[int, list[int]] = {e: [] for e in order}
+    for position, x in zip(flat.reader.tolist(), flat.read.tolist(), strict=True):
+        args[order[position]].append(x)
+    return order, {e: tuple(xs) for e, xs in args.items()}
+
+
+def _walk(index: GraphIndex, schedule: Schedule) -> tuple[list[set[int]], list[int], list[int]]:
+    """Storages one entry at a time: fresh slots get the next id, aliases take their
+    input's. Per position: the ids it holds; per storage: owner and bytes."""
+    order, args = schedule
+    storage_of: dict[tuple[int, int], int] = {}
+    held: list[set[int]] = []
+    owner: list[int] = []
+    sizes: list[int] = []
+    for e in order:
+        here = set()
+        for s, slot in enumerate(index.slots[e % index.n]):
+            if isinstance(slot, tuple):
+                sid = storage_of.get((args[e][slot[0]], slot[1]))
+            elif slot:
+                sid = len(owner)
+                owner.append(e)
+                sizes.append(slot)
+            else:
+                sid = None
+            if sid is not None:
+                storage_of[(e, s)] = sid
+                here.add(sid)
+        held.append(here)
+    return held, owner, sizes
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_storages_equal_an_entry_by_entry_walk(graphs: dict[str, JointGraph], model: str) -> None:
+    graph = graphs[model]
+    index = graph_index(graph)
+    for schedule in _schedules(graph):
+        flat = index.flat(schedule)
+        table = index.storages(flat)
+        held, owner, sizes = _walk(index, schedule)
+        got: list[set[int]] = [set() for _ in schedule[0]]
+        for position, sid in zip(table.holder.tolist(), table.held.tolist(), strict=True):
+            got[position].add(sid)
+        assert got == held
+        assert table.owner.tolist() == owner
+        assert table.sizes.tolist() == sizes
+        assert [schedule[0][p] for p in table.born.tolist()] == owner
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_saved_and_returned_storages_follow_their_definition(
+    graphs: dict[str, JointGraph], model: str
+) -> None:
+    graph = graphs[model]
+    index = graph_index(graph)
+    n = index.n
+    for schedule in _schedules(graph):
+        order, args = schedule
+        flat = index.flat(schedule)
+        table = index.storages(flat)
+        held, owner, _ = _walk(index, schedule)
+        held_by = dict(zip(order, held, strict=True))
+        returned = set().union(*(held_by[x] for x in args[index.output]))
+        read = {
+            x
+            for e in order
+            if e >= n or index.phase[e] == "backward"
+            for x in args[e]
+            if x < n and index.phase[x] in ("forward", "loss")
+        }
+        saved = {
+            sid
+            for x in read
+            for sid in held_by[x]
+            if sid not in returned
+            and index.phase[owner[sid] % n] != "input"
+            and owner[sid] % n not in index.gathered
+        }
+        assert index.read_directly(flat) == {index.names[x] for x in read}
+        assert set(index.returned_mask(flat, table).nonzero()[0].tolist()) == returned
+        assert set(index.saved_mask(flat, table).nonzero()[0].tolist()) == saved
