@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +303,73 @@ def test_offload_on_cuda_uses_torchs_ops(small_graphs: dict[str, Fixture]) -> No
 
     ops = ops_for(torch.device("cuda"))
     assert ops.offload is torch.ops.ao.offload.default
+
+
+# --- explorer, pictures, diff -----------------------------------------------------------
+
+
+def test_explorer_cycles_to_offload_and_back_with_undo(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    from workbench.widgets import PolicyExplorer
+
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, "default", workload=workload, autosave=tmp_path / "p.json")
+    ex.show("layer:0")
+    ex.select("mm_4")
+    ex.flip("mm_4")
+    ex.flip("mm_4")
+    assert ex.details["action"] == "offload" and ex.details["offload"] == "possible"
+    assert "offloaded in every identical layer" in ex.message
+    assert ex.policy_json["version"] == 3
+    assert json.loads((tmp_path / "p.json").read_text())["version"] == 3
+    assert ex.policy_json["overrides"] == {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"}
+    assert "offloaded to host memory" in " ".join(ex.legend["lines"])
+    ex.undo()
+    assert ex.policy_json["overrides"] == {
+        "layers.*.feed_forward.w1::aten.mm.default#0": "recompute"
+    }
+    ex.redo()
+    ex.flip("mm_4")
+    assert ex.details["action"] == "save"
+    # the last layer: the cycle passes over offload and says why
+    last = next(n for n, i in graph.nodes.items() if i.op == "aten.mm.default" and i.layer == 1)
+    ex.all_layers = False
+    ex.select(last)
+    ex.flip(last)
+    ex.flip(last)
+    assert ex.details["action"] == "save" and "offload not offered" in ex.message
+    assert ex.details["offload"].startswith("not possible: it is in the last layer")
+    assert json.loads((tmp_path / "p.json").read_text()) == ex.policy_json
+
+
+def test_pictures_and_diff_show_offload(small_graphs: dict[str, Fixture]) -> None:
+    from workbench.viz import diff, render_view
+    from workbench.viz.style import GREEN, KIND_STYLE, node_kind
+
+    _, graph = small_graphs["llama3-debug"]
+    default, offload = decide(graph, Policy("default")), decide(graph, Policy("offload"))
+    moved = [n for n, t in offload.items() if t.offload]
+    assert {node_kind(graph.nodes[n], offload[n]) for n in moved} == {"offload"}
+    assert KIND_STYLE["offload"][0]["fillcolor"] == GREEN
+    picture = render_view(graph, offload, "layer:0")
+    assert "offloaded for bwd" in picture.dot.source and GREEN in picture.dot.source
+    changes = diff(graph, default, offload, ("default", "offload"))
+    assert {r.node for r in changes.rows} == set(moved)
+    assert all(r.before == "save" and r.after == "offload" for r in changes.rows)
+    assert changes.offloaded_bytes_delta == sum(graph.nodes[n].bytes for n in moved)
+    assert "Δ offloaded bytes" in changes.markdown()
+
+
+def test_explorer_shows_why_policy_fn_cannot_export_offload(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    from workbench.widgets import PolicyExplorer
+
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, "offload", workload=workload, autosave=tmp_path / "p.json")
+    assert ex.export_code.startswith("# cannot export as policy_fn: policy_fn: offload")
+    with pytest.raises(WorkbenchError, match="not expressible in eager SAC"):
+        ex.save_export(str(tmp_path / "ac.py"))
+    ex.export_format = "torchtitan"
+    assert "--compile.memory_policy sac_and_offload" in ex.export_code
