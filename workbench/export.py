@@ -631,11 +631,6 @@ def _offload_notes(policy: Policy) -> list[str]:
         "with N = 0 frees it right after that reader, which torchtitan cannot say.",
         "prefetch: the same rule (reload N layers earlier in backward).",
     ]
-    if policy.offload.defer_layers == 0:
-        notes.append(
-            "defer_layers 0: torchtitan frees at the end of the last reader's layer region, "
-            "later than the workbench"
-        )
     return notes
 
 
