@@ -373,3 +373,24 @@ def test_explorer_shows_why_policy_fn_cannot_export_offload(
         ex.save_export(str(tmp_path / "ac.py"))
     ex.export_format = "torchtitan"
     assert "--compile.memory_policy sac_and_offload" in ex.export_code
+
+
+def test_cli_verify_estimate_and_render_take_offload_policies(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from workbench.cli import main
+
+    def run(*argv: str) -> dict[str, object]:
+        assert main([*argv, "--model", "llama3-debug", "--layers", "2", "--seq", "32"]) == 0
+        return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+    policy = Policy("offload", offload=OffloadOptions(prefetch_layers=2, defer_layers=1))
+    path = tmp_path / "offload.json"
+    policy.save(path)
+    verified = run("verify", "--policy", str(path), "--json")
+    assert verified["bitwise_equal"] is True
+    assert verified["offload"]["offloaded"] > 0  # type: ignore[index]
+    assert run("estimate", "--policy", "titan-sac_and_offload", "--json")["peak_bytes"]
+    out = tmp_path / "o.svg"
+    assert run("render", "--policy", "offload", "--view", "layer:0", "--out", str(out), "--json")
+    assert "offloaded for bwd" in out.read_text()
