@@ -324,7 +324,7 @@ def test_explorer_cycles_to_offload_and_back_with_undo(
     assert ex.policy_json["version"] == 3
     assert json.loads((tmp_path / "p.json").read_text())["version"] == 3
     assert ex.policy_json["overrides"] == {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"}
-    assert "offloaded to host memory" in " ".join(ex.legend["lines"])
+    assert "host memory (offloaded)" in " ".join(ex.legend["lines"])
     ex.undo()
     assert ex.policy_json["overrides"] == {
         "layers.*.feed_forward.w1::aten.mm.default#0": "recompute"

@@ -95,9 +95,9 @@ def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) ->
         kind = node_kind(two_layers.nodes[name], decisions.get(name))
         kinds_seen.add(kind)
         assert fill_of(group) == KIND_STYLE[kind][0]["fillcolor"].upper(), name
-    assert set(DECISION_KINDS) <= kinds_seen
+    assert {*DECISION_KINDS, "offload"} <= kinds_seen
     text = html.unescape(svg)
-    for kind in (*DECISION_KINDS, "backward"):
+    for kind in (*DECISION_KINDS, "offload", "backward"):
         colour, words = KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]
         assert words in text, f"legend lacks {words!r}"
         assert f'fill="{colour.lower()}">███' in text.lower()

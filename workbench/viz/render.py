@@ -226,9 +226,11 @@ def op_view(
         "box: op · output shape and dtype · output size; hover for node name and reason",
         "blue edge into a note: value kept in memory until backward reads it",
         "orange dashed edge: backward needs it, but it is recomputed instead of kept",
-        "green edge: kept in host memory (offloaded), reloaded before backward reads it",
     ]
     kinds: list[Kind] = [*DECISION_KINDS, "backward"]
+    if any(is_offload(decisions, n) for n in fwd):  # only then: pictures without stay as were
+        lines.append("green edge: kept in host memory (offloaded), reloaded before backward")
+        kinds.insert(len(DECISION_KINDS), "offload")
     if copies:
         kinds.append("recomputed_copy")
     infos = {n: node_facts(graph, n) for n in members}

@@ -79,7 +79,6 @@ DECISION_KINDS: tuple[Kind, ...] = (
     "forced_save",
     "prefer_recompute",
     "must_recompute",
-    "offload",
 )
 
 

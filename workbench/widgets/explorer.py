@@ -672,17 +672,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 lines.append(
                     f"'{title}': {count} identical layers drawn once; box figures are totals"
                 )
-            lines.append(
-                "box colour: share of its ops saved (blue) and recomputed (orange); box text "
-                "counts the saved ops offloaded to host memory"
-            )
+            lines.append("box colour: share of its ops saved (blue) and recomputed (orange)")
+            if self.policy.offloads:
+                lines.append("box text: how many of the saved ops are offloaded to host memory")
             lines.append("click a box to open it; click a layer's frame to open the whole layer")
             where = "overview"
         else:
-            lines.append(
-                "blue: saved · orange: recomputed · green: offloaded to host memory · "
-                "grey note: backward ops reading it"
-            )
+            lines.append("blue: saved · orange: recomputed · grey note: backward ops reading it")
+            if self.policy.offloads:
+                lines.append("green: saved in host memory (offloaded), reloaded for backward")
             lines.append("click an op to flip it; shift-click selects only")
             where = self.view
         title = f"{self.graph.model_name} · policy {policy_label(self.policy_json)}: {where}"
