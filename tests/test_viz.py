@@ -201,7 +201,6 @@ def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
         "changed": len(rows),
         "saved_bytes_delta": changed.saved_bytes_delta,
         "recompute_flops_delta": k.flops - d.flops,
-        "offloaded_bytes_delta": 0,
     }
     table = changed.markdown()
     assert kept in table and dropped in table and table.count("\n| ") == 1 + len(rows)

@@ -44,38 +44,48 @@ class PolicyDiff:
     def offloaded_bytes_delta(self) -> int:
         return sum(r.offloaded_bytes_delta for r in self.rows)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether any row moves to or from offload (only then do tables show offload)."""
+        return any("offload" in (r.before, r.after) for r in self.rows)
+
     def totals(self) -> dict[str, int]:
-        return {
+        totals = {
             "changed": len(self.rows),
             "saved_bytes_delta": self.saved_bytes_delta,
             "recompute_flops_delta": self.recompute_flops_delta,
-            "offloaded_bytes_delta": self.offloaded_bytes_delta,
         }
+        if self.offloads:
+            totals["offloaded_bytes_delta"] = self.offloaded_bytes_delta
+        return totals
 
     def table(self) -> list[dict[str, Any]]:
         return [r.to_json() for r in self.rows]
 
     def markdown(self, limit: int | None = 50) -> str:
-        """A plain Markdown table (no pandas), with a totals line; `limit` rows at most."""
+        """A plain Markdown table (no pandas), with a totals line; `limit` rows at most. The
+        offload figures only when a row moves to or from offload."""
+        columns = COLUMNS if self.offloads else COLUMNS[:-1]
+        moved = f", offloaded {signed(human_bytes(self.offloaded_bytes_delta))}"
         head = [
             f"{self.before_name} → {self.after_name}: {len(self.rows)} activations changed, "
             f"kept for backward {signed(human_bytes(self.saved_bytes_delta))}, "
-            f"recompute {signed(human_flops(self.recompute_flops_delta))}, "
-            f"offloaded {signed(human_bytes(self.offloaded_bytes_delta))}",
+            f"recompute {signed(human_flops(self.recompute_flops_delta))}"
+            + (moved if self.offloads else ""),
             "",
-            "| " + " | ".join(COLUMNS) + " |",
-            "|" + "---|" * len(COLUMNS),
+            "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns),
         ]
         shown = self.rows if limit is None else self.rows[:limit]
         body = [
             f"| {r.node} | {r.module or '(top level)'} | {r.op} | {r.before} | {r.after} | "
             f"{signed(human_bytes(r.saved_bytes_delta))} | "
-            f"{signed(human_flops(r.recompute_flops_delta))} | "
-            f"{signed(human_bytes(r.offloaded_bytes_delta))} |"
+            f"{signed(human_flops(r.recompute_flops_delta))} |"
+            + (f" {signed(human_bytes(r.offloaded_bytes_delta))} |" if self.offloads else "")
             for r in shown
         ]
         if len(shown) < len(self.rows):
-            body.append(f"| … {len(self.rows) - len(shown)} more |" + " |" * (len(COLUMNS) - 1))
+            body.append(f"| … {len(self.rows) - len(shown)} more |" + " |" * (len(columns) - 1))
         return "\n".join(head + body)
 
     def changes(self) -> dict[str, DiffRow]:
