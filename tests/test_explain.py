@@ -101,6 +101,7 @@ def test_decisions_by_reason_count_every_decision(
     assert counts["mutates its input"] == {
         "save": sum(t.why.value == "mutates its input" for t in decisions.values()),
         "recompute": 0,
+        "offload": 0,
     }
 
 

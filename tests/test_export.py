@@ -33,6 +33,7 @@ from workbench.export import (
 from workbench.graph import JointGraph
 from workbench.models import Workload
 from workbench.policy import PRESETS, Policy, Selector, decide
+from workbench.rules import OffloadOptions
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(
@@ -127,6 +128,10 @@ def test_graph_pass_in_a_fresh_interpreter_tags_what_decide_decides(
 @pytest.mark.parametrize("fmt", ["policy_fn", "graph_pass"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_python_exports_import_only_torch_and_the_stdlib(fmt: str, policy: str) -> None:
+    if fmt == "policy_fn" and POLICIES[policy].offloads:
+        with pytest.raises(WorkbenchError, match="offload .* is not expressible in eager SAC"):
+            export(POLICIES[policy], fmt)
+        return
     roots = imported_roots(export(POLICIES[policy], fmt))
     assert "torch" in roots
     assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names)
@@ -187,7 +192,7 @@ def test_generated_code_passes_ruff(tmp_path: Path) -> None:
     long = "layers.*." + "long_module_name." * 6 + "wq::aten.mm.default"
     wide = Policy("default", [Selector(long, "recompute")], {f"{long}#0": "save"})
     for i, policy in enumerate([*POLICIES.values(), nasty, wide]):
-        for fmt in ("policy_fn", "graph_pass"):
+        for fmt in ("policy_fn", "graph_pass")[policy.offloads :]:  # no offload in eager
             (tmp_path / f"{fmt}_{i}.py").write_text(export(policy, fmt))
     # The project's rules, except line length: a user's module names can be arbitrarily long.
     check = ["check", "--select", "E,F,W,I,UP,B", "--ignore", "E501"]
@@ -229,13 +234,20 @@ def test_names_with_quotes_backslashes_and_newlines_cannot_break_the_output(fmt:
 
 
 TORCHTITAN_POLICY = {name: name.removeprefix("titan-") for name in PRESETS}
+TORCHTITAN_POLICY["offload"] = "sac_and_offload"
+OFFLOAD_OPTIONS = [
+    "--compile.cpu_offload_budget_gb 0",
+    "--compile.cpu_offload_prefetch_n_layers 1",
+    "--compile.cpu_offload_defer_n_layers 0",
+]
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_torchtitan_options_for_each_preset(preset: str) -> None:
     lines = torchtitan_options(Policy(preset), version="main").splitlines()
     options = [line for line in lines if not line.startswith("#")]
-    assert options == [f"--compile.memory_policy {TORCHTITAN_POLICY[preset]}"]
+    offload = OFFLOAD_OPTIONS if Policy(preset).offloads else []
+    assert options == [f"--compile.memory_policy {TORCHTITAN_POLICY[preset]}", *offload]
     assert any("graph_trainer/configs.py" in line for line in lines)
     assert not any("cannot express" in line for line in lines)
 
@@ -367,3 +379,32 @@ def test_write_export_never_overwrites_unless_asked(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.py"]  # no temp files left
     with pytest.raises(WorkbenchError, match="missing"):
         write_export("x", tmp_path / "no" / "such.py")
+
+
+def test_torchtitan_offload_options_map_the_budget_and_say_what_does_not_map() -> None:
+    policy = Policy(
+        "offload",
+        overrides={"layers.*.attention.wq::aten.mm.default#0": "offload"},
+        offload=OffloadOptions(budget_bytes=3 * 2**29, prefetch_layers=2, defer_layers=1),
+    )
+    lines = torchtitan_options(policy, version="0.3.0").splitlines()
+    assert [line for line in lines if line.startswith("--")] == [
+        "--compile.memory_policy sac_and_offload",
+        "--compile.cpu_offload_budget_gb 1.5",
+        "--compile.cpu_offload_prefetch_n_layers 2",
+        "--compile.cpu_offload_defer_n_layers 1",
+    ]
+    assert any("cannot express override layers.*.attention.wq" in line for line in lines)
+    assert any("1610612736 bytes = 1.5 GiB" in line for line in lines)
+    # offload asked by name on a preset without offload: the options stay unsaid
+    asked = Policy("default", selectors=[Selector("layers.*.attention.wo::*", "offload")])
+    lines = torchtitan_options(asked, version="0.3.0").splitlines()
+    assert [line for line in lines if line.startswith("--")] == ["--compile.memory_policy default"]
+    assert any("own rules (sac_and_offload)" in line for line in lines)
+
+
+def test_graph_pass_export_carries_offload_tags_and_options() -> None:
+    policy = Policy("offload", offload=OffloadOptions(budget_bytes=2**20))
+    code = export(policy, "graph_pass")
+    assert "OFFLOAD_OPTIONS = (1048576, 1, 0)" in code
+    assert "decide_ops(facts, PRESET, SELECTORS, OVERRIDES, FSDP_RESHARD, offload)" in code

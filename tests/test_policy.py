@@ -219,12 +219,12 @@ def test_bad_policy_files(tmp_path: Path, text: str, message: str) -> None:
 
 
 def test_unknown_preset_and_missing_file() -> None:
-    with pytest.raises(WorkbenchError, match="choose one of none, full, default, eager, titan-"):
+    with pytest.raises(WorkbenchError, match="one of none, full, default, eager, offload, titan-"):
         parse_policy("selective")
     with pytest.raises(WorkbenchError, match="cannot read policy file"):
         parse_policy("missing/policy.json")
-    assert set(PRESETS) == {"none", "full", "default", "eager"} | {
-        f"titan-{name}" for name in ("default", "full", "eager")
+    assert set(PRESETS) == {"none", "full", "default", "eager", "offload"} | {
+        f"titan-{name}" for name in ("default", "full", "eager", "sac_and_offload")
     }
 
 

@@ -68,7 +68,9 @@ def _cpu_forced(graph: JointGraph) -> set[str]:
 
 @needs_torchtitan
 @pytest.mark.parametrize("spec", TITAN_MODELS)
-@pytest.mark.parametrize("preset", ["titan-default", "titan-full", "titan-eager"])
+@pytest.mark.parametrize(
+    "preset", ["titan-default", "titan-full", "titan-eager", "titan-sac_and_offload"]
+)
 def test_titan_presets_match_graph_trainer_node_for_node(
     titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str, preset: str
 ) -> None:
@@ -89,6 +91,8 @@ def test_titan_presets_match_graph_trainer_node_for_node(
         if name not in forced
     }
     assert ours == {name: tag for name, tag in theirs.items() if name not in forced}
+    offloaded = CheckpointPolicy.MUST_CPU_OFFLOAD in theirs.values()
+    assert offloaded == (preset == "titan-sac_and_offload")
 
 
 @needs_torchtitan

@@ -59,12 +59,14 @@ def two_layers(small_graphs: dict) -> JointGraph:
 
 
 def mixed_policy() -> Policy:
-    """Preset choices plus a user save and a user recompute, so every kind shows up."""
+    """Preset choices plus a user save, recompute and offload, so every kind shows up (the
+    offload in layer 0: the last layer's are refused)."""
     return Policy(
         preset="default",
         selectors=[
             Selector("layers.*.feed_forward.w1::aten.mm.default", "recompute"),
             Selector("layers.*.attention_norm::aten.mul.Tensor", "save"),
+            Selector("layers.0.attention.wv::aten.mm.default", "offload"),
         ],
     )
 
@@ -84,7 +86,7 @@ def fill_of(group: ET.Element) -> str:
 
 def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) -> None:
     decisions = decide(two_layers, mixed_policy())
-    svg = expand(two_layers, decisions, "layer:1").svg()
+    svg = expand(two_layers, decisions, "layer:0").svg()
     kinds_seen = set()
     for element_id, group in svg_nodes(svg).items():
         if not element_id.startswith("n-"):
@@ -93,14 +95,14 @@ def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) ->
         kind = node_kind(two_layers.nodes[name], decisions.get(name))
         kinds_seen.add(kind)
         assert fill_of(group) == KIND_STYLE[kind][0]["fillcolor"].upper(), name
-    assert set(DECISION_KINDS) <= kinds_seen
+    assert {*DECISION_KINDS, "offload"} <= kinds_seen
     text = html.unescape(svg)
-    for kind in (*DECISION_KINDS, "backward"):
+    for kind in (*DECISION_KINDS, "offload", "backward"):
         colour, words = KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]
         assert words in text, f"legend lacks {words!r}"
         assert f'fill="{colour.lower()}">███' in text.lower()
-    forced = [n for n, d in decisions.items() if d.forced and two_layers.nodes[n].layer == 1]
-    dot = expand(two_layers, decisions, "layer:1").dot.source
+    forced = [n for n, d in decisions.items() if d.forced and two_layers.nodes[n].layer == 0]
+    dot = expand(two_layers, decisions, "layer:0").dot.source
     for name in forced:
         line = next(ln for ln in dot.splitlines() if f'id="{svg_id("n", name)}"' in ln)
         assert "peripheries=2" in line and "forced:" in line

@@ -13,7 +13,7 @@ from typing import Any
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.policy import Policy, decide
-from workbench.rules import PRESETS, TITAN_PRESETS, Why
+from workbench.rules import DECISIONS, PRESETS, TITAN_PRESETS, Why
 from workbench.titan import (
     CPU_FORCED,
     NOT_REPRODUCED,
@@ -34,6 +34,8 @@ _WORKBENCH_STEPS = (
     "in-place ops are saved: a recompute would apply the mutation twice",
     "a getitem follows the op it unpacks",
     "a recomputed node with a recomputed user in another layer is saved (layer boundary)",
+    "offload: the `offload` preset offloads each saved node that may be offloaded, offload "
+    "requests the rules cannot grant are saved with the reason, then the budget, largest first",
 )
 _TITAN_STEPS = (
     "nodes of `lm_head*` / `loss*` modules are left untagged (saved)",
@@ -42,6 +44,8 @@ _TITAN_STEPS = (
     "random ops are saved (on the CPU, where graph trainer recomputes the flash-attention op)",
     "in graph order, a recomputed node with a recomputed user in a *higher* layer is saved "
     "(nodes outside the layers count as layer -1)",
+    "`sac_and_offload`: saved contiguous non-view tensors of at least 4 KiB in the layers but "
+    "the last are offloaded, largest first within the budget",
 )
 
 
@@ -56,15 +60,12 @@ def _rule_words(preset: str) -> str:
 
 
 def _decisions_by_reason(graph: JointGraph, policy: Policy) -> dict[str, dict[str, int]]:
-    """Per `Why` (preset, random op, layer boundary, ...): how many nodes saved / recomputed."""
+    """Per `Why` (preset, random op, layer boundary, ...): how many nodes saved / recomputed /
+    offloaded (saved in host memory)."""
     counts: dict[Why, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for tag in decide(graph, policy).values():
-        counts[tag.why]["recompute" if tag.recompute else "save"] += 1
-    return {
-        why.value: {k: counts[why][k] for k in ("save", "recompute")}
-        for why in Why
-        if why in counts
-    }
+        counts[tag.why][tag.action] += 1
+    return {why.value: {k: counts[why][k] for k in DECISIONS} for why in Why if why in counts}
 
 
 def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str) -> dict[str, Any]:
@@ -140,7 +141,8 @@ def explain_text(result: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines.append(f"on {result['model']}, decisions by reason:")
     for why, counts in result["decisions_by_reason"].items():
-        lines.append(f"  {why:<18} {counts['save']:>5} save {counts['recompute']:>5} recompute")
+        line = f"  {why:<18} {counts['save']:>5} save {counts['recompute']:>5} recompute"
+        lines.append(line + (f" {counts['offload']:>5} offload" if counts["offload"] else ""))
     against = result.get("graph_trainer")
     if against is None:
         return "\n".join(lines)

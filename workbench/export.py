@@ -281,11 +281,12 @@ def tag_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Write node.meta["recompute"] on every forward and loss node of a joint graph, in place.
 
     Reads meta["autograd_backward"] (backward nodes get no tag) and the module path (see
-    `module_paths`); tags by `decide_ops`. Warns about selectors and overrides that match
-    nothing. Returns `gm`.
+    `module_paths`); tags by `decide_ops`, offloaded nodes MUST_CPU_OFFLOAD. Warns about
+    selectors and overrides that match nothing. Returns `gm`.
     """
     facts = op_facts(fx_rows(gm, module_paths(gm).__getitem__))
-    tags = decide_ops(facts, PRESET, SELECTORS, OVERRIDES, FSDP_RESHARD)
+    offload = OffloadOptions(*OFFLOAD_OPTIONS)
+    tags = decide_ops(facts, PRESET, SELECTORS, OVERRIDES, FSDP_RESHARD, offload)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
         if node.name in tags:
@@ -376,7 +377,16 @@ def parallel_notes(policy: Policy, graph: JointGraph) -> list[str]:
 
 
 def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
-    """Eager SAC: `policy_fn` for create_selective_checkpoint_contexts plus `apply_ac`."""
+    """Eager SAC: `policy_fn` for create_selective_checkpoint_contexts plus `apply_ac`.
+    Refuses a policy that offloads: eager SAC has no offload (torch 2.13's SAC caches only
+    *_SAVE outputs and recomputes everything else, *_CPU_OFFLOAD included)."""
+    if policy.offloads:
+        raise WorkbenchError(
+            f"policy_fn: offload (preset {policy.preset!r} or an 'offload' selector/override) "
+            "is not expressible in eager SAC, which saves or recomputes only; export "
+            "'graph_pass' (tags MUST_CPU_OFFLOAD) or 'torchtitan' (memory_policy "
+            "sac_and_offload) instead"
+        )
     wrap = _can_recompute(policy)
     return _python_module(
         policy,
@@ -421,6 +431,12 @@ def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:
             "# FSDP parameter all-gathers: True recomputes each unshard chain in backward",
             "# (reshard after forward), False keeps the gathered copies until backward.",
             f"FSDP_RESHARD = {policy.fsdp_reshard}",
+            "# CPU offload: host budget in bytes (None: no limit), applied largest first by",
+            "# decide_ops; prefetch/defer are for the offload pass that reads the",
+            "# MUST_CPU_OFFLOAD tags (graph trainer's apply_cpu_offload_pass takes them as",
+            "# prefetch_lookahead / defer_n_layers; SAC Workbench's offload_pass as options).",
+            "# (budget_bytes, prefetch_layers, defer_layers)",
+            f"OFFLOAD_OPTIONS = {tuple(policy.offload)!r}",
         ],
         body=_GRAPH_PASS,
     )
@@ -496,9 +512,19 @@ TORCHTITAN_POLICIES: dict[str, tuple[str, str]] = {
             "the same tags node for node (workbench.rules.decide_titan_ops), except random "
             "ops: the workbench saves them (torch's remat pass refuses to recompute them).",
         )
-        for name in ("default", "full", "eager")
+        for name in ("default", "full", "eager", "sac_and_offload")
     },
+    "offload": (
+        "sac_and_offload",
+        "torchtitan offloads on top of its own 'default' by its own rules (its view-op list "
+        "instead of storages; random and in-place ops and saved nodes backward never reads "
+        "are tagged too); the workbench offloads on top of its 'default' (preset "
+        "'titan-sac_and_offload' is torchtitan's).",
+    ),
 }
+# Graph trainer's offload options (0.3.0 configs.py, GraphTrainerCompileConfig); main was
+# not read for them: the same names are assumed there.
+TORCHTITAN_OFFLOAD_GIB_DIGITS = 6
 
 
 def installed_torchtitan() -> str | None:
@@ -546,6 +572,8 @@ def torchtitan_options(
                 f"{', '.join(target.memory_policies)})",
             ),
         )
+    if memory_policy == "sac_and_offload":
+        notes.extend(_offload_notes(policy))
     lines = [
         "# torchtitan graph_trainer options (append to run_train.sh) for this policy:",
         "# " + json.dumps(policy.to_json(), separators=(",", ":")),
@@ -567,11 +595,43 @@ def torchtitan_options(
         )
     if memory_policy in target.memory_policies:
         lines.append(f"--compile.memory_policy {memory_policy}")
+    if memory_policy == "sac_and_offload" and memory_policy in target.memory_policies:
+        lines.extend(_offload_options(policy))
     if not policy.fsdp_reshard:
         lines.append("--parallelism.fsdp_reshard_after_forward never")
     if save_ops:
         lines.append(f"--compile.full_recompute_save_ops {shlex.quote(' | '.join(save_ops))}")
     return "\n".join(lines) + "\n"
+
+
+def _offload_options(policy: Policy) -> list[str]:
+    """graph trainer's `cpu_offload_*` options for the policy's offload options. Its budget
+    is in GiB (`* 1024**3`) and 0 there means no limit (it skips the check)."""
+    budget = policy.offload.budget_bytes
+    gib = 0 if budget is None else round(budget / 2**30, TORCHTITAN_OFFLOAD_GIB_DIGITS)
+    return [
+        f"--compile.cpu_offload_budget_gb {gib:g}",
+        f"--compile.cpu_offload_prefetch_n_layers {policy.offload.prefetch_layers}",
+        f"--compile.cpu_offload_defer_n_layers {policy.offload.defer_layers}",
+    ]
+
+
+def _offload_notes(policy: Policy) -> list[str]:
+    """How the offload options map and where their meanings differ."""
+    budget = policy.offload.budget_bytes
+    notes = [
+        "offload budget: "
+        + (
+            "no limit (cpu_offload_budget_gb 0 is torchtitan's 'no limit')"
+            if budget is None
+            else f"{budget} bytes = {budget / 2**30:.6g} GiB (torchtitan's GB are GiB)"
+        ),
+        "defer: torchtitan frees an offloaded tensor at the end of the layer region N past "
+        "its producer (at the earliest the region of its last forward reader); the workbench "
+        "with N = 0 frees it right after that reader, which torchtitan cannot say.",
+        "prefetch: the same rule (reload N layers earlier in backward).",
+    ]
+    return notes
 
 
 def _torchtitan(policy: Policy, graph: JointGraph | None) -> str:
@@ -590,7 +650,10 @@ def _full_recompute_save_ops(
     for s in policy.selectors:
         what = f"selector {s.select} -> {s.action}"
         redundant = "recompute" if full else "save" if policy.preset == "none" else None
-        if s.action == redundant and not save_ops:
+        if s.action == "offload":
+            why = "torchtitan chooses what to offload by its own rules (sac_and_offload)"
+            unexpressed.append((what, why))
+        elif s.action == redundant and not save_ops:
             notes.append(f"{what} changes nothing under {policy.preset!r} (dropped)")
         elif not target.save_ops_option:
             why = f"torchtitan {target.name} has no --compile.full_recompute_save_ops"

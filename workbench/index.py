@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
+from workbench.offload import is_offload_node
 from workbench.rules import unshard_chains
 
 __all__ = [
@@ -153,11 +154,16 @@ class GraphIndex:
         """The order and inputs of a graph produced from this one by torch's remat pass.
 
         Nodes map back through `meta[ORIGIN_KEY]` (the pass renames nodes); a copy of a
-        forward node that runs in backward is its recomputed copy."""
+        forward node that runs in backward is its recomputed copy. The offload pass's copies,
+        reloads and waits stand for the value they move (as if it stayed on the device), and
+        the views it replays in backward for recomputed copies of theirs."""
         entry: dict[fx.Node, int] = {}
         order: list[int] = []
         args: dict[int, tuple[int, ...]] = {}
         for node in gm.graph.nodes:
+            if is_offload_node(node):  # stands for the value it copies: kept on the device
+                entry[node] = entry[node.all_input_nodes[0]]
+                continue
             origin = node.meta.get(ORIGIN_KEY)
             i = self.output if node.op == "output" else self.origin_of.get(origin)
             if i is None or origin is None and node.op != "output":

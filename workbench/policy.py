@@ -1,7 +1,7 @@
-"""Policies: for every forward activation, save or recompute; versioned JSON; tag decisions.
+"""Policies: for every forward activation, save, recompute or offload; versioned JSON; tags.
 
-Entry points: `Policy` (preset + selectors + per-node overrides, versioned JSON) and
-`decide(graph, policy) -> Decisions`, which applies the rules of `workbench.rules`.
+Entry points: `Policy` (preset + selectors + per-node overrides + offload options, versioned
+JSON) and `decide(graph, policy) -> Decisions`, which applies the rules of `workbench.rules`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.graph import JointGraph, NodeInfo
 from workbench.rules import (
+    OFFLOAD_PRESETS,
     PRESETS,
     DecidePlan,
+    OffloadOptions,
     OpFacts,
     SelectorRow,
     Tag,
@@ -31,14 +33,17 @@ from workbench.rules import (
     fx_rows,
     layer_pattern,
     module_matches,
+    offload_refusal_in,
     op_facts,
 )
 
 SCHEMA = "sac-workbench/policy"
-SCHEMA_VERSION = 2  # 2 added `fsdp_reshard`; a policy that keeps its default is written as 1
+# 2 added `fsdp_reshard`, 3 the `offload` action and options; a policy is written with the
+# lowest version that holds it, so files older workbenches read stay readable by them.
+SCHEMA_VERSION = 3
 
-Action = Literal["save", "recompute"]
-ACTIONS: tuple[Action, ...] = ("save", "recompute")
+Action = Literal["save", "recompute", "offload"]
+ACTIONS: tuple[Action, ...] = ("save", "recompute", "offload")
 
 # A node's tag and why (`rules.Tag`): the rules module owns the decision logic.
 Decision = Tag
@@ -122,6 +127,7 @@ class Policy:
     selectors: list[Selector] = field(default_factory=list)
     overrides: dict[str, Action] = field(default_factory=dict)
     fsdp_reshard: bool = True
+    offload: OffloadOptions = field(default_factory=OffloadOptions)
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, str):
@@ -148,7 +154,8 @@ class Policy:
         self.selectors = [Selector.from_json(s) for s in self.selectors]
         if not isinstance(self.overrides, dict):
             raise WorkbenchError(
-                "overrides must be an object mapping node keys to 'save' or 'recompute', "
+                "overrides must be an object mapping node keys to 'save', 'recompute' or "
+                "'offload', "
                 f"got {type(self.overrides).__name__}"
             )
         for key, action in self.overrides.items():
@@ -161,19 +168,38 @@ class Policy:
                 f"fsdp_reshard {self.fsdp_reshard!r} must be true (reshard after forward) or "
                 "false (keep unsharded)"
             )
+        self.offload = offload_options(self.offload)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the policy can offload anything: an offload preset or request."""
+        return (
+            self.preset in OFFLOAD_PRESETS
+            or "offload" in self.overrides.values()
+            or any(s.action == "offload" for s in self.selectors)
+        )
+
+    @property
+    def version(self) -> int:
+        """The lowest schema version that holds this policy."""
+        if self.offloads or self.offload != OffloadOptions():
+            return 3
+        return 1 if self.fsdp_reshard else 2
 
     def to_json(self) -> dict[str, Any]:
-        """Version 1 unless `fsdp_reshard` differs from its default (then 2 and the field):
-        files older workbenches read stay readable by them."""
+        """The lowest version that holds the policy (`version`), with the fields it adds
+        only where they differ from their defaults."""
         data: dict[str, Any] = {
             "schema": SCHEMA,
-            "version": 1 if self.fsdp_reshard else 2,
+            "version": self.version,
             "preset": self.preset,
             "selectors": [{"select": s.select, "action": s.action} for s in self.selectors],
             "overrides": dict(sorted(self.overrides.items())),
         }
         if not self.fsdp_reshard:
             data["fsdp_reshard"] = False
+        if self.offload != OffloadOptions():
+            data["offload"] = self.offload._asdict()
         return data
 
     @classmethod
@@ -194,19 +220,27 @@ class Policy:
                 f"reads (up to {SCHEMA_VERSION}); upgrade sac-workbench"
             )
         fields = {"schema", "version", "preset", "selectors", "overrides"}
-        unknown = set(data) - fields - ({"fsdp_reshard"} if version >= 2 else set())
+        fields |= {"fsdp_reshard"} if version >= 2 else set()
+        fields |= {"offload"} if version >= 3 else set()
+        unknown = set(data) - fields
         if unknown:
             raise WorkbenchError(f"{source}: unknown policy fields {sorted(unknown)}")
         overrides = data.get("overrides", {})
         try:
-            return cls(
+            policy = cls(
                 preset=data.get("preset", "default"),
                 selectors=data.get("selectors", []),
                 overrides=dict(overrides) if isinstance(overrides, dict) else overrides,
                 fsdp_reshard=data.get("fsdp_reshard", True),
+                offload=data.get("offload", OffloadOptions()),
             )
         except WorkbenchError as err:
             raise WorkbenchError(f"{source}: {err}") from None
+        if policy.version > version:
+            raise WorkbenchError(
+                f"{source}: offload needs policy version 3, the file says {version}"
+            )
+        return policy
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
@@ -248,6 +282,42 @@ class Policy:
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write atomically; an existing file is replaced only when `overwrite` is set."""
         return write_file(path, json.dumps(self.to_json(), indent=2) + "\n", overwrite=overwrite)
+
+
+_OFFLOAD_FIELDS = ", ".join(OffloadOptions._fields)
+
+
+def offload_options(value: Any) -> OffloadOptions:
+    """Checked offload options from themselves or their JSON object. A budget is a positive
+    byte count or null (no limit): a budget of 0 would offload nothing, which is a policy
+    without offload, so it is refused rather than silently meaning either."""
+    if isinstance(value, dict):
+        unknown = set(value) - set(OffloadOptions._fields)
+        if unknown:
+            raise WorkbenchError(
+                f"offload: unknown fields {sorted(unknown)}; the fields are {_OFFLOAD_FIELDS}"
+            )
+        value = OffloadOptions(**value)
+    if not isinstance(value, OffloadOptions):
+        raise WorkbenchError(
+            f"offload must be an object with the fields {_OFFLOAD_FIELDS}, "
+            f"got {type(value).__name__}"
+        )
+    budget = value.budget_bytes
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise WorkbenchError(
+            f"offload budget_bytes {budget!r} must be a whole number of bytes or null (no limit)"
+        )
+    if budget is not None and budget <= 0:
+        raise WorkbenchError(
+            f"offload budget_bytes {budget} would offload nothing: give a positive byte count, "
+            "null for no limit, or a policy that does not offload"
+        )
+    for name in ("prefetch_layers", "defer_layers"):
+        layers = getattr(value, name)
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise WorkbenchError(f"offload {name} {layers!r} must be a whole number of layers >= 0")
+    return value
 
 
 def parse_policy(spec: str) -> Policy:
@@ -369,8 +439,31 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     if graph not in _PLANS:
         _PLANS[graph] = decide_plan(facts)
     return decide_ops(
-        facts, policy.preset, selectors, policy.overrides, policy.fsdp_reshard, _PLANS[graph]
+        facts,
+        policy.preset,
+        selectors,
+        policy.overrides,
+        policy.fsdp_reshard,
+        policy.offload,
+        _PLANS[graph],
     )
+
+
+def next_action(
+    graph: JointGraph, policy: Policy, node: str, decisions: Decisions
+) -> tuple[Action, str | None]:
+    """The decision a flip gives `node`, cycling save -> recompute -> offload -> save, and
+    why offload was skipped when the cycle passes over it (None otherwise). Forced saves
+    cannot flip: the error says why."""
+    current = decisions[node]
+    if current.forced:
+        raise WorkbenchError(f"{node!r} must be saved ({current.explanation}): it cannot flip")
+    if current.offload:
+        return "save", None
+    if not current.recompute:
+        return "recompute", None
+    refusal = offload_refusal_in(graph_facts(graph), decisions, node, policy.preset)
+    return ("save", f"{node} {refusal}") if refusal else ("offload", None)
 
 
 def flip(
@@ -381,7 +474,8 @@ def flip(
     all_layers: bool = True,
     decisions: Decisions | None = None,
 ) -> Policy:
-    """A new policy with `node`'s save/recompute decision reversed by an override.
+    """A new policy with `node`'s decision moved on by an override (`next_action`: save ->
+    recompute -> offload where the rules allow it -> save).
 
     `all_layers` names the op in every identical layer (`layers.*`), replacing any
     layer-specific overrides of it; otherwise only this layer. Backward nodes and forced
@@ -395,10 +489,8 @@ def flip(
             f"{node!r} is a {info.phase} node: only forward and loss activations can be saved "
             "or recomputed"
         )
-    current = (decisions if decisions is not None else decide(graph, policy))[node]
-    if current.forced:
-        raise WorkbenchError(f"{node!r} must be saved ({current.explanation}): it cannot flip")
-    action: Action = "save" if current.recompute else "recompute"
+    decisions = decisions if decisions is not None else decide(graph, policy)
+    action, _ = next_action(graph, policy, node, decisions)
     key = _node_keys(graph)[node]
     overrides = dict(policy.overrides)
     if all_layers:

@@ -1,4 +1,5 @@
-"""Graph rematerialization: tag a copy of the joint graph, run torch's own remat pass.
+"""Graph rematerialization: tag a copy of the joint graph, run torch's own remat pass, then
+the offload pass for the activations the policy offloads.
 
 Entry points: `tag_graph(graph, decisions) -> GraphModule` and `remat(graph, policy) ->
 RematResult`. The JointGraph is never modified: torch's pass rewrites the tags it reads.
@@ -17,9 +18,11 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
 )
 
 from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph, short_op
+from workbench.graph import ORIGIN_KEY, JointGraph, short_op
 from workbench.index import graph_index
+from workbench.offload import OFFLOAD_META, OffloadPlan, offload_pass
 from workbench.policy import Decisions, Policy, decide
+from workbench.rules import OffloadOptions
 
 RECOMPUTED_SUFFIX = "_recomputed"
 
@@ -41,6 +44,7 @@ class RematReport:
     saved_bytes_by_node_after: dict[str, int]
     forced: dict[str, str]
     problems: list[str] = field(default_factory=list)
+    offload: OffloadPlan | None = None  # what the offload pass did, when the policy offloads
 
     @property
     def saved_before(self) -> list[str]:
@@ -76,6 +80,7 @@ class RematReport:
             "bytes_no_longer_saved": self.bytes_no_longer_saved,
             "forced_saves": len(self.forced),
             "problems": self.problems,
+            "offload": self.offload.to_json() if self.offload is not None else None,
         }
 
 
@@ -112,9 +117,15 @@ def tag_graph(graph: JointGraph, decisions: Decisions) -> fx.GraphModule:
     return gm
 
 
-def remat(graph: JointGraph, policy: Policy | Decisions) -> RematResult:
-    """Tag, run `remat_using_tags_for_fwd_loss_bwd_graph`, and report what changed."""
+def remat(
+    graph: JointGraph, policy: Policy | Decisions, offload: OffloadOptions | None = None
+) -> RematResult:
+    """Tag, run `remat_using_tags_for_fwd_loss_bwd_graph`, then `offload_pass` on the nodes
+    tagged offload (with the policy's offload options, or `offload` for bare decisions), and
+    report what changed. The saved-bytes figures are those of torch's pass, before offload."""
     decisions = decide(graph, policy) if isinstance(policy, Policy) else policy
+    if offload is None:
+        offload = policy.offload if isinstance(policy, Policy) else OffloadOptions()
     gm = tag_graph(graph, decisions)
     try:
         out = remat_using_tags_for_fwd_loss_bwd_graph(gm)
@@ -153,9 +164,20 @@ def remat(graph: JointGraph, policy: Policy | Decisions) -> RematResult:
             f"{len(still_saved)} activations tagged recompute are still saved "
             f"(e.g. {', '.join(still_saved[:3])})"
         )
+    offloaded = [n for n, d in decisions.items() if d.offload]
+    if offloaded:
+        out = offload_pass(out, offloaded, lambda node: _layer(graph, node), offload)
+        report.offload = out.meta[OFFLOAD_META]  # its `skipped` says what stayed and why
     for problem in report.problems:
         warnings.warn(problem, RematWarning, stacklevel=2)
     return RematResult(gm=out, decisions=decisions, report=report)
+
+
+def _layer(graph: JointGraph, node: fx.Node) -> int | None:
+    """The layer of the traced node a node of the rewritten graph comes from."""
+    origin = node.meta.get(ORIGIN_KEY)
+    info = graph.nodes.get(origin[1]) if origin is not None else None
+    return info.layer if info is not None else None
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The tagging rules: which forward ops of a joint graph are saved or recomputed, and why.
 
 Entry points: `PRESETS` (name -> rule factory; the `titan-*` ones are torchtitan graph
-trainer's, node for node), `op_facts(rows)`, `decide_ops(facts, ...)` for graph SAC and
+trainer's, node for node), `op_facts(rows)`, `decide_ops(facts, ...)` for graph SAC (save,
+recompute or CPU offload, with `offload_refusal` saying what may not be offloaded) and
 `eager_tag(facts, ...)` for eager SAC's `policy_fn`.
 """
 
@@ -50,7 +51,17 @@ FOLLOWERS = frozenset({"getitem", WAIT})
 MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
 
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-MUST = {"save": CheckpointPolicy.MUST_SAVE, "recompute": CheckpointPolicy.MUST_RECOMPUTE}
+OFFLOAD = (CheckpointPolicy.PREFER_CPU_OFFLOAD, CheckpointPolicy.MUST_CPU_OFFLOAD)
+# The three decisions a forward activation can have, and the tag each request writes.
+DECISIONS = ("save", "recompute", "offload")
+MUST = {
+    "save": CheckpointPolicy.MUST_SAVE,
+    "recompute": CheckpointPolicy.MUST_RECOMPUTE,
+    "offload": CheckpointPolicy.MUST_CPU_OFFLOAD,
+}
+# Offload moves whole storages: smaller ones cost more in transfer overhead than they free
+# (graph trainer's `_MIN_OFFLOAD_BYTES`).
+MIN_OFFLOAD_BYTES = 4096
 
 _LAYER_RE = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
@@ -130,6 +141,9 @@ class Why(enum.Enum):
     FSDP = "fsdp"  # the policy's reshard-after-forward choice on a parameter all-gather
     PARTITIONER = "partition"  # a partitioner's choice replayed as tags (the studies)
     UNTAGGED = "untagged"  # left without a tag, as torchtitan's graph trainer leaves it
+    # An offload request the rules cannot grant (a view, the last layer, over the budget,
+    # ...): saved instead, `detail` says why. Not forced: the node may still be recomputed.
+    OFFLOAD_REFUSED = "offload refused"
     RANDOM = "random op"
     MUTATION = "mutates its input"
     LAYER_BOUNDARY = "layer boundary"
@@ -146,6 +160,33 @@ _FORCED_WORDS = {
 }
 
 
+class OffloadOptions(NamedTuple):
+    """How offloaded activations move (graph trainer's `cpu_offload_*` options).
+
+    `budget_bytes`: host bytes the offloaded storages may take, chosen largest first (None:
+    no limit). `prefetch_layers`: the reload starts this many layers earlier in backward
+    than the first backward reader's layer (0: right before the reader). `defer_layers`:
+    the device copy is freed this many layers after the producer's in forward (0: right
+    after its last forward reader)."""
+
+    budget_bytes: int | None = None
+    prefetch_layers: int = 1
+    defer_layers: int = 0
+
+
+class Storage(NamedTuple):
+    """What offloading needs to know of a node's output: a single tensor's bytes, whether it
+    is contiguous and owns its storage (not a view or alias of an input), whether backward
+    reads that storage (directly or through forward views) and whether the step returns it."""
+
+    bytes: int
+    contiguous: bool
+    fresh: bool
+    backward_read: bool
+    output: bool
+    mutated: bool  # a forward op writes into the storage in place
+
+
 class Tag(NamedTuple):
     """A node's checkpoint policy and why; `detail` is the preset name, the selector, the
     override key or the boundary-crossing user."""
@@ -159,14 +200,26 @@ class Tag(NamedTuple):
         return self.policy in RECOMPUTE
 
     @property
+    def offload(self) -> bool:
+        return self.policy in OFFLOAD
+
+    @property
+    def action(self) -> str:
+        """`save`, `recompute` or `offload`: the decision in one word."""
+        return "recompute" if self.recompute else "offload" if self.offload else "save"
+
+    @property
     def forced(self) -> bool:
         return self.why.forced
 
     @property
     def explanation(self) -> str:
-        """Why, in words: `preset:eager`, `selector:S`, `layer boundary (recomputed user ...)`."""
+        """Why, in words: `preset:eager`, `selector:S`, `layer boundary (recomputed user ...)`,
+        `offload refused: ...`."""
         if self.forced:
             return self.why.value + _FORCED_WORDS[self.why].format(self.detail)
+        if self.why is Why.OFFLOAD_REFUSED:
+            return f"{self.why.value}: {self.detail}"
         return f"{self.why.value}:{self.detail}"
 
     @property
@@ -194,10 +247,15 @@ class OpFacts(NamedTuple):
     # all_gather -> wait -> view ..., computed from graph inputs alone): one decision, the
     # gather's. Its own name for the gather itself; None off such chains.
     gather: str | None = None
+    # Its output storage, for the offload rules; None when it returns no single tensor
+    # (and in eager SAC, which cannot offload).
+    storage: Storage | None = None
 
 
-# (name, module, op, random, mutation, parent, users, gather), in graph order.
-Row = tuple[str, str, str, bool, bool, "str | None", tuple[str, ...], "str | None"]
+# (name, module, op, random, mutation, parent, users, gather, storage), in graph order.
+Row = tuple[
+    str, str, str, bool, bool, "str | None", tuple[str, ...], "str | None", "Storage | None"
+]
 
 
 class OpCounter:
@@ -209,7 +267,8 @@ class OpCounter:
         self.matmuls: collections.Counter[int | None] = collections.Counter()
 
     def facts(self, row: Row) -> OpFacts:
-        name, module, op, random, mutation, parent, users, gather = row
+        name, module, op, random, mutation, parent, users, gather = row[:8]
+        storage = row[8] if len(row) > 8 else None  # rows without it: nothing to offload
         layer = layer_of(module)
         if op in MATMUL_OPS:
             self.matmuls[layer] += 1
@@ -218,7 +277,7 @@ class OpCounter:
         key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
         return OpFacts(
             name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
-            key, layer_key, gather,
+            key, layer_key, gather, storage,
         )  # fmt: skip
 
 
@@ -226,6 +285,43 @@ def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
     """Facts of the forward and loss nodes of a graph, counted in graph order."""
     counter = OpCounter()
     return [counter.facts(row) for row in rows]
+
+
+def storage_keys(node: torch.fx.Node) -> set[Any]:
+    """The storages behind a node's output tensors (one per tensor; views share their
+    base's, in fake tensors as in real ones)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return {StorageWeakRef(v.untyped_storage()) for v in values if isinstance(v, torch.Tensor)}
+
+
+def storage_of(node: torch.fx.Node) -> Storage | None:
+    """The offload facts of `node`'s output (None unless it is a single tensor), from the
+    fake tensors in `meta["val"]`: aliases share their base's storage there."""
+    value = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        return None
+    (key,) = storage_keys(node)
+    try:
+        contiguous, size = bool(value.is_contiguous()), int(value.numel() * value.element_size())
+    except Exception:  # symbolic shapes: graph trainer assumes contiguous and large enough
+        contiguous, size = True, MIN_OFFLOAD_BYTES
+    backward_read = output = mutated = False
+    todo, seen = [node], {node}
+    while todo:  # forward nodes sharing the storage: views, getitems, in-place ops
+        for user in todo.pop().users:
+            if user.op == "output":
+                output = True
+            elif user.meta.get("autograd_backward"):
+                backward_read = True
+            elif user not in seen and key in storage_keys(user):
+                seen.add(user)
+                todo.append(user)
+                mutated = mutated or mutates(user.target)
+    fresh = not any(key in storage_keys(x) for x in node.all_input_nodes)
+    return Storage(size, contiguous, fresh, backward_read, output, mutated)
 
 
 def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:
@@ -249,6 +345,7 @@ def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str])
                 parent.name if isinstance(parent, torch.fx.Node) else None,
                 tuple(user.name for user in node.users),
                 gathers.get(node.name),
+                storage_of(node),
             )  # fmt: skip
         )
     return rows
@@ -422,17 +519,34 @@ def _titan_eager() -> Rule:
     return rule
 
 
+def _default_then_offload() -> Rule:
+    """graph trainer's `sac_and_offload` on the workbench's rules: `default`, then every saved
+    storage that may be offloaded (`offload_refusal`) is, largest first within the budget."""
+    return _save_compute_intensive()
+
+
+def _titan_sac_and_offload() -> Rule:
+    """graph trainer `sac_and_offload`: its `default`, then MUST_CPU_OFFLOAD on saved,
+    contiguous, non-view tensors of at least 4 KiB in the layers but the last, largest first
+    within the budget (`tag_all_offloadable_activations`)."""
+    return _titan_default()
+
+
 TITAN_PRESETS: dict[str, Callable[[], Rule]] = {
     "titan-default": _titan_default,
     "titan-full": _titan_full,
     "titan-eager": _titan_eager,
+    "titan-sac_and_offload": _titan_sac_and_offload,
 }
+# Presets that offload what their base preset saves.
+OFFLOAD_PRESETS = frozenset({"offload", "titan-sac_and_offload"})
 
 PRESETS: dict[str, Callable[[], Rule]] = {
     "none": _save_all,
     "full": _recompute_all,
     "default": _save_compute_intensive,
     "eager": _eager_every_other_mm,
+    "offload": _default_then_offload,
     **TITAN_PRESETS,
 }
 
@@ -531,18 +645,19 @@ def decide_ops(
     selectors: Sequence[SelectorRow] = (),
     overrides: Mapping[str, str] | None = None,
     fsdp_reshard: bool = True,
+    offload: OffloadOptions | None = None,
     plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
     """The tag of every node in `facts` (graph order): the request (preset, then the FSDP
     choice on parameter all-gathers, then selectors and overrides), the forced saves, then
     getitems and waits follow the op they unpack or end and unshard chains their
-    all-gather, then the layer-boundary rule. The `titan-*` presets run graph trainer's own
-    variants of these steps (`decide_titan_ops`). Pass the facts' `plan` to decide many
+    all-gather, then the layer-boundary rule, then the offload step (`decide_offload`). The
+    `titan-*` presets run graph trainer's own variants of these steps (`decide_titan_ops`). Pass the facts' `plan` to decide many
     policies of one graph: the requests before overrides are then kept per preset and
     selector list, so a flip costs a pass over the few nodes it can change."""
     plan = plan or decide_plan(facts)
     if preset in TITAN_PRESETS:
-        return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, plan)
+        return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, offload, plan)
     requested, followed = _requests(facts, plan, preset, selectors, fsdp_reshard)
     tags, overridden = dict(followed), set()
     for nodes_of in (plan.by_key, plan.by_layer_key):  # a key naming one layer wins
@@ -553,6 +668,7 @@ def decide_ops(
                     overridden.add(name)
     _follow(tags, requested, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
+    decide_offload(facts, tags, preset, offload or OffloadOptions())
     return tags
 
 
@@ -650,6 +766,7 @@ def decide_titan_ops(
     selectors: Sequence[SelectorRow] = (),
     overrides: Mapping[str, str] | None = None,
     fsdp_reshard: bool = True,
+    offload: OffloadOptions | None = None,
     plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order): `lm_head*`/`loss*`
@@ -683,7 +800,158 @@ def decide_titan_ops(
             tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
         tags[f.name] = tag
     save_layer_boundaries(tags, (plan or decide_plan(facts)).titan_boundaries)
+    decide_offload(facts, tags, preset, offload or OffloadOptions())
     return tags
+
+
+# --- CPU offload ------------------------------------------------------------------------
+
+# Graph trainer's view ops (`cpu_offload._VIEW_OPS`, by overload packet): never offloaded.
+TITAN_VIEW_OPS = frozenset(
+    "t transpose view _unsafe_view reshape unsqueeze squeeze slice select expand permute "
+    "as_strided alias split narrow unfold detach".split()
+)
+
+
+def last_layer(facts: Sequence[OpFacts], titan: bool = False) -> int | None:
+    """The layer whose activations are never offloaded: backward reads them at once. Graph
+    trainer has none when the graph holds fewer than two layers."""
+    layers = {titan_layer(f.module) if titan else f.layer for f in facts}
+    layers -= {None, TITAN_NOT_IN_LAYERS}
+    if titan and len(layers) < 2:
+        return None
+    return max(layers, default=None)  # type: ignore[type-var]
+
+
+def offload_refusal(f: OpFacts, last: int | None, titan: bool = False) -> str | None:
+    """Why `f`'s output may not be offloaded, or None if it may: it must be one contiguous
+    tensor of at least `MIN_OFFLOAD_BYTES` owning its storage (offloading a view frees
+    nothing), made in a layer other than the last, by no random, in-place or communication
+    op, with nothing writing into it later, not returned by the step. The `titan-*` presets
+    check what graph trainer checks: its view list instead of storages, no random, in-place
+    or output rule (the pass still skips what it cannot offload safely)."""
+    storage = f.storage
+    if storage is None:
+        return "returns no single tensor"
+    if f.gather is not None:
+        return "is part of a parameter's FSDP all-gather chain"
+    if f.op.startswith("_c10d_functional."):
+        return "is a collective or its wait"
+    layer = titan_layer(f.module) if titan else f.layer
+    if layer in (None, TITAN_NOT_IN_LAYERS):
+        return "is outside the layers"
+    if layer == last:
+        return f"is in the last layer ({layer}): backward reads it at once"
+    if titan:
+        if f.op.split(".")[1:2] and f.op.split(".")[1] in TITAN_VIEW_OPS:
+            return "is a view op"
+    else:
+        if f.random:
+            return "is a random op"
+        if f.mutation or storage.mutated:
+            return "has its storage written in place in forward"
+        if not storage.fresh:
+            return "is a view or alias of another node's storage: offloading it frees nothing"
+        if storage.output:
+            return "is returned by the step"
+    if not storage.contiguous:
+        return "is not contiguous"
+    if storage.bytes < MIN_OFFLOAD_BYTES:
+        return f"is {storage.bytes} bytes, under the {MIN_OFFLOAD_BYTES}-byte minimum"
+    return None
+
+
+def kept_for_backward(
+    tags: Mapping[str, Tag], by_name: Mapping[str, OpFacts]
+) -> Callable[[OpFacts], bool]:
+    """A test of whether torch's remat pass keeps a saved node's storage for backward: a
+    backward node reads it (or a saved forward view of it), or a recomputed node that
+    backward needs does. Users that are not forward nodes are backward ones."""
+    needed: dict[str, bool] = {}
+
+    def need(g: OpFacts) -> bool:  # a recompute-tagged node: copied into backward?
+        if g.name not in needed:
+            needed[g.name] = False
+            needed[g.name] = any(
+                u not in by_name or (tags[u].recompute and need(by_name[u])) for u in g.users
+            )
+        return needed[g.name]
+
+    def kept(f: OpFacts) -> bool:
+        todo, seen = [f], {f.name}
+        while todo:
+            for user in todo.pop().users:
+                u = by_name.get(user)
+                if u is None or (tags[user].recompute and need(u)):
+                    return True
+                view = u.storage is not None and not u.storage.fresh
+                if view and not tags[user].recompute and user not in seen:
+                    seen.add(user)
+                    todo.append(u)
+        return False
+
+    return kept
+
+
+def offload_refusal_in(
+    facts: Sequence[OpFacts], tags: Mapping[str, Tag], name: str, preset: str
+) -> str | None:
+    """Why node `name` may not be offloaded under `tags` (the rules and the keep test of
+    `decide_offload`, budget aside), or None if it may."""
+    titan = preset in TITAN_PRESETS
+    by_name = {f.name: f for f in facts}
+    refusal = offload_refusal(by_name[name], last_layer(facts, titan), titan)
+    if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
+        return "is not kept for backward: nothing to offload"
+    return refusal
+
+
+def decide_offload(
+    facts: Sequence[OpFacts], tags: dict[str, Tag], preset: str, options: OffloadOptions
+) -> None:
+    """The offload step, in place on `tags`. An offload preset offloads every saved node
+    the policy did not ask to save by name that may be offloaded and is kept for backward;
+    an `offload` request (selector or override) the rules cannot grant is saved instead,
+    tagged `Why.OFFLOAD_REFUSED` with the reason. Then the budget: offloads are kept largest
+    first (graph order among equals) while they fit; the rest go back to their preset's
+    save (`OFFLOAD_REFUSED` when asked for by name)."""
+    titan = preset in TITAN_PRESETS
+    last = last_layer(facts, titan)
+    by_name = {f.name: f for f in facts}
+    kept = kept_for_backward(tags, by_name)
+    chosen: list[OpFacts] = []
+    before: dict[str, Tag] = {}
+    for f in facts:
+        tag = tags[f.name]
+        if tag.recompute:
+            continue
+        asked = tag.offload
+        if not asked and (preset not in OFFLOAD_PRESETS or tag.why in (Why.SELECTOR, Why.OVERRIDE)):
+            continue
+        refusal = offload_refusal(f, last, titan)
+        if refusal is None and not kept(f):
+            titan_save = titan and tag.policy is CheckpointPolicy.MUST_SAVE
+            refusal = None if titan_save else "is not kept for backward: nothing to offload"
+        if refusal is not None:
+            if asked:
+                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, refusal)
+            continue
+        before[f.name] = tag
+        if not asked:  # MUST_: the one offload tag graph trainer's offload pass reads
+            tags[f.name] = Tag(CheckpointPolicy.MUST_CPU_OFFLOAD, Why.PRESET, preset)
+        chosen.append(f)
+    budget, used = options.budget_bytes, 0
+    if budget is None:
+        return
+    for f in sorted(chosen, key=lambda f: -f.storage.bytes):  # type: ignore[union-attr]
+        size = f.storage.bytes  # type: ignore[union-attr]
+        if used + size <= budget:
+            used += size
+        elif tags[f.name].why is Why.PRESET:
+            tags[f.name] = before[f.name]
+        else:
+            detail = f"over the offload budget of {budget} bytes ({used} already offloaded)"
+            tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, detail)
 
 
 def eager_tag(
@@ -698,9 +966,13 @@ def eager_tag(
     version, so a saved in-place op fails in backward ("Tensor cached during selective
     activation checkpoint has been mutated"); its recompute mutates a fresh tensor, and
     checkpoint restores the RNG state, so a random in-place op (`bernoulli_`) replays exactly.
-    Other random ops are saved, as in the graph."""
+    Other random ops are saved, as in the graph; eager SAC cannot offload, so an offload
+    request is saved (`Why.OFFLOAD_REFUSED`)."""
     if facts.mutation:
         return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.MUTATION)
     if facts.random:
         return Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
-    return requested(facts, rule, preset, selectors, overrides)
+    tag = requested(facts, rule, preset, selectors, overrides)
+    if tag.offload:
+        return Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, "eager SAC cannot offload")
+    return tag

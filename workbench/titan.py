@@ -26,6 +26,7 @@ from workbench.policy import Policy, decidable, decide
 from workbench.remat import copy_graph_module
 from workbench.rules import (
     COMPUTE_INTENSIVE_OPS,
+    OFFLOAD,
     RECOMPUTE,
     TITAN_NOT_IN_LAYERS,
     TITAN_PRESETS,
@@ -49,9 +50,11 @@ __all__ = [
     "graph_trainer_tags",
 ]
 
-# Graph trainer's memory policies the harness runs (`sac_and_offload` needs an accelerator
-# stream), and the key its pass reads the module path from (`common_utils._MODULE_FQN`).
-MEMORY_POLICIES = ("default", "full", "eager")
+# Graph trainer's memory policies the harness runs (for `sac_and_offload` only its tagging:
+# its offload pass needs an accelerator stream), and the key its pass reads the module path
+# from (`common_utils._MODULE_FQN`).
+MEMORY_POLICIES = ("default", "full", "eager", "sac_and_offload")
+TITAN_OFFLOAD_BUDGET_GB = 100.0  # graph trainer's default `cpu_offload_budget_gb`
 MODULE_FQN = "module_fqn"
 _POLICY_MODULE = "torchtitan.experiments.graph_trainer.memory_policy"
 
@@ -74,7 +77,9 @@ def _config(memory_policy: str) -> Any:
 
     return types.SimpleNamespace(
         parallelism=ParallelismConfig(),
-        compile=types.SimpleNamespace(memory_policy=memory_policy),
+        compile=types.SimpleNamespace(
+            memory_policy=memory_policy, cpu_offload_budget_gb=TITAN_OFFLOAD_BUDGET_GB
+        ),
     )
 
 
@@ -170,7 +175,7 @@ def compare(
 ) -> list[Mismatch]:
     """Nodes where `decide(graph, policy)` and graph trainer's `memory_policy` (default: the
     preset's name without `titan-`; run with its default config, so FSDP reshards after
-    forward) disagree on save vs recompute, in graph order."""
+    forward) disagree on save vs recompute vs offload, in graph order."""
     policy = policy if isinstance(policy, Policy) else Policy(policy)
     memory_policy = memory_policy or policy.preset.removeprefix("titan-")
     theirs = graph_trainer_tags(graph, memory_policy)
@@ -186,6 +191,7 @@ def compare(
         )
         for name, tag in ours.items()
         if (theirs.get(name) in RECOMPUTE) != tag.recompute
+        or (theirs.get(name) in OFFLOAD) != tag.offload
     ]
 
 

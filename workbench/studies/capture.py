@@ -99,7 +99,7 @@ def every_other_mm_policy() -> Callable[..., CheckpointPolicy]:
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         op = rules.op_name(func)
-        row = (op, "layers.0", op, rules.is_random(func), rules.mutates(func), None, (), None)
+        row = (op, "layers.0", op, rules.is_random(func), rules.mutates(func), None, (), None, None)
         facts = counters[bool(ctx.is_recompute)].facts(row)
         return rules.eager_tag(facts, rule, "eager", (), {}).policy
 

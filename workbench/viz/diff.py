@@ -13,11 +13,14 @@ from workbench.graph import JointGraph
 from workbench.policy import Decisions
 from workbench.remat import RematResult
 from workbench.replay import kept_for_backward
-from workbench.viz.network import DiffRow, is_recompute, original_of
+from workbench.viz.network import DiffRow, original_of
 from workbench.viz.render import View
 from workbench.viz.style import human_bytes, human_flops, signed
 
-COLUMNS = ("node", "module", "op", "before", "after", "Δ kept bytes", "Δ recompute FLOPs")
+COLUMNS = (
+    "node", "module", "op", "before", "after", "Δ kept bytes", "Δ recompute FLOPs",
+    "Δ offloaded bytes",
+)  # fmt: skip
 
 
 @dataclass
@@ -37,35 +40,52 @@ class PolicyDiff:
     def recompute_flops_delta(self) -> int:
         return sum(r.recompute_flops_delta for r in self.rows)
 
+    @property
+    def offloaded_bytes_delta(self) -> int:
+        return sum(r.offloaded_bytes_delta for r in self.rows)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any row moves to or from offload (only then do tables show offload)."""
+        return any("offload" in (r.before, r.after) for r in self.rows)
+
     def totals(self) -> dict[str, int]:
-        return {
+        totals = {
             "changed": len(self.rows),
             "saved_bytes_delta": self.saved_bytes_delta,
             "recompute_flops_delta": self.recompute_flops_delta,
         }
+        if self.offloads:
+            totals["offloaded_bytes_delta"] = self.offloaded_bytes_delta
+        return totals
 
     def table(self) -> list[dict[str, Any]]:
         return [r.to_json() for r in self.rows]
 
     def markdown(self, limit: int | None = 50) -> str:
-        """A plain Markdown table (no pandas), with a totals line; `limit` rows at most."""
+        """A plain Markdown table (no pandas), with a totals line; `limit` rows at most. The
+        offload figures only when a row moves to or from offload."""
+        columns = COLUMNS if self.offloads else COLUMNS[:-1]
+        moved = f", offloaded {signed(human_bytes(self.offloaded_bytes_delta))}"
         head = [
             f"{self.before_name} → {self.after_name}: {len(self.rows)} activations changed, "
             f"kept for backward {signed(human_bytes(self.saved_bytes_delta))}, "
-            f"recompute {signed(human_flops(self.recompute_flops_delta))}",
+            f"recompute {signed(human_flops(self.recompute_flops_delta))}"
+            + (moved if self.offloads else ""),
             "",
-            "| " + " | ".join(COLUMNS) + " |",
-            "|" + "---|" * len(COLUMNS),
+            "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns),
         ]
         shown = self.rows if limit is None else self.rows[:limit]
         body = [
             f"| {r.node} | {r.module or '(top level)'} | {r.op} | {r.before} | {r.after} | "
             f"{signed(human_bytes(r.saved_bytes_delta))} | "
             f"{signed(human_flops(r.recompute_flops_delta))} |"
+            + (f" {signed(human_bytes(r.offloaded_bytes_delta))} |" if self.offloads else "")
             for r in shown
         ]
         if len(shown) < len(self.rows):
-            body.append(f"| … {len(self.rows) - len(shown)} more | | | | | | |")
+            body.append(f"| … {len(self.rows) - len(shown)} more |" + " |" * (len(columns) - 1))
         return "\n".join(head + body)
 
     def changes(self) -> dict[str, DiffRow]:
@@ -88,6 +108,7 @@ def _delta(
     graph: JointGraph, name: str, before: str, after: str, kept_delta: int, recompute_delta: int
 ) -> DiffRow:
     info = graph.nodes[name]
+    offloaded = (after == "offload") - (before == "offload")
     return DiffRow(
         node=name,
         module=info.module,
@@ -99,6 +120,7 @@ def _delta(
         flops=info.flops,
         saved_bytes_delta=kept_delta,
         recompute_flops_delta=info.flops * recompute_delta,
+        offloaded_bytes_delta=info.bytes * offloaded,
     )
 
 
@@ -121,21 +143,22 @@ def diff(
     decisions_b: Decisions,
     names: tuple[str, str] = ("a", "b"),
 ) -> PolicyDiff:
-    """Nodes tagged save in one and recompute in the other, and nodes whose kept bytes
-    changed without a flip of their own (the base of a view that is now saved). Δ kept
-    bytes is the change of `kept_for_backward` (the estimate's saved activation bytes) at
-    each node, so the rows add up to the estimates' difference; Δ recompute FLOPs counts a
-    flipped node's FLOPs. MUST vs PREFER of the same action is no change."""
+    """Nodes whose decision (save, recompute, offload) differs, and nodes whose kept bytes
+    changed without a change of their own (the base of a view that is now saved). Δ kept
+    bytes is the change of `kept_for_backward` (the estimate's saved activation bytes,
+    offloaded ones included) at each node, so the rows add up to the estimates' difference;
+    Δ recompute FLOPs counts a changed node's FLOPs; Δ offloaded bytes its bytes moved to
+    host memory. MUST vs PREFER of the same action is no change."""
     kept_a, kept_b = kept_for_backward(graph, decisions_a), kept_for_backward(graph, decisions_b)
     rows, flipped = [], set()
     for name in graph.nodes:
         if name not in decisions_a or name not in decisions_b:
             continue
-        a, b = is_recompute(decisions_a, name), is_recompute(decisions_b, name)
-        if a != b:
-            before, after = ("recompute", "save") if a else ("save", "recompute")
+        before, after = decisions_a[name].action, decisions_b[name].action
+        if before != after:
             delta = kept_b.get(name, 0) - kept_a.get(name, 0)
-            rows.append(_delta(graph, name, before, after, delta, 1 if b else -1))
+            redo = (after == "recompute") - (before == "recompute")
+            rows.append(_delta(graph, name, before, after, delta, redo))
             flipped.add(name)
     for name, before, after, delta in _kept_rows(graph, kept_a, kept_b, flipped):
         rows.append(_delta(graph, name, before, after, delta, 0))

@@ -17,7 +17,7 @@ from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph, NodeInfo
 from workbench.policy import Decisions
 from workbench.replay import kept_for_backward
-from workbench.viz.network import forward_side, is_recompute, recompute_flops
+from workbench.viz.network import forward_side, is_offload, is_recompute, recompute_flops
 from workbench.viz.render import Changes, View, new_digraph, op_view
 from workbench.viz.style import (
     FADED,
@@ -45,6 +45,7 @@ class Box:
     recompute_flops: int = 0
     saved_ops: int = 0
     recompute_ops: int = 0
+    offload_ops: int = 0  # among the saved ones
     changed: list[str] = field(default_factory=list)
 
     @property
@@ -200,6 +201,7 @@ def overview(
             box.saved_bytes = sum(kept.get(n, 0) for n in box.nodes)
             box.recompute_flops = recompute_flops(graph, box.nodes, decisions)
             box.recompute_ops = sum(is_recompute(decisions, n) for n in box.nodes)
+            box.offload_ops = sum(is_offload(decisions, n) for n in box.nodes)
             box.saved_ops = len(box.nodes) - box.recompute_ops if decisions else 0
             box.changed = [n for n in box.nodes if n in changes]
         groups.append(group)
@@ -243,6 +245,8 @@ def _box_label(box: Box, layers: int, decisions: bool, changes: Changes) -> str:
     ops = _ops(len(box.nodes) // layers) + (" per layer" if layers > 1 else "")
     if decisions:
         ops += f": {box.saved_ops // layers} tagged save, {box.recompute_ops // layers} recompute"
+        if box.offload_ops:
+            ops += f", {box.offload_ops // layers} of the saved offloaded"
     lines.append(ops)
     lines.append(f"kept for backward: {_amount(box.saved_bytes, layers, human_bytes)}")
     lines.append(f"recompute: {_amount(box.recompute_flops, layers, human_flops)}")

@@ -83,6 +83,12 @@ def is_recompute(decisions: Decisions | None, name: str) -> bool:
     return decision is not None and decision.recompute
 
 
+def is_offload(decisions: Decisions | None, name: str) -> bool:
+    """Tagged to be offloaded to host memory between forward and backward."""
+    decision = decisions.get(name) if decisions else None
+    return decision is not None and decision.offload
+
+
 def recompute_flops(graph: JointGraph, names: list[str], decisions: Decisions | None) -> int:
     """FLOPs of the nodes tagged recompute: what backward runs a second time, at most."""
     return sum(graph.nodes[n].flops for n in names if is_recompute(decisions, n))
@@ -90,8 +96,9 @@ def recompute_flops(graph: JointGraph, names: list[str], decisions: Decisions | 
 
 @dataclass(frozen=True)
 class DiffRow:
-    """One activation whose fate changed: `before`/`after` are `save` or `recompute` for
-    two policies, `kept`, `recomputed` or `not kept` for a graph before and after remat."""
+    """One activation whose fate changed: `before`/`after` are `save`, `recompute` or
+    `offload` for two policies, `kept`, `recomputed` or `not kept` for a graph before and
+    after remat. `offloaded_bytes_delta`: bytes it moves to host memory, after minus before."""
 
     node: str
     module: str
@@ -103,6 +110,7 @@ class DiffRow:
     flops: int
     saved_bytes_delta: int
     recompute_flops_delta: int
+    offloaded_bytes_delta: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

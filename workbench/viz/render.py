@@ -22,6 +22,7 @@ from workbench.replay import kept_for_backward
 from workbench.viz.network import (
     DiffRow,
     forward_side,
+    is_offload,
     is_recompute,
     node_facts,
     original_of,
@@ -33,6 +34,7 @@ from workbench.viz.style import (
     COLLECTIVE_WORDS,
     DECISION_KINDS,
     FADED,
+    GREEN,
     GREY,
     KIND_STYLE,
     ORANGE,
@@ -129,6 +131,8 @@ def _op_label(
     lines = [short_op(info.op), short_shape(info), human_bytes(info.bytes)]
     if original_of(name) is not None and name not in graph.nodes:
         lines[0] += " (recomputed copy)"
+    elif forward_side(info) and name in kept[1] and is_offload(decisions, name):
+        lines[2] += " · offloaded for bwd"
     elif forward_side(info) and name in kept[1]:
         lines[2] += " · kept for bwd"
     elif forward_side(info) and name in kept[0] and is_recompute(decisions, name):
@@ -224,6 +228,9 @@ def op_view(
         "orange dashed edge: backward needs it, but it is recomputed instead of kept",
     ]
     kinds: list[Kind] = [*DECISION_KINDS, "backward"]
+    if any(is_offload(decisions, n) for n in fwd):  # only then: pictures without stay as were
+        lines.append("green edge: kept in host memory (offloaded), reloaded before backward")
+        kinds.insert(len(DECISION_KINDS), "offload")
     if copies:
         kinds.append("recomputed_copy")
     infos = {n: node_facts(graph, n) for n in members}
@@ -289,10 +296,11 @@ def op_view(
         )
         for name in values:
             recomputed = is_recompute(decisions, name) or name in copies
+            offloaded = not recomputed and is_offload(decisions, name)
             dot.edge(
                 svg_id("n", name),
                 svg_id("b", module),
-                color=ORANGE if recomputed else BLUE,
+                color=ORANGE if recomputed else GREEN if offloaded else BLUE,
                 style="dashed" if recomputed else "solid",
                 penwidth="1.2" if recomputed else "2",
             )

@@ -23,6 +23,7 @@ Kind = Literal[
     "prefer_save",
     "must_recompute",
     "prefer_recompute",
+    "offload",
     "forced_save",
     "untagged",
     "backward",
@@ -32,6 +33,7 @@ Kind = Literal[
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
 BLUE, SKY, VERMILLION, ORANGE = "#0072B2", "#56B4E9", "#D55E00", "#E69F00"
 PURPLE, YELLOW, GREY, WHITE = "#CC79A7", "#F0E442", "#DDDDDD", "#FFFFFF"
+GREEN = "#009E73"  # Okabe-Ito bluish green
 FADED = "#F2F2F2"
 
 # kind -> (graphviz node attributes, plain words for the legend)
@@ -49,6 +51,10 @@ KIND_STYLE: dict[Kind, tuple[dict[str, str], str]] = {
     "must_recompute": (
         {"fillcolor": VERMILLION, "fontcolor": WHITE},
         "recomputed in backward (you chose: MUST_RECOMPUTE)",
+    ),
+    "offload": (
+        {"fillcolor": GREEN, "fontcolor": WHITE},
+        "offloaded to host memory, reloaded before backward (MUST_CPU_OFFLOAD)",
     ),
     "untagged": ({"fillcolor": WHITE}, "forward op, no decision given"),
     "backward": ({"fillcolor": GREY, "fontcolor": "#444444"}, "backward op"),
@@ -81,6 +87,8 @@ _POLICY_KIND: dict[CheckpointPolicy, Kind] = {
     CheckpointPolicy.PREFER_SAVE: "prefer_save",
     CheckpointPolicy.MUST_RECOMPUTE: "must_recompute",
     CheckpointPolicy.PREFER_RECOMPUTE: "prefer_recompute",
+    CheckpointPolicy.MUST_CPU_OFFLOAD: "offload",
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: "offload",
 }
 
 

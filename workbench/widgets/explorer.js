@@ -190,7 +190,8 @@ function render({ model, el }) {
   const opSel = h("select", { class: "sacwb-switch-op" });
   const actionSelect = (cls, value, onchange) => {
     const sel = h("select", { class: cls, onchange: onchange ? () => onchange(sel.value) : null },
-      h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"));
+      h("option", { value: "save" }, "save"), h("option", { value: "recompute" }, "recompute"),
+      h("option", { value: "offload" }, "offload"));
     if (value) sel.value = value;
     return sel;
   };
@@ -322,7 +323,8 @@ function render({ model, el }) {
       h("div", { class: "sacwb-title" }, `Selected: ${d.name}`),
       h("table", {}, row("op", d.op), row("module", d.module), row("layer", d.layer ?? "-"),
         row("shape", `${d.shape} ${d.dtype}`), row("size", d.bytes), row("FLOPs", d.flops),
-        row("decision", `${d.decision}${d.can_flip ? "" : " (cannot flip)"}`), row("why", d.reason),
+        row("decision", `${d.action} (${d.decision})${d.can_flip ? "" : " (cannot flip)"}`), row("why", d.reason),
+        row("offload", d.offload ?? "-"),
         row("preset says", d.preset_decision),
         row("read by backward", d.backward_consumers.length ? d.backward_consumers.join(", ") : "no"),
         row("source", d.source)));
@@ -339,6 +341,12 @@ function render({ model, el }) {
       rows.push(h("tr", { class: "sacwb-row-override" },
         h("td", {}, actionSelect("sacwb-row-action", action, (a) => send({ type: "override", key, action: a }))),
         h("td", { class: "sacwb-key" }, key), h("td", {}, remove({ type: "override", key }, "override"))));
+    }
+    if (policy.offload) {
+      const o = policy.offload;
+      const budget = o.budget_bytes === null ? "no limit" : `${o.budget_bytes} bytes`;
+      rows.push(h("tr", { class: "sacwb-row-offload" }, h("td", {}, "offload"),
+        h("td", {}, `host budget ${budget}, prefetch ${o.prefetch_layers} layer(s), defer ${o.defer_layers}`), h("td", {})));
     }
     const count = (policy.selectors ?? []).length + Object.keys(policy.overrides ?? {}).length;
     policyRows.replaceChildren(

@@ -1,4 +1,5 @@
-"""The policy explorer: click ops to flip save/recompute, watch memory and time, run, export.
+"""The policy explorer: click ops to cycle save/recompute/offload, watch memory and time, run,
+export.
 
 Entry point: `PolicyExplorer(graph_or_workload_or_model_name, policy=...)`. All state is in
 traitlets and every action is a method, so it is driven the same from a browser or a test.
@@ -34,11 +35,14 @@ from workbench.policy import (
     decidable,
     decide,
     flip,
+    graph_facts,
     layer_key,
+    next_action,
     node_keys,
     validate,
 )
 from workbench.profiles import PROFILES
+from workbench.rules import offload_refusal_in
 from workbench.solve import fsdp_choices
 from workbench.trace import trace
 from workbench.viz import node_from_svg_id, overview, render_view, svg_id
@@ -179,6 +183,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.autosave.path.with_name(self.graph.model_name + EXPORT_NAMES[self.export_format])
         )
         self._written_exports: dict[Path, str] = {}
+        self._export_error = ""
         self._decisions: Decisions = {}
         self._estimate: Estimate | None = None
         self._preset_decisions: dict[tuple[str, bool], Decisions] = {}
@@ -255,19 +260,24 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.timeline = self._timeline()
 
     def flip(self, name: str) -> None:
-        """Reverse one op's decision (in every identical layer when `all_layers`)."""
+        """Move one op's decision on, save -> recompute -> offload -> save (offload only where
+        the rules allow it; the message says why not), in every identical layer when
+        `all_layers`."""
         before = self._decisions.get(name)
+        skipped = None
+        if before is not None and name in self.graph.nodes and decidable(self.graph.nodes[name]):
+            _, skipped = next_action(self.graph, self.policy, name, self._decisions)
         policy = flip(self.graph, self.policy, name, all_layers=self.all_layers,
                       decisions=self._decisions)  # fmt: skip
         self._change(policy)
         after = self._decisions[name]
-        if before is not None and after.recompute == before.recompute:
-            self.message = (
-                f"{name} stays {'recomputed' if after.recompute else 'saved'}: {after.explanation}"
-            )
+        if before is not None and after.action == before.action:
+            self.message = f"{name} stays {_WORDS[after.action]}: {after.explanation}"
         else:
             where = "in every identical layer" if self.all_layers else "in this layer"
-            self.message = f"{name} is now {'recomputed' if after.recompute else 'saved'} {where}"
+            self.message = f"{name} is now {_WORDS[after.action]} {where}"
+        if skipped:
+            self.message += f" (offload not offered: {skipped})"
         self._autosave()
 
     def show(self, view: str) -> None:
@@ -477,6 +487,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
     def save_export(self, path: str | None = None) -> Path:
         """Write the shown code. A file that changed since this explorer wrote it is kept."""
+        if self._export_error:
+            raise WorkbenchError(self._export_error)
         target = Path(path or self.export_path)
         if target.is_dir():
             raise WorkbenchError(f"{str(target)!r} is a folder: name a file to export to")
@@ -613,7 +625,17 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.export_path = str(old.with_name(self.graph.model_name + ending))
         else:
             self.export_path = str(old.with_suffix(Path(ending).suffix))
-        self.export_code = export(self.policy, change["new"], graph=self.graph)
+        self._show_export()
+
+    def _show_export(self) -> None:
+        """The export shown; a format that cannot say the policy (policy_fn and offload)
+        shows why instead, and Save refuses it."""
+        try:
+            self.export_code = export(self.policy, self.export_format, graph=self.graph)
+            self._export_error = ""
+        except WorkbenchError as err:
+            self._export_error = str(err)
+            self.export_code = f"# cannot export as {self.export_format}: {err}\n"
 
     def _current_estimate(self) -> Estimate:
         if self._estimate is None:
@@ -630,7 +652,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self.can_undo, self.can_redo = self.edits.can_undo, self.edits.can_redo
         self.metrics = self._metrics(estimate)
         self.timeline = self._timeline()
-        self.export_code = export(self.policy, self.export_format, graph=self.graph)
+        self._show_export()
         if self.selected:
             self.details = self._details(self.selected)
         self.status = self._run_status()
@@ -683,10 +705,14 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                     f"'{title}': {count} identical layers drawn once; box figures are totals"
                 )
             lines.append("box colour: share of its ops saved (blue) and recomputed (orange)")
+            if self.policy.offloads:
+                lines.append("box text: how many of the saved ops are offloaded to host memory")
             lines.append("click a box to open it; click a layer's frame to open the whole layer")
             where = "overview"
         else:
             lines.append("blue: saved · orange: recomputed · grey note: backward ops reading it")
+            if self.policy.offloads:
+                lines.append("green: saved in host memory (offloaded), reloaded for backward")
             lines.append("click an op to flip it; shift-click selects only")
             if hexagons:
                 lines.append(COLLECTIVE_WORDS)
@@ -777,10 +803,20 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "backward_consumers": consumers,
             "source": info.source or "-",
             "decision": "-" if decision is None else decision.policy.name,
+            "action": "-" if decision is None else decision.action,
             "reason": "-" if decision is None else decision.reason,
             "preset_decision": "-" if preset is None else preset.policy.name,
             "can_flip": decision is not None and not decision.forced,
+            "offload": self._offload_words(name),
         }
+
+    def _offload_words(self, name: str) -> str:
+        """Whether the op's output may be offloaded, and why not."""
+        if name not in self._decisions:
+            return "-"
+        refusal = offload_refusal_in(graph_facts(self.graph), self._decisions, name,
+                                     self.policy.preset)  # fmt: skip
+        return "possible" if refusal is None else f"not possible: it {refusal}"
 
     def _matches(self, text: str) -> list[str]:
         """Forward ops by node name (exact first), then op, then module containing `text`."""
@@ -790,6 +826,9 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         by_op = [i.name for i in infos if text in i.op.lower()]
         by_module = [i.name for i in infos if text in i.module.lower()]
         return list(dict.fromkeys(exact + by_name + by_op + by_module))
+
+
+_WORDS = {"save": "saved", "recompute": "recomputed", "offload": "offloaded"}
 
 
 def _read_bytes(path: Path) -> bytes | None:
@@ -805,7 +844,9 @@ def _rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
     choice, or None when the rules that depend on final decisions (layer boundaries) would
     make them differ."""
     want = decide(graph, policy)
-    start = Policy(base.preset, list(base.selectors), fsdp_reshard=policy.fsdp_reshard)
+    start = Policy(
+        base.preset, list(base.selectors), fsdp_reshard=policy.fsdp_reshard, offload=policy.offload
+    )
     have = decide(graph, start)
     keys = node_keys(graph)
     by_key: dict[str, list[str]] = {}
@@ -814,17 +855,19 @@ def _rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
             by_key.setdefault(keys[name], []).append(name)
     overrides: dict[str, Action] = {}
     for key, names in by_key.items():
-        differ = [n for n in names if want[n].recompute != have[n].recompute]
+        differ = [n for n in names if want[n].action != have[n].action]
         if not differ:
             continue
-        if len({want[n].recompute for n in names}) == 1:
-            overrides[key] = "recompute" if want[names[0]].recompute else "save"
+        if len({want[n].action for n in names}) == 1:
+            overrides[key] = want[names[0]].action  # type: ignore[assignment]
             continue
         for n in differ:
-            overrides[layer_key(graph.nodes[n], key)] = "recompute" if want[n].recompute else "save"
-    rebased = Policy(base.preset, list(base.selectors), overrides, policy.fsdp_reshard)
+            overrides[layer_key(graph.nodes[n], key)] = want[n].action  # type: ignore[assignment]
+    rebased = Policy(
+        base.preset, list(base.selectors), overrides, policy.fsdp_reshard, offload=policy.offload
+    )
     got = decide(graph, rebased)
-    same = all(got[n].recompute == d.recompute for n, d in want.items())
+    same = all(got[n].action == d.action for n, d in want.items())
     return rebased if same else None
 
 

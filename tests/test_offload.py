@@ -1,0 +1,396 @@
+"""CPU offload: the decision in rules and policies, the placement rule, the pass, numerics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.errors import WorkbenchError
+from workbench.graph import JointGraph
+from workbench.measure import bitwise_mismatches
+from workbench.models import Workload
+from workbench.offload import (
+    OFFLOAD_META,
+    Offloaded,
+    Place,
+    Step,
+    host_usage,
+    interleave,
+    is_offload_node,
+    offload_pass,
+    place_offloads,
+)
+from workbench.policy import Policy, decide, flip, graph_facts, next_action, node_keys
+from workbench.remat import remat
+from workbench.rules import (
+    MIN_OFFLOAD_BYTES,
+    OffloadOptions,
+    Storage,
+    Why,
+    decide_ops,
+    offload_refusal,
+    op_facts,
+)
+
+Fixture = tuple[Workload, JointGraph]
+
+
+def offloaded(graph: JointGraph, policy: Policy) -> list[str]:
+    return [n for n, t in decide(graph, policy).items() if t.offload]
+
+
+# --- the decision -----------------------------------------------------------------------
+
+
+def storage(nbytes: int = 8192, **kw: bool) -> Storage:
+    facts = {"contiguous": True, "fresh": True, "backward_read": True, "output": False}
+    return Storage(nbytes, **{**facts, "mutated": False, **kw})
+
+
+def row(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> tuple[object, ...]:
+    return (name, module, op, kw.get("random", False), kw.get("mutation", False), None,
+            kw.get("users", ()), None, kw.get("storage", storage()))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"storage": None}, "no single tensor"),
+        ({"module": "norm"}, "outside the layers"),
+        ({"module": "layers.1.ff"}, "last layer"),
+        ({"random": True}, "random op"),
+        ({"mutation": True}, "written in place"),
+        ({"storage": storage(mutated=True)}, "written in place"),
+        ({"storage": storage(fresh=False)}, "view or alias"),
+        ({"storage": storage(output=True)}, "returned by the step"),
+        ({"storage": storage(contiguous=False)}, "not contiguous"),
+        ({"storage": storage(MIN_OFFLOAD_BYTES - 4)}, "under the 4096-byte minimum"),
+        ({"op": "_c10d_functional.wait_tensor.default"}, "collective"),
+    ],
+)
+def test_what_may_not_be_offloaded_says_why(kw: dict[str, object], reason: str) -> None:
+    module = str(kw.pop("module", "layers.0.ff"))
+    (facts,) = op_facts([row("a", module, **kw)])  # type: ignore[list-item]
+    assert reason in str(offload_refusal(facts, last=1))
+    (fine,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
+    assert offload_refusal(fine, last=1) is None
+
+
+def test_refused_requests_are_saved_with_the_reason_and_the_budget_is_largest_first() -> None:
+    rows = [
+        row("small", "layers.0.ff", users=("bwd",), storage=storage(8192)),
+        row("big", "layers.0.ff", users=("bwd",), storage=storage(65536)),
+        row("mid", "layers.0.ff", users=("bwd",), storage=storage(16384)),
+        row("last", "layers.1.ff", users=("bwd",)),
+    ]
+    facts = op_facts(rows)  # type: ignore[arg-type]
+    tags = decide_ops(facts, "offload", offload=OffloadOptions(budget_bytes=65536 + 8192))
+    assert [tags[n].action for n in ("big", "small", "mid", "last")] == [
+        "offload", "offload", "save", "save",
+    ]  # fmt: skip
+    assert tags["mid"].why is Why.PRESET  # the preset's save, not a refusal
+    asked = decide_ops(
+        facts,
+        "none",
+        overrides={
+            "layers.*.ff::aten.mm.default#0": "offload",
+            "layers.1.ff::aten.mm.default#0": "offload",
+        },  # fmt: skip
+        offload=OffloadOptions(budget_bytes=4096),
+    )
+    assert asked["small"].why is Why.OFFLOAD_REFUSED and "over the offload budget" in (
+        asked["small"].detail
+    )
+    assert asked["last"].explanation.startswith("offload refused: is in the last layer")
+    assert asked["last"].policy is CheckpointPolicy.MUST_SAVE and not asked["last"].forced
+
+
+def test_offload_preset_offloads_what_default_keeps(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    default, offload = decide(graph, Policy("default")), decide(graph, Policy("offload"))
+    moved = [n for n, t in offload.items() if t.offload]
+    assert moved and all(not default[n].recompute and graph.nodes[n].layer == 0 for n in moved)
+    assert {n for n, t in offload.items() if t.recompute} == {
+        n for n, t in default.items() if t.recompute
+    }
+    assert all(offload[n].explanation == "preset:offload" for n in moved)
+
+
+def test_a_refused_override_on_a_view_and_an_eager_policy_fn() -> None:
+    from workbench.rules import PRESETS, eager_tag
+
+    (facts,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
+    overrides = {"layers.*.ff::aten.mm.default#0": "offload"}
+    tag = eager_tag(facts, PRESETS["none"](), "none", (), overrides)
+    assert tag.why is Why.OFFLOAD_REFUSED and "eager SAC cannot offload" in tag.detail
+
+
+def test_flip_cycles_save_recompute_offload(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    node = next(n for n, i in graph.nodes.items() if i.op == "aten.mm.default" and i.layer == 0)
+    policy, seen = Policy("default"), []
+    for _ in range(4):
+        seen.append(decide(graph, policy)[node].action)
+        policy = flip(graph, policy, node)
+    assert seen == ["save", "recompute", "offload", "save"]
+    last = next(n for n, i in graph.nodes.items() if i.op == "aten.mm.default" and i.layer == 1)
+    recompute = Policy("full")
+    action, why = next_action(graph, recompute, last, decide(graph, recompute))
+    assert action == "save" and "last layer" in str(why)
+
+
+# --- policy files -----------------------------------------------------------------------
+
+
+def test_policy_json_writes_version_3_only_when_it_offloads(tmp_path: object) -> None:
+    assert Policy("default").to_json()["version"] == 1
+    policy = Policy("offload", offload=OffloadOptions(2**20, 2, 1))
+    data = policy.to_json()
+    assert data["version"] == 3 and data["offload"] == {
+        "budget_bytes": 2**20, "prefetch_layers": 2, "defer_layers": 1,
+    }  # fmt: skip
+    assert Policy.from_json(json.loads(json.dumps(data))) == policy
+    assert Policy(overrides={"a::b#0": "offload"}).to_json()["version"] == 3
+    old = {"schema": "sac-workbench/policy", "version": 1, "preset": "eager"}
+    assert Policy.from_json(old) == Policy("eager")
+    with pytest.raises(WorkbenchError, match="unknown policy fields \\['offload'\\]"):
+        Policy.from_json({**old, "offload": {}})
+    with pytest.raises(WorkbenchError, match="offload needs policy version 3"):
+        Policy.from_json({**old, "overrides": {"a::b#0": "offload"}})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"budget_bytes": 0}, "would offload nothing"),
+        ({"budget_bytes": -1}, "would offload nothing"),
+        ({"budget_bytes": 1.5}, "whole number of bytes or null"),
+        ({"budget_bytes": True}, "whole number of bytes or null"),
+        ({"prefetch_layers": -1}, "prefetch_layers -1 must be a whole number"),
+        ({"defer_layers": "1"}, "defer_layers '1' must be a whole number"),
+        ({"prefetch": 1}, "unknown fields \\['prefetch'\\]"),
+    ],
+)
+def test_bad_offload_options_are_refused(options: dict[str, object], message: str) -> None:
+    data = {"schema": "sac-workbench/policy", "version": 3, "offload": options}
+    with pytest.raises(WorkbenchError, match=message):
+        Policy.from_json(data)
+
+
+# --- placement --------------------------------------------------------------------------
+
+#            0  1  2  3  4  5  6  7  8  9 10 11
+LAYER = [None, 0, 0, 1, 1, 2, 2, 1, 1, 0, 0, None]
+BACKWARD = [False] * 7 + [True] * 5
+
+
+def test_place_offloads_defers_and_prefetches_by_layers() -> None:
+    value = Offloaded(producer=1, last_forward_use=2, first_backward_use=9)
+    now = place_offloads(BACKWARD, LAYER, [value], OffloadOptions(None, 0, 0))
+    assert now == [Place(1, 2, 9, 9)]
+    later = place_offloads(BACKWARD, LAYER, [value], OffloadOptions(None, 1, 1))
+    assert later == [Place(1, 4, 7, 9)]  # freed at the end of layer 1; reloaded with its bwd
+    far = place_offloads(BACKWARD, LAYER, [value], OffloadOptions(None, 5, 9))
+    assert far == [Place(1, 6, 7, 9)]  # clamped to the end of forward and its first bwd node
+    with pytest.raises(WorkbenchError, match="made in forward"):
+        place_offloads(BACKWARD, LAYER, [Offloaded(8, 8, 9)], OffloadOptions())
+
+
+def test_interleave_orders_steps_around_their_nodes() -> None:
+    places = [Place(1, 1, 3, 3), Place(1, 2, 3, 4)]
+    assert interleave(5, places) == [
+        Step("node", 0), Step("node", 1), Step("offload", 0), Step("offload", 1),
+        Step("free", 0), Step("node", 2), Step("free", 1), Step("reload", 0),
+        Step("reload", 1), Step("wait", 0), Step("node", 3), Step("wait", 1), Step("node", 4),
+    ]  # fmt: skip
+
+
+# --- the pass and numerics --------------------------------------------------------------
+
+POLICIES = {
+    "offload": Policy("offload"),
+    "now": Policy("offload", offload=OffloadOptions(prefetch_layers=0, defer_layers=0)),
+    "early-late": Policy("offload", offload=OffloadOptions(prefetch_layers=2, defer_layers=1)),
+    "budget": Policy("offload", offload=OffloadOptions(budget_bytes=100_000)),
+    "titan": Policy("titan-sac_and_offload"),
+    # every matmul of layer 0 asked by name on a save-everything policy: backward reads
+    # some through saved views, which the pass replays on the reloaded tensor
+    "views": Policy(
+        "none", selectors=[{"select": "layers.0.**::aten.mm.default", "action": "offload"}]
+    ),
+}
+CASES = [("llama3-debug", name) for name in POLICIES] + [
+    ("dsv3-debug", name) for name in ("offload", "early-late", "views")
+]
+
+
+@pytest.mark.parametrize(("model", "name"), CASES)
+def test_offloaded_graphs_are_bitwise_equal_to_eager(
+    small_graphs: dict[str, Fixture], model: str, name: str
+) -> None:
+    workload, graph = small_graphs[model]
+    policy = POLICIES[name]
+    result = remat(graph, policy)
+    plan = result.report.offload
+    assert plan is not None and plan.names and result.gm.meta[OFFLOAD_META] is plan
+    assert set(plan.names) <= set(offloaded(graph, policy))
+    inserted = [n for n in result.gm.graph.nodes if is_offload_node(n)]
+    assert len(inserted) == 4 * len(plan.names)
+    with host_usage() as usage:
+        assert bitwise_mismatches(graph, result.gm, workload) == []
+    # every copy made, every host buffer freed after its reload; together they were all live
+    assert usage.copies == len(plan.names) and usage.live_bytes == 0
+    assert usage.peak_bytes == plan.offloaded_bytes
+    assert result.report.to_json()["offload"]["offloaded"] == len(plan.names)
+
+
+def test_the_pass_builds_the_order_interleave_gives(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    policy = Policy("offload", offload=OffloadOptions(prefetch_layers=1, defer_layers=1))
+    result = remat(graph, policy)
+    plan = result.report.offload
+    assert plan is not None
+    steps = interleave(len(result.gm.graph.nodes) - 4 * len(plan.names), plan.places)
+    kinds = {"offload": "offload", "reload": "reload"}
+    seen = []
+    for node in result.gm.graph.nodes:
+        if not is_offload_node(node):
+            seen.append("node")
+        else:
+            name = node.target._opname  # type: ignore[union-attr]
+            backward = bool(node.meta.get("autograd_backward"))
+            seen.append(kinds.get(name, "wait" if backward else "free"))
+    assert seen == [s.kind for s in steps]
+    assert plan.places[0].free_after > plan.values[0].last_forward_use  # deferred a layer
+
+
+def test_the_pass_skips_what_it_cannot_offload_safely(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    result = remat(graph, Policy("default"))
+    view = next(n.name for n in result.gm.graph.nodes if "view" in str(n.target))
+    gm = offload_pass(result.gm, [view, "nope"], lambda n: None)
+    assert gm.meta[OFFLOAD_META].names == []
+    assert set(gm.meta[OFFLOAD_META].skipped) == {view, "nope"}
+
+
+def test_offloaded_graphs_run_on_fake_tensors(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    result = remat(graph, Policy("offload"))
+    assert graph.example_inputs is not None
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        inputs = [mode.from_tensor(t) for t in graph.example_inputs]
+        with torch.no_grad():
+            outputs = result.gm(*inputs)
+    assert [o.shape for o in outputs] == [o.shape for o in graph.run()]
+
+
+def test_offload_keys_name_the_preset_choice(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["dsv3-debug"]
+    keys = node_keys(graph)
+    moved = offloaded(graph, Policy("offload"))
+    assert moved and all(keys[n].startswith("layers.*") for n in moved)
+    assert {f.name for f in graph_facts(graph) if f.storage is None} & set(moved) == set()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's ao:: ops)")
+def test_offload_on_cuda_uses_torchs_ops(small_graphs: dict[str, Fixture]) -> None:
+    from workbench.offload import ops_for
+
+    ops = ops_for(torch.device("cuda"))
+    assert ops.offload is torch.ops.ao.offload.default
+
+
+# --- explorer, pictures, diff -----------------------------------------------------------
+
+
+def test_explorer_cycles_to_offload_and_back_with_undo(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    from workbench.widgets import PolicyExplorer
+
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, "default", workload=workload, autosave=tmp_path / "p.json")
+    ex.show("layer:0")
+    ex.select("mm_4")
+    ex.flip("mm_4")
+    ex.flip("mm_4")
+    assert ex.details["action"] == "offload" and ex.details["offload"] == "possible"
+    assert "offloaded in every identical layer" in ex.message
+    assert ex.policy_json["version"] == 3
+    assert json.loads((tmp_path / "p.json").read_text())["version"] == 3
+    assert ex.policy_json["overrides"] == {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"}
+    assert "host memory (offloaded)" in " ".join(ex.legend["lines"])
+    ex.undo()
+    assert ex.policy_json["overrides"] == {
+        "layers.*.feed_forward.w1::aten.mm.default#0": "recompute"
+    }
+    ex.redo()
+    ex.flip("mm_4")
+    assert ex.details["action"] == "save"
+    # the last layer: the cycle passes over offload and says why
+    last = next(n for n, i in graph.nodes.items() if i.op == "aten.mm.default" and i.layer == 1)
+    ex.all_layers = False
+    ex.select(last)
+    ex.flip(last)
+    ex.flip(last)
+    assert ex.details["action"] == "save" and "offload not offered" in ex.message
+    assert ex.details["offload"].startswith("not possible: it is in the last layer")
+    assert json.loads((tmp_path / "p.json").read_text()) == ex.policy_json
+
+
+def test_pictures_and_diff_show_offload(small_graphs: dict[str, Fixture]) -> None:
+    from workbench.viz import diff, render_view
+    from workbench.viz.style import GREEN, KIND_STYLE, node_kind
+
+    _, graph = small_graphs["llama3-debug"]
+    default, offload = decide(graph, Policy("default")), decide(graph, Policy("offload"))
+    moved = [n for n, t in offload.items() if t.offload]
+    assert {node_kind(graph.nodes[n], offload[n]) for n in moved} == {"offload"}
+    assert KIND_STYLE["offload"][0]["fillcolor"] == GREEN
+    picture = render_view(graph, offload, "layer:0")
+    assert "offloaded for bwd" in picture.dot.source and GREEN in picture.dot.source
+    changes = diff(graph, default, offload, ("default", "offload"))
+    assert {r.node for r in changes.rows} == set(moved)
+    assert all(r.before == "save" and r.after == "offload" for r in changes.rows)
+    assert changes.offloaded_bytes_delta == sum(graph.nodes[n].bytes for n in moved)
+    assert "Δ offloaded bytes" in changes.markdown()
+
+
+def test_explorer_shows_why_policy_fn_cannot_export_offload(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    from workbench.widgets import PolicyExplorer
+
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, "offload", workload=workload, autosave=tmp_path / "p.json")
+    assert ex.export_code.startswith("# cannot export as policy_fn: policy_fn: offload")
+    with pytest.raises(WorkbenchError, match="not expressible in eager SAC"):
+        ex.save_export(str(tmp_path / "ac.py"))
+    ex.export_format = "torchtitan"
+    assert "--compile.memory_policy sac_and_offload" in ex.export_code
+
+
+def test_cli_verify_estimate_and_render_take_offload_policies(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from workbench.cli import main
+
+    def run(*argv: str) -> dict[str, object]:
+        assert main([*argv, "--model", "llama3-debug", "--layers", "2", "--seq", "32"]) == 0
+        return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+    policy = Policy("offload", offload=OffloadOptions(prefetch_layers=2, defer_layers=1))
+    path = tmp_path / "offload.json"
+    policy.save(path)
+    verified = run("verify", "--policy", str(path), "--json")
+    assert verified["bitwise_equal"] is True
+    assert verified["offload"]["offloaded"] > 0  # type: ignore[index]
+    assert run("estimate", "--policy", "titan-sac_and_offload", "--json")["peak_bytes"]
+    out = tmp_path / "o.svg"
+    assert run("render", "--policy", "offload", "--view", "layer:0", "--out", str(out), "--json")
+    assert "offloaded for bwd" in out.read_text()

@@ -1,0 +1,494 @@
+"""CPU offload of saved activations: the host-copy ops, where each copy goes, and the pass.
+
+Entry points: `place_offloads(...)` and `interleave(...)` (the one placement rule: where the
+device->host copy, the free, the reload and its wait go in a node order, for the pass and
+the estimate alike) and `offload_pass(gm, names, layer_of, options) -> gm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.fx as fx
+
+from workbench.errors import WorkbenchError
+from workbench.rules import OffloadOptions, mutates, storage_keys
+
+__all__ = [
+    "OFFLOAD_META",
+    "HostUsage",
+    "OffloadPlan",
+    "Offloaded",
+    "Place",
+    "Step",
+    "host_usage",
+    "interleave",
+    "is_offload_node",
+    "offload_pass",
+    "place_offloads",
+]
+
+# gm.meta key holding the `OffloadPlan` of a graph the pass rewrote.
+OFFLOAD_META = "workbench_offload"
+
+
+# --- the host "device" on the CPU: its own buffers, its own ops --------------------------
+
+
+@dataclass
+class HostUsage:
+    """Host bytes the workbench's offload ops hold while `host_usage()` is active."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    copies: int = 0
+
+
+_USAGE: list[HostUsage] = []
+
+
+@contextlib.contextmanager
+def host_usage() -> Iterator[HostUsage]:
+    """Count the host buffers `workbench::offload` allocates and `workbench::wait_tensor`
+    frees while the block runs (the CPU stand-in for pinned host memory)."""
+    usage = HostUsage()
+    _USAGE.append(usage)
+    try:
+        yield usage
+    finally:
+        _USAGE.remove(usage)
+
+
+# Host buffers `workbench::offload` made and no wait has freed yet: data pointer -> bytes.
+_HOST_BUFFERS: dict[int, int] = {}
+
+
+def _account(pointer: int, nbytes: int) -> None:
+    """Record a host buffer made (nbytes > 0) or freed (nbytes < 0)."""
+    if nbytes > 0:
+        _HOST_BUFFERS[pointer] = nbytes
+    else:
+        _HOST_BUFFERS.pop(pointer, None)
+    for usage in _USAGE:
+        usage.live_bytes += nbytes
+        usage.peak_bytes = max(usage.peak_bytes, usage.live_bytes)
+        usage.copies += nbytes > 0
+
+
+@torch.library.custom_op("workbench::offload", mutates_args=())
+def _offload(tensor: torch.Tensor) -> torch.Tensor:
+    """Copy to a fresh host buffer (its own storage); the device original is freed by the
+    `wait_tensor` that takes it as `keepalive`."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    host.copy_(tensor)
+    _account(host.untyped_storage().data_ptr(), host.untyped_storage().nbytes())
+    return host
+
+
+@_offload.register_fake
+def _(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+
+@torch.library.custom_op("workbench::reload", mutates_args=())
+def _reload(
+    tensor: torch.Tensor, device: torch.device, size: list[int], stride: list[int]
+) -> torch.Tensor:
+    """Copy a host buffer back to `device` with the original's layout."""
+    result = torch.empty_strided(size, stride, dtype=tensor.dtype, device=device)
+    result.copy_(tensor)
+    return result
+
+
+@_reload.register_fake
+def _(tensor: torch.Tensor, device: torch.device, size: list[int], stride: list[int]) -> Any:
+    return torch.empty_strided(size, stride, dtype=tensor.dtype, device=device)
+
+
+# `wait_tensor` returns its input (an alias, which custom_op forbids): defined by schema,
+# as torch's `ao::wait_tensor`, whose arguments it takes.
+_LIB = torch.library.Library("workbench", "FRAGMENT")
+_LIB.define(
+    "wait_tensor(Tensor(a) tensor, Tensor? keepalive=None, Tensor? last_use_of_storage=None) "
+    "-> Tensor(a)"
+)
+
+
+def _wait_tensor(
+    tensor: torch.Tensor,
+    keepalive: torch.Tensor | None = None,
+    last_use_of_storage: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The copy into `tensor` is complete (CPU copies are synchronous): free the storage of
+    its source `keepalive`, the device original after an offload, the host buffer after a
+    reload."""
+    if keepalive is not None:
+        storage = keepalive.untyped_storage()
+        if storage.data_ptr() in _HOST_BUFFERS:
+            _account(storage.data_ptr(), -storage.nbytes())
+        if storage.nbytes() > 0:
+            storage.resize_(0)
+    return tensor
+
+
+_LIB.impl("wait_tensor", _wait_tensor, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("workbench::wait_tensor")
+def _(tensor: Any, keepalive: Any = None, last_use_of_storage: Any = None) -> Any:
+    return tensor
+
+
+fx.node.has_side_effect(torch.ops.workbench.wait_tensor.default)
+
+
+class Ops(NamedTuple):
+    offload: Any
+    reload: Any
+    wait: Any
+
+
+def ops_for(device: torch.device) -> Ops:
+    """The workbench's ops on the CPU; torch's `ao` ops (streams, pinned memory) on an
+    accelerator."""
+    if device.type in ("cpu", "meta"):
+        w = torch.ops.workbench
+        return Ops(w.offload.default, w.reload.default, w.wait_tensor.default)
+    importlib.import_module("torch._functorch._activation_offloading.offload_ops")  # ao::
+
+    return Ops(torch.ops.ao.offload.default, torch.ops.ao.reload.default,
+               torch.ops.ao.wait_tensor.default)  # fmt: skip
+
+
+def is_offload_node(node: fx.Node) -> bool:
+    """A node the offload pass inserted (copy, reload or wait, on either op set)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        (target.namespace == "workbench" and target._opname in ("offload", "reload", "wait_tensor"))
+        or target.namespace == "ao"
+    )
+
+
+# --- placement: the one rule -----------------------------------------------------------
+
+
+class Offloaded(NamedTuple):
+    """One offloaded storage in a node order: where it is made, last read in forward (the
+    producer itself when nothing else reads it there) and first read in backward."""
+
+    producer: int
+    last_forward_use: int
+    first_backward_use: int
+
+
+class Place(NamedTuple):
+    """Where its four steps go: the copy right after `copy_after`, the wait that frees the
+    device original right after `free_after`, the reload right before `reload_before`, the
+    wait for it right before `wait_before` (its first backward reader)."""
+
+    copy_after: int
+    free_after: int
+    reload_before: int
+    wait_before: int
+
+
+def place_offloads(
+    backward: Sequence[bool],
+    layer: Sequence[int | None],
+    values: Sequence[Offloaded],
+    options: OffloadOptions,
+) -> list[Place]:
+    """Where each value's copy, free, reload and wait go in a node order (positions into
+    `backward` and `layer`, one entry per node that runs).
+
+    Forward is every position before the first backward one, cut into regions: maximal runs
+    of one layer id (nodes outside the layers between them form their own). With
+    `defer_layers` M = 0 the device original is freed right after its last forward reader;
+    with M > 0 at the end of the region M regions after the producer's (never before the
+    last reader, at the latest at the end of forward). Backward layers are ordered by their
+    first backward node; the reload goes before the first backward node of the layer
+    `prefetch_layers` N before the first reader's layer in that order (the first backward
+    node when there is none that early; the reader's own layer, or the producer's when the
+    reader is outside the layers), and never after the reader; N = 0: right before it."""
+    end = next((p for p, b in enumerate(backward) if b), len(backward))
+    region_end: list[int] = []
+    region_of: list[int] = []
+    for p in range(end):
+        if p and layer[p] != layer[p - 1]:
+            region_end.append(p - 1)
+        region_of.append(len(region_end))
+    if end:
+        region_end.append(end - 1)
+    first_in_backward: dict[int, int] = {}
+    for p in range(end, len(backward)):
+        lid = layer[p]
+        if backward[p] and lid is not None and lid not in first_in_backward:
+            first_in_backward[lid] = p
+    order = sorted(first_in_backward, key=first_in_backward.__getitem__)
+    rank = {lid: i for i, lid in enumerate(order)}
+    places = []
+    for value in values:
+        producer, last_use, q = value
+        if not producer < end <= q:
+            raise WorkbenchError(
+                f"offloaded value at {producer} must be made in forward (before {end}) and "
+                f"read in backward, not first at {q}"
+            )
+        free = max(producer, last_use)
+        if options.defer_layers:
+            target = min(region_of[producer] + options.defer_layers, len(region_end) - 1)
+            free = max(free, region_end[target])
+        reload = q
+        lid = layer[q] if layer[q] is not None else layer[producer]
+        if options.prefetch_layers and lid in rank:
+            earlier = rank[lid] - options.prefetch_layers
+            reload = min(q, first_in_backward[order[earlier]] if earlier >= 0 else end)
+        places.append(Place(producer, free, reload, q))
+    return places
+
+
+StepKind = Literal["node", "offload", "free", "reload", "wait"]
+
+
+class Step(NamedTuple):
+    """One step of the offloaded order: `("node", position)` runs the node at that position
+    of the input order; the others run that step of value `k` (index into `values`)."""
+
+    kind: StepKind
+    at: int
+
+
+def interleave(length: int, places: Sequence[Place]) -> list[Step]:
+    """The node order with the offload steps in it, as the pass builds the graph: after a
+    node, the copies of values it produced, then the frees placed after it; before a node,
+    the reloads placed before it, then the waits; among equals, in value order."""
+    after: dict[int, list[Step]] = {}
+    before: dict[int, list[Step]] = {}
+    for kind, anchor, table in (
+        ("offload", 0, after),
+        ("free", 1, after),
+        ("reload", 2, before),
+        ("wait", 3, before),
+    ):
+        for k, place in enumerate(places):
+            table.setdefault(place[anchor], []).append(Step(kind, k))  # type: ignore[arg-type]
+    steps: list[Step] = []
+    for p in range(length):
+        steps.extend(before.get(p, ()))
+        steps.append(Step("node", p))
+        steps.extend(after.get(p, ()))
+    return steps
+
+
+# --- the pass ---------------------------------------------------------------------------
+
+
+@dataclass
+class OffloadPlan:
+    """What `offload_pass` did to a graph: the values offloaded (node names, in the order of
+    `values`), where each went, the bytes, and the requests it skipped with the reason."""
+
+    names: list[str]
+    values: list[Offloaded]
+    places: list[Place]
+    bytes: dict[str, int]
+    options: OffloadOptions
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offloaded": len(self.names),
+            "offloaded_bytes": self.offloaded_bytes,
+            "options": self.options._asdict(),
+            "skipped": self.skipped,
+        }
+
+
+class _Value(NamedTuple):
+    node: fx.Node
+    aliases: list[fx.Node]  # forward nodes sharing its storage, graph order
+    readers: list[fx.Node]  # backward nodes reading it or an alias
+
+
+def _examine(
+    node: fx.Node, position: dict[fx.Node, int], end: int
+) -> tuple[_Value | None, str | None]:
+    """The storage facts the pass needs of `node`, or why it cannot be offloaded safely."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None, "returns no single tensor"
+    (key,) = storage_keys(node)
+    if any(key in storage_keys(x) for x in node.all_input_nodes):
+        return None, "shares its storage with an input: freeing it would free that too"
+    aliases: list[fx.Node] = []
+    readers: list[fx.Node] = []
+    todo, seen = [node], {node}
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return None, "is returned by the step"
+            if position[user] >= end:
+                readers.append(user)
+            elif user not in seen and key in storage_keys(user):
+                if mutates(user.target):
+                    return None, f"has its storage written in place by {user.name}"
+                seen.add(user)
+                aliases.append(user)
+                todo.append(user)
+    if not readers:
+        return None, "is not read in backward after remat"
+    aliases.sort(key=position.__getitem__)
+    return _Value(node, aliases, readers), None
+
+
+def offload_pass(
+    gm: fx.GraphModule,
+    names: Iterable[str],
+    layer_of: Callable[[fx.Node], int | None],
+    options: OffloadOptions | None = None,
+) -> fx.GraphModule:
+    """Offload the storages of the forward nodes `names` of a rematerialized joint graph.
+
+    Reads `meta["autograd_backward"]` (forward is every node before the first backward
+    one), `meta["val"]` (storages; views share their base's) and `layer_of(node)`. For
+    each value it inserts, where `place_offloads`/`interleave` say: `offload(x)` after the
+    producer, `wait_tensor(host, keepalive=x, last_use_of_storage=...)` (frees the device
+    storage), `reload(host, device, size, stride)` and `wait_tensor(reloaded,
+    keepalive=host)` before the first backward reader; backward readers then read the
+    reloaded tensor, and forward views they read are replayed on it after the wait. On the
+    CPU the ops are `workbench::*` (the host is a separate buffer per copy), elsewhere
+    torch's `ao::*`. Requests it cannot honour safely (an alias of an input, written in
+    place, returned, not read in backward) are skipped. Writes the `OffloadPlan` to
+    `gm.meta[OFFLOAD_META]` and returns `gm`, rewritten in place."""
+    options = options or OffloadOptions()
+    nodes = list(gm.graph.nodes)
+    position = {node: p for p, node in enumerate(nodes)}
+    backward = [bool(n.meta.get("autograd_backward", False)) for n in nodes]
+    end = next((p for p, b in enumerate(backward) if b), len(nodes))
+    by_name = {n.name: n for n in nodes}
+    wanted: list[_Value] = []
+    skipped: dict[str, str] = {}
+    for name in names:
+        node = by_name.get(name)
+        if node is None or position[node] >= end or node.op != "call_function":
+            skipped[name] = "is not a forward node of this graph"
+            continue
+        found, reason = _examine(node, position, end)
+        if found is None:
+            skipped[name] = str(reason)
+        else:
+            wanted.append(found)
+    wanted.sort(key=lambda v: position[v.node])
+    values = [
+        Offloaded(
+            position[v.node],
+            max(
+                [position[v.node]]
+                + [position[u] for a in [v.node, *v.aliases] for u in a.users if position[u] < end]
+            ),
+            min(position[r] for r in v.readers),
+        )  # fmt: skip
+        for v in wanted
+    ]
+    layers = [layer_of(n) for n in nodes]
+    places = place_offloads(backward, layers, values, options)
+    _insert(gm, nodes, wanted, places)
+    plan = OffloadPlan(
+        names=[v.node.name for v in wanted],
+        values=values,
+        places=places,
+        bytes={v.node.name: int(v.node.meta["val"].untyped_storage().nbytes()) for v in wanted},
+        options=options,
+        skipped=skipped,
+    )
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta[OFFLOAD_META] = plan
+    return gm
+
+
+def _insert(
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    wanted: list[_Value],
+    places: list[Place],
+) -> None:
+    """Materialize `interleave`'s order: each new node goes right after the previous step."""
+    graph = gm.graph
+    copies: dict[int, fx.Node] = {}
+    host: dict[int, fx.Node] = {}
+    reloads: dict[int, fx.Node] = {}
+    previous = nodes[0]
+
+    def add(target: Any, args: tuple[Any, ...], k: int, val: Any, backward: bool) -> fx.Node:
+        nonlocal previous
+        with graph.inserting_after(previous):
+            new = graph.call_function(target, args)
+        source = wanted[k].node.meta
+        new.meta.update({key: source[key] for key in ("custom", "seq_nr") if key in source})
+        new.meta["val"] = val
+        if backward:
+            new.meta["autograd_backward"] = True
+        previous = new
+        return new
+
+    for kind, k in interleave(len(nodes), places):
+        if kind == "node":
+            previous = nodes[k]
+            continue
+        node = wanted[k].node
+        val = node.meta["val"]
+        ops = ops_for(val.device)
+        if kind == "offload":
+            copies[k] = add(ops.offload, (node,), k, val.new_empty(val.shape, device="cpu"), False)
+        elif kind == "free":
+            host[k] = add(ops.wait, (copies[k], node), k, copies[k].meta["val"], False)
+        elif kind == "reload":
+            size, stride = list(val.shape), list(val.stride())
+            fresh = val.new_empty_strided(size, stride)
+            reloads[k] = add(ops.reload, (host[k], val.device, size, stride), k, fresh, True)
+        else:
+            waited = add(ops.wait, (reloads[k], host[k]), k, reloads[k].meta["val"], True)
+            replayed = {node: waited}
+            for alias in _needed_aliases(wanted[k]):  # views backward reads, on the reload
+                args, kwargs = _remap(alias, replayed)
+                new = add(alias.target, args, k, _run(alias.target, args, kwargs), True)
+                new.kwargs = kwargs
+                new.meta.update({key: v for key, v in alias.meta.items() if key not in new.meta})
+                new.meta.pop("recompute", None)
+                replayed[alias] = new
+            for reader in wanted[k].readers:
+                for old, new in replayed.items():
+                    reader.replace_input_with(old, new)
+
+
+def _remap(node: fx.Node, replayed: dict[fx.Node, fx.Node]) -> Any:
+    return fx.node.map_arg((node.args, node.kwargs), lambda n: replayed.get(n, n))
+
+
+def _needed_aliases(value: _Value) -> list[fx.Node]:
+    """The forward aliases backward reads, with the aliases they are made from, in order."""
+    needed: set[fx.Node] = set()
+    todo = [a for a in value.aliases if any(r in a.users for r in value.readers)]
+    aliases = set(value.aliases)
+    while todo:
+        alias = todo.pop()
+        if alias not in needed:
+            needed.add(alias)
+            todo.extend(x for x in alias.all_input_nodes if x in aliases)
+    return [a for a in value.aliases if a in needed]
+
+
+def _run(target: Any, args: Any, kwargs: Any) -> Any:
+    """The output value of a replayed view, from its inputs' recorded values."""
+    values, kw = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    return target(*values, **kw)
