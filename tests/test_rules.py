@@ -142,7 +142,8 @@ def _plain_decide(
     fsdp_reshard: bool,
 ) -> dict[str, rules.Tag]:
     """Graph SAC's tags computed from scratch, node by node, as the rules say: the request
-    or a forced save, followers take their leader's tag, then the layer boundaries."""
+    or a forced save, followers take their leader's tag, then the layer boundaries, then
+    the offload step."""
     rule = rules.PRESETS[preset]()
     tags: dict[str, rules.Tag] = {}
     for f in facts:
@@ -168,6 +169,7 @@ def _plain_decide(
             if other and other.recompute and by_name[user].layer != f.layer:
                 tags[f.name] = rules.Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
                 break
+    rules.decide_offload(facts, tags, preset, rules.OffloadOptions())
     return tags
 
 
