@@ -330,6 +330,14 @@ def test_explorer_cycles_to_offload_and_back_with_undo(
         "layers.*.feed_forward.w1::aten.mm.default#0": "recompute"
     }
     ex.redo()
+    ex._on_msg(ex, {"type": "offload", "budget_bytes": 2**20, "prefetch_layers": 2}, None)
+    assert ex.policy_json["offload"] == {
+        "budget_bytes": 2**20, "prefetch_layers": 2, "defer_layers": 0,
+    }  # fmt: skip
+    with pytest.raises(WorkbenchError, match="would offload nothing"):
+        ex.set_offload(budget_bytes=0)
+    ex.undo()
+    assert "offload" not in ex.policy_json
     ex.flip("mm_4")
     assert ex.details["action"] == "save"
     # the last layer: the cycle passes over offload and says why
@@ -394,3 +402,16 @@ def test_cli_verify_estimate_and_render_take_offload_policies(
     out = tmp_path / "o.svg"
     assert run("render", "--policy", "offload", "--view", "layer:0", "--out", str(out), "--json")
     assert "offloaded for bwd" in out.read_text()
+
+
+@pytest.mark.parametrize("name", ["offload", "views"])
+def test_the_full_path_of_an_offloaded_graph_is_the_whatif(
+    small_graphs: dict[str, Fixture], name: str
+) -> None:
+    """Until offload is priced, the rewritten graph estimates as torch's remat output does."""
+    from workbench.estimate import Estimator, estimate_remat
+
+    _, graph = small_graphs["llama3-debug"]
+    estimator = Estimator(graph, ["h100"])
+    result = remat(graph, POLICIES[name])
+    assert estimate_remat(graph, result, estimator) == estimator.estimate(result.decisions)

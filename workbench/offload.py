@@ -21,6 +21,7 @@ from workbench.rules import OffloadOptions, mutates, storage_keys
 
 __all__ = [
     "OFFLOAD_META",
+    "REPLAYED_VIEW",
     "HostUsage",
     "OffloadPlan",
     "Offloaded",
@@ -33,8 +34,10 @@ __all__ = [
     "place_offloads",
 ]
 
-# gm.meta key holding the `OffloadPlan` of a graph the pass rewrote.
+# gm.meta key holding the `OffloadPlan` of a graph the pass rewrote; node.meta key marking a
+# forward view the pass replayed on a reloaded tensor (its other meta is the original's).
 OFFLOAD_META = "workbench_offload"
+REPLAYED_VIEW = "workbench_offload_replayed_view"
 
 
 # --- the host "device" on the CPU: its own buffers, its own ops --------------------------
@@ -465,6 +468,7 @@ def _insert(
                 new.kwargs = kwargs
                 new.meta.update({key: v for key, v in alias.meta.items() if key not in new.meta})
                 new.meta.pop("recompute", None)
+                new.meta[REPLAYED_VIEW] = True
                 replayed[alias] = new
             for reader in wanted[k].readers:
                 for old, new in replayed.items():
