@@ -415,3 +415,16 @@ def test_the_full_path_of_an_offloaded_graph_is_the_whatif(
     estimator = Estimator(graph, ["h100"])
     result = remat(graph, POLICIES[name])
     assert estimate_remat(graph, result, estimator) == estimator.estimate(result.decisions)
+
+
+def test_per_rank_graphs_offload_activations_not_collectives() -> None:
+    from workbench.models import load_workload
+    from workbench.parallel import Parallel
+    from workbench.trace import trace
+
+    graph = trace(load_workload("llama3-debug", layers=2, seq=32), "fake", Parallel(2, 2))
+    decisions = decide(graph, Policy("offload"))
+    moved = [n for n, t in decisions.items() if t.offload]
+    assert moved and not any(graph.nodes[n].op.startswith("_c10d") for n in moved)
+    plan = remat(graph, Policy("offload")).report.offload
+    assert plan is not None and plan.names == moved and not plan.skipped
