@@ -297,12 +297,31 @@ def test_offload_keys_name_the_preset_choice(small_graphs: dict[str, Fixture]) -
     assert {f.name for f in graph_facts(graph) if f.storage is None} & set(moved) == set()
 
 
+def test_the_cpu_uses_the_workbench_ops_with_buffers_of_their_own() -> None:
+    from workbench.offload import ops_for
+
+    ops = ops_for(torch.device("cpu"))
+    assert ops.offload is torch.ops.workbench.offload.default
+    x = torch.arange(1024.0)
+    with host_usage() as usage:
+        host = ops.wait(ops.offload(x), x)  # the device original is freed
+        assert x.untyped_storage().nbytes() == 0 and usage.live_bytes == 4096
+        back = ops.wait(ops.reload(host, x.device, [1024], [1]), host)
+    assert torch.equal(back, torch.arange(1024.0)) and usage.live_bytes == 0
+    assert host.untyped_storage().nbytes() == 0 and usage.peak_bytes == 4096
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's ao:: ops)")
-def test_offload_on_cuda_uses_torchs_ops(small_graphs: dict[str, Fixture]) -> None:
+def test_offload_on_cuda_uses_torchs_ops_as_the_pass_calls_them() -> None:
     from workbench.offload import ops_for
 
     ops = ops_for(torch.device("cuda"))
     assert ops.offload is torch.ops.ao.offload.default
+    x = torch.arange(1024.0, device="cuda")
+    host = ops.wait(ops.offload(x), x)  # the arguments the pass gives, in its order
+    assert host.device.type == "cpu" and x.untyped_storage().nbytes() == 0
+    back = ops.wait(ops.reload(host, x.device, [1024], [1]), host)
+    assert torch.equal(back.cpu(), torch.arange(1024.0))
 
 
 # --- explorer, pictures, diff -----------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Entry points: `place_offloads(...)` and `interleave(...)` (the one placement rule: where the
 device->host copy, the free, the reload and its wait go in a node order, for the pass and
-the estimate alike) and `offload_pass(gm, names, layer_of, options) -> gm`.
+the estimate alike) and `offload_pass(gm, names, layer_of, options) -> gm`. On the CPU the
+host is `workbench::offload` / `reload` / `wait_tensor` (own buffers, `host_usage()` counts
+them), elsewhere torch's `ao::` ops (`ops_for(device)`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ __all__ = [
     "HostUsage",
     "OffloadPlan",
     "Offloaded",
+    "Ops",
     "Place",
     "Step",
     "host_usage",
     "interleave",
     "is_offload_node",
     "offload_pass",
+    "ops_for",
     "place_offloads",
 ]
 
@@ -151,6 +155,8 @@ fx.node.has_side_effect(torch.ops.workbench.wait_tensor.default)
 
 
 class Ops(NamedTuple):
+    """The three ops of one device kind: copy out, copy back, wait (and free the source)."""
+
     offload: Any
     reload: Any
     wait: Any

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 # Compute-intensive ops torchtitan saves by default (its `_save_list`), as op names.
@@ -290,8 +291,6 @@ def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
 def storage_keys(node: torch.fx.Node) -> set[Any]:
     """The storages behind a node's output tensors (one per tensor; views share their
     base's, in fake tensors as in real ones)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     value = node.meta.get("val")
     values = value if isinstance(value, (list, tuple)) else [value]
     return {StorageWeakRef(v.untyped_storage()) for v in values if isinstance(v, torch.Tensor)}
