@@ -48,7 +48,7 @@ def offloaded(graph: JointGraph, policy: Policy) -> list[str]:
 
 
 def storage(nbytes: int = 8192, **kw: bool) -> Storage:
-    facts = {"contiguous": True, "fresh": True, "backward_read": True, "output": False}
+    facts = {"contiguous": True, "fresh": True, "output": False}
     return Storage(nbytes, **{**facts, "mutated": False, **kw})
 
 
