@@ -447,3 +447,22 @@ def test_per_rank_graphs_offload_activations_not_collectives() -> None:
     assert moved and not any(graph.nodes[n].op.startswith("_c10d") for n in moved)
     plan = remat(graph, Policy("offload")).report.offload
     assert plan is not None and plan.names == moved and not plan.skipped
+
+
+def test_eager_sac_runs_an_offload_policy_as_its_saving_twin(
+    small_graphs: dict[str, Fixture],
+) -> None:
+    from workbench.eager import eager_decisions
+
+    workload, _ = small_graphs["llama3-debug"]
+    policy = Policy(
+        "offload",
+        selectors=[{"select": "layers.*.attention.wo::aten.mm.default", "action": "offload"}],
+        overrides={"layers.*.attention.wq::aten.mm.default#0": "offload"},
+    )
+    twin = policy.without_offload()
+    assert twin.preset == "default" and not twin.offloads
+    assert [s.action for s in twin.selectors] == ["save"] and set(twin.overrides.values()) == {
+        "save"
+    }
+    assert eager_decisions(workload, policy) == eager_decisions(workload, twin)

@@ -533,8 +533,8 @@ TITAN_PRESETS: dict[str, Callable[[], Rule]] = {
     "titan-eager": _titan_eager,
     "titan-sac_and_offload": _titan_sac_and_offload,
 }
-# Presets that offload what their base preset saves.
-OFFLOAD_PRESETS = frozenset({"offload", "titan-sac_and_offload"})
+# Presets that offload what their base preset saves -> that base preset.
+OFFLOAD_PRESETS = {"offload": "default", "titan-sac_and_offload": "titan-default"}
 
 PRESETS: dict[str, Callable[[], Rule]] = {
     "none": _save_all,
