@@ -366,6 +366,8 @@ def offload_pass(
     options: OffloadOptions | None = None,
 ) -> fx.GraphModule:
     """Offload the storages of the forward nodes `names` of a rematerialized joint graph.
+    The names come from the decisions, not from `meta["recompute"]`: torch's remat pass
+    rewrites the tag of every node with a recomputed user to MUST_SAVE, offload tags too.
 
     Reads `meta["autograd_backward"]` (forward is every node before the first backward
     one), `meta["val"]` (storages; views share their base's) and `layer_of(node)`. For
