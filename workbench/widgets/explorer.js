@@ -194,12 +194,12 @@ function render({ model, el }) {
   const selectorText = h("input", { type: "text", class: "sacwb-selector-text", size: 30,
     placeholder: "layers.*.attention.wo::aten.mm.default" });
   const selectorAction = actionSelect("sacwb-selector-action");
-  const number = (cls, placeholder, value) => h("input", { type: "number", min: 0, class: cls, placeholder, value, style: "width: 7em" });
-  const offloadBudget = number("sacwb-offload-budget", "no limit");
-  const offloadPrefetch = number("sacwb-offload-prefetch", "1", 1);
-  const offloadDefer = number("sacwb-offload-defer", "0", 0);
-  const offloadRow = h("div", { class: "sacwb-offload" }, "offload: host budget (bytes) ", offloadBudget,
-    " prefetch layers ", offloadPrefetch, " defer layers ", offloadDefer, " ",
+  const number = (cls, placeholder, value, width) => h("input", { type: "number", min: 0, class: cls, placeholder, value, style: `width: ${width}` });
+  const offloadBudget = number("sacwb-offload-budget", "no limit", undefined, "8em");
+  const offloadPrefetch = number("sacwb-offload-prefetch", "1", 1, "3em");
+  const offloadDefer = number("sacwb-offload-defer", "0", 0, "3em");
+  const offloadRow = h("div", { class: "sacwb-offload", title: "host budget in bytes (empty: no limit); reload N layers early; free the device copy M layers late" },
+    "offload: budget ", offloadBudget, " prefetch ", offloadPrefetch, " defer ", offloadDefer, " ",
     h("button", { class: "sacwb-offload-set", onclick: () => send({ type: "offload",
       budget_bytes: offloadBudget.value === "" ? null : Number(offloadBudget.value),
       prefetch_layers: Number(offloadPrefetch.value || 1), defer_layers: Number(offloadDefer.value || 0) }) }, "Set"));
