@@ -466,3 +466,7 @@ def test_eager_sac_runs_an_offload_policy_as_its_saving_twin(
         "save"
     }
     assert eager_decisions(workload, policy) == eager_decisions(workload, twin)
+    from workbench.measure import measure_eager
+
+    measured = measure_eager(workload, policy, warmup=0, repeats=1)
+    assert measured.name == "eager SAC (offload, offload saved)"
