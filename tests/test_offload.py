@@ -10,10 +10,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.cli import main
+from workbench.eager import eager_decisions
 from workbench.errors import WorkbenchError
+from workbench.estimate import Estimator, estimate_remat
 from workbench.graph import JointGraph
-from workbench.measure import bitwise_mismatches
-from workbench.models import Workload
+from workbench.measure import bitwise_mismatches, measure_eager
+from workbench.models import Workload, load_workload
 from workbench.offload import (
     OFFLOAD_META,
     Offloaded,
@@ -23,19 +26,27 @@ from workbench.offload import (
     interleave,
     is_offload_node,
     offload_pass,
+    ops_for,
     place_offloads,
 )
+from workbench.parallel import Parallel
 from workbench.policy import Policy, decide, flip, graph_facts, next_action, node_keys
 from workbench.remat import remat
 from workbench.rules import (
     MIN_OFFLOAD_BYTES,
+    PRESETS,
     OffloadOptions,
     Storage,
     Why,
     decide_ops,
+    eager_tag,
     offload_refusal,
     op_facts,
 )
+from workbench.trace import trace
+from workbench.viz import diff, render_view
+from workbench.viz.style import GREEN, KIND_STYLE, node_kind
+from workbench.widgets import PolicyExplorer
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -48,7 +59,7 @@ def offloaded(graph: JointGraph, policy: Policy) -> list[str]:
 
 
 def storage(nbytes: int = 8192, **kw: bool) -> Storage:
-    facts = {"contiguous": True, "fresh": True, "backward_read": True, "output": False}
+    facts = {"contiguous": True, "fresh": True, "output": False}
     return Storage(nbytes, **{**facts, "mutated": False, **kw})
 
 
@@ -121,9 +132,7 @@ def test_offload_preset_offloads_what_default_keeps(small_graphs: dict[str, Fixt
     assert all(offload[n].explanation == "preset:offload" for n in moved)
 
 
-def test_a_refused_override_on_a_view_and_an_eager_policy_fn() -> None:
-    from workbench.rules import PRESETS, eager_tag
-
+def test_eager_tag_saves_an_offload_request() -> None:
     (facts,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
     overrides = {"layers.*.ff::aten.mm.default#0": "offload"}
     tag = eager_tag(facts, PRESETS["none"](), "none", (), overrides)
@@ -297,12 +306,27 @@ def test_offload_keys_name_the_preset_choice(small_graphs: dict[str, Fixture]) -
     assert {f.name for f in graph_facts(graph) if f.storage is None} & set(moved) == set()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's ao:: ops)")
-def test_offload_on_cuda_uses_torchs_ops(small_graphs: dict[str, Fixture]) -> None:
-    from workbench.offload import ops_for
+def test_the_cpu_uses_the_workbench_ops_with_buffers_of_their_own() -> None:
+    ops = ops_for(torch.device("cpu"))
+    assert ops.offload is torch.ops.workbench.offload.default
+    x = torch.arange(1024.0)
+    with host_usage() as usage:
+        host = ops.wait(ops.offload(x), x)  # the device original is freed
+        assert x.untyped_storage().nbytes() == 0 and usage.live_bytes == 4096
+        back = ops.wait(ops.reload(host, x.device, [1024], [1]), host)
+    assert torch.equal(back, torch.arange(1024.0)) and usage.live_bytes == 0
+    assert host.untyped_storage().nbytes() == 0 and usage.peak_bytes == 4096
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's ao:: ops)")
+def test_offload_on_cuda_uses_torchs_ops_as_the_pass_calls_them() -> None:
     ops = ops_for(torch.device("cuda"))
     assert ops.offload is torch.ops.ao.offload.default
+    x = torch.arange(1024.0, device="cuda")
+    host = ops.wait(ops.offload(x), x)  # the arguments the pass gives, in its order
+    assert host.device.type == "cpu" and x.untyped_storage().nbytes() == 0
+    back = ops.wait(ops.reload(host, x.device, [1024], [1]), host)
+    assert torch.equal(back.cpu(), torch.arange(1024.0))
 
 
 # --- explorer, pictures, diff -----------------------------------------------------------
@@ -311,8 +335,6 @@ def test_offload_on_cuda_uses_torchs_ops(small_graphs: dict[str, Fixture]) -> No
 def test_explorer_cycles_to_offload_and_back_with_undo(
     small_graphs: dict[str, Fixture], tmp_path: Path
 ) -> None:
-    from workbench.widgets import PolicyExplorer
-
     workload, graph = small_graphs["llama3-debug"]
     ex = PolicyExplorer(graph, "default", workload=workload, autosave=tmp_path / "p.json")
     ex.show("layer:0")
@@ -330,6 +352,14 @@ def test_explorer_cycles_to_offload_and_back_with_undo(
         "layers.*.feed_forward.w1::aten.mm.default#0": "recompute"
     }
     ex.redo()
+    ex._on_msg(ex, {"type": "offload", "budget_bytes": 2**20, "prefetch_layers": 2}, None)
+    assert ex.policy_json["offload"] == {
+        "budget_bytes": 2**20, "prefetch_layers": 2, "defer_layers": 0,
+    }  # fmt: skip
+    with pytest.raises(WorkbenchError, match="would offload nothing"):
+        ex.set_offload(budget_bytes=0)
+    ex.undo()
+    assert "offload" not in ex.policy_json
     ex.flip("mm_4")
     assert ex.details["action"] == "save"
     # the last layer: the cycle passes over offload and says why
@@ -344,9 +374,6 @@ def test_explorer_cycles_to_offload_and_back_with_undo(
 
 
 def test_pictures_and_diff_show_offload(small_graphs: dict[str, Fixture]) -> None:
-    from workbench.viz import diff, render_view
-    from workbench.viz.style import GREEN, KIND_STYLE, node_kind
-
     _, graph = small_graphs["llama3-debug"]
     default, offload = decide(graph, Policy("default")), decide(graph, Policy("offload"))
     moved = [n for n, t in offload.items() if t.offload]
@@ -364,8 +391,6 @@ def test_pictures_and_diff_show_offload(small_graphs: dict[str, Fixture]) -> Non
 def test_explorer_shows_why_policy_fn_cannot_export_offload(
     small_graphs: dict[str, Fixture], tmp_path: Path
 ) -> None:
-    from workbench.widgets import PolicyExplorer
-
     workload, graph = small_graphs["llama3-debug"]
     ex = PolicyExplorer(graph, "offload", workload=workload, autosave=tmp_path / "p.json")
     assert ex.export_code.startswith("# cannot export as policy_fn: policy_fn: offload")
@@ -378,8 +403,6 @@ def test_explorer_shows_why_policy_fn_cannot_export_offload(
 def test_cli_verify_estimate_and_render_take_offload_policies(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from workbench.cli import main
-
     def run(*argv: str) -> dict[str, object]:
         assert main([*argv, "--model", "llama3-debug", "--layers", "2", "--seq", "32"]) == 0
         return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
@@ -394,3 +417,44 @@ def test_cli_verify_estimate_and_render_take_offload_policies(
     out = tmp_path / "o.svg"
     assert run("render", "--policy", "offload", "--view", "layer:0", "--out", str(out), "--json")
     assert "offloaded for bwd" in out.read_text()
+
+
+@pytest.mark.parametrize("name", ["offload", "views"])
+def test_the_full_path_of_an_offloaded_graph_is_the_whatif(
+    small_graphs: dict[str, Fixture], name: str
+) -> None:
+    """Until offload is priced, the rewritten graph estimates as torch's remat output does."""
+
+    _, graph = small_graphs["llama3-debug"]
+    estimator = Estimator(graph, ["h100"])
+    result = remat(graph, POLICIES[name])
+    assert estimate_remat(graph, result, estimator) == estimator.estimate(result.decisions)
+
+
+def test_per_rank_graphs_offload_activations_not_collectives() -> None:
+    graph = trace(load_workload("llama3-debug", layers=2, seq=32), "fake", Parallel(2, 2))
+    decisions = decide(graph, Policy("offload"))
+    moved = [n for n, t in decisions.items() if t.offload]
+    assert moved and not any(graph.nodes[n].op.startswith("_c10d") for n in moved)
+    plan = remat(graph, Policy("offload")).report.offload
+    assert plan is not None and plan.names == moved and not plan.skipped
+
+
+def test_eager_sac_runs_an_offload_policy_as_its_saving_twin(
+    small_graphs: dict[str, Fixture],
+) -> None:
+    workload, _ = small_graphs["llama3-debug"]
+    policy = Policy(
+        "offload",
+        selectors=[{"select": "layers.*.attention.wo::aten.mm.default", "action": "offload"}],
+        overrides={"layers.*.attention.wq::aten.mm.default#0": "offload"},
+    )
+    twin = policy.without_offload()
+    assert twin.preset == "default" and not twin.offloads
+    assert [s.action for s in twin.selectors] == ["save"] and set(twin.overrides.values()) == {
+        "save"
+    }
+    assert eager_decisions(workload, policy) == eager_decisions(workload, twin)
+
+    measured = measure_eager(workload, policy, warmup=0, repeats=1)
+    assert measured.name == "eager SAC (offload, offload saved)"

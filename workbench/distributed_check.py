@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from workbench.errors import WorkbenchError
 from workbench.models import load_workload
 from workbench.parallel import Parallel, RankWorkload, device_mesh, eager_rank_step, shard_workload
-from workbench.policy import decide, parse_policy
+from workbench.policy import parse_policy
 from workbench.remat import remat
 
 __all__ = ["RankCheck", "check_rank", "check_ranks"]
@@ -52,7 +52,7 @@ def check_rank(rank: RankWorkload, presets: list[str]) -> list[RankCheck]:
     names = ["loss", *graph.param_names]
     checks = []
     for preset in presets:
-        result = remat(graph, decide(graph, parse_policy(preset)))
+        result = remat(graph, parse_policy(preset))  # the policy: its offload options too
         traced = result.run(graph.example_inputs)
         mismatched = tuple(
             name for name, a, b in zip(names, traced, eager, strict=True) if not torch.equal(a, b)

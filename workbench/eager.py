@@ -42,7 +42,9 @@ def eager_step(workload: Workload) -> list[torch.Tensor]:
 
 def load_policy_fn(policy: Policy) -> dict[str, Any]:
     """Run the `policy_fn` export in a fresh namespace: what is measured is what is exported,
-    and each model gets its own module stack and counters."""
+    and each model gets its own module stack and counters. Eager SAC cannot offload: a
+    policy that offloads runs as `policy.without_offload()` (what it offloads is saved)."""
+    policy = policy.without_offload()
     source = export(policy, "policy_fn")
     namespace: dict[str, Any] = {"__name__": f"sac_workbench_policy_{policy.preset}"}
     exec(compile(source, f"<policy_fn export of preset {policy.preset!r}>", "exec"), namespace)

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
-from workbench.offload import is_offload_node
+from workbench.offload import REPLAYED_VIEW, is_offload_node
 from workbench.rules import unshard_chains
 
 __all__ = [
@@ -155,16 +155,20 @@ class GraphIndex:
 
         Nodes map back through `meta[ORIGIN_KEY]` (the pass renames nodes); a copy of a
         forward node that runs in backward is its recomputed copy. The offload pass's copies,
-        reloads and waits stand for the value they move (as if it stayed on the device), and
-        the views it replays in backward for recomputed copies of theirs."""
+        reloads and waits stand for the value they move, and the views it replays in backward
+        for the forward views they replay: the schedule torch's pass made, as if the values
+        stayed on the device (offload is not priced here yet)."""
         entry: dict[fx.Node, int] = {}
         order: list[int] = []
         args: dict[int, tuple[int, ...]] = {}
         for node in gm.graph.nodes:
+            origin = node.meta.get(ORIGIN_KEY)
             if is_offload_node(node):  # stands for the value it copies: kept on the device
                 entry[node] = entry[node.all_input_nodes[0]]
                 continue
-            origin = node.meta.get(ORIGIN_KEY)
+            if node.meta.get(REPLAYED_VIEW):  # stands for the forward view it replays
+                entry[node] = self.origin_of[origin]
+                continue
             i = self.output if node.op == "output" else self.origin_of.get(origin)
             if i is None or origin is None and node.op != "output":
                 raise WorkbenchError(

@@ -231,12 +231,14 @@ def measure_eager(
         target, name = workload, "no AC"
     else:
         copied = copy.deepcopy(workload.model)
+        # eager SAC cannot offload: it runs the policy with its offloads saved
+        preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
         if regions is None:
             model = apply_eager_sac(copied, policy, layers_attr)
-            name = f"eager SAC ({policy.preset})"
+            name = f"eager SAC ({preset})"
         else:
             model = apply_eager_sac_to(copied, policy, regions)
-            name = f"eager SAC ({policy.preset}; {', '.join(regions)})"
+            name = f"eager SAC ({preset}; {', '.join(regions)})"
         target = Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name)
     held = [*target.model.parameters(), *target.model.buffers(), *target.inputs, target.target]
     return _measure(name, lambda: eager_step(target), held, workload.tokens, warmup, repeats)

@@ -2,7 +2,9 @@
 
 Entry points: `place_offloads(...)` and `interleave(...)` (the one placement rule: where the
 device->host copy, the free, the reload and its wait go in a node order, for the pass and
-the estimate alike) and `offload_pass(gm, names, layer_of, options) -> gm`.
+the estimate alike) and `offload_pass(gm, names, layer_of, options) -> gm`. On the CPU the
+host is `workbench::offload` / `reload` / `wait_tensor` (own buffers, `host_usage()` counts
+them), elsewhere torch's `ao::` ops (`ops_for(device)`).
 """
 
 from __future__ import annotations
@@ -21,20 +23,25 @@ from workbench.rules import OffloadOptions, mutates, storage_keys
 
 __all__ = [
     "OFFLOAD_META",
+    "REPLAYED_VIEW",
     "HostUsage",
     "OffloadPlan",
     "Offloaded",
+    "Ops",
     "Place",
     "Step",
     "host_usage",
     "interleave",
     "is_offload_node",
     "offload_pass",
+    "ops_for",
     "place_offloads",
 ]
 
-# gm.meta key holding the `OffloadPlan` of a graph the pass rewrote.
+# gm.meta key holding the `OffloadPlan` of a graph the pass rewrote; node.meta key marking a
+# forward view the pass replayed on a reloaded tensor (its other meta is the original's).
 OFFLOAD_META = "workbench_offload"
+REPLAYED_VIEW = "workbench_offload_replayed_view"
 
 
 # --- the host "device" on the CPU: its own buffers, its own ops --------------------------
@@ -148,6 +155,8 @@ fx.node.has_side_effect(torch.ops.workbench.wait_tensor.default)
 
 
 class Ops(NamedTuple):
+    """The three ops of one device kind: copy out, copy back, wait (and free the source)."""
+
     offload: Any
     reload: Any
     wait: Any
@@ -357,6 +366,8 @@ def offload_pass(
     options: OffloadOptions | None = None,
 ) -> fx.GraphModule:
     """Offload the storages of the forward nodes `names` of a rematerialized joint graph.
+    The names come from the decisions, not from `meta["recompute"]`: torch's remat pass
+    rewrites the tag of every node with a recomputed user to MUST_SAVE, offload tags too.
 
     Reads `meta["autograd_backward"]` (forward is every node before the first backward
     one), `meta["val"]` (storages; views share their base's) and `layer_of(node)`. For
@@ -465,6 +476,7 @@ def _insert(
                 new.kwargs = kwargs
                 new.meta.update({key: v for key, v in alias.meta.items() if key not in new.meta})
                 new.meta.pop("recompute", None)
+                new.meta[REPLAYED_VIEW] = True
                 replayed[alias] = new
             for reader in wanted[k].readers:
                 for old, new in replayed.items():

@@ -179,6 +179,21 @@ class Policy:
             or any(s.action == "offload" for s in self.selectors)
         )
 
+    def without_offload(self) -> Policy:
+        """The same policy saving what it offloads: the base preset of an offload preset,
+        `save` for offload selectors and overrides (what eager SAC, which cannot offload,
+        runs for it)."""
+        return dataclasses.replace(
+            self,
+            preset=OFFLOAD_PRESETS.get(self.preset, self.preset),
+            selectors=[
+                Selector(s.select, "save" if s.action == "offload" else s.action)
+                for s in self.selectors
+            ],  # fmt: skip
+            overrides={k: "save" if a == "offload" else a for k, a in self.overrides.items()},
+            offload=OffloadOptions(),
+        )
+
     @property
     def version(self) -> int:
         """The lowest schema version that holds this policy."""

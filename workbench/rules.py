@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 # Compute-intensive ops torchtitan saves by default (its `_save_list`), as op names.
@@ -176,13 +177,12 @@ class OffloadOptions(NamedTuple):
 
 class Storage(NamedTuple):
     """What offloading needs to know of a node's output: a single tensor's bytes, whether it
-    is contiguous and owns its storage (not a view or alias of an input), whether backward
-    reads that storage (directly or through forward views) and whether the step returns it."""
+    is contiguous and owns its storage (not a view or alias of an input), whether the step
+    returns it (or a view of it) and whether forward writes into it in place later."""
 
     bytes: int
     contiguous: bool
     fresh: bool
-    backward_read: bool
     output: bool
     mutated: bool  # a forward op writes into the storage in place
 
@@ -290,8 +290,6 @@ def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
 def storage_keys(node: torch.fx.Node) -> set[Any]:
     """The storages behind a node's output tensors (one per tensor; views share their
     base's, in fake tensors as in real ones)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     value = node.meta.get("val")
     values = value if isinstance(value, (list, tuple)) else [value]
     return {StorageWeakRef(v.untyped_storage()) for v in values if isinstance(v, torch.Tensor)}
@@ -308,20 +306,20 @@ def storage_of(node: torch.fx.Node) -> Storage | None:
         contiguous, size = bool(value.is_contiguous()), int(value.numel() * value.element_size())
     except Exception:  # symbolic shapes: graph trainer assumes contiguous and large enough
         contiguous, size = True, MIN_OFFLOAD_BYTES
-    backward_read = output = mutated = False
+    output = mutated = False
     todo, seen = [node], {node}
     while todo:  # forward nodes sharing the storage: views, getitems, in-place ops
         for user in todo.pop().users:
             if user.op == "output":
                 output = True
-            elif user.meta.get("autograd_backward"):
-                backward_read = True
-            elif user not in seen and key in storage_keys(user):
+            elif user not in seen and not user.meta.get("autograd_backward"):
+                if key not in storage_keys(user):
+                    continue
                 seen.add(user)
                 todo.append(user)
                 mutated = mutated or mutates(user.target)
     fresh = not any(key in storage_keys(x) for x in node.all_input_nodes)
-    return Storage(size, contiguous, fresh, backward_read, output, mutated)
+    return Storage(size, contiguous, fresh, output, mutated)
 
 
 def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:
@@ -538,8 +536,8 @@ TITAN_PRESETS: dict[str, Callable[[], Rule]] = {
     "titan-eager": _titan_eager,
     "titan-sac_and_offload": _titan_sac_and_offload,
 }
-# Presets that offload what their base preset saves.
-OFFLOAD_PRESETS = frozenset({"offload", "titan-sac_and_offload"})
+# Presets that offload what their base preset saves -> that base preset.
+OFFLOAD_PRESETS = {"offload": "default", "titan-sac_and_offload": "titan-default"}
 
 PRESETS: dict[str, Callable[[], Rule]] = {
     "none": _save_all,

@@ -199,6 +199,15 @@ function render({ model, el }) {
   const selectorText = h("input", { type: "text", class: "sacwb-selector-text", size: 30,
     placeholder: "layers.*.attention.wo::aten.mm.default" });
   const selectorAction = actionSelect("sacwb-selector-action");
+  const number = (cls, placeholder, value, width) => h("input", { type: "number", min: 0, class: cls, placeholder, value, style: `width: ${width}` });
+  const offloadBudget = number("sacwb-offload-budget", "no limit", undefined, "8em");
+  const offloadPrefetch = number("sacwb-offload-prefetch", "1", 1, "3em");
+  const offloadDefer = number("sacwb-offload-defer", "0", 0, "3em");
+  const offloadRow = h("div", { class: "sacwb-offload", title: "host budget in bytes (empty: no limit); reload N layers early; free the device copy M layers late" },
+    "offload: budget ", offloadBudget, " prefetch ", offloadPrefetch, " defer ", offloadDefer, " ",
+    h("button", { class: "sacwb-offload-set", onclick: () => send({ type: "offload",
+      budget_bytes: offloadBudget.value === "" ? null : Number(offloadBudget.value),
+      prefetch_layers: Number(offloadPrefetch.value || 1), defer_layers: Number(offloadDefer.value || 0) }) }, "Set"));
   const switches = h("div", { class: "sacwb-switches" },
     h("div", { class: "sacwb-title" }, "Add a selector or an op-type switch"),
     h("div", {}, selectorAction, " ", selectorText, " ",
@@ -206,7 +215,8 @@ function render({ model, el }) {
         onclick: () => send({ type: "selector", select: selectorText.value, action: selectorAction.value }) }, "Add")),
     h("div", {}, actionSel, " every ", opSel, " in ", moduleSel, " ",
       h("button", { class: "sacwb-switch-apply", onclick: () => send({ type: "switch",
-        module: moduleSel.value, op: opSel.value, action: actionSel.value }) }, "Apply")));
+        module: moduleSel.value, op: opSel.value, action: actionSel.value }) }, "Apply")),
+    offloadRow);
   const scatter = h("div", { class: "sacwb-history" });
   const budgetText = h("span", { class: "sacwb-budget-text" });
   const budget = h("input", { type: "range", class: "sacwb-budget", step: "any",

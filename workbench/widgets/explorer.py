@@ -39,10 +39,11 @@ from workbench.policy import (
     layer_key,
     next_action,
     node_keys,
+    offload_options,
     validate,
 )
 from workbench.profiles import PROFILES
-from workbench.rules import offload_refusal_in
+from workbench.rules import OffloadOptions, offload_refusal_in
 from workbench.solve import fsdp_choices
 from workbench.trace import trace
 from workbench.viz import node_from_svg_id, overview, render_view, svg_id
@@ -411,6 +412,16 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._change(self._edited(selectors=selectors))
         self._autosave()
 
+    def set_offload(
+        self, budget_bytes: int | None = None, prefetch_layers: int = 1, defer_layers: int = 0
+    ) -> None:
+        """The policy's offload options: host budget (None: no limit), reload N layers early,
+        free the device copy M layers late (checked as a policy file's are)."""
+        options = offload_options(OffloadOptions(budget_bytes, prefetch_layers, defer_layers))
+        self._change(self._edited(offload=options))
+        self.message = f"offload options: {options._asdict()}"
+        self._autosave()
+
     def set_override(self, key: str, action: str | None) -> None:
         """Set one override's action, or remove it (`action=None`)."""
         overrides = dict(self.policy.overrides)
@@ -566,6 +577,11 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             ),  # fmt: skip
             "override": lambda: self.set_override(
                 _field(c, "key", str), _field(c, "action", str, None)
+            ),  # fmt: skip
+            "offload": lambda: self.set_offload(
+                _field(c, "budget_bytes", int, None),
+                _field(c, "prefetch_layers", int, 1),
+                _field(c, "defer_layers", int, 0),
             ),  # fmt: skip
             "undo": self.undo,
             "redo": self.redo,
