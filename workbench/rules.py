@@ -652,9 +652,10 @@ def decide_ops(
     choice on parameter all-gathers, then selectors and overrides), the forced saves, then
     getitems and waits follow the op they unpack or end and unshard chains their
     all-gather, then the layer-boundary rule, then the offload step (`decide_offload`). The
-    `titan-*` presets run graph trainer's own variants of these steps (`decide_titan_ops`). Pass the facts' `plan` to decide many
-    policies of one graph: the requests before overrides are then kept per preset and
-    selector list, so a flip costs a pass over the few nodes it can change."""
+    `titan-*` presets run graph trainer's own variants of these steps (`decide_titan_ops`).
+    Pass the facts' `plan` to decide many policies of one graph: the requests before
+    overrides are then kept per preset and selector list, so a flip costs a pass over the
+    few nodes it can change."""
     plan = plan or decide_plan(facts)
     if preset in TITAN_PRESETS:
         return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, offload, plan)
@@ -914,7 +915,10 @@ def decide_offload(
     an `offload` request (selector or override) the rules cannot grant is saved instead,
     tagged `Why.OFFLOAD_REFUSED` with the reason. Then the budget: offloads are kept largest
     first (graph order among equals) while they fit; the rest go back to their preset's
-    save (`OFFLOAD_REFUSED` when asked for by name)."""
+    save (`OFFLOAD_REFUSED` when asked for by name). Nothing to do (the common case, on
+    every re-decision) unless the preset offloads or a tag asks to."""
+    if preset not in OFFLOAD_PRESETS and not any(tag.policy in OFFLOAD for tag in tags.values()):
+        return
     titan = preset in TITAN_PRESETS
     last = last_layer(facts, titan)
     by_name = {f.name: f for f in facts}
