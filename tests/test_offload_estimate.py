@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from workbench.estimate import Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.measure import measure_graph
 from workbench.models import Workload
-from workbench.offload import host_usage
+from workbench.offload import STEP_KINDS, Place, Step, host_usage, interleave, interleave_arrays
 from workbench.policy import Policy, decide, flip
 from workbench.profiles import H100
 from workbench.remat import remat
@@ -126,3 +127,32 @@ def test_offload_schedule_skips_what_the_pass_skips(small_graphs: dict[str, Fixt
 def test_host_rate_of_the_profiles() -> None:
     assert H100.host_rate() == 55e9
     assert replace(H100, host_bytes_per_s=None).host_rate() == H100.bytes_per_s / 2
+
+
+def test_entry_node_reads_every_entry_space(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    index = Estimator(graph, PROFILES).index
+    n = index.n
+    entries = np.array([5, n + 5, 2 * n + 5, 3 * n + 4 * 5, 3 * n + 4 * 5 + 3])
+    assert index.entry_node(entries).tolist() == [5] * 5
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
+        max_size=5,
+    )
+)
+def test_interleave_arrays_is_interleave(places: list[tuple[int, int, int, int]]) -> None:
+    """The order the pass builds, from a plain loop: before each node its reloads then its
+    waits, after it its copies then its frees, values in order."""
+    expected: list[Step] = []
+    for p in range(10):
+        for kind, col in (("reload", 2), ("wait", 3)):
+            expected += [Step(kind, k) for k, pl in enumerate(places) if pl[col] == p]  # type: ignore[arg-type]
+        expected.append(Step("node", p))
+        for kind, col in (("offload", 0), ("free", 1)):
+            expected += [Step(kind, k) for k, pl in enumerate(places) if pl[col] == p]  # type: ignore[arg-type]
+    assert interleave(10, [Place(*p) for p in places]) == expected
+    kinds, at = interleave_arrays(10, [Place(*p) for p in places])
+    assert [Step(STEP_KINDS[k], a) for k, a in zip(kinds, at, strict=True)] == expected
