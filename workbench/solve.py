@@ -48,6 +48,10 @@ METHOD_ROUNDS = 4  # for `exact`, whose integer program takes seconds
 # With a host budget: model caps tried above the budget's own, each saving more and
 # offloading as few keys (largest first) as bring the exact peak within budget.
 OFFLOAD_CAPS = 6
+# How the solver's offloads move: graph trainer's default deferral of one layer, so each
+# device-to-host copy has the next layer's compute to hide behind (freed right after its
+# last forward reader, a copy is mostly exposed), reloads one layer early.
+SOLVER_DEFER_LAYERS = 1
 GIB = 2**30
 
 Progress = Callable[[int, int, "Solution"], None]
@@ -490,7 +494,7 @@ class _Search:
         overrides: dict[str, Action] = {
             keys[c]: "offload" if c in moved else "save" for c in sorted(chosen)
         }
-        options = OffloadOptions(budget_bytes=self.host_budget)
+        options = OffloadOptions(budget_bytes=self.host_budget, defer_layers=SOLVER_DEFER_LAYERS)
         return Policy("full", overrides=overrides, fsdp_reshard=self.fsdp_reshard, offload=options)
 
     def policy(self, chosen: set[int]) -> Policy:
@@ -571,8 +575,9 @@ def _search(
 
 
 def _presets(fsdp_reshard: bool, host_budget: int | None = 0) -> list[Policy]:
-    """The named presets; those that offload only with a host budget (None: no limit)."""
-    offload = OffloadOptions(budget_bytes=host_budget or None)
+    """The named presets; those that offload only with a host budget (None: no limit),
+    deferred as the solver's own offloads."""
+    offload = OffloadOptions(budget_bytes=host_budget or None, defer_layers=SOLVER_DEFER_LAYERS)
     return [
         Policy(p, fsdp_reshard=fsdp_reshard, offload=offload)
         for p in PRESETS
