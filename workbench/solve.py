@@ -48,6 +48,7 @@ METHOD_ROUNDS = 4  # for `exact`, whose integer program takes seconds
 # With a host budget: model caps tried above the budget's own, each saving more and
 # offloading as few keys (largest first) as bring the exact peak within budget.
 OFFLOAD_CAPS = 6
+OFFLOAD_KEYS = 6  # largest keys offloaded one more at a time before trying all of them
 # How the solver's offloads move: graph trainer's default deferral of one layer, so each
 # device-to-host copy has the next layer's compute to hide behind (freed right after its
 # last forward reader, a copy is mostly exposed), reloads one layer early.
@@ -487,15 +488,20 @@ class _Search:
     fsdp_reshard: bool
     host_budget: int = 0
 
-    def offload_policy(self, chosen: set[int], offloaded: Sequence[int]) -> Policy:
+    def offload_policy(
+        self, chosen: set[int], offloaded: Sequence[int], preset: str | None = None
+    ) -> Policy:
         """`full` plus the saved keys `chosen`, those in `offloaded` offloaded instead (where
-        the rules refuse, as in the last layer, they stay saved), within the host budget."""
+        the rules refuse, as in the last layer, they stay saved), within the host budget; or,
+        with `preset`, that preset with the keys `offloaded` offloaded."""
         keys, moved = self.model.candidates, set(offloaded)
-        overrides: dict[str, Action] = {
-            keys[c]: "offload" if c in moved else "save" for c in sorted(chosen)
-        }
+        overrides: dict[str, Action] = {keys[c]: "offload" for c in sorted(moved)}
+        if preset is None:
+            overrides = {keys[c]: overrides.get(keys[c], "save") for c in sorted(chosen)}
         options = OffloadOptions(budget_bytes=self.host_budget, defer_layers=SOLVER_DEFER_LAYERS)
-        return Policy("full", overrides=overrides, fsdp_reshard=self.fsdp_reshard, offload=options)
+        return Policy(
+            preset or "full", overrides=overrides, fsdp_reshard=self.fsdp_reshard, offload=options
+        )
 
     def policy(self, chosen: set[int]) -> Policy:
         """`full` plus saves, or `none` plus recomputes, whichever needs fewer overrides;
@@ -711,30 +717,32 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
 def _offloaded(
     search: _Search, select: Callable[[float], set[int]], budget: int, cap: float, best: _Best
 ) -> _Best:
-    """Offload as a third choice: keep more (the model's choice at `OFFLOAD_CAPS` caps from
-    the fitting one up to keeping everything), then offload the fewest of the kept keys,
-    largest first (`_Model.key_bytes`), that bring the exact peak within budget (bisection
-    on their number: offloading more never raises the peak at backward's start, where the
-    saved activations meet). The model does not see offload; exact estimates, which price
-    the exposed copy time in the cost, decide. The best of these and `best`."""
+    """Offload as a third choice. Bases: the presets that do not offload, and keeping more
+    (the model's choice at `OFFLOAD_CAPS` caps from the fitting one up to keeping
+    everything); on each, offload the fewest keys, largest first (`_Model.key_bytes`), that
+    bring the exact peak within budget: one more at a time up to `OFFLOAD_KEYS`, then all
+    (the peak does not fall monotonically with their number, so no bisection). The model
+    does not see offload; exact estimates, which price the exposed copy time in the cost,
+    decide. The best of these and `best`."""
     model = search.model
-    top = model.evaluate(set(range(len(model.candidates))))[0]
-    for step in np.linspace(max(cap, 0.0), max(top, cap), OFFLOAD_CAPS):
-        chosen = select(float(step))
+    everything = set(range(len(model.candidates)))
+    bases: list[tuple[str | None, set[int]]] = [
+        (p.preset, everything) for p, _ in search.presets if p.preset not in rules.OFFLOAD_PRESETS
+    ]
+    top = model.evaluate(everything)[0]
+    bases += [
+        (None, select(float(c))) for c in np.linspace(max(cap, 0.0), max(top, cap), OFFLOAD_CAPS)
+    ]
+    for preset, chosen in bases:
         order = sorted(chosen, key=lambda c: (-model.key_bytes[c], c))
-        low, high, found = 0, len(order), None
-        while low <= high:
-            middle = (low + high) // 2
-            policy = search.offload_policy(chosen, order[:middle])
+        counts = [*range(min(OFFLOAD_KEYS, len(order)) + 1), len(order)]
+        for count in dict.fromkeys(counts):
+            policy = search.offload_policy(chosen, order[:count], preset)
             est = search.estimator.estimate(policy)
             if est.peak_bytes <= budget:
-                found, high = (search.cost(est), policy, est), middle - 1
-            else:
-                low = middle + 1
-        if found is None:
-            break  # even offloading every kept key does not fit: keeping more will not either
-        if found[0] < best[0]:
-            best = found
+                if search.cost(est) < best[0]:
+                    best = (search.cost(est), policy, est)
+                break
     return best
 
 
