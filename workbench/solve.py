@@ -180,7 +180,11 @@ class _Model:
         ]
         self.read_by_backward = [any(est.is_bwd[u] for u in est.users[i]) for i in self.nodes]
         self.storages, self.sizes = self._storages(est, position)
-        # bytes of the storages each candidate's nodes make: what offloading it would move
+        # keys with a node the rules may offload (`rules.offload_refusal`), and the bytes of
+        # the storages each candidate's nodes make: what offloading it would move
+        last = rules.last_layer(list(facts.values()))
+        movable = {f.key for f in facts.values() if rules.offload_refusal(f, last) is None}
+        self.offloadable = [key in movable for key in self.candidates]
         self.key_bytes = [0] * len(self.candidates)
         for g, (p, _) in enumerate(self.storage_owner):
             if self.source[p] >= 0:
@@ -719,7 +723,8 @@ def _offloaded(
 ) -> _Best:
     """Offload as a third choice. Bases: the presets that do not offload, and keeping more
     (the model's choice at `OFFLOAD_CAPS` caps from the fitting one up to keeping
-    everything); on each, offload the fewest keys, largest first (`_Model.key_bytes`), that
+    everything); on each, offload the fewest keys the rules may offload, largest first
+    (`_Model.key_bytes`), that
     bring the exact peak within budget: one more at a time up to `OFFLOAD_KEYS`, then all
     (the peak does not fall monotonically with their number, so no bisection). The model
     does not see offload; exact estimates, which price the exposed copy time in the cost,
@@ -734,7 +739,8 @@ def _offloaded(
         (None, select(float(c))) for c in np.linspace(max(cap, 0.0), max(top, cap), OFFLOAD_CAPS)
     ]
     for preset, chosen in bases:
-        order = sorted(chosen, key=lambda c: (-model.key_bytes[c], c))
+        movable = [c for c in chosen if model.offloadable[c]]
+        order = sorted(movable, key=lambda c: (-model.key_bytes[c], c))
         counts = [*range(min(OFFLOAD_KEYS, len(order)) + 1), len(order)]
         for count in dict.fromkeys(counts):
             policy = search.offload_policy(chosen, order[:count], preset)
