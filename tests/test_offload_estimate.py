@@ -19,7 +19,7 @@ from workbench.policy import Policy, decide, flip
 from workbench.profiles import H100
 from workbench.remat import remat
 from workbench.replay import offload_schedule, recompute_flags, replay
-from workbench.rules import OffloadOptions
+from workbench.rules import OffloadOptions, may_offload
 
 Fixture = tuple[Workload, JointGraph]
 PROFILES = ("h100",)
@@ -156,3 +156,10 @@ def test_interleave_arrays_is_interleave(places: list[tuple[int, int, int, int]]
     assert interleave(10, [Place(*p) for p in places]) == expected
     kinds, at = interleave_arrays(10, [Place(*p) for p in places])
     assert [Step(STEP_KINDS[k], a) for k, a in zip(kinds, at, strict=True)] == expected
+
+
+def test_may_offload_names_every_way_to_ask() -> None:
+    assert not may_offload("default", [("layers.*", "aten.mm*", "recompute")], {"k": "save"})
+    assert may_offload("offload", [], None) and may_offload("titan-sac_and_offload", [], None)
+    assert may_offload("default", [("layers.*", "aten.mm*", "offload")], None)
+    assert may_offload("full", [], {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"})

@@ -669,7 +669,8 @@ def decide_ops(
                     overridden.add(name)
     _follow(tags, requested, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
-    decide_offload(facts, tags, preset, offload or OffloadOptions())
+    if may_offload(preset, selectors, overrides):
+        decide_offload(facts, tags, preset, offload or OffloadOptions())
     return tags
 
 
@@ -801,7 +802,8 @@ def decide_titan_ops(
             tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
         tags[f.name] = tag
     save_layer_boundaries(tags, (plan or decide_plan(facts)).titan_boundaries)
-    decide_offload(facts, tags, preset, offload or OffloadOptions())
+    if may_offload(preset, selectors, overrides):
+        decide_offload(facts, tags, preset, offload or OffloadOptions())
     return tags
 
 
@@ -907,6 +909,18 @@ def offload_refusal_in(
     return refusal
 
 
+def may_offload(
+    preset: str, selectors: Sequence[SelectorRow], overrides: Mapping[str, str] | None
+) -> bool:
+    """Whether a policy asks for any offload (its preset, a selector or an override): the
+    offload step has nothing to do otherwise, the common case on every re-decision."""
+    return (
+        preset in OFFLOAD_PRESETS
+        or any(row[2] == "offload" for row in selectors)
+        or "offload" in (overrides or {}).values()
+    )
+
+
 def decide_offload(
     facts: Sequence[OpFacts], tags: dict[str, Tag], preset: str, options: OffloadOptions
 ) -> None:
@@ -915,10 +929,7 @@ def decide_offload(
     an `offload` request (selector or override) the rules cannot grant is saved instead,
     tagged `Why.OFFLOAD_REFUSED` with the reason. Then the budget: offloads are kept largest
     first (graph order among equals) while they fit; the rest go back to their preset's
-    save (`OFFLOAD_REFUSED` when asked for by name). Nothing to do (the common case, on
-    every re-decision) unless the preset offloads or a tag asks to."""
-    if preset not in OFFLOAD_PRESETS and not any(tag.policy in OFFLOAD for tag in tags.values()):
-        return
+    save (`OFFLOAD_REFUSED` when asked for by name)."""
     titan = preset in TITAN_PRESETS
     last = last_layer(facts, titan)
     by_name = {f.name: f for f in facts}
