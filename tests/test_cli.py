@@ -199,6 +199,16 @@ def test_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "timeline" not in result
 
 
+def test_estimate_json_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(
+        capsys, "estimate", "--model", "llama3-debug", "--layers", "2", "--mode", "fake",
+        "--policy", "offload", "--profile", "h100", "--json",
+    )  # fmt: skip
+    assert result["host_peak_bytes"] > 0 and result["offloaded_bytes"] >= result["host_peak_bytes"]
+    assert result["transfer_seconds"]["h100"] == pytest.approx(2 * result["offloaded_bytes"] / 55e9)
+    assert 0 <= result["exposed_transfer_seconds"]["h100"] <= result["transfer_seconds"]["h100"]
+
+
 def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
         capsys, "measure", "--model", "llama3-debug", "--layers", "1", "--seq", "16",

@@ -254,6 +254,28 @@ def test_suggest_loads_a_solved_policy_within_the_budget(peaky: Fixture, tmp_pat
     assert ex.metrics["peak_bytes"] <= budget  # the failed suggestion changed nothing
 
 
+def test_suggest_and_sweep_use_the_host_budget(
+    peaky: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import workbench.solve
+
+    ex = explorer(peaky, tmp_path, "none")
+    ex.suggest_host_budget_bytes = 2**30
+    budget = (ex.budget_range["min"] + ex.budget_range["max"]) // 2
+    send(ex, type="suggest", budget=budget)
+    assert ex.metrics["peak_bytes"] <= budget and "suggested by greedy" in ex.message
+    seen: list[int] = []
+    real = workbench.solve.pareto
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["host_budget_bytes"])  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(workbench.solve, "pareto", spy)
+    ex.sweep(points=2)
+    assert seen == [2**30]
+
+
 def test_sweep_adds_the_solver_front_to_the_history(peaky: Fixture, tmp_path: Path) -> None:
     ex = explorer(peaky, tmp_path)
     ex.sweep(points=3)

@@ -54,7 +54,8 @@ def bench_trace(trace_once: Callable[[], tuple[JointGraph, float]], repeat: int)
 def bench_whatif(
     graph: JointGraph, policy: Policy, *, flips: int, full_path: int, seed: int
 ) -> dict[str, Any]:
-    """Random flips: the what-if's time per flip (flip, decide, replay, simulate) against
+    """Random flips (save -> recompute -> offload where allowed): the what-if's time per
+    flip (flip, decide, replay with the offload steps, simulate) against
     the full path (tag, torch's remat pass, simulate), and whether both gave equal figures.
     Also the median time of each what-if stage, to say where the time goes."""
     estimator = Estimator(graph)
@@ -69,7 +70,7 @@ def bench_whatif(
         policy = flip(graph, policy, node, all_layers=rng.random() < 0.5, decisions=decisions)
         decisions = decide(graph, policy)
         replayed = time.perf_counter()
-        schedule = estimator.schedule(estimator.recompute_flags(decisions))
+        schedule = estimator.schedule_for(decisions, policy.offload)
         simulated = time.perf_counter()
         fast = estimator.simulate(schedule)
         end = time.perf_counter()
@@ -79,7 +80,7 @@ def bench_whatif(
         stages["simulate"].append(end - simulated)
         if k < full_path:
             start = time.perf_counter()
-            slow = estimate_remat(graph, remat(graph, decisions), estimator)
+            slow = estimate_remat(graph, remat(graph, decisions, policy.offload), estimator)
             full.append(time.perf_counter() - start)
             exact = exact and fast == slow
     return {

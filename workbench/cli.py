@@ -328,6 +328,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
         profile=args.profile,
         estimator=estimator,
         fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
+        host_budget_bytes=args.host_budget_bytes,
     )
     return {
         "model": graph.model_name,
@@ -357,15 +358,26 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     estimator = Estimator(graph, (args.profile,), args.optimizer)
-    points = pareto(
-        graph,
-        n=args.points,
-        method=args.method,
-        profile=args.profile,
-        objective=args.objective,
-        progress=progress,
-        estimator=estimator,
-        fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
+
+    def front(host_budget: int) -> list[Solution]:
+        return pareto(
+            graph,
+            n=args.points,
+            method=args.method,
+            profile=args.profile,
+            objective=args.objective,
+            progress=progress,
+            estimator=estimator,
+            fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
+            host_budget_bytes=host_budget,
+        )
+
+    points = front(0)
+    # with a host budget, the front with offload beside the one without
+    offload = (
+        {"offload_points": [p.to_json() for p in front(args.host_budget_bytes)]}
+        if args.host_budget_bytes
+        else {}
     )
     seconds = time.perf_counter() - start
 
@@ -385,6 +397,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": graph.model_name,
         "points": [p.to_json() for p in points],
+        **offload,
         "presets": presets(True),
         **other,
         "seconds": round(seconds, 3),
@@ -405,6 +418,12 @@ def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
 
 def _add_solve_args(parser: argparse.ArgumentParser) -> None:
     _add_optimizer_arg(parser)
+    parser.add_argument(
+        "--host-budget-bytes",
+        type=int,
+        default=0,
+        help="host memory offloaded activations may take; 0 (default): no offload",
+    )
     parser.add_argument("--method", default="greedy", help="greedy, knapsack or exact")
     parser.add_argument("--profile", default="h100", help="device profile for recompute time")
     parser.add_argument(

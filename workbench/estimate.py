@@ -17,11 +17,12 @@ import torch.fx as fx
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
-from workbench.index import Flat, Schedule, Storages, graph_index
+from workbench.index import OFFLOAD_STEPS, Flat, Schedule, Storages, graph_index
 from workbench.policy import Decisions, Policy, decide
 from workbench.profiles import DeviceProfile, get_profile
 from workbench.remat import RECOMPUTED_SUFFIX, RematResult
-from workbench.replay import recompute_flags, replay
+from workbench.replay import offload_schedule, recompute_flags, replay
+from workbench.rules import OffloadOptions
 
 # `gathered`: parameter copies made for compute on a per-rank graph (storages of FSDP
 # unshard chains: the low-precision cast and the all-gathered weight); `optimizer`: state
@@ -68,7 +69,8 @@ class Estimate:
     """Figures for one policy. Bytes are tensor storages; times are roofline estimates.
 
     `timeline[c][p]` is the live bytes of category `c` while the p-th node of the
-    rematerialized graph runs (`order[p]`); the peak is the largest total of a step.
+    rematerialized graph runs (`order[p]`); the peak is the largest total of a step. Device
+    bytes only: the host copies of offloaded activations are in `host_timeline`.
     """
 
     peak_bytes: int
@@ -86,6 +88,14 @@ class Estimate:
     tokens: int
     order: list[str] = field(repr=False)
     timeline: dict[str, list[int]] = field(repr=False)
+    # CPU offload: host bytes apart from the device's, the copies' time over the host link
+    # (both directions) and the part of it compute waits for (included in step_seconds)
+    host_peak_bytes: int = 0
+    offloaded_bytes: int = 0
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
+    exposed_transfer_seconds: dict[str, float] = field(default_factory=dict)
+    transfers: list[dict[str, Any]] = field(default_factory=list)
+    host_timeline: list[int] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_second(self) -> dict[str, float]:
@@ -108,10 +118,16 @@ class Estimate:
             "est_step_seconds": self.step_seconds,
             "est_recompute_seconds": self.recompute_seconds,
             "est_tokens_per_second": self.tokens_per_second,
+            "host_peak_bytes": self.host_peak_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "transfer_seconds": self.transfer_seconds,
+            "exposed_transfer_seconds": self.exposed_transfer_seconds,
+            "transfers": self.transfers,
         }
         if timeline:
             result["order"] = self.order
             result["timeline"] = self.timeline
+            result["host_timeline"] = self.host_timeline
         return result
 
 
@@ -135,10 +151,18 @@ class Estimator:
         self.optimizer_bytes = optimizer_bytes(graph, optimizer)
         self.profiles = [get_profile(p) for p in profiles]
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
-        self._seconds = {name: np.asarray(sec) for name, sec in self.seconds.items()}
-        # names of every schedule entry: originals, then recomputed copies
-        names = (*self.index.names, *(n + RECOMPUTED_SUFFIX for n in self.index.names))
-        self._entry_names = np.array(names, dtype=object)
+        # compute-stream seconds of every schedule entry (`index.Schedule`): the offload
+        # steps take none there, their copies run on the transfer stream
+        self._seconds = {
+            name: np.concatenate((np.tile(sec, 3), np.zeros(4 * len(sec))))
+            for name, sec in self.seconds.items()
+        }
+        self._host_rates = {p.name: p.host_rate() for p in self.profiles}
+        names = self.index.names  # of every entry: originals, copies, replays, offload steps
+        entry_names = [*names, *(n + RECOMPUTED_SUFFIX for n in names)]
+        entry_names += [n + "_replayed" for n in names]
+        entry_names += [f"{n}_{step}" for n in names for step in OFFLOAD_STEPS]
+        self._entry_names = np.array(entry_names, dtype=object)
         # per node: the category of a graph input's storage (-1 for other nodes); in an
         # FSDP unshard chain
         placeholders, n = self.index.placeholder_category, self.index.n
@@ -213,9 +237,17 @@ class Estimator:
                 "estimate_remat instead"
             )
         decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
-        return self.simulate(
-            replay(self.index, recompute_flags(self.index, decisions)), granularity
-        )
+        options = policy.offload if isinstance(policy, Policy) else OffloadOptions()
+        return self.simulate(self.schedule_for(decisions, options), granularity)
+
+    def schedule_for(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
+        """The schedule torch's remat pass and then the offload pass (with `options`) would
+        make of the graph tagged with `decisions`."""
+        flat = replay(self.index, recompute_flags(self.index, decisions))
+        offloaded = [name for name, tag in decisions.items() if tag.offload]
+        if not offloaded:
+            return flat
+        return offload_schedule(self.index, flat, offloaded, options or OffloadOptions())[0]
 
     def schedule_of(self, gm: fx.GraphModule) -> Schedule:
         return self.index.schedule_of(gm)
@@ -236,7 +268,7 @@ class Estimator:
         # so its reference count cannot reach zero earlier.
         entries = flat.entries
         steps = len(entries)
-        position = np.zeros(2 * n, dtype=np.int64)
+        position = np.zeros(7 * n, dtype=np.int64)
         position[entries] = np.arange(steps)
         death = position.copy()
         np.maximum.at(death, flat.read, flat.reader)
@@ -245,14 +277,28 @@ class Estimator:
         freed = np.zeros(len(sizes), dtype=np.int64)
         np.maximum.at(freed, table.held, death[entries[table.holder]])
 
+        # host copies (owned by an offload's first step) count on the host, not the device
+        step = table.owner - 3 * n
+        host = (step >= 0) & (step % 4 == 0)
+        device = ~host
         category = self._categories(flat, table)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
-        np.add.at(deltas, (category, table.born), sizes)
-        np.add.at(deltas, (category, freed + 1), -sizes)
+        np.add.at(deltas, (category[device], table.born[device]), sizes[device])
+        np.add.at(deltas, (category[device], freed[device] + 1), -sizes[device])
         live = np.cumsum(deltas[:, :steps], axis=1)
         live[CATEGORIES.index("optimizer")] = self.optimizer_bytes  # held the whole step
+        host_deltas = np.zeros(steps + 2, dtype=np.int64)
+        np.add.at(host_deltas, table.born[host], sizes[host])
+        np.add.at(host_deltas, freed[host] + 1, -sizes[host])
         total = live.sum(axis=0)
         peak_p = int(np.argmax(total))
+        offloaded = dict(
+            zip(
+                index.entry_node(table.owner[host]).tolist(),
+                table.sizes[host].tolist(),
+                strict=True,
+            )
+        )
         return self._report(
             entries,
             int(total[peak_p]),
@@ -263,22 +309,27 @@ class Estimator:
             category,
             table.born,
             freed,
+            np.cumsum(host_deltas[:steps]),
+            offloaded,
         )
 
     def _categories(self, flat: Flat, table: Storages) -> np.ndarray:
         """Each storage's category: inputs by their kind, then returned values (gradients),
         gathered parameter copies, saved activations, and temporaries for the rest."""
         index = self.index
-        owner = table.owner % index.n
+        owner = index.entry_node(table.owner)
+        step = table.owner - 3 * index.n
         return np.select(
             [
                 (table.owner < index.n) & (self._input_category[owner] >= 0),
+                (step >= 0) & (step % 4 == 2),  # a reloaded activation
                 index.returned_mask(flat, table),
                 self._gathered[owner],
                 index.saved_mask(flat, table),
             ],
             [
                 self._input_category[owner],
+                CATEGORIES.index("activations"),
                 CATEGORIES.index("gradients"),
                 CATEGORIES.index("gathered"),
                 CATEGORIES.index("activations"),
@@ -297,10 +348,13 @@ class Estimator:
         category: np.ndarray,
         allocated_at: np.ndarray,
         freed_at: np.ndarray,
+        host_live: np.ndarray,
+        offloaded: dict[int, int],
     ) -> Estimate:
         index = self.index
         n = index.n
-        saved = np.flatnonzero(category == CATEGORIES.index("activations"))
+        # kept for backward (reloads are the same activations back from the host)
+        saved = np.flatnonzero((category == CATEGORIES.index("activations")) & (owner < 3 * n))
         saved_nodes, saved_sizes = (owner[saved] % n).tolist(), sizes[saved].tolist()
         by_layer: dict[str, int] = defaultdict(int)
         by_node: dict[str, int] = defaultdict(int)
@@ -321,9 +375,11 @@ class Estimator:
             if here
         ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
-        copy_array = entries[entries >= n] - n
+        copy_array = entries[(entries >= n) & (entries < 2 * n)] - n
         copies = copy_array.tolist()
         names = self._entry_names
+        compute = {name: float(sec[entries].sum()) for name, sec in self._seconds.items()}
+        exposed, transfers = self._transfers(entries, offloaded)
         return Estimate(
             peak_bytes=peak,
             peak_node=names[entries[peak_p]],
@@ -335,16 +391,61 @@ class Estimator:
             saved_at_peak=rows,
             recompute_flops=sum(index.flops[i] for i in copies),
             recomputed_nodes=names[copy_array].tolist(),
-            step_seconds={
-                name: float(sec[entries % n].sum()) for name, sec in self._seconds.items()
-            },
+            step_seconds={name: compute[name] + exposed[name] for name in compute},
             recompute_seconds={
                 name: float(sec[copy_array].sum()) for name, sec in self._seconds.items()
             },
             tokens=self.graph.tokens,
             order=names[entries].tolist(),
             timeline={c: live[k].tolist() for k, c in enumerate(CATEGORIES)},
+            host_peak_bytes=int(host_live.max(initial=0)),
+            offloaded_bytes=sum(offloaded.values()),
+            transfer_seconds={
+                name: 2 * sum(offloaded.values()) / rate for name, rate in self._host_rates.items()
+            },
+            exposed_transfer_seconds=exposed,
+            transfers=transfers,
+            host_timeline=host_live.tolist(),
         )
+
+    def _transfers(
+        self, entries: np.ndarray, offloaded: dict[int, int]
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The two-stream model of the offload steps: compute runs its entries in order on
+        one stream; copies queue on one transfer stream (device->host from the `offload`
+        step, host->device from the `reload` step, each starting when issued or when the
+        previous copy ends, taking bytes / the profile's host link rate). The `free` step
+        waits for its device->host copy, the `wait` step for its reload: compute stalls
+        until the copy ends. Returns the stall total per profile (added to step time) and
+        per offloaded value its bytes and the stall each of its copies caused."""
+        n = self.index.n
+        at = np.flatnonzero(entries >= 3 * n)
+        exposed = {name: 0.0 for name in self._seconds}
+        if not len(at):
+            return exposed, []
+        kinds = ((entries[at] - 3 * n) % 4).tolist()
+        nodes = ((entries[at] - 3 * n) // 4).tolist()
+        rows: dict[int, dict[str, Any]] = {}
+        for i, k in zip(nodes, kinds, strict=True):
+            if k == 0:
+                rows[i] = {"node": self.index.names[i], "bytes": offloaded[i],
+                           "d2h_exposed_seconds": {}, "h2d_exposed_seconds": {}}  # fmt: skip
+        for name, seconds in self._seconds.items():
+            clock = np.cumsum(seconds[entries])[at].tolist()  # compute time at each step
+            rate = self._host_rates[name]
+            stall, queue = 0.0, 0.0
+            done: dict[tuple[int, int], float] = {}
+            for now, i, k in zip(clock, nodes, kinds, strict=True):
+                now += stall
+                if k in (0, 2):  # a copy is issued
+                    queue = max(now, queue) + offloaded[i] / rate
+                    done[i, k] = queue
+                    continue
+                wait = max(0.0, done[i, k - 1] - now)
+                stall += wait
+                rows[i]["d2h_exposed_seconds" if k == 1 else "h2d_exposed_seconds"][name] = wait
+            exposed[name] = stall
+        return exposed, list(rows.values())
 
 
 def estimate(

@@ -26,9 +26,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
 from workbench.offload import REPLAYED_VIEW, is_offload_node
-from workbench.rules import unshard_chains
+from workbench.rules import mutates, unshard_chains
 
 __all__ = [
+    "OFFLOAD_STEPS",
     "Csr",
     "Flat",
     "GraphIndex",
@@ -44,8 +45,12 @@ __all__ = [
 # pair (j, s) aliases slot s of the node's j-th input (views, getitem, in-place ops).
 Slot = int | tuple[int, int]
 # A rewritten graph as indices: its node order and each entry's inputs. Entries `i < n`
-# are original nodes, `n + i` the recomputed copy of node i.
+# are original nodes, `n + i` the recomputed copy of node i, `2n + i` forward view i
+# replayed by the offload pass on a reloaded tensor, and `3n + 4i + k` step k of node i's
+# offload (`OFFLOAD_STEPS`: the host copy, the free of the device original, the reload,
+# the wait for it).
 Schedule = tuple[list[int], dict[int, tuple[int, ...]]]
+OFFLOAD_STEPS = ("offload", "free", "reload", "wait")
 
 _FORWARD = ("forward", "loss")
 
@@ -111,8 +116,8 @@ class _Tables(NamedTuple):
     alias: Csr  # each node's keys of alias slots
     alias_input: np.ndarray  # by key: which input of the node the slot aliases
     alias_slot: np.ndarray  # by key: which slot of that input
-    forward: np.ndarray  # by entry (2n): an original forward or loss node
-    reads_saved: np.ndarray  # by entry (2n): a backward node or a recomputed copy
+    forward: np.ndarray  # by entry (7n): an original forward or loss node
+    reads_saved: np.ndarray  # by entry (7n): a backward node, a copy, a replay, an offload step
     kept: np.ndarray  # by node: an owner whose storages may count as saved activations
 
 
@@ -151,37 +156,55 @@ class GraphIndex:
         return list(range(self.n)), dict(enumerate(self.args))
 
     def schedule_of(self, gm: fx.GraphModule) -> Schedule:
-        """The order and inputs of a graph produced from this one by torch's remat pass.
+        """The order and inputs of a graph produced from this one by torch's remat pass
+        and the offload pass.
 
         Nodes map back through `meta[ORIGIN_KEY]` (the pass renames nodes); a copy of a
-        forward node that runs in backward is its recomputed copy. The offload pass's copies,
-        reloads and waits stand for the value they move, and the views it replays in backward
-        for the forward views they replay: the schedule torch's pass made, as if the values
-        stayed on the device (offload is not priced here yet)."""
+        forward node that runs in backward is its recomputed copy or a view the offload pass
+        replays on a reloaded tensor (marked `REPLAYED_VIEW`). The
+        offload pass's copies, frees, reloads and waits are the steps of the value they move
+        (`OFFLOAD_STEPS`)."""
+        n = self.n
         entry: dict[fx.Node, int] = {}
         order: list[int] = []
         args: dict[int, tuple[int, ...]] = {}
         for node in gm.graph.nodes:
-            origin = node.meta.get(ORIGIN_KEY)
-            if is_offload_node(node):  # stands for the value it copies: kept on the device
-                entry[node] = entry[node.all_input_nodes[0]]
-                continue
-            if node.meta.get(REPLAYED_VIEW):  # stands for the forward view it replays
-                entry[node] = self.origin_of[origin]
-                continue
-            i = self.output if node.op == "output" else self.origin_of.get(origin)
-            if i is None or origin is None and node.op != "output":
+            if is_offload_node(node):
+                first = entry[node.all_input_nodes[0]]
+                i = int(self.entry_node(first))
+                name = node.target._opname  # type: ignore[union-attr]
+                if name == "offload":
+                    kind = 0
+                elif name == "reload":
+                    kind = 2
+                else:  # a wait: of the host copy (frees the original) or of the reload
+                    kind = 1 if (first - 3 * n) % 4 == 0 else 3
+                e = 3 * n + 4 * i + kind
+            else:
+                origin = node.meta.get(ORIGIN_KEY)
+                e = self.output if node.op == "output" else self.origin_of.get(origin)  # type: ignore[assignment]
+                if e is None or origin is None and node.op != "output":
+                    raise WorkbenchError(
+                        f"node {node.name!r} does not come from the traced graph of "
+                        f"{self.graph.model_name!r}: estimate graphs that torch's remat pass "
+                        "made from it (workbench.remat.remat)"
+                    )
+                if not self.is_bwd[e] and node.meta.get("autograd_backward", False):
+                    e += 2 * n if node.meta.get(REPLAYED_VIEW) else n
+            if e in args:
                 raise WorkbenchError(
-                    f"node {node.name!r} does not come from the traced graph of "
-                    f"{self.graph.model_name!r}: estimate graphs that torch's remat pass made "
-                    "from it (workbench.remat.remat)"
+                    f"node {node.name!r} maps to an entry already in the schedule: the "
+                    "graph was not made by workbench.remat.remat"
                 )
-            if not self.is_bwd[i] and node.meta.get("autograd_backward", False):
-                i += self.n
-            entry[node] = i
-            order.append(i)
-            args[i] = tuple(entry[x] for x in node.all_input_nodes)
+            entry[node] = e
+            order.append(e)
+            args[e] = tuple(entry[x] for x in node.all_input_nodes)
         return order, args
+
+    def entry_node(self, entries: Any) -> Any:
+        """The node of the traced graph each entry (int or array) stands for."""
+        n = self.n
+        return np.where(entries < 3 * n, entries % n, (entries - 3 * n) // 4)
 
     # --- storages ----------------------------------------------------------------------
 
@@ -203,6 +226,16 @@ class GraphIndex:
         )
 
     @functools.cached_property
+    def offload_facts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per node, what the offload pass checks: an op call, returning one tensor, writing
+        its input in place."""
+        nodes = list(self.graph.gm.graph.nodes)
+        call = np.array([node.op == "call_function" for node in nodes], bool)
+        single = np.array([isinstance(node.meta.get("val"), torch.Tensor) for node in nodes])
+        writes = np.array([mutates(node.target) for node in nodes], bool)
+        return call, single.astype(bool), writes
+
+    @functools.cached_property
     def identity_flat(self) -> Flat:
         """The joint graph as traced, as arrays (read-only: every caller shares them)."""
         flat = self.flat(self.identity())
@@ -222,8 +255,8 @@ class GraphIndex:
         node_of = np.repeat(np.arange(self.n), counts)
         fresh, alias = np.flatnonzero(fresh_bytes), np.flatnonzero(is_alias)
         bounds = np.arange(self.n + 1)
-        forward = np.array([p in _FORWARD for p in self.phase] + [False] * self.n, bool)
-        backward = np.array([p == "backward" for p in self.phase] + [True] * self.n, bool)
+        forward = np.array([p in _FORWARD for p in self.phase] + [False] * 6 * self.n, bool)
+        backward = np.array([p == "backward" for p in self.phase] + [True] * 6 * self.n, bool)
         kept = np.array(
             [p != "input" and i not in self.gathered for i, p in enumerate(self.phase)], bool
         )
@@ -253,30 +286,56 @@ class GraphIndex:
         """The storages a schedule allocates and the values that hold them.
 
         Fresh slots get an id when their entry runs, in order; aliases resolve through the
-        entry's inputs (pointer jumping over slot keys, originals' keys then copies'), so a
-        recomputed copy aliases its own inputs, not its original's. No storage stands behind
-        an alias of a slot without one: a non-tensor, or a placeholder that shares another's
-        storage (inputs are held for the whole step anyway)."""
+        entry's inputs (pointer jumping over slot keys: originals' keys, then copies',
+        replays', and one per offload step), so a recomputed copy aliases its own inputs,
+        not its original's. An offload's host copy and a reload are fresh storages of the
+        value's bytes; the waits alias their first input. No storage stands behind an alias
+        of a slot without one: a non-tensor, or a placeholder that shares another's storage
+        (inputs are held for the whole step anyway)."""
         t, n = self._tables, self.n
         entries = flat.entries
-        nodes = entries % n
-        # key of an entry's slot s: base[e] + s, copies' keys after the originals'
+        regular = entries < 3 * n
+        nodes = self.entry_node(entries)
         total = int(t.slot_start[-1])
-        base = np.concatenate((t.slot_start[:-1], t.slot_start[:-1] + total))
-        shift = entries - nodes  # 0 for originals, n for copies
-        key_shift = np.where(shift > 0, total, 0)
+        starts = t.slot_start[:-1]
+        # key of an entry's slot s: base[e] + s; one key per offload step
+        base = np.concatenate((starts, starts + total, starts + 2 * total,
+                               3 * total + np.arange(4 * n)))  # fmt: skip
+        key_shift = (entries // n) * total  # by position, for regular entries
 
-        fresh_pos, fresh_keys = t.fresh.gather(nodes)
+        at = np.flatnonzero(regular)
+        fresh_pos, fresh_keys = t.fresh.gather(nodes[at])
+        fresh_pos = at[fresh_pos]
         owner_keys = fresh_keys + key_shift[fresh_pos]
-        alias_pos, alias_keys = t.alias.gather(nodes)
+        sizes = t.fresh_bytes[fresh_keys]
+        alias_pos, alias_keys = t.alias.gather(nodes[at])
+        alias_pos = at[alias_pos]
+        alias_input, alias_slot = t.alias_input[alias_keys], t.alias_slot[alias_keys]
+        alias_own = alias_keys + key_shift[alias_pos]
+        steps = np.flatnonzero(~regular)
+        if len(steps):  # host copies and reloads hold fresh storages; the waits alias them
+            kind = (entries[steps] - 3 * n) % 4
+            made, waits = steps[kind % 2 == 0], steps[kind % 2 == 1]
+            value = t.fresh_bytes[t.slot_start[nodes[made]]]
+            fresh_pos = np.concatenate((fresh_pos, made))
+            owner_keys = np.concatenate((owner_keys, base[entries[made]]))
+            sizes = np.concatenate((sizes, value))
+            alias_pos = np.concatenate((alias_pos, waits))
+            zeros = np.zeros(len(waits), np.int64)
+            alias_input = np.concatenate((alias_input, zeros))
+            alias_slot = np.concatenate((alias_slot, zeros))
+            alias_own = np.concatenate((alias_own, base[entries[waits]]))
+            by_position = np.argsort(fresh_pos, kind="stable")
+            fresh_pos, owner_keys = fresh_pos[by_position], owner_keys[by_position]
+            sizes = sizes[by_position]
         first_read = np.searchsorted(flat.reader, np.arange(len(entries)))
-        target = flat.read[first_read[alias_pos] + t.alias_input[alias_keys]]
-        target_keys = base[target] + t.alias_slot[alias_keys]
+        target = flat.read[first_read[alias_pos] + alias_input]
+        target_keys = base[target] + alias_slot
 
-        missing = 2 * total
+        missing = 3 * total + 4 * n
         root = np.full(missing + 1, missing, np.int64)
         root[owner_keys] = owner_keys
-        root[alias_keys + key_shift[alias_pos]] = target_keys
+        root[alias_own] = target_keys
         while True:
             jumped = root[root]
             if np.array_equal(jumped, root):
@@ -284,13 +343,13 @@ class GraphIndex:
             root = jumped
         sid_of = np.full(missing + 1, -1, np.int64)
         sid_of[owner_keys] = np.arange(len(owner_keys))
-        aliased = sid_of[root[alias_keys + key_shift[alias_pos]]]
+        aliased = sid_of[root[alias_own]]
         found = aliased >= 0
         return Storages(
             holder=np.concatenate((fresh_pos, alias_pos[found])),
             held=np.concatenate((np.arange(len(owner_keys)), aliased[found])),
             owner=entries[fresh_pos],
-            sizes=t.fresh_bytes[fresh_keys],
+            sizes=sizes,
             born=fresh_pos,
         )
 
@@ -302,16 +361,16 @@ class GraphIndex:
         anyway), nor the gathered parameter copies of FSDP unshard chains (parameters, not
         activations, whatever is kept)."""
         t, n = self._tables, self.n
-        read_by_backward = np.zeros(2 * n, bool)
+        read_by_backward = np.zeros(7 * n, bool)
         read_by_backward[self._read_by_backward(flat)] = True
         saved = np.zeros(len(table.sizes), bool)
         saved[table.held[read_by_backward[flat.entries[table.holder]]]] = True
-        return saved & ~self.returned_mask(flat, table) & t.kept[table.owner % n]
+        return saved & ~self.returned_mask(flat, table) & t.kept[self.entry_node(table.owner)]
 
     def returned_mask(self, flat: Flat, table: Storages) -> np.ndarray:
         """Per storage: held by a value the step returns (its gradients and the loss)."""
         entries = flat.entries
-        returned = np.zeros(2 * self.n, bool)
+        returned = np.zeros(7 * self.n, bool)
         returned[flat.read[entries[flat.reader] == self.output]] = True
         mask = np.zeros(len(table.sizes), bool)
         mask[table.held[returned[entries[table.holder]]]] = True
@@ -325,7 +384,7 @@ class GraphIndex:
         table = self.storages(flat)
         saved = np.flatnonzero(self.saved_mask(flat, table))
         result: dict[str, int] = {}
-        owners, sizes = (table.owner[saved] % self.n).tolist(), table.sizes[saved].tolist()
+        owners, sizes = self.entry_node(table.owner[saved]).tolist(), table.sizes[saved].tolist()
         for i, size in zip(owners, sizes, strict=True):
             name = self.names[i]
             result[name] = result.get(name, 0) + size

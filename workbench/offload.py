@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -24,6 +25,7 @@ from workbench.rules import OffloadOptions, mutates, storage_keys
 __all__ = [
     "OFFLOAD_META",
     "REPLAYED_VIEW",
+    "STEP_KINDS",
     "HostUsage",
     "OffloadPlan",
     "Offloaded",
@@ -32,6 +34,7 @@ __all__ = [
     "Step",
     "host_usage",
     "interleave",
+    "interleave_arrays",
     "is_offload_node",
     "offload_pass",
     "ops_for",
@@ -262,6 +265,7 @@ def place_offloads(
 
 
 StepKind = Literal["node", "offload", "free", "reload", "wait"]
+STEP_KINDS: tuple[StepKind, ...] = ("node", "offload", "free", "reload", "wait")
 
 
 class Step(NamedTuple):
@@ -276,22 +280,25 @@ def interleave(length: int, places: Sequence[Place]) -> list[Step]:
     """The node order with the offload steps in it, as the pass builds the graph: after a
     node, the copies of values it produced, then the frees placed after it; before a node,
     the reloads placed before it, then the waits; among equals, in value order."""
-    after: dict[int, list[Step]] = {}
-    before: dict[int, list[Step]] = {}
-    for kind, anchor, table in (
-        ("offload", 0, after),
-        ("free", 1, after),
-        ("reload", 2, before),
-        ("wait", 3, before),
-    ):
-        for k, place in enumerate(places):
-            table.setdefault(place[anchor], []).append(Step(kind, k))  # type: ignore[arg-type]
-    steps: list[Step] = []
-    for p in range(length):
-        steps.extend(before.get(p, ()))
-        steps.append(Step("node", p))
-        steps.extend(after.get(p, ()))
-    return steps
+    kinds, at = interleave_arrays(length, places)
+    return [Step(STEP_KINDS[k], a) for k, a in zip(kinds.tolist(), at.tolist(), strict=True)]
+
+
+def interleave_arrays(length: int, places: Sequence[Place]) -> tuple[np.ndarray, np.ndarray]:
+    """`interleave` as two arrays (the estimate's form): each step's kind, an index into
+    `STEP_KINDS`, and its position or value index. Sorted by (node position, group, value),
+    the groups being reloads, waits, the node, copies, frees."""
+    values = len(places)
+    table = np.array(places, np.int64).reshape(values, 4)
+    k = np.arange(values)
+    # (anchor column, group) of offload, free, reload and wait
+    groups = ((0, 3), (1, 4), (2, 0), (3, 1))
+    keys = [(np.arange(length) * 5 + 2) * (values + 1)]
+    keys += [(table[:, col] * 5 + group) * (values + 1) + k for col, group in groups]
+    kinds = np.repeat(np.arange(5), [length] + [values] * 4)
+    at = np.concatenate((np.arange(length), np.tile(k, 4)))
+    order = np.argsort(np.concatenate(keys), kind="stable")
+    return kinds[order], at[order]
 
 
 # --- the pass ---------------------------------------------------------------------------

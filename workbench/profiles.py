@@ -38,6 +38,12 @@ class DeviceProfile:
     inter_node_bytes_per_s: float = CPU_LINK_BYTES_PER_S
     ranks_per_node: int = 8
     links: str = "nominal 10 GB/s for CPU ranks (not measured)"
+    # CPU offload: bytes per second per direction between device and host memory; None:
+    # a memory copy at `bytes_per_s`, which counts each byte read and written (the CPU).
+    host_bytes_per_s: float | None = None
+
+    def host_rate(self) -> float:
+        return self.host_bytes_per_s or self.bytes_per_s / 2
 
     def link_rate(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
@@ -63,6 +69,9 @@ H100 = DeviceProfile(
     inter_node_bytes_per_s=50e9,
     ranks_per_node=8,
     links="NVLink4 450 GB/s per direction in a node of 8, InfiniBand NDR400 50 GB/s per GPU across",
+    # PCIe Gen5 x16: 64 GB/s nominal per direction; ~55 GB/s is what pinned-memory copies
+    # reach in practice (about 86 % of nominal after protocol overhead).
+    host_bytes_per_s=55e9,
 )
 # The same compute as the H100, with HBM3e's bandwidth.
 H200 = replace(

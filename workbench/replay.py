@@ -1,7 +1,7 @@
 """torch's remat pass replayed on node indices: the schedule it would produce, no graph built.
 
-Entry points: `replay(index, recompute) -> Flat` and `kept_for_backward(graph, decisions)`,
-the saved activation bytes per node that a policy leaves after remat.
+Entry points: `replay(index, recompute) -> Flat`, `offload_schedule(index, flat, names,
+options)` (the offload pass replayed on it) and `kept_for_backward(graph, decisions)`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import numpy as np
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.index import Csr, Flat, GraphIndex, graph_index
-from workbench.rules import RECOMPUTE, Tag
+from workbench.offload import Offloaded, Place, interleave_arrays, place_offloads
+from workbench.rules import RECOMPUTE, OffloadOptions, Tag
 
-__all__ = ["kept_for_backward", "recompute_flags", "replay"]
+__all__ = ["kept_for_backward", "offload_schedule", "recompute_flags", "replay"]
 
 
 def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> np.ndarray:
@@ -163,3 +164,175 @@ def kept_for_backward(graph: JointGraph, decisions: Mapping[str, Tag] | None) ->
         return index.saved_by_node(index.identity_flat)
     flags = recompute_flags(index, decisions)
     return index.saved_by_node(replay(index, flags, allow_random=True))
+
+
+def offload_schedule(
+    index: GraphIndex, flat: Flat, names: Sequence[str], options: OffloadOptions
+) -> tuple[Flat, dict[str, str]]:
+    """The schedule `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
+    it offloads the nodes `names`: the same skips (not a forward op, not one tensor, sharing
+    an input's storage, returned, written in place, not read in backward), `Offloaded`
+    read off the schedule, then THE placement (`place_offloads`, `interleave`); each wait
+    for a reload is followed by the forward views backward reads, replayed on it, and
+    backward readers read the reload. Returns the schedule and the skipped names with why."""
+    n, entries = index.n, flat.entries
+    if not len(names):
+        return flat, {}
+    length = len(entries)
+    backward = np.where(entries < n, index.arrays.backward[entries % n], True)
+    end = int(np.argmax(backward)) if backward.any() else length
+    position = np.full(3 * n, -1, np.int64)
+    position[entries] = np.arange(length)
+    by_read = np.argsort(flat.read, kind="stable")
+    start = np.searchsorted(flat.read[by_read], np.arange(3 * n + 1))
+    readers_at = flat.reader[by_read]
+    call, single, writes = index.offload_facts
+    skipped: dict[str, str] = {}
+    wanted: list[tuple[int, list[int], Offloaded]] = []  # node, needed aliases, facts
+    for name in names:
+        i = index.index_of.get(name, -1)
+        p = int(position[i]) if i >= 0 else -1
+        if not 0 <= p < end or not call[i]:
+            skipped[name] = "is not a forward node of this graph"
+            continue
+        if not single[i]:
+            skipped[name] = "returns no single tensor"
+            continue
+        if isinstance(index.slots[i][0], tuple):
+            skipped[name] = "shares its storage with an input: freeing it would free that too"
+            continue
+        found = _examine(index, i, start, readers_at, entries, end)
+        if isinstance(found, str):
+            skipped[name] = found
+            continue
+        last, readers, read_aliases, aliases = found
+        wanted.append(
+            (i, _needed(index, aliases, read_aliases), Offloaded(p, max(p, last), min(readers)))
+        )
+    if not wanted:
+        return flat, skipped
+    wanted.sort(key=lambda w: w[2].producer)
+    layer = np.array(index.layer, dtype=object)[entries % n].tolist()
+    places = place_offloads(backward.tolist(), layer, [w[2] for w in wanted], options)
+    return _interleaved(index, flat, end, wanted, places), skipped
+
+
+def _examine(
+    index: GraphIndex,
+    i: int,
+    start: np.ndarray,
+    readers_at: np.ndarray,
+    entries: np.ndarray,
+    end: int,
+) -> str | tuple[int, list[int], set[int], list[int]]:
+    """`offload._examine` on the schedule: the last forward reader's position, the
+    backward readers' positions, the aliases they read and every forward alias of the
+    value's storage (forward users whose output aliases it, transitively); or why not."""
+    n = index.n
+    writes = index.offload_facts[2]
+    aliases: list[int] = []
+    readers: list[int] = []
+    read_aliases: set[int] = set()
+    last = -1
+    todo, seen = [i], {i}
+    while todo:
+        a = todo.pop()
+        for q in readers_at[start[a] : start[a + 1]].tolist():
+            u = int(entries[q])
+            if u == index.output:
+                return "is returned by the step"
+            if q >= end:
+                readers.append(q)
+                if a != i:
+                    read_aliases.add(a)
+                continue
+            last = max(last, q)
+            if u < n and u not in seen and _aliases(index, u, seen):
+                if writes[u]:
+                    return f"has its storage written in place by {index.names[u]}"
+                seen.add(u)
+                aliases.append(u)
+                todo.append(u)
+    if not readers:
+        return "is not read in backward after remat"
+    return last, readers, read_aliases, sorted(aliases)
+
+
+def _aliases(index: GraphIndex, u: int, of: set[int]) -> bool:
+    """Node `u` has an output slot aliasing one of the nodes `of`."""
+    args = index.args[u]
+    return any(isinstance(s, tuple) and args[s[0]] in of for s in index.slots[u])
+
+
+def _needed(index: GraphIndex, aliases: list[int], read: set[int]) -> list[int]:
+    """The aliases backward reads and the aliases they are made from, in graph order."""
+    members, needed = set(aliases), set()
+    todo = list(read)
+    while todo:
+        a = todo.pop()
+        if a not in needed:
+            needed.add(a)
+            todo.extend(x for x in index.args[a] if x in members)
+    return [a for a in aliases if a in needed]
+
+
+def _interleaved(
+    index: GraphIndex,
+    flat: Flat,
+    end: int,
+    wanted: list[tuple[int, list[int], Offloaded]],
+    places: Sequence[Place],
+) -> Flat:
+    """The schedule in `interleave`'s order, with the offload steps' entries and inputs:
+    the copy reads the value, the free the copy and the value, the reload the copy, the
+    wait the reload and the copy, each replayed view its base as replayed; backward readers
+    of a value or its views read the wait and the replayed views instead."""
+    n = index.n
+    kinds, at = interleave_arrays(len(flat.entries), places)
+    value = np.array([w[0] for w in wanted], np.int64)
+    node = kinds == 0
+    entries = np.where(node, flat.entries[np.where(node, at, 0)], 0)
+    step = ~node
+    base = 3 * n + 4 * value[at[step]]
+    entries[step] = base + kinds[step] - 1
+    remap = np.arange(3 * n)
+    for i, needed, _ in wanted:
+        remap[i] = 3 * n + 4 * i + 3
+        remap[needed] = 2 * n + np.asarray(needed, np.int64)
+    # the views replayed after each wait: (step they follow, rank after it, entry, inputs)
+    extra: list[tuple[int, int, int, list[int]]] = []
+    for q in np.flatnonzero(kinds == 4).tolist():
+        for j, a in enumerate(wanted[at[q]][1]):
+            extra.append((q, j + 1, 2 * n + a, remap[list(index.args[a])].tolist()))
+    room = max((j for _, j, _, _ in extra), default=0) + 1
+    keys = np.concatenate((np.arange(len(kinds)) * room, [q * room + j for q, j, _, _ in extra]))
+    order = np.argsort(keys)
+    entries = np.concatenate((entries, [e for _, _, e, _ in extra]))[order].astype(np.int64)
+    new_position = np.empty(len(order), np.int64)
+    new_position[order] = np.arange(len(order))
+    # inputs: nodes' from the schedule (remapped in backward), then the steps', the views'
+    reads = Csr(np.searchsorted(flat.reader, np.arange(len(flat.entries) + 1)), flat.read)
+    nodes = np.flatnonzero(node)
+    which, read = reads.gather(at[nodes])
+    read = np.where(at[nodes][which] >= end, remap[read], read)
+    reader = [new_position[nodes][which]]
+    readers = [read]
+    steps = np.flatnonzero(step)
+    step_base = 3 * n + 4 * value[at[steps]]
+    # offload reads the value (-1), free the copy and the value, reload the free's output,
+    # wait the reload and the free's output: offsets from the value's first step entry
+    inputs = {1: (-1,), 2: (0, -1), 3: (1,), 4: (2, 1)}
+    for kind, offsets in inputs.items():
+        these = kinds[steps] == kind
+        for offset in offsets:
+            target = value[at[steps][these]] if offset < 0 else step_base[these] + offset
+            reader.append(new_position[steps][these])
+            readers.append(target)
+    first = len(kinds)
+    for k, (_, _, _, args) in enumerate(extra):
+        reader.append(np.full(len(args), new_position[first + k], np.int64))
+        readers.append(np.asarray(args, np.int64))
+    reader_all, read_all = np.concatenate(reader), np.concatenate(readers)
+    # one entry's inputs come from one source, in order: a stable sort keeps that order
+    by = np.argsort(reader_all, kind="stable")
+    return Flat(entries, reader_all[by], read_all[by])

@@ -650,9 +650,10 @@ def decide_ops(
     choice on parameter all-gathers, then selectors and overrides), the forced saves, then
     getitems and waits follow the op they unpack or end and unshard chains their
     all-gather, then the layer-boundary rule, then the offload step (`decide_offload`). The
-    `titan-*` presets run graph trainer's own variants of these steps (`decide_titan_ops`). Pass the facts' `plan` to decide many
-    policies of one graph: the requests before overrides are then kept per preset and
-    selector list, so a flip costs a pass over the few nodes it can change."""
+    `titan-*` presets run graph trainer's own variants of these steps (`decide_titan_ops`).
+    Pass the facts' `plan` to decide many policies of one graph: the requests before
+    overrides are then kept per preset and selector list, so a flip costs a pass over the
+    few nodes it can change."""
     plan = plan or decide_plan(facts)
     if preset in TITAN_PRESETS:
         return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, offload, plan)
@@ -666,7 +667,8 @@ def decide_ops(
                     overridden.add(name)
     _follow(tags, requested, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
-    decide_offload(facts, tags, preset, offload or OffloadOptions())
+    if may_offload(preset, selectors, overrides):
+        decide_offload(facts, tags, preset, offload or OffloadOptions())
     return tags
 
 
@@ -798,7 +800,8 @@ def decide_titan_ops(
             tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
         tags[f.name] = tag
     save_layer_boundaries(tags, (plan or decide_plan(facts)).titan_boundaries)
-    decide_offload(facts, tags, preset, offload or OffloadOptions())
+    if may_offload(preset, selectors, overrides):
+        decide_offload(facts, tags, preset, offload or OffloadOptions())
     return tags
 
 
@@ -902,6 +905,18 @@ def offload_refusal_in(
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
         return "is not kept for backward: nothing to offload"
     return refusal
+
+
+def may_offload(
+    preset: str, selectors: Sequence[SelectorRow], overrides: Mapping[str, str] | None
+) -> bool:
+    """Whether a policy asks for any offload (its preset, a selector or an override): the
+    offload step has nothing to do otherwise, the common case on every re-decision."""
+    return (
+        preset in OFFLOAD_PRESETS
+        or any(row[2] == "offload" for row in selectors)
+        or "offload" in (overrides or {}).values()
+    )
 
 
 def decide_offload(

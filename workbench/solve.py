@@ -1,8 +1,9 @@
-"""Policy search: the cheapest save/recompute choice whose estimated peak fits a memory budget.
+"""Policy search: the cheapest save/recompute/offload choice whose estimated peak fits a
+memory budget (offload only within a host-memory budget).
 
-Entry points: `solve(graph, budget_bytes, method=...) -> Solution` and `pareto(graph, n=20)
--> list[Solution]`, a sweep from full recompute to no AC (on per-rank graphs over both FSDP
-choices, `fsdp_choices(graph)`); `preset_points(graph)` for context.
+Entry points: `solve(graph, budget_bytes, method=..., host_budget_bytes=0) -> Solution` and
+`pareto(graph, n=20) -> list[Solution]`, a sweep from full recompute to no AC (on per-rank
+graphs over both FSDP choices, `fsdp_choices(graph)`); `preset_points(graph)` for context.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from workbench.graph import JointGraph
 from workbench.index import GraphIndex
 from workbench.policy import PRESETS, Action, Policy, graph_facts, node_keys
 from workbench.profiles import DeviceProfile, get_profile
+from workbench.rules import OffloadOptions
 
 __all__ = [
     "METHODS",
@@ -43,6 +45,14 @@ MIP_SECONDS = 10.0
 # Exact estimates tried per budget while the linear model's guess is repaired.
 REPAIR_ROUNDS = 12
 METHOD_ROUNDS = 4  # for `exact`, whose integer program takes seconds
+# With a host budget: model caps tried above the budget's own, each saving more and
+# offloading as few keys (largest first) as bring the exact peak within budget.
+OFFLOAD_CAPS = 6
+OFFLOAD_KEYS = 6  # largest keys offloaded one more at a time before trying all of them
+# How the solver's offloads move: graph trainer's default deferral of one layer, so each
+# device-to-host copy has the next layer's compute to hide behind (freed right after its
+# last forward reader, a copy is mostly exposed), reloads one layer early.
+SOLVER_DEFER_LAYERS = 1
 GIB = 2**30
 
 Progress = Callable[[int, int, "Solution"], None]
@@ -59,6 +69,7 @@ class Solution:
     budget_bytes: int | None
     profile: str
     objective: str
+    host_budget_bytes: int = 0
 
     def cost(self) -> float:
         return _objective_value(self.estimate, self.objective, self.profile)
@@ -78,13 +89,18 @@ class Solution:
             "seconds": round(self.seconds, 3),
             "budget_bytes": self.budget_bytes,
             "fsdp_reshard": self.policy.fsdp_reshard,
+            "host_budget_bytes": self.host_budget_bytes,
+            "host_peak_bytes": est.host_peak_bytes,
+            "offloaded_bytes": est.offloaded_bytes,
+            "exposed_transfer_seconds": est.exposed_transfer_seconds.get(self.profile, 0.0),
         }
 
 
 def _objective_value(est: Estimate, objective: str, profile: str) -> float:
+    """Recompute FLOPs, or the time recompute and exposed offload copies add to a step."""
     if objective == "recompute_flops":
         return float(est.recompute_flops)
-    return est.recompute_seconds[profile]
+    return est.recompute_seconds[profile] + est.exposed_transfer_seconds.get(profile, 0.0)
 
 
 # --- the linear model -------------------------------------------------------------------
@@ -164,6 +180,15 @@ class _Model:
         ]
         self.read_by_backward = [any(est.is_bwd[u] for u in est.users[i]) for i in self.nodes]
         self.storages, self.sizes = self._storages(est, position)
+        # keys with a node the rules may offload (`rules.offload_refusal`), and the bytes of
+        # the storages each candidate's nodes make: what offloading it would move
+        last = rules.last_layer(list(facts.values()))
+        movable = {f.key for f in facts.values() if rules.offload_refusal(f, last) is None}
+        self.offloadable = [key in movable for key in self.candidates]
+        self.key_bytes = [0] * len(self.candidates)
+        for g, (p, _) in enumerate(self.storage_owner):
+            if self.source[p] >= 0:
+                self.key_bytes[self.source[p]] += self.sizes[g]
         flops = np.asarray([est.flops[i] for i in self.nodes], dtype=float)
         seconds = np.asarray([estimator.seconds[profile][i] for i in self.nodes], dtype=float)
         primary, secondary = (seconds, flops) if objective == "recompute_time" else (flops, seconds)
@@ -465,6 +490,22 @@ class _Search:
     offset: float
     path: list[tuple[int, int, float]]
     fsdp_reshard: bool
+    host_budget: int = 0
+
+    def offload_policy(
+        self, chosen: set[int], offloaded: Sequence[int], preset: str | None = None
+    ) -> Policy:
+        """`full` plus the saved keys `chosen`, those in `offloaded` offloaded instead (where
+        the rules refuse, as in the last layer, they stay saved), within the host budget; or,
+        with `preset`, that preset with the keys `offloaded` offloaded."""
+        keys, moved = self.model.candidates, set(offloaded)
+        overrides: dict[str, Action] = {keys[c]: "offload" for c in sorted(moved)}
+        if preset is None:
+            overrides = {keys[c]: overrides.get(keys[c], "save") for c in sorted(chosen)}
+        options = OffloadOptions(budget_bytes=self.host_budget, defer_layers=SOLVER_DEFER_LAYERS)
+        return Policy(
+            preset or "full", overrides=overrides, fsdp_reshard=self.fsdp_reshard, offload=options
+        )
 
     def policy(self, chosen: set[int]) -> Policy:
         """`full` plus saves, or `none` plus recomputes, whichever needs fewer overrides;
@@ -497,10 +538,12 @@ def _search(
     profile: str,
     estimator: Estimator | None,
     fsdp_reshard: bool = True,
+    host_budget: int = 0,
 ) -> _Search:
     if objective not in OBJECTIVES:
         raise WorkbenchError(f"unknown objective {objective!r}; choose one of {OBJECTIVES}")
-    name = get_profile(profile).name
+    own = {p.name for p in estimator.profiles} if estimator is not None else set()
+    name = profile if profile in own else get_profile(profile).name  # a custom one it holds
     if estimator is None:
         estimator = Estimator(graph, (profile,))
     elif estimator.graph is not graph:
@@ -523,7 +566,7 @@ def _search(
     # constant plus the saved bytes (the model's guess, corrected by exact estimates)
     offset = top.peak_bytes - model.evaluate(everything)[0]
     path = _greedy_path(model)
-    presets = [(p, estimator.estimate(p)) for p in _presets(fsdp_reshard)]
+    presets = [(p, estimator.estimate(p)) for p in _presets(fsdp_reshard, host_budget or 0)]
     return _Search(
         graph,
         estimator,
@@ -537,11 +580,19 @@ def _search(
         offset,
         path,
         fsdp_reshard,
+        host_budget,
     )
 
 
-def _presets(fsdp_reshard: bool) -> list[Policy]:
-    return [Policy(p, fsdp_reshard=fsdp_reshard) for p in PRESETS]
+def _presets(fsdp_reshard: bool, host_budget: int | None = 0) -> list[Policy]:
+    """The named presets; those that offload only with a host budget (None: no limit),
+    deferred as the solver's own offloads."""
+    offload = OffloadOptions(budget_bytes=host_budget or None, defer_layers=SOLVER_DEFER_LAYERS)
+    return [
+        Policy(p, fsdp_reshard=fsdp_reshard, offload=offload)
+        for p in PRESETS
+        if host_budget != 0 or p not in rules.OFFLOAD_PRESETS
+    ]
 
 
 def _policy_of(model: _Model, chosen: set[int], fsdp_reshard: bool) -> Policy:
@@ -601,12 +652,17 @@ def _searches(
     profile: str,
     estimator: Estimator | None,
     fsdp_reshard: bool | None,
+    host_budget: int = 0,
 ) -> list[_Search]:
     """One search per FSDP choice: the given one, or each of `fsdp_choices(graph)`."""
+    if host_budget < 0:
+        raise WorkbenchError(f"host budget must be 0 (no offload) or more bytes, got {host_budget}")
     choices = fsdp_choices(graph) if fsdp_reshard is None else (fsdp_reshard,)
     if estimator is None:
         estimator = Estimator(graph, (profile,))
-    return [_search(graph, objective, profile, estimator, choice) for choice in choices]
+    return [
+        _search(graph, objective, profile, estimator, choice, host_budget) for choice in choices
+    ]
 
 
 def _solve_best(searches: list[_Search], budget: int, method: str) -> Solution:
@@ -646,7 +702,9 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
             return _select_exact(folded, cap)
 
     rounds = REPAIR_ROUNDS if method != "exact" else METHOD_ROUNDS
-    best, _ = _repair(search, select, budget, budget - search.offset, rounds)
+    best, cap = _repair(search, select, budget, budget - search.offset, rounds)
+    if search.host_budget > 0:
+        best = _offloaded(search, select, budget, cap, best)
     _, policy, est = best
     return Solution(
         policy=policy,
@@ -656,7 +714,42 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
         budget_bytes=budget,
         profile=search.profile,
         objective=search.objective,
+        host_budget_bytes=search.host_budget,
     )
+
+
+def _offloaded(
+    search: _Search, select: Callable[[float], set[int]], budget: int, cap: float, best: _Best
+) -> _Best:
+    """Offload as a third choice. Bases: the presets that do not offload, and keeping more
+    (the model's choice at `OFFLOAD_CAPS` caps from the fitting one up to keeping
+    everything); on each, offload the fewest keys the rules may offload, largest first
+    (`_Model.key_bytes`), that
+    bring the exact peak within budget: one more at a time up to `OFFLOAD_KEYS`, then all
+    (the peak does not fall monotonically with their number, so no bisection). The model
+    does not see offload; exact estimates, which price the exposed copy time in the cost,
+    decide. The best of these and `best`."""
+    model = search.model
+    everything = set(range(len(model.candidates)))
+    bases: list[tuple[str | None, set[int]]] = [
+        (p.preset, everything) for p, _ in search.presets if p.preset not in rules.OFFLOAD_PRESETS
+    ]
+    top = model.evaluate(everything)[0]
+    bases += [
+        (None, select(float(c))) for c in np.linspace(max(cap, 0.0), max(top, cap), OFFLOAD_CAPS)
+    ]
+    for preset, chosen in bases:
+        movable = [c for c in chosen if model.offloadable[c]]
+        order = sorted(movable, key=lambda c: (-model.key_bytes[c], c))
+        counts = [*range(min(OFFLOAD_KEYS, len(order)) + 1), len(order)]
+        for count in dict.fromkeys(counts):
+            policy = search.offload_policy(chosen, order[:count], preset)
+            est = search.estimator.estimate(policy)
+            if est.peak_bytes <= budget:
+                if search.cost(est) < best[0]:
+                    best = (search.cost(est), policy, est)
+                break
+    return best
 
 
 def _check_method(method: str, graph: JointGraph) -> None:
@@ -680,6 +773,7 @@ def solve(
     profile: str | DeviceProfile = "h100",
     estimator: Estimator | None = None,
     fsdp_reshard: bool | None = None,
+    host_budget_bytes: int = 0,
 ) -> Solution:
     """The policy with the least recompute cost whose estimated peak is <= `budget_bytes`.
 
@@ -689,13 +783,15 @@ def solve(
     `greedy` (cost removed per byte), `knapsack` (torch's `dp_knapsack`), `exact` (integer
     program, small graphs only). On graphs with FSDP parameter all-gathers the FSDP choice
     is a decision too: `fsdp_reshard=None` searches both settings and returns the better
-    (`Solution.policy.fsdp_reshard`); True or False fixes it. Raises WorkbenchError below
-    full recompute's peak.
+    (`Solution.policy.fsdp_reshard`); True or False fixes it. With `host_budget_bytes` > 0
+    kept activations may also be offloaded to at most that many host bytes; the cost then
+    counts the copy time compute waits for (`Estimate.exposed_transfer_seconds`); 0: no
+    offload. Raises WorkbenchError below full recompute's peak.
     """
     start = time.perf_counter()
     _check_method(method, graph)
     name = profile.name if isinstance(profile, DeviceProfile) else profile
-    searches = _searches(graph, objective, name, estimator, fsdp_reshard)
+    searches = _searches(graph, objective, name, estimator, fsdp_reshard, host_budget_bytes)
     solution = _solve_best(searches, int(budget_bytes), method)
     solution.seconds = time.perf_counter() - start
     return solution
@@ -707,9 +803,10 @@ def preset_points(
     estimator: Estimator | None = None,
     fsdp_reshard: bool = True,
 ) -> dict[str, Estimate]:
-    """Estimates of the named presets (with that FSDP choice), to place beside a front."""
+    """Estimates of the named presets (with that FSDP choice; the offload presets too,
+    unbounded), to place beside a front."""
     estimator = estimator or Estimator(graph, (profile,))
-    return {p.preset: estimator.estimate(p) for p in _presets(fsdp_reshard)}
+    return {p.preset: estimator.estimate(p) for p in _presets(fsdp_reshard, None)}
 
 
 def pareto(
@@ -722,15 +819,17 @@ def pareto(
     progress: Progress | None = None,
     estimator: Estimator | None = None,
     fsdp_reshard: bool | None = None,
+    host_budget_bytes: int = 0,
 ) -> list[Solution]:
     """Solutions for `budgets` (default: `n` evenly spaced from full recompute's peak to no
     AC's), smallest budget first. Where a larger budget's solution costs more than a
     smaller one's, the smaller one's is kept: the front never gets worse with memory.
-    Each point takes the better FSDP choice for its budget, as `solve` does."""
+    Each point takes the better FSDP choice for its budget, and offloads within
+    `host_budget_bytes`, as `solve` does."""
     _check_method(method, graph)
     if n < 2 and budgets is None:
         raise WorkbenchError(f"n must be at least 2 points, got {n}")
-    searches = _searches(graph, objective, profile, estimator, fsdp_reshard)
+    searches = _searches(graph, objective, profile, estimator, fsdp_reshard, host_budget_bytes)
     if budgets is None:
         low = min(s.floor.peak_bytes for s in searches)
         high = max(s.top.peak_bytes for s in searches)

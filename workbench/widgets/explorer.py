@@ -157,6 +157,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     run_result = traitlets.Dict().tag(sync=True)
     budget_range = traitlets.Dict().tag(sync=True)
     suggest_method = traitlets.Unicode("greedy").tag(sync=True)
+    # host bytes Suggest and the history's front may offload to (0: no offload)
+    suggest_host_budget_bytes = traitlets.Int(0).tag(sync=True)
     # the FSDP choice of per-rank graphs: shown (and toggled) only where `has_fsdp`
     has_fsdp = traitlets.Bool(False).tag(sync=True)
     fsdp_reshard = traitlets.Bool(True).tag(sync=True)
@@ -458,7 +460,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         from workbench.solve import solve
 
         solution = solve(self.graph, int(budget_bytes), method=method or self.suggest_method,
-                         profile=self.profile, estimator=self.estimator)  # fmt: skip
+                         profile=self.profile, estimator=self.estimator,
+                         host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
         rebased = _rebased(self.graph, solution.policy, self.policy)
         choice = "reshard after forward" if solution.policy.fsdp_reshard else "keep unsharded"
         fsdp = f"; FSDP {choice}" if self.has_fsdp else ""
@@ -488,7 +491,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.status = f"solving budget {done} of {total}…"
 
         solutions = pareto(self.graph, n=points, method=self.suggest_method, profile=self.profile,
-                           progress=progress, estimator=self.estimator)  # fmt: skip
+                           progress=progress, estimator=self.estimator,
+                           host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
         for solution in solutions:
             est = solution.estimate
             self.history_log.add(Point(solution.policy.to_json(), est.peak_bytes,

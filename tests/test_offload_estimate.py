@@ -1,0 +1,165 @@
+"""The offload what-if: exact against the graph the offload pass builds, host bytes apart,
+the two-stream transfer model, and the estimate against CPU measurements."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from workbench.estimate import Estimator, estimate_remat
+from workbench.graph import JointGraph
+from workbench.measure import measure_graph
+from workbench.models import Workload
+from workbench.offload import STEP_KINDS, Place, Step, host_usage, interleave, interleave_arrays
+from workbench.policy import Policy, decide, flip
+from workbench.profiles import H100
+from workbench.remat import remat
+from workbench.replay import offload_schedule, recompute_flags, replay
+from workbench.rules import OffloadOptions, may_offload
+
+Fixture = tuple[Workload, JointGraph]
+PROFILES = ("h100",)
+OPTIONS = [OffloadOptions(), OffloadOptions(prefetch_layers=0, defer_layers=1)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["prefetch1", "defer1"])
+@pytest.mark.parametrize("preset", ["offload", "titan-sac_and_offload"])
+@pytest.mark.parametrize("name", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_whatif_equals_the_offloaded_graph(
+    name: str, preset: str, options: OffloadOptions, small_graphs_and_rank: dict[str, JointGraph]
+) -> None:
+    graph = small_graphs_and_rank[name]
+    estimator = Estimator(graph, PROFILES)
+    policy = Policy(preset, offload=options)
+    result = remat(graph, policy)
+    assert result.report.offload is not None and result.report.offload.names
+    schedule = estimator.schedule_of(result.gm)
+    assert estimator.schedule_for(decide(graph, policy), options).entries.tolist() == schedule[0]
+    fast = estimator.estimate(policy)
+    assert fast == estimate_remat(graph, result, estimator)
+    assert fast.offloaded_bytes == result.report.offload.offloaded_bytes
+    assert 0 < fast.host_peak_bytes <= fast.offloaded_bytes
+    assert {row["node"] for row in fast.transfers} == set(result.report.offload.names)
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+@pytest.mark.parametrize("name", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_whatif_equals_full_path_on_random_flips_with_offload(
+    name: str, data: st.DataObject, small_graphs_and_rank: dict[str, JointGraph]
+) -> None:
+    graph = small_graphs_and_rank[name]
+    estimator = Estimator(graph, PROFILES)
+    policy = Policy(data.draw(st.sampled_from(["offload", "default", "eager"]), label="preset"))
+    decisions = decide(graph, policy)
+    flippable = sorted(n for n, d in decisions.items() if not d.forced)
+    for _ in range(data.draw(st.integers(1, 5), label="flips")):
+        node = data.draw(st.sampled_from(flippable), label="node")
+        policy = flip(graph, policy, node, all_layers=data.draw(st.booleans()), decisions=decisions)
+        decisions = decide(graph, policy)
+        fast = estimator.estimate(policy)
+        full = estimate_remat(graph, remat(graph, policy), estimator)
+        assert fast == full, policy.to_json()
+
+
+def test_offload_lowers_the_device_bytes_and_holds_them_on_the_host(
+    small_graphs: dict[str, Fixture],
+) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    estimator = Estimator(graph, PROFILES)
+    kept, offloaded = estimator.estimate(Policy("default")), estimator.estimate(Policy("offload"))
+    assert kept.host_peak_bytes == kept.offloaded_bytes == 0 and kept.transfers == []
+    # the device copies are freed after their last forward reader: less live at its end
+    end = offloaded.order.index(next(n for n in offloaded.order if n.endswith("_reload")))
+    assert offloaded.totals()[end - 1] < kept.totals()[kept.order.index(offloaded.order[end - 1])]
+    assert max(offloaded.host_timeline) == offloaded.host_peak_bytes > 0
+    assert offloaded.saved_activation_bytes == kept.saved_activation_bytes
+
+
+def test_estimate_matches_measured_device_and_host_bytes(llama_debug: Fixture) -> None:
+    _, graph = llama_debug
+    estimator = Estimator(graph, PROFILES, optimizer="none")
+    result = remat(graph, Policy("offload"))
+    est = estimate_remat(graph, result, estimator)
+    with host_usage() as usage:
+        measured = measure_graph(graph, result.gm, warmup=0, repeats=1)
+    assert usage.peak_bytes == est.host_peak_bytes > 0
+    # on the CPU the host buffers are CPU memory too: measured = device + host, step by step
+    both = max(d + h for d, h in zip(est.totals(), est.host_timeline, strict=True))
+    assert abs(measured.peak_bytes - both) <= 0.03 * both
+    assert measured.peak_bytes >= both
+
+
+def test_slow_host_link_exposes_the_copies(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    slow = replace(H100, name="slow", host_bytes_per_s=1e6)
+    fast = replace(H100, name="fast", host_bytes_per_s=1e15)
+    est = Estimator(graph, (slow, fast)).estimate(Policy("offload"))
+    kept = Estimator(graph, (slow, fast)).estimate(Policy("default"))
+    assert est.exposed_transfer_seconds["fast"] < 1e-9
+    assert est.exposed_transfer_seconds["slow"] > 0.5 * est.transfer_seconds["slow"]
+    assert est.transfer_seconds["slow"] == pytest.approx(2 * est.offloaded_bytes / 1e6)
+    compute = kept.step_seconds["slow"]
+    assert est.step_seconds["slow"] == pytest.approx(compute + est.exposed_transfer_seconds["slow"])
+    row = est.transfers[0]
+    assert row["d2h_exposed_seconds"]["slow"] + row["h2d_exposed_seconds"]["slow"] > 0
+
+
+def test_offload_schedule_skips_what_the_pass_skips(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    estimator = Estimator(graph, PROFILES)
+    decisions = decide(graph, Policy("titan-sac_and_offload"))
+    flat = replay(estimator.index, recompute_flags(estimator.index, decisions))
+    names = [n for n, tag in decisions.items() if tag.offload]
+    _, skipped = offload_schedule(estimator.index, flat, names, OffloadOptions())
+    assert skipped == remat(graph, decisions).report.offload.skipped  # type: ignore[union-attr]
+    assert offload_schedule(estimator.index, flat, [], OffloadOptions()) == (flat, {})
+    _, skipped = offload_schedule(estimator.index, flat, ["primals_1"], OffloadOptions())
+    assert skipped == {"primals_1": "is not a forward node of this graph"}
+
+
+def test_host_rate_of_the_profiles() -> None:
+    assert H100.host_rate() == 55e9
+    assert replace(H100, host_bytes_per_s=None).host_rate() == H100.bytes_per_s / 2
+
+
+def test_entry_node_reads_every_entry_space(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    index = Estimator(graph, PROFILES).index
+    n = index.n
+    entries = np.array([5, n + 5, 2 * n + 5, 3 * n + 4 * 5, 3 * n + 4 * 5 + 3])
+    assert index.entry_node(entries).tolist() == [5] * 5
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
+        max_size=5,
+    )
+)
+def test_interleave_arrays_is_interleave(places: list[tuple[int, int, int, int]]) -> None:
+    """The order the pass builds, from a plain loop: before each node its reloads then its
+    waits, after it its copies then its frees, values in order."""
+    expected: list[Step] = []
+    for p in range(10):
+        for kind, col in (("reload", 2), ("wait", 3)):
+            expected += [Step(kind, k) for k, pl in enumerate(places) if pl[col] == p]  # type: ignore[arg-type]
+        expected.append(Step("node", p))
+        for kind, col in (("offload", 0), ("free", 1)):
+            expected += [Step(kind, k) for k, pl in enumerate(places) if pl[col] == p]  # type: ignore[arg-type]
+    assert interleave(10, [Place(*p) for p in places]) == expected
+    kinds, at = interleave_arrays(10, [Place(*p) for p in places])
+    assert [Step(STEP_KINDS[k], a) for k, a in zip(kinds, at, strict=True)] == expected
+
+
+def test_may_offload_names_every_way_to_ask() -> None:
+    assert not may_offload("default", [("layers.*", "aten.mm*", "recompute")], {"k": "save"})
+    assert may_offload("offload", [], None) and may_offload("titan-sac_and_offload", [], None)
+    assert may_offload("default", [("layers.*", "aten.mm*", "offload")], None)
+    assert may_offload("full", [], {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"})

@@ -1,0 +1,95 @@
+"""The solver with offload as a third choice: only within a host budget, priced by the
+copy time compute waits for, and the fronts with and without it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from workbench.cli import main
+from workbench.errors import WorkbenchError
+from workbench.estimate import Estimator
+from workbench.graph import JointGraph
+from workbench.models import load_workload
+from workbench.policy import decide
+from workbench.profiles import H100
+from workbench.solve import pareto, preset_points, solve
+from workbench.trace import trace
+
+# a host link so fast that offloading costs no time: offload must then pay off
+FAST = replace(H100, name="fast-link", host_bytes_per_s=1e15)
+SLOW = replace(H100, name="slow-link", host_bytes_per_s=1e3)
+TIGHT = 95_000_000  # between full recompute's peak (90.5 MB) and eager's (111.5 MB)
+
+
+@pytest.fixture(scope="module")
+def graph() -> JointGraph:
+    """Long enough a sequence that activations, not parameters, set the peak."""
+    return trace(load_workload("llama3-debug", device="meta", layers=4, seq=512), mode="fake")
+
+
+def offloads(graph: JointGraph, solution_policy: object) -> int:
+    return sum(tag.offload for tag in decide(graph, solution_policy).values())  # type: ignore[arg-type]
+
+
+def test_no_host_budget_never_offloads(graph: JointGraph) -> None:
+    estimator = Estimator(graph, (FAST,))
+    for host in (0, None):
+        kwargs = {} if host is None else {"host_budget_bytes": host}
+        solution = solve(graph, TIGHT, profile="fast-link", estimator=estimator, **kwargs)
+        assert offloads(graph, solution.policy) == 0
+        assert solution.estimate.host_peak_bytes == 0 and solution.host_budget_bytes == 0
+
+
+def test_offload_lowers_the_cost_within_the_host_budget(graph: JointGraph) -> None:
+    estimator = Estimator(graph, (FAST,))
+    kept = solve(graph, TIGHT, profile="fast-link", estimator=estimator)
+    moved = solve(graph, TIGHT, profile="fast-link", estimator=estimator, host_budget_bytes=2**30)
+    assert moved.estimate.peak_bytes <= TIGHT and offloads(graph, moved.policy) > 0
+    assert moved.cost() < kept.cost()
+    small = solve(graph, TIGHT, profile="fast-link", estimator=estimator, host_budget_bytes=2**23)
+    assert 0 < small.estimate.offloaded_bytes <= 2**23
+    assert small.to_json()["host_peak_bytes"] == small.estimate.host_peak_bytes <= 2**23
+
+
+def test_exposed_copy_time_is_a_cost(graph: JointGraph) -> None:
+    """Over a crawling host link, offloading costs more than any recompute: not chosen."""
+    estimator = Estimator(graph, (SLOW,))
+    solution = solve(
+        graph, TIGHT, profile="slow-link", estimator=estimator, host_budget_bytes=2**30
+    )
+    assert offloads(graph, solution.policy) == 0
+    assert solution.to_json()["exposed_transfer_seconds"] == 0.0
+
+
+def test_negative_host_budget_is_refused(graph: JointGraph) -> None:
+    with pytest.raises(WorkbenchError, match="host budget must be 0"):
+        solve(graph, TIGHT, host_budget_bytes=-1)
+
+
+def test_front_with_offload_is_no_worse(graph: JointGraph) -> None:
+    estimator = Estimator(graph, (FAST,))
+    budgets = [TIGHT, 105_000_000]
+    without = pareto(graph, budgets, profile="fast-link", estimator=estimator)
+    with_offload = pareto(
+        graph, budgets, profile="fast-link", estimator=estimator, host_budget_bytes=2**30
+    )
+    for a, b in zip(without, with_offload, strict=True):
+        assert b.cost() <= a.cost() and b.estimate.peak_bytes <= b.budget_bytes  # type: ignore[operator]
+    assert "offload" in preset_points(graph, "fast-link", estimator)
+
+
+def test_solve_and_pareto_commands_with_a_host_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    size = ["--model", "llama3-debug", "--layers", "2", "--seq", "64", "--mode", "fake"]
+    assert main(["solve", *size, "--budget-frac", "1", "--host-budget-bytes", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["host_peak_bytes"] == 0 and {"peak_bytes", "est_step_seconds"} <= set(result)
+    argv = ["pareto", *size, "--points", "2", "--host-budget-bytes", str(2**30), "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["points"]) == len(result["offload_points"]) == 2
+    assert all(p["host_budget_bytes"] == 2**30 for p in result["offload_points"])
+    assert main(["solve", *size, "--budget-frac", "1", "--host-budget-bytes", "-5", "--json"]) == 2
