@@ -587,7 +587,11 @@ def _search(
 def _presets(fsdp_reshard: bool, host_budget: int | None = 0) -> list[Policy]:
     """The named presets; those that offload only with a host budget (None: no limit),
     deferred as the solver's own offloads."""
-    offload = OffloadOptions(budget_bytes=host_budget or None, defer_layers=SOLVER_DEFER_LAYERS)
+    offload = (
+        OffloadOptions()  # nothing offloads: the policies keep their plain (v1/v2) form
+        if host_budget == 0
+        else OffloadOptions(budget_bytes=host_budget or None, defer_layers=SOLVER_DEFER_LAYERS)
+    )
     return [
         Policy(p, fsdp_reshard=fsdp_reshard, offload=offload)
         for p in PRESETS
