@@ -176,7 +176,17 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             assert page.locator(".sacwb-graph g.sacwb-selected").count() == 1
             page.screenshot(path=str(SHOTS / "explorer-search.png"))
 
-            # 4. Suggest for a budget: the solver's rows are listed
+            # 4. the host budget beside Suggest reaches Python (then back to no offload)
+            host = page.locator(".sacwb-host-budget")
+            for gib, said in (("0.5", "may offload up to 512"), ("0", "do not offload")):
+                host.fill(gib)
+                host.dispatch_event("change")
+                page.wait_for_function(
+                    f"document.querySelector('.sacwb-message').innerText.includes('{said}')",
+                    timeout=60_000,
+                )
+
+            # 5. Suggest for a budget: the solver's rows are listed
             page.eval_on_selector(
                 ".sacwb-budget",
                 "b => { b.value = Number(b.min) + 0.3 * (Number(b.max) - Number(b.min));"
@@ -192,7 +202,7 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             page.locator(".sacwb-policy").scroll_into_view_if_needed()
             page.screenshot(path=str(SHOTS / "explorer-suggest.png"))
 
-            # 5. Run: the measured point has its own plot; estimates still spread
+            # 6. Run: the measured point has its own plot; estimates still spread
             page.locator(".sacwb-run").click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-status').innerText.startsWith('measured on')",
@@ -204,7 +214,7 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             page.locator(".sacwb-history").scroll_into_view_if_needed()
             page.screenshot(path=str(SHOTS / "explorer-after-run.png"))
 
-            # 6. export: torchtitan's flags go to a .sh file; Copy says what it did
+            # 7. export: torchtitan's flags go to a .sh file; Copy says what it did
             page.locator(".sacwb-export-format").select_option("torchtitan")
             page.wait_for_function(
                 "document.querySelector('.sacwb-export-path').value.endsWith('.sh')",

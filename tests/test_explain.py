@@ -59,6 +59,30 @@ def test_workbench_presets_list_their_differences(preset: str) -> None:
     assert all(d.why in text for d in differences_of(preset))
 
 
+def test_offload_is_compared_with_graph_trainers_sac_and_offload(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    result = explain("offload")
+    assert result["graph_trainer_counterpart"] == "sac_and_offload"
+    assert [d["key"] for d in result["differences"]] == [
+        "in-place", "lm_head/loss", "layer boundary", "save list", "offload candidates"
+    ]  # fmt: skip
+    text = explain_text(result)
+    assert "differs from graph trainer's `sac_and_offload` (`titan-sac_and_offload` here)" in text
+    assert "no memory policy of this name" not in text
+    pytest.importorskip("torchtitan.experiments.graph_trainer.memory_policy")
+    _, graph = small_graphs["llama3-debug"]
+    against = explain("offload", graph)["graph_trainer"]
+    assert against["memory_policy"] == "sac_and_offload"
+    # every mismatch has its row: w2's matmul, which only a residual add reads, is offloaded
+    # there and not here
+    assert "unexplained" not in against["by_difference"]
+    offload_rows = [r for r in against["rows"] if r["difference"] == "offload candidates"]
+    assert [(r["module"], r["graph_trainer"]) for r in offload_rows] == [
+        ("layers.0.feed_forward.w2", "MUST_CPU_OFFLOAD")
+    ]
+
+
 def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> None:
     assert "eager outside layers" in {d.key for d in differences_of("eager")}
     assert "eager outside layers" not in {d.key for d in differences_of("default")}

@@ -259,11 +259,30 @@ def test_suggest_and_sweep_use_the_host_budget(
 ) -> None:
     import workbench.solve
 
+    # at 32 tokens parameters set the peak (full recompute's equals no AC's), so offload
+    # buys nothing there: 256 tokens, where half-way between the two it does
     ex = explorer(peaky, tmp_path, "none")
-    ex.suggest_host_budget_bytes = 2**30
     budget = (ex.budget_range["min"] + ex.budget_range["max"]) // 2
+    send(ex, type="host_budget", bytes=2**30)
+    assert ex.suggest_host_budget_bytes == 2**30 and "up to 1.0 GiB" in ex.message
     send(ex, type="suggest", budget=budget)
     assert ex.metrics["peak_bytes"] <= budget and "suggested by greedy" in ex.message
+    offloaded = [k for k, a in ex.policy_json["overrides"].items() if a == "offload"]
+    assert offloaded and "offloads 2.0 MiB to host (budget 1.0 GiB)" in ex.message
+    history_index = len(ex.history) - 1
+    # the policy (with its host budget) is autosaved: a new explorer goes on with it
+    again = explorer(peaky, tmp_path, "none")
+    assert again.suggest_host_budget_bytes == 2**30
+    send(ex, type="host_budget", bytes=0)
+    assert ex.suggest_host_budget_bytes == 0 and "do not offload" in ex.message
+    send(ex, type="suggest", budget=budget)
+    assert "offload" not in ex.policy_json["overrides"].values()
+    assert "no offload (host budget 0)" in ex.message
+    send(ex, type="restore", index=history_index)  # the offloading point, and its budget
+    assert ex.suggest_host_budget_bytes == 2**30
+    send(ex, type="host_budget", bytes=-1)
+    assert "host budget must be 0 (no offload) or more bytes" in ex.message
+    assert ex.suggest_host_budget_bytes == 2**30
     seen: list[int] = []
     real = workbench.solve.pareto
 

@@ -87,9 +87,10 @@ def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str
 
 def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, Any]:
     """The policy's rules in words and, for a workbench preset, the rules where graph
-    trainer's preset of the same name differs and why; with a graph, its decisions by reason
-    and (where graph trainer has a counterpart) the mismatches with graph trainer's own
-    tagging of that graph, each named by the difference that explains it."""
+    trainer's preset of the same name (`sac_and_offload` for `offload`) differs and why;
+    with a graph, its decisions by reason and (where graph trainer has a counterpart) the
+    mismatches with graph trainer's own tagging of that graph, each named by the difference
+    that explains it."""
     policy = policy if isinstance(policy, Policy) else Policy(policy)
     preset = policy.preset
     memory_policy = counterpart(preset)

@@ -174,10 +174,10 @@ def compare(
     graph: JointGraph, policy: Policy | str, memory_policy: str | None = None
 ) -> list[Mismatch]:
     """Nodes where `decide(graph, policy)` and graph trainer's `memory_policy` (default: the
-    preset's name without `titan-`; run with its default config, so FSDP reshards after
+    preset's `counterpart`; run with its default config, so FSDP reshards after
     forward) disagree on save vs recompute vs offload, in graph order."""
     policy = policy if isinstance(policy, Policy) else Policy(policy)
-    memory_policy = memory_policy or policy.preset.removeprefix("titan-")
+    memory_policy = memory_policy or counterpart(policy.preset) or policy.preset
     theirs = graph_trainer_tags(graph, memory_policy)
     ours = decide(graph, policy)
     return [
@@ -228,7 +228,7 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="in-place",
         rule="in-place ops (`add_` in RMSNorm)",
-        presets=("default", "full", "eager"),
+        presets=("default", "full", "eager", "offload"),
         workbench="saved, whatever the preset asks",
         graph_trainer="tagged like any op (recomputed)",
         why="a recompute applies the mutation to its input a second time; the workbench "
@@ -238,7 +238,7 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="lm_head/loss",
         rule="`lm_head*` / `loss*` modules",
-        presets=("default", "full", "eager"),
+        presets=("default", "full", "eager", "offload"),
         workbench="tagged by the preset",
         graph_trainer="never tagged (saved): its `full` keeps `_log_softmax`",
         why="graph trainer skips the epilogue because a chunked loss splits backward into "
@@ -247,7 +247,7 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="layer boundary",
         rule="layer boundary",
-        presets=("default", "full", "eager"),
+        presets=("default", "full", "eager", "offload"),
         workbench="saved if a recomputed user is in any *other* layer",
         graph_trainer="saved only if it is in a *higher* layer (non-layer = -1)",
         why="both stop recomputation chaining across layers; graph trainer looks only "
@@ -257,7 +257,7 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="save list",
         rule="save list",
-        presets=("default", "eager"),
+        presets=("default", "eager", "offload"),
         workbench="`COMPUTE_INTENSIVE_OPS` (with `_grouped_mm`, CPU flash attention)",
         graph_trainer="its `_get_default_save_ops()` (convolutions, `_scaled_mm`, collectives)",
         why="the workbench saves MoE expert matmuls (`_grouped_mm`) as compute-intensive; "
@@ -272,12 +272,32 @@ DIFFERENCES: tuple[Difference, ...] = (
         why="eager SAC wraps only the layers, so autograd saves everything outside them; "
         "graph trainer applies its eager rule to the whole graph",
     ),
+    Difference(
+        key="offload candidates",
+        rule="what `offload` / `sac_and_offload` offload",
+        presets=("offload",),
+        workbench="saved contiguous storages of at least 4 KiB that backward reads and that "
+        "own their memory, in the layers but the last, none random, written in place or "
+        "returned by the step",
+        graph_trainer="every saved contiguous tensor of at least 4 KiB in the layers but the "
+        "last that its view-op list does not name, read by backward or not",
+        why="offloading a view or a tensor backward never reads moves bytes and frees nothing; "
+        "graph trainer tags by op, so it also tags a matmul whose output only a residual "
+        "add reads (w2's `mm`)",
+    ),
 )
 # Decisions forced on the CPU, in every preset: not a difference of rules.
 CPU_FORCED = Difference(
     key="cpu-forced",
     rule="random ops (the CPU flash-attention op)",
-    presets=("default", "eager", "titan-default", "titan-eager"),
+    presets=(
+        "default",
+        "eager",
+        "offload",
+        "titan-default",
+        "titan-eager",
+        "titan-sac_and_offload",
+    ),
     workbench="saved, whatever the preset asks",
     graph_trainer="`default` and `eager` recompute it (PREFER_RECOMPUTE)",
     why="torch tags `_scaled_dot_product_flash_attention_for_cpu` nondeterministic_seeded and "
@@ -299,13 +319,20 @@ NOT_REPRODUCED: tuple[str, ...] = (
 )
 
 
+# Workbench presets named otherwise than their graph trainer memory policy.
+_RENAMED = {"offload": "sac_and_offload"}
+
+
 def counterpart(preset: str) -> str | None:
-    """Graph trainer's memory policy of the same name (`titan-eager` -> `eager`), if any.
+    """Graph trainer's memory policy of the same name (`titan-eager` -> `eager`), or the
+    one a workbench preset follows under another name (`offload` -> `sac_and_offload`).
 
     >>> counterpart("titan-eager"), counterpart("full"), counterpart("none")
     ('eager', 'full', None)
+    >>> counterpart("offload"), counterpart("titan-sac_and_offload")
+    ('sac_and_offload', 'sac_and_offload')
     """
-    name = preset.removeprefix("titan-")
+    name = _RENAMED.get(preset, preset.removeprefix("titan-"))
     return name if name in MEMORY_POLICIES else None
 
 
@@ -346,4 +373,9 @@ def explained_by(mismatch: Mismatch, preset: str) -> str:
         return "eager outside layers"
     if (mismatch.op in COMPUTE_INTENSIVE_OPS) != (mismatch.op in TITAN_SAVE_OPS):
         return "save list"
+    offloads = CheckpointPolicy.MUST_CPU_OFFLOAD
+    if preset == "offload" and (mismatch.graph_trainer is offloads) != (
+        mismatch.workbench is offloads
+    ):
+        return "offload candidates"
     return "unexplained"

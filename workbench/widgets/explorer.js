@@ -221,6 +221,9 @@ function render({ model, el }) {
   const budgetText = h("span", { class: "sacwb-budget-text" });
   const budget = h("input", { type: "range", class: "sacwb-budget", step: "any",
     oninput: () => { budget.dataset.touched = "1"; budgetText.textContent = bytesText(Number(budget.value)); } });
+  const hostBudget = h("input", { type: "number", min: 0, step: 0.25, class: "sacwb-host-budget", style: "width: 5em",
+    title: "host memory Suggest and Sweep may offload to, in GiB (0: no offload)",
+    onchange: () => send({ type: "host_budget", bytes: Math.round(Math.max(0, Number(hostBudget.value || 0)) * 2 ** 30) }) });
   const suggester = h("div", { class: "sacwb-suggest" },
     h("div", { class: "sacwb-title" }, "Suggest a policy for a memory budget"),
     h("div", {}, budget, " ", budgetText, " ",
@@ -228,7 +231,8 @@ function render({ model, el }) {
         onclick: () => send({ type: "suggest", budget: Math.round(Number(budget.value)) }) }, "Suggest"),
       " ",
       h("button", { class: "sacwb-sweep", title: "add the solver's memory-vs-time front to the history",
-        onclick: () => send({ type: "sweep" }) }, "Sweep front")));
+        onclick: () => send({ type: "sweep" }) }, "Sweep front")),
+    h("label", { class: "sacwb-host" }, "host budget ", hostBudget, " GiB (0: no offload)"));
   const exportFmt = h("select", { class: "sacwb-export-format",
     onchange: () => { model.set("export_format", exportFmt.value); model.save_changes(); } });
   const exportPath = h("input", { type: "text", class: "sacwb-export-path", size: 30 });
@@ -399,6 +403,7 @@ function render({ model, el }) {
   };
 
   const drawBudget = () => {
+    if (document.activeElement !== hostBudget) hostBudget.value = model.get("suggest_host_budget_bytes") / 2 ** 30;
     const range = model.get("budget_range");
     if (range.min === undefined) return;
     budget.min = range.min;
@@ -419,6 +424,7 @@ function render({ model, el }) {
   model.on("change:details", drawDetails);
   model.on("change:policy_json", () => { drawPolicy(); drawControls(); drawHistory(); });
   model.on("change:history", drawHistory);
+  model.on("change:suggest_host_budget_bytes", drawBudget);
   for (const name of ["message", "status", "running", "can_undo", "can_redo", "export_code", "export_format", "profile", "all_layers", "export_path", "fsdp_reshard", "has_fsdp"]) {
     model.on(`change:${name}`, drawControls);
   }

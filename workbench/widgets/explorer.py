@@ -199,6 +199,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         start = Policy(policy) if isinstance(policy, str) else policy
         recovered, note = self.autosave.recover(self.graph, start)
         self.edits = Edits(recovered)
+        self._take_host_budget(recovered)
         choices = fsdp_choices(self.graph)
         self.has_fsdp = len(choices) > 1
         peaks = [
@@ -450,9 +451,25 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._autosave()
 
     def restore(self, index: int) -> None:
-        """Load the policy of a point in the history (undoable)."""
-        self._change(self.history_log.policy(index))
+        """Load the policy of a point in the history (undoable), and the host budget its
+        offloads were solved for."""
+        policy = self.history_log.policy(index)
+        self._change(policy)
+        self._take_host_budget(policy)
         self._autosave()
+
+    def set_host_budget(self, budget_bytes: int) -> None:
+        """The host bytes Suggest and Sweep may offload to (0: they do not offload)."""
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise WorkbenchError(
+                f"host budget must be 0 (no offload) or more bytes, got {budget_bytes!r}"
+            )
+        self.suggest_host_budget_bytes = budget_bytes
+        self.message = (
+            f"Suggest and Sweep may offload up to {human_bytes(budget_bytes)} to host memory"
+            if budget_bytes
+            else "Suggest and Sweep do not offload (host budget 0)"
+        )
 
     def suggest(self, budget_bytes: int, method: str | None = None) -> None:
         """Load the solver's cheapest policy whose estimated peak fits `budget_bytes`
@@ -473,10 +490,17 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             policy = solution.policy
             note = f" (on {self.policy.preset!r} it would take many more overrides)"
         self._change(policy)
+        host = self.suggest_host_budget_bytes
+        offloaded = (
+            f", offloads {human_bytes(solution.estimate.offloaded_bytes)} to host (budget "
+            f"{human_bytes(host)})"
+            if host
+            else ", no offload (host budget 0)"
+        )
         self.message = (
             f"suggested by {solution.method} for a budget of {human_bytes(budget_bytes)}: "
             f"peak {human_bytes(solution.estimate.peak_bytes)}, recompute "
-            f"{human_flops(solution.estimate.recompute_flops)}{fsdp}; "
+            f"{human_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
             f"preset {policy.preset!r}{note} with "
             f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
             "under Policy); refine it by clicking ops"
@@ -595,6 +619,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "run": self.run,
             "suggest": lambda: self.suggest(_field(c, "budget", int)),
             "sweep": self.sweep,
+            "host_budget": lambda: self.set_host_budget(_field(c, "bytes", int)),
         }
         action = c.get("type")
         if not isinstance(action, str) or action not in handlers:
@@ -627,6 +652,12 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     def _apply(self, policy: Policy, decisions: Decisions | None = None) -> None:
         self._decisions = decide(self.graph, policy) if decisions is None else decisions
         self._refresh(record=True, decided=True)
+
+    def _take_host_budget(self, policy: Policy) -> None:
+        """An offloading policy with a host budget (the solver's, or one autosaved) sets
+        the host budget Suggest and Sweep use, so a session goes on where it was."""
+        if policy.offloads and policy.offload.budget_bytes is not None:
+            self.suggest_host_budget_bytes = policy.offload.budget_bytes
 
     def _autosave(self) -> None:
         """Save the policy; a failure or a move to another file is added to the message."""
