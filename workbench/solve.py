@@ -502,9 +502,11 @@ class _Search:
         overrides: dict[str, Action] = {keys[c]: "offload" for c in sorted(moved)}
         if preset is None:
             overrides = {keys[c]: overrides.get(keys[c], "save") for c in sorted(chosen)}
-        options = OffloadOptions(budget_bytes=self.host_budget, defer_layers=SOLVER_DEFER_LAYERS)
         return Policy(
-            preset or "full", overrides=overrides, fsdp_reshard=self.fsdp_reshard, offload=options
+            preset or "full",
+            overrides=overrides,
+            fsdp_reshard=self.fsdp_reshard,
+            offload=_offload_options(self.host_budget),
         )
 
     def policy(self, chosen: set[int]) -> Policy:
@@ -584,14 +586,19 @@ def _search(
     )
 
 
+def _offload_options(host_budget: int | None) -> OffloadOptions:
+    """The offload options of every policy the solver writes: within `host_budget` (None: no
+    limit), deferred by `SOLVER_DEFER_LAYERS`; with 0 nothing offloads and the options stay
+    the defaults, so such policies keep their plain (v1/v2) form."""
+    if host_budget == 0:
+        return OffloadOptions()
+    return OffloadOptions(budget_bytes=host_budget, defer_layers=SOLVER_DEFER_LAYERS)
+
+
 def _presets(fsdp_reshard: bool, host_budget: int | None = 0) -> list[Policy]:
     """The named presets; those that offload only with a host budget (None: no limit),
     deferred as the solver's own offloads."""
-    offload = (
-        OffloadOptions()  # nothing offloads: the policies keep their plain (v1/v2) form
-        if host_budget == 0
-        else OffloadOptions(budget_bytes=host_budget or None, defer_layers=SOLVER_DEFER_LAYERS)
-    )
+    offload = _offload_options(host_budget)
     return [
         Policy(p, fsdp_reshard=fsdp_reshard, offload=offload)
         for p in PRESETS
