@@ -4,10 +4,19 @@ graph, for schedules of several presets."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from workbench.graph import JointGraph
-from workbench.index import Flat, GraphIndex, Schedule, graph_index
+from workbench.index import (
+    OFFLOAD_STEPS,
+    Flat,
+    GraphIndex,
+    Schedule,
+    graph_index,
+    offload_entry,
+    offload_step,
+)
 from workbench.policy import Policy, decide
 from workbench.replay import recompute_flags, replay
 
@@ -108,3 +117,17 @@ def test_saved_and_returned_storages_follow_their_definition(
         assert index.read_directly(flat) == {index.names[x] for x in read}
         assert set(index.returned_mask(flat, table).nonzero()[0].tolist()) == returned
         assert set(index.saved_mask(flat, table).nonzero()[0].tolist()) == saved
+
+
+def test_offload_entries_name_their_node_and_step(graphs: dict[str, JointGraph]) -> None:
+    """Every offload step of every node has an entry of its own past the originals, copies
+    and replayed views, and that entry gives back its node and step."""
+    index = graph_index(graphs["llama3-debug"])
+    n = index.n
+    nodes = np.repeat(np.arange(n), len(OFFLOAD_STEPS))
+    steps = np.tile(np.arange(len(OFFLOAD_STEPS)), n)
+    entries = offload_entry(n, nodes, steps)
+    assert entries.min() == 3 * n and len(set(entries.tolist())) == len(entries)
+    assert (offload_step(n, entries) == steps).all()
+    assert (index.entry_node(entries) == nodes).all()
+    assert offload_entry(n, 5, 3) == 3 * n + 23 and offload_step(n, 3 * n + 23) == 3

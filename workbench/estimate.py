@@ -17,7 +17,14 @@ import torch.fx as fx
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
-from workbench.index import OFFLOAD_STEPS, Flat, Schedule, Storages, graph_index
+from workbench.index import (
+    OFFLOAD_STEPS,
+    Flat,
+    Schedule,
+    Storages,
+    graph_index,
+    offload_step,
+)
 from workbench.policy import Decisions, Policy, decide
 from workbench.profiles import DeviceProfile, get_profile
 from workbench.remat import RECOMPUTED_SUFFIX, RematResult
@@ -278,8 +285,7 @@ class Estimator:
         np.maximum.at(freed, table.held, death[entries[table.holder]])
 
         # host copies (owned by an offload's first step) count on the host, not the device
-        step = table.owner - 3 * n
-        host = (step >= 0) & (step % 4 == 0)
+        host = (table.owner >= 3 * n) & (offload_step(n, table.owner) == 0)
         device = ~host
         category = self._categories(flat, table)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
@@ -423,8 +429,8 @@ class Estimator:
         exposed = {name: 0.0 for name in self._seconds}
         if not len(at):
             return exposed, []
-        kinds = ((entries[at] - 3 * n) % 4).tolist()
-        nodes = ((entries[at] - 3 * n) // 4).tolist()
+        kinds = offload_step(n, entries[at]).tolist()
+        nodes = self.index.entry_node(entries[at]).tolist()
         rows: dict[int, dict[str, Any]] = {}
         for i, k in zip(nodes, kinds, strict=True):
             if k == 0:

@@ -39,6 +39,8 @@ __all__ = [
     "Storages",
     "distinct_storage_bytes",
     "graph_index",
+    "offload_entry",
+    "offload_step",
 ]
 
 # A node's output slots: an int is a fresh storage of that many bytes (0: no tensor), a
@@ -51,6 +53,18 @@ Slot = int | tuple[int, int]
 # the wait for it).
 Schedule = tuple[list[int], dict[int, tuple[int, ...]]]
 OFFLOAD_STEPS = ("offload", "free", "reload", "wait")
+
+
+def offload_entry(n: int, node: Any, step: Any) -> Any:
+    """The entry of step `step` (an index into `OFFLOAD_STEPS`) of node `node`'s offload in a
+    graph of `n` nodes; ints or arrays."""
+    return 3 * n + 4 * node + step
+
+
+def offload_step(n: int, entries: Any) -> Any:
+    """Which step (an index into `OFFLOAD_STEPS`) each offload entry is; ints or arrays."""
+    return (entries - 3 * n) % 4
+
 
 _FORWARD = ("forward", "loss")
 
@@ -178,8 +192,8 @@ class GraphIndex:
                 elif name == "reload":
                     kind = 2
                 else:  # a wait: of the host copy (frees the original) or of the reload
-                    kind = 1 if (first - 3 * n) % 4 == 0 else 3
-                e = 3 * n + 4 * i + kind
+                    kind = 1 if offload_step(n, first) == 0 else 3
+                e = offload_entry(n, i, kind)
             else:
                 origin = node.meta.get(ORIGIN_KEY)
                 e = self.output if node.op == "output" else self.origin_of.get(origin)  # type: ignore[assignment]
@@ -314,7 +328,7 @@ class GraphIndex:
         alias_own = alias_keys + key_shift[alias_pos]
         steps = np.flatnonzero(~regular)
         if len(steps):  # host copies and reloads hold fresh storages; the waits alias them
-            kind = (entries[steps] - 3 * n) % 4
+            kind = offload_step(n, entries[steps])
             made, waits = steps[kind % 2 == 0], steps[kind % 2 == 1]
             value = t.fresh_bytes[t.slot_start[nodes[made]]]
             fresh_pos = np.concatenate((fresh_pos, made))

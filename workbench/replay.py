@@ -12,7 +12,7 @@ import numpy as np
 
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
-from workbench.index import Csr, Flat, GraphIndex, graph_index
+from workbench.index import Csr, Flat, GraphIndex, graph_index, offload_entry
 from workbench.offload import Offloaded, Place, interleave_arrays, place_offloads
 from workbench.rules import RECOMPUTE, OffloadOptions, Tag
 
@@ -293,11 +293,10 @@ def _interleaved(
     node = kinds == 0
     entries = np.where(node, flat.entries[np.where(node, at, 0)], 0)
     step = ~node
-    base = 3 * n + 4 * value[at[step]]
-    entries[step] = base + kinds[step] - 1
+    entries[step] = offload_entry(n, value[at[step]], kinds[step] - 1)
     remap = np.arange(3 * n)
     for i, needed, _ in wanted:
-        remap[i] = 3 * n + 4 * i + 3
+        remap[i] = offload_entry(n, i, 3)  # its wait
         remap[needed] = 2 * n + np.asarray(needed, np.int64)
     # the views replayed after each wait: (step they follow, rank after it, entry, inputs)
     extra: list[tuple[int, int, int, list[int]]] = []
@@ -318,7 +317,7 @@ def _interleaved(
     reader = [new_position[nodes][which]]
     readers = [read]
     steps = np.flatnonzero(step)
-    step_base = 3 * n + 4 * value[at[steps]]
+    step_base = offload_entry(n, value[at[steps]], 0)
     # offload reads the value (-1), free the copy and the value, reload the free's output,
     # wait the reload and the free's output: offsets from the value's first step entry
     inputs = {1: (-1,), 2: (0, -1), 3: (1,), 4: (2, 1)}
