@@ -74,6 +74,16 @@ POLICY_FILES: list[tuple[str, bytes, str]] = [
         HEAD.encode() + b'"version": 3, "offload": [1, 2]}',
         "offload must be an object with the fields budget_bytes",
     ),
+    (
+        "offload prefetch negative",
+        HEAD.encode() + b'"version": 3, "offload": {"prefetch_layers": -1}}',
+        "offload prefetch_layers -1 must be a whole number of layers >= 0",
+    ),
+    (
+        "offload defer not a number",
+        HEAD.encode() + b'"version": 3, "offload": {"defer_layers": "x"}}',
+        "offload defer_layers 'x' must be a whole number of layers >= 0",
+    ),
     ("preset int", HEAD.encode() + b'"version": 1, "preset": 3}', "preset 3 must be a string"),
     ("preset null", HEAD.encode() + b'"version": 1, "preset": null}', "preset None must be"),
     ("selectors str", HEAD.encode() + b'"version": 1, "selectors": "abc"}', "got str"),
@@ -293,6 +303,11 @@ SIZES: list[tuple[list[str], str]] = [
     (["solve", *MLP, "--budget-bytes", str(10**27)], r"from 1 to 9223372036854775807 \(int64\)"),
     (["solve", *MLP, "--budget-bytes", "-5"], "--budget-bytes must be from 1"),
     (["solve", *MLP, "--budget-frac", "nan"], r"--budget-frac must be in \(0, 1\]"),
+    (
+        ["solve", *MLP, "--budget-bytes", "100000", "--host-budget-bytes", "-1"],
+        "--host-budget-bytes must be from 0 \\(no offload\\)",
+    ),
+    (["pareto", *MLP, "--host-budget-bytes", str(10**27)], "--host-budget-bytes must be from 0"),
     (["bench", "whatif", *MLP, "--full-path", "-1"], "--full-path must be 0 or more"),
     (["measure", *MLP, "--repeat", "0"], "--repeat must be a positive integer, got 0"),
     (["measure", *MLP, "--warmup", "-1"], "--warmup must be 0 or more runs, got -1"),

@@ -300,6 +300,15 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "trace_seconds": round(trace_seconds, 3)}
 
 
+def _check_host_budget(args: argparse.Namespace) -> None:
+    """Before tracing: a bad host budget is refused at once, not after a whole front."""
+    if not 0 <= args.host_budget_bytes <= INT64_MAX:
+        raise WorkbenchError(
+            f"--host-budget-bytes must be from 0 (no offload) to {INT64_MAX} (int64), "
+            f"got {args.host_budget_bytes}"
+        )
+
+
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
     if args.budget_bytes is not None:
         if not 0 < args.budget_bytes <= INT64_MAX:
@@ -317,6 +326,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.estimate import Estimator
     from workbench.solve import solve
 
+    _check_host_budget(args)
     graph, trace_seconds = _trace_from_args(args)
     estimator = Estimator(graph, (args.profile,), args.optimizer)
     budget = _budget_from_args(args, estimator)
@@ -343,6 +353,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.estimate import Estimator
     from workbench.solve import Solution, fsdp_choices, pareto, preset_points
 
+    _check_host_budget(args)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 
