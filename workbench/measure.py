@@ -27,6 +27,7 @@ from workbench.errors import WorkbenchError, describe
 from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.models import Workload, available_bytes
+from workbench.offload import host_buffer_pool
 from workbench.policy import Policy
 from workbench.profiles import allocation_granularity, round_up
 from workbench.remat import remat
@@ -135,11 +136,12 @@ def _measure(
     warmup: int,
     repeats: int,
 ) -> Measurement:
-    """Warm up, time `repeats` runs (median), then one more run for the memory peak."""
+    """Warm up, time `repeats` runs (median), then one more run for the memory peak. On a
+    GPU the runs share torch's pinned host buffers, as a training loop with offload does."""
     if repeats < 1 or warmup < 0:
         raise WorkbenchError(f"repeats must be ≥ 1 and warmup ≥ 0, got {repeats} and {warmup}")
-    with _fails_in_one_line(name):
-        device = _device_of(inputs)
+    device = _device_of(inputs)
+    with _fails_in_one_line(name), host_buffer_pool(device):
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
         for _ in range(warmup):
             run()

@@ -32,6 +32,7 @@ __all__ = [
     "Ops",
     "Place",
     "Step",
+    "host_buffer_pool",
     "host_usage",
     "interleave",
     "interleave_arrays",
@@ -175,6 +176,17 @@ def ops_for(device: torch.device) -> Ops:
 
     return Ops(torch.ops.ao.offload.default, torch.ops.ao.reload.default,
                torch.ops.ao.wait_tensor.default)  # fmt: skip
+
+
+def host_buffer_pool(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Where a step runs repeatedly: on an accelerator, torch's pool of pinned host buffers
+    (without it every `ao::offload` pins a fresh buffer, a few ms each, and the first steps
+    would time the allocator; graph trainer keeps it open for the whole run). Nothing on
+    the CPU, whose ops allocate plain buffers."""
+    if device.type in ("cpu", "meta"):
+        return contextlib.nullcontext()
+    ao = importlib.import_module("torch._functorch._activation_offloading.offload_ops")
+    return ao.pinned_memory_pool()  # type: ignore[no-any-return]
 
 
 def is_offload_node(node: fx.Node) -> bool:
