@@ -300,6 +300,38 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "trace_seconds": round(trace_seconds, 3)}
 
 
+def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
+    """The lowest peak the solver reaches at eager's step time, with and without offload,
+    and the floor (see `workbench.bench.bench_offload`)."""
+    from workbench.bench import bench_offload
+    from workbench.estimate import Estimator
+    from workbench.profiles import PROFILES
+
+    _check_host_budget(args)
+    _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    if args.profile not in PROFILES:
+        raise WorkbenchError(
+            f"--profile {args.profile!r} is not a device profile; choose one of "
+            f"{', '.join(PROFILES)}"
+        )
+    graph, trace_seconds = _trace_from_args(args)
+    start = time.perf_counter()
+    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    result = bench_offload(
+        graph,
+        estimator,
+        args.profile,
+        args.host_budget_bytes,
+        tolerance_bytes=args.tolerance_bytes,
+    )
+    return {
+        **result,
+        "seconds": round(time.perf_counter() - start, 3),
+        "trace_seconds": round(trace_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def _check_host_budget(args: argparse.Namespace) -> None:
     """Before tracing: a bad host budget is refused at once, not after a whole front."""
     if not 0 <= args.host_budget_bytes <= INT64_MAX:
@@ -653,6 +685,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_arg(bench_render)
     bench_render.add_argument("--repeat", type=int, default=3)
     bench_render.set_defaults(run=cmd_bench_render, mode="fake")
+
+    bench_offload = benches.add_parser(
+        "offload", help="lowest peak at eager's step time, with and without offload"
+    )
+    _add_model_args(bench_offload)
+    _add_optimizer_arg(bench_offload)
+    bench_offload.add_argument("--profile", default="h100", help="device profile (default h100)")
+    bench_offload.add_argument(
+        "--host-budget-bytes",
+        type=int,
+        default=64 * 2**30,
+        help="host memory offloaded activations may take (default 64 GiB); 0: no offload",
+    )
+    bench_offload.add_argument(
+        "--tolerance-bytes",
+        type=int,
+        default=2**20,
+        help="bisection over the device budget stops within this many bytes (default 1 MiB)",
+    )
+    bench_offload.set_defaults(run=cmd_bench_offload, mode="fake")
     return parser
 
 
@@ -698,6 +750,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result["code"])
     elif args.command == "activations":
         print(result["table"])
+    elif args.command == "bench" and args.bench == "offload":
+        from workbench.bench import offload_table
+
+        print(offload_table(result))
+        print(f"{result['seconds']:.1f} s (trace {result['trace_seconds']:.1f} s)")
     elif args.command == "policy":
         from workbench.explain import explain_text
 
