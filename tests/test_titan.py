@@ -191,6 +191,8 @@ def test_without_torchtitan_the_error_says_what_to_install(
     graph = JointGraph.__new__(JointGraph)
     with pytest.raises(WorkbenchError, match=r"pip install -e '\.\[torchtitan\]'"):
         graph_trainer_tags(graph, "default")
+    with pytest.raises(WorkbenchError, match=r"pip install -e '\.\[torchtitan\]'"):
+        offload_passes(graph, "offload")
 
 
 @needs_torchtitan

@@ -10,7 +10,6 @@ workbench's), `DIFFERENCES` and `OFFLOAD_PLACEMENT` (where the two differ, and w
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import io
 import logging
@@ -458,7 +457,9 @@ class OffloadPasses:
 
     workbench: fx.GraphModule
     graph_trainer: fx.GraphModule
-    layers: dict[str, tuple[int | None, int | None]]  # offloaded node -> (producer, reader)
+    # offloaded node -> layers of (producer, first backward reader; the producer's where the
+    # reader is outside the layers, as the workbench's prefetch counts)
+    layers: dict[str, tuple[int | None, int | None]]
     options: OffloadOptions
     refused: str | None = None
 
@@ -479,9 +480,6 @@ class OffloadMismatch:
     workbench: str
     graph_trainer: str
     difference: str
-
-    def to_json(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
 
 
 def offload_mismatches(passes: OffloadPasses) -> list[OffloadMismatch]:
@@ -519,22 +517,25 @@ def offload_passes(graph: JointGraph, policy: Policy | str) -> OffloadPasses:
         for name, tag in decisions.items()
     }
     base = remat(graph, saved).gm
+    layer_of = {
+        node.name: getattr(_origin(graph, node), "layer", None) for node in base.graph.nodes
+    }
     ours = offload_pass(
         copy_graph_module(base),
         [name for name, tag in decisions.items() if tag.offload],
-        lambda node: getattr(_origin(graph, node), "layer", None),
+        lambda node: layer_of[node.name],
         policy.offload,
     )
     plan = ours.meta[OFFLOAD_META]
     offloaded = plan.names
-    nodes = list(base.graph.nodes)
-    layer = [getattr(_origin(graph, node), "layer", None) for node in nodes]
-    layers = {
-        name: (layer[v.producer], layer[v.first_backward_use])
-        if layer[v.first_backward_use] is not None
-        else (layer[v.producer], layer[v.producer])
-        for name, v in zip(offloaded, plan.values, strict=True)
-    }
+    nodes = [node.name for node in base.graph.nodes]
+    layers = {}
+    for name, value in zip(offloaded, plan.values, strict=True):
+        producer, reader = (
+            layer_of[nodes[value.producer]],
+            layer_of[nodes[value.first_backward_use]],
+        )
+        layers[name] = (producer, producer if reader is None else reader)
     theirs = copy_graph_module(base)
     for node in theirs.graph.nodes:
         node.meta.pop("recompute", None)
@@ -542,10 +543,9 @@ def offload_passes(graph: JointGraph, policy: Policy | str) -> OffloadPasses:
         node.meta["custom"] = {**(node.meta.get("custom") or {}), MODULE_FQN: module}
         if node.name in offloaded:
             node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
-    names = {node.name for node in nodes}
     refused = _graph_trainer_offload(theirs, policy.offload)
     for node in theirs.graph.nodes:
-        if node.name not in names and not is_offload_node(node):
+        if node.name not in layer_of and not is_offload_node(node):
             node.meta[REPLAYED_VIEW] = True
     return OffloadPasses(ours, theirs, layers, policy.offload, refused)
 
