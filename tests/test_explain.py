@@ -20,15 +20,16 @@ from workbench.graph import JointGraph
 from workbench.models import Workload
 from workbench.policy import Policy, decide
 from workbench.rules import PRESETS, TITAN_PRESETS
-from workbench.titan import DIFFERENCES, differences_of, differences_table
+from workbench.titan import DIFFERENCES, OFFLOAD_PLACEMENT, differences_of, differences_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _readme_table() -> list[str]:
-    """The rows of the README's table that starts with the differences table's header."""
+def _readme_table(table: str | None = None) -> list[str]:
+    """The rows of the README's table that starts with the header of `table` (default: the
+    differences table's)."""
     lines = README.read_text().splitlines()
-    start = lines.index(differences_table().splitlines()[0])
+    start = lines.index((table or differences_table()).splitlines()[0])
     rows = []
     for line in lines[start:]:
         if not line.startswith("|"):
@@ -40,6 +41,9 @@ def _readme_table() -> list[str]:
 def test_readme_table_is_the_librarys() -> None:
     assert _readme_table() == differences_table().splitlines()
     assert len(_readme_table()) == 2 + len(DIFFERENCES)
+    placement = differences_table(OFFLOAD_PLACEMENT, "graph trainer (`apply_cpu_offload_pass`)")
+    assert _readme_table(placement) == placement.splitlines()
+    assert len(placement.splitlines()) == 2 + len(OFFLOAD_PLACEMENT)
 
 
 def test_titan_doctests() -> None:

@@ -238,7 +238,7 @@ TORCHTITAN_POLICY["offload"] = "sac_and_offload"
 OFFLOAD_OPTIONS = [
     "--compile.cpu_offload_budget_gb 0",
     "--compile.cpu_offload_prefetch_n_layers 1",
-    "--compile.cpu_offload_defer_n_layers 0",
+    "--compile.cpu_offload_defer_n_layers 1",  # the workbench's default 0: torchtitan refuses 0
 ]
 
 
@@ -401,6 +401,18 @@ def test_torchtitan_offload_options_map_the_budget_and_say_what_does_not_map() -
     lines = torchtitan_options(asked, version="0.3.0").splitlines()
     assert [line for line in lines if line.startswith("--")] == ["--compile.memory_policy default"]
     assert any("own rules (sac_and_offload)" in line for line in lines)
+
+
+def test_torchtitan_export_asks_for_defer_1_where_the_policy_says_0() -> None:
+    """torchtitan 0.3.0's offload pass refuses defer 0 (tests/test_titan.py): the export
+    asks for 1 and says that it frees later than the policy."""
+    lines = torchtitan_options(Policy("offload"), version="0.3.0").splitlines()
+    assert "--compile.cpu_offload_defer_n_layers 1" in lines
+    assert any("its 0.3.0 pass refuses 0, so this asks for 1" in line for line in lines)
+    deferred = Policy("offload", offload=OffloadOptions(defer_layers=2))
+    lines = torchtitan_options(deferred, version="0.3.0").splitlines()
+    assert "--compile.cpu_offload_defer_n_layers 2" in lines
+    assert not any("refuses 0" in line for line in lines)
 
 
 def test_graph_pass_export_carries_offload_tags_and_options() -> None:

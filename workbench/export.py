@@ -434,7 +434,8 @@ def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:
             "# CPU offload: host budget in bytes (None: no limit), applied largest first by",
             "# decide_ops; prefetch/defer are for the pass that turns the MUST_CPU_OFFLOAD tags",
             "# into copies: graph trainer's apply_cpu_offload_pass (prefetch_lookahead,",
-            "# defer_n_layers), run before torch's remat pass, which rewrites them otherwise.",
+            "# defer_n_layers; its 0.3.0 refuses defer 0: pass at least 1), run before",
+            "# torch's remat pass, which rewrites them otherwise.",
             "# (budget_bytes, prefetch_layers, defer_layers)",
             f"OFFLOAD_OPTIONS = {tuple(policy.offload)!r}",
         ],
@@ -612,8 +613,18 @@ def _offload_options(policy: Policy) -> list[str]:
     return [
         f"--compile.cpu_offload_budget_gb {gib:g}",
         f"--compile.cpu_offload_prefetch_n_layers {policy.offload.prefetch_layers}",
-        f"--compile.cpu_offload_defer_n_layers {policy.offload.defer_layers}",
+        f"--compile.cpu_offload_defer_n_layers {_titan_defer(policy)}",
     ]
+
+
+# torchtitan 0.3.0's apply_cpu_offload_pass refuses defer 0 (its own lint: the free it leaves
+# after the copy names a later reader), so the export asks for at least this many layers
+# (`workbench.titan.OFFLOAD_PLACEMENT`, row `defer 0`).
+TORCHTITAN_MIN_DEFER_LAYERS = 1
+
+
+def _titan_defer(policy: Policy) -> int:
+    return max(policy.offload.defer_layers, TORCHTITAN_MIN_DEFER_LAYERS)
 
 
 def _offload_notes(policy: Policy) -> list[str]:
@@ -627,9 +638,17 @@ def _offload_notes(policy: Policy) -> list[str]:
             else f"{budget} bytes = {budget / 2**30:.6g} GiB (torchtitan's GB are GiB)"
         ),
         "defer: torchtitan frees an offloaded tensor at the end of the layer region N past "
-        "its producer (at the earliest the region of its last forward reader); the workbench "
-        "with N = 0 frees it right after that reader, which torchtitan cannot say.",
-        "prefetch: the same rule (reload N layers earlier in backward).",
+        "its producer (at the earliest the region of its last forward reader), as the "
+        "workbench does for N >= 1"
+        + (
+            "; the workbench's 0 (free right after that reader) has no torchtitan form: its "
+            "0.3.0 pass refuses 0, so this asks for 1 (more device memory than estimated)."
+            if policy.offload.defer_layers < TORCHTITAN_MIN_DEFER_LAYERS
+            else "."
+        ),
+        "prefetch: torchtitan counts the N layers from the offloaded tensor's own layer, the "
+        "workbench from its first backward reader's: a layer's output, read first by the "
+        "next layer's backward, is reloaded one layer later there.",
     ]
     return notes
 
