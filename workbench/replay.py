@@ -1,7 +1,7 @@
 """torch's remat pass replayed on node indices: the schedule it would produce, no graph built.
 
 Entry points: `replay(index, recompute) -> Flat`, `offload_schedule(index, flat, names,
-options)` (the offload pass replayed on it) and `kept_for_backward(graph, decisions)`.
+options)` (the offload pass replayed on it) and `saved_bytes_by_node(graph, decisions)`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from workbench.index import Csr, Flat, GraphIndex, graph_index, offload_entry
 from workbench.offload import Offloaded, Place, interleave_arrays, place_offloads
 from workbench.rules import RECOMPUTE, OffloadOptions, Tag
 
-__all__ = ["kept_for_backward", "offload_schedule", "recompute_flags", "replay"]
+__all__ = ["offload_schedule", "recompute_flags", "replay", "saved_bytes_by_node"]
 
 
 def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> np.ndarray:
@@ -155,7 +155,7 @@ def _getitems_raised(
     return entries[np.argsort(keys)]
 
 
-def kept_for_backward(graph: JointGraph, decisions: Mapping[str, Tag] | None) -> dict[str, int]:
+def saved_bytes_by_node(graph: JointGraph, decisions: Mapping[str, Tag] | None) -> dict[str, int]:
     """Saved activation bytes by forward node once `decisions` are rematerialized (the
     joint graph as traced when None): `GraphIndex.saved_by_node` of the replayed schedule.
     Pictures and diffs read it, also for partitioner tags that recompute random ops."""
