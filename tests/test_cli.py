@@ -99,11 +99,44 @@ def test_errors_are_one_line_with_exit_2(
     assert message in captured.err
 
 
-def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+ARGPARSE_ERRORS = [
+    (["trace", "--model", "llama3-debug", "--mode", "symbolic"],
+     "trace: error: argument --mode: invalid choice: 'symbolic' (choose from 'real', 'fake')"),
+    (["measure", "--model", "llama3-debug", "--device", "tpu"],
+     "argument --device: invalid choice: 'tpu'"),
+    (["estimate", "--model", "llama3-debug", "--optimizer", "adam"],
+     "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd', 'none')"),
+    (["estimate"], "estimate: error: the following arguments are required: --model"),
+    (["solve", "--model", "llama3-debug"], "one of the arguments --budget-bytes --budget-frac"),
+    (["estimate", "--model", "llama3-debug", "--polcy", "full"],
+     "estimate: error: unrecognized arguments: --polcy full (close matches: --policy"),
+    (["bench", "whatif", "--model", "llama3-debug", "--flips", "x"],
+     "bench whatif: error: argument --flips: invalid int value: 'x'"),
+    (["bench", "render", "--model", "llama3-debug", "--bogus"],
+     "bench render: error: unrecognized arguments: --bogus"),
+    (["policy"], "required: subcommand (choose from explain)"),
+    ([], "required: command (choose from trace, verify, export,"),
+    (["nope"], "argument command: invalid choice: 'nope' (choose from 'trace'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    ARGPARSE_ERRORS,
+    ids=[" ".join(x for x in a if "llama3" not in x) or "-" for a, _ in ARGPARSE_ERRORS],
+)
+def test_argparse_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """What argparse refuses (a bad choice or value, a missing or unknown flag, no command)
+    is one line on stderr naming it and what is valid, exit status 2, no usage block."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["trace", "--model", "llama3-debug", "--mode", "symbolic"])
+        main([*argv, "--json"] if argv else argv)
     assert exit_info.value.code == 2
-    assert "invalid choice: 'symbolic'" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("python -m workbench")
+    assert message in captured.err, captured.err
 
 
 def test_python_dash_m_entry_point() -> None:

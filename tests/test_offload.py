@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -18,6 +22,7 @@ from workbench.graph import JointGraph
 from workbench.measure import bitwise_mismatches, measure_eager
 from workbench.models import Workload, load_workload
 from workbench.offload import (
+    NO_LAYER,
     OFFLOAD_META,
     Offloaded,
     Place,
@@ -28,6 +33,7 @@ from workbench.offload import (
     offload_pass,
     ops_for,
     place_offloads,
+    place_offloads_arrays,
 )
 from workbench.parallel import Parallel
 from workbench.policy import Policy, decide, flip, graph_facts, next_action, node_keys
@@ -208,6 +214,91 @@ def test_place_offloads_defers_and_prefetches_by_layers() -> None:
     assert far == [Place(1, 6, 7, 9)]  # clamped to the end of forward and its first bwd node
     with pytest.raises(WorkbenchError, match="made in forward"):
         place_offloads(BACKWARD, LAYER, [Offloaded(8, 8, 9)], OffloadOptions())
+
+
+def _plain_place_offloads(
+    backward: list[bool], layer: list[int | None], values: list[Offloaded], options: OffloadOptions
+) -> list[Place]:
+    """The placement rule one position and one value at a time, as the docstring of
+    `place_offloads` says it."""
+    end = next((p for p, b in enumerate(backward) if b), len(backward))
+    region_end: list[int] = []
+    region_of: list[int] = []
+    for p in range(end):
+        if p and layer[p] != layer[p - 1]:
+            region_end.append(p - 1)
+        region_of.append(len(region_end))
+    if end:
+        region_end.append(end - 1)
+    first_in_backward: dict[int, int] = {}
+    for p in range(end, len(backward)):
+        lid = layer[p]
+        if backward[p] and lid is not None and lid not in first_in_backward:
+            first_in_backward[lid] = p
+    order = sorted(first_in_backward, key=first_in_backward.__getitem__)
+    rank = {lid: i for i, lid in enumerate(order)}
+    places = []
+    for producer, last_use, q in values:
+        if not producer < end <= q:
+            raise WorkbenchError(
+                f"offloaded value at {producer} must be made in forward (before {end}) and "
+                f"read in backward, not first at {q}"
+            )
+        free = max(producer, last_use)
+        if options.defer_layers:
+            target = min(region_of[producer] + options.defer_layers, len(region_end) - 1)
+            free = max(free, region_end[target])
+        reload = q
+        lid = layer[q] if layer[q] is not None else layer[producer]
+        if options.prefetch_layers and lid in rank:
+            earlier = rank[lid] - options.prefetch_layers
+            reload = min(q, first_in_backward[order[earlier]] if earlier >= 0 else end)
+        places.append(Place(producer, free, reload, q))
+    return places
+
+
+def _random_order(rng: random.Random) -> tuple[list[bool], list[int | None]]:
+    """A node order: forward, then backward from its first backward node (with some
+    positions not marked backward), layer ids in runs or scattered, None among them."""
+    length = rng.randint(1, 40)
+    end = rng.randint(0, length)
+    backward = [False] * end + [p == end or rng.random() < 0.8 for p in range(end, length)]
+    choices: list[int | None] = [None, *range(rng.randint(1, 5))]
+    layer: list[int | None] = []
+    while len(layer) < length:
+        layer += [rng.choice(choices)] * (rng.randint(1, 6) if rng.random() < 0.7 else 1)
+    return backward, layer[:length]
+
+
+def _outcome(place: Callable[..., list[Place]], *args: Any) -> list[Place] | str:
+    try:
+        return place(*args)
+    except WorkbenchError as err:
+        return str(err)
+
+
+def test_place_offloads_equals_a_plain_placement_on_random_orders() -> None:
+    """Both forms, against the rule applied position by position: prefetch and defer 0..3,
+    values read or not in forward, and misplaced values refused with the same words."""
+    rng = random.Random(0)
+    outcomes = []
+    for _ in range(400):
+        backward, layer = _random_order(rng)
+        end = backward.index(True) if True in backward else len(backward)
+        values = []
+        for _ in range(rng.randint(0, 6)):
+            producer = rng.randrange(end) if end else 0
+            last_use = rng.randint(producer, end - 1) if end and rng.random() < 0.7 else producer
+            q = rng.randrange(end, len(backward)) if end < len(backward) else end - 1
+            values.append(Offloaded(producer, last_use, q))
+        options = OffloadOptions(None, rng.randint(0, 3), rng.randint(0, 3))
+        ids = np.array([NO_LAYER if x is None else x for x in layer], np.int64)
+        expected = _outcome(_plain_place_offloads, backward, layer, values, options)
+        assert _outcome(place_offloads, backward, layer, values, options) == expected
+        assert _outcome(place_offloads_arrays, np.array(backward), ids, values, options) == expected
+        outcomes.append(expected)
+    refused = sum(isinstance(o, str) for o in outcomes)
+    assert refused > 10 and sum(len(o) > 1 for o in outcomes if not isinstance(o, str)) > 200
 
 
 def test_interleave_orders_steps_around_their_nodes() -> None:

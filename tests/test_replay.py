@@ -15,7 +15,7 @@ from workbench.graph import JointGraph
 from workbench.index import GraphIndex, Schedule, graph_index
 from workbench.policy import Policy, decide
 from workbench.remat import remat
-from workbench.replay import recompute_flags, replay
+from workbench.replay import recompute_flags, replay, saved_bytes_by_node
 
 MODELS = ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"]
 
@@ -121,6 +121,19 @@ def test_replay_equals_torch_pass_for_random_flags(
         assert estimator.simulate(replay(index, flags)) == estimate_remat(
             graph, remat(graph, decisions), estimator
         )
+
+
+@pytest.mark.parametrize("preset", ["none", "eager", "full"])
+def test_saved_bytes_by_node_equals_torch_pass(graphs: dict[str, JointGraph], preset: str) -> None:
+    """The replayed figure is the one torch's pass gives, node for node; None is the joint
+    graph as traced."""
+    graph = graphs["llama3-debug"]
+    report = remat(graph, Policy(preset)).report
+    assert (
+        saved_bytes_by_node(graph, decide(graph, Policy(preset)))
+        == report.saved_bytes_by_node_after
+    )
+    assert saved_bytes_by_node(graph, None) == report.saved_bytes_by_node_before
 
 
 def test_replay_refuses_backward_flags(graphs: dict[str, JointGraph]) -> None:

@@ -14,7 +14,7 @@ from workbench import rules
 from workbench.export import export, rules_source
 from workbench.graph import JointGraph
 from workbench.models import Workload
-from workbench.policy import Policy, Selector, decide, flip, graph_facts
+from workbench.policy import Policy, Selector, decide, flip, graph_facts, graph_plan
 from workbench.rules import OpFacts, Why, decide_ops, module_matches, op_facts
 
 
@@ -197,3 +197,31 @@ def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
             assert tags == _plain_decide(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
         name = rng.choice([n for n, t in tags.items() if not t.forced])
         policy = flip(graph, policy, name, all_layers=rng.random() < 0.5, decisions=tags)
+
+
+def _plain_offload_refusal(
+    facts: list[OpFacts], tags: dict[str, rules.Tag], name: str, preset: str
+) -> str | None:
+    """`offload_refusal_in` from the facts alone: the look-ups built afresh for each node."""
+    titan = preset in rules.TITAN_PRESETS
+    by_name = {f.name: f for f in facts}
+    refusal = rules.offload_refusal(by_name[name], rules.last_layer(facts, titan), titan)
+    if refusal is None and not rules.kept_for_backward(tags, by_name)(by_name[name]):
+        return "is not kept for backward: nothing to offload"
+    return refusal
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug"])
+def test_offload_refusal_through_the_plan_equals_from_the_facts(
+    small_graphs_and_rank: dict[str, JointGraph], model: str
+) -> None:
+    """The plan's kept look-ups give every node the answer the facts give, for graph SAC's
+    and graph trainer's rules, whether the node is saved, recomputed or offloaded."""
+    graph = small_graphs_and_rank[model]
+    facts, plan = graph_facts(graph), graph_plan(graph)
+    presets = ["none", "eager", "full", "offload", "titan-default", "titan-sac_and_offload"]
+    for preset in presets:
+        tags = decide(graph, Policy(preset))
+        answers = [rules.offload_refusal_in(plan, tags, f.name, preset) for f in facts]
+        assert answers == [_plain_offload_refusal(facts, tags, f.name, preset) for f in facts]
+        assert None in answers and any(answers), preset

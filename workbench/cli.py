@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from workbench.errors import WorkbenchError
 from workbench.files import check_writable
@@ -29,6 +30,34 @@ if TYPE_CHECKING:
 
 EXIT_USAGE = 2
 INT64_MAX = 2**63 - 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse reporting bad input as every command does: one line, `PROG: error: MESSAGE`
+    naming the flag and what is valid, exit status 2, instead of a usage block. A command
+    (a parser with a `run`) refuses flags it does not know itself, with close matches; a
+    parser of commands (`commands`) lists them when none is given."""
+
+    commands: tuple[str, ...] = ()
+
+    def error(self, message: str) -> NoReturn:
+        if self.commands and message.startswith("the following arguments are required"):
+            message += f" (choose from {', '.join(self.commands)})"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra and self.get_default("run") is not None:
+            flags = [a.split("=")[0] for a in extra if a.startswith("-")]
+            close = {m for f in flags for m in difflib.get_close_matches(f, self._flags(), 3)}
+            hint = f" (close matches: {', '.join(sorted(close))})" if close else ""
+            self.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return namespace, extra
+
+    def _flags(self) -> list[str]:
+        return [flag for action in self._actions for flag in action.option_strings]
 
 
 def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -571,7 +600,7 @@ def _print_human(result: dict[str, Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workbench", description=__doc__)
+    parser = _Parser(prog="python -m workbench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     trace = commands.add_parser("trace", help="trace a train step and summarise the graph")
@@ -606,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     activations.set_defaults(run=cmd_activations)
 
     policy = commands.add_parser("policy", help="what a policy does")
-    policies = policy.add_subparsers(dest="policy_command", required=True)
+    policies = policy.add_subparsers(dest="subcommand", required=True)
     explain = policies.add_parser(
         "explain",
         help="a policy's rules in words, where it differs from graph trainer's, and (with "
@@ -652,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.set_defaults(run=cmd_pareto)
 
     bench = commands.add_parser("bench", help="benchmarks that print measured figures")
-    benches = bench.add_subparsers(dest="bench", required=True)
+    benches = bench.add_subparsers(dest="subcommand", required=True)
     bench_trace = benches.add_parser("trace", help="time tracing (median of --repeat runs)")
     _add_model_args(bench_trace)
     bench_trace.add_argument("--repeat", type=int, default=1)
@@ -705,6 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="bisection over the device budget stops within this many bytes (default 1 MiB)",
     )
     bench_offload.set_defaults(run=cmd_bench_offload, mode="fake")
+    for owner, choices in ((parser, commands), (policy, policies), (bench, benches)):
+        owner.commands = tuple(choices.choices or ())
     return parser
 
 

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
-from workbench.offload import REPLAYED_VIEW, is_offload_node
+from workbench.offload import NO_LAYER, REPLAYED_VIEW, is_offload_node
 from workbench.rules import mutates, unshard_chains
 
 __all__ = [
@@ -107,6 +107,7 @@ class NodeArrays(NamedTuple):
     region: np.ndarray  # the backward region holding the node (`regions`), -1 outside
     impure: np.ndarray  # kept by dead-code elimination whatever reads it
     raisable: np.ndarray  # a getitem of a non-getitem, which torch's `raise_getitems` moves
+    layer: np.ndarray  # `GraphIndex.layer`, `offload.NO_LAYER` outside the layers
 
 
 class Storages(NamedTuple):
@@ -237,6 +238,7 @@ class GraphIndex:
             region=region,
             impure=np.array(self.impure, bool),
             raisable=getitem & ~getitem[first_input],
+            layer=np.array([NO_LAYER if x is None else x for x in self.layer], np.int64),
         )
 
     @functools.cached_property

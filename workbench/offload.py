@@ -1,10 +1,10 @@
 """CPU offload of saved activations: the host-copy ops, where each copy goes, and the pass.
 
 Entry points: `place_offloads(...)` and `interleave(...)` (the one placement rule: where the
-device->host copy, the free, the reload and its wait go in a node order, for the pass and
-the estimate alike) and `offload_pass(gm, names, layer_of, options) -> gm`. On the CPU the
-host is `workbench::offload` / `reload` / `wait_tensor` (own buffers, `host_usage()` counts
-them), elsewhere torch's `ao::` ops (`ops_for(device)`).
+device->host copy, the free, the reload and its wait go in a node order, for the pass, and
+as `place_offloads_arrays` / `interleave_arrays` for the estimate) and `offload_pass(gm,
+names, layer_of, options) -> gm`. On the CPU the host is `workbench::offload` / `reload` /
+`wait_tensor` (own buffers, `host_usage()` counts them), elsewhere torch's `ao::` ops.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from workbench.errors import WorkbenchError
 from workbench.rules import OffloadOptions, mutates, storage_keys
 
 __all__ = [
+    "NO_LAYER",
     "OFFLOAD_META",
     "REPLAYED_VIEW",
     "STEP_KINDS",
@@ -40,6 +41,7 @@ __all__ = [
     "offload_pass",
     "ops_for",
     "place_offloads",
+    "place_offloads_arrays",
 ]
 
 # gm.meta key holding the `OffloadPlan` of a graph the pass rewrote; node.meta key marking a
@@ -221,6 +223,9 @@ class Place(NamedTuple):
     wait_before: int
 
 
+NO_LAYER = -1  # `place_offloads_arrays`' layer id of nodes outside the layers
+
+
 def place_offloads(
     backward: Sequence[bool],
     layer: Sequence[int | None],
@@ -228,7 +233,8 @@ def place_offloads(
     options: OffloadOptions,
 ) -> list[Place]:
     """Where each value's copy, free, reload and wait go in a node order (positions into
-    `backward` and `layer`, one entry per node that runs).
+    `backward` and `layer`, one entry per node that runs; layer ids are `rules.layer_of`'s,
+    never negative, None outside the layers).
 
     Forward is every position before the first backward one, cut into regions: maximal runs
     of one layer id (nodes outside the layers between them form their own). With
@@ -239,41 +245,55 @@ def place_offloads(
     `prefetch_layers` N before the first reader's layer in that order (the first backward
     node when there is none that early; the reader's own layer, or the producer's when the
     reader is outside the layers), and never after the reader; N = 0: right before it."""
-    end = next((p for p, b in enumerate(backward) if b), len(backward))
-    region_end: list[int] = []
-    region_of: list[int] = []
-    for p in range(end):
-        if p and layer[p] != layer[p - 1]:
-            region_end.append(p - 1)
-        region_of.append(len(region_end))
-    if end:
-        region_end.append(end - 1)
-    first_in_backward: dict[int, int] = {}
-    for p in range(end, len(backward)):
-        lid = layer[p]
-        if backward[p] and lid is not None and lid not in first_in_backward:
-            first_in_backward[lid] = p
-    order = sorted(first_in_backward, key=first_in_backward.__getitem__)
-    rank = {lid: i for i, lid in enumerate(order)}
-    places = []
-    for value in values:
-        producer, last_use, q = value
-        if not producer < end <= q:
-            raise WorkbenchError(
-                f"offloaded value at {producer} must be made in forward (before {end}) and "
-                f"read in backward, not first at {q}"
-            )
-        free = max(producer, last_use)
-        if options.defer_layers:
-            target = min(region_of[producer] + options.defer_layers, len(region_end) - 1)
-            free = max(free, region_end[target])
-        reload = q
-        lid = layer[q] if layer[q] is not None else layer[producer]
-        if options.prefetch_layers and lid in rank:
-            earlier = rank[lid] - options.prefetch_layers
-            reload = min(q, first_in_backward[order[earlier]] if earlier >= 0 else end)
-        places.append(Place(producer, free, reload, q))
-    return places
+    ids = np.fromiter((NO_LAYER if x is None else x for x in layer), np.int64, len(layer))
+    return place_offloads_arrays(np.asarray(backward, bool), ids, values, options)
+
+
+def place_offloads_arrays(
+    backward: np.ndarray, layer: np.ndarray, values: Sequence[Offloaded], options: OffloadOptions
+) -> list[Place]:
+    """`place_offloads` on arrays (the estimate's form): `layer` holds `NO_LAYER` where the
+    list form holds None."""
+    end = int(np.argmax(backward)) if backward.any() else len(backward)
+    producer, last_use, q = np.array(values, np.int64).reshape(len(values), 3).T
+    wrong = np.flatnonzero((producer >= end) | (q < end))
+    if len(wrong):
+        k = wrong[0]
+        raise WorkbenchError(
+            f"offloaded value at {producer[k]} must be made in forward (before {end}) and "
+            f"read in backward, not first at {q[k]}"
+        )
+    free = np.maximum(producer, last_use)
+    if options.defer_layers:
+        # forward regions start where the layer id changes; each ends before the next
+        starts = np.flatnonzero(np.diff(layer[:end])) + 1
+        region_end = np.append(starts - 1, end - 1)
+        region = np.searchsorted(starts, producer, side="right")
+        target = np.minimum(region + options.defer_layers, len(region_end) - 1)
+        free = np.maximum(free, region_end[target])
+    reload = q
+    ids, first, rank = _backward_layers(backward, layer, end)
+    if options.prefetch_layers and len(ids):
+        lid = np.where(layer[q] != NO_LAYER, layer[q], layer[producer])
+        k = np.minimum(np.searchsorted(ids, lid), len(ids) - 1)
+        earlier = rank[k] - options.prefetch_layers
+        start = np.where(earlier >= 0, first[np.maximum(earlier, 0)], end)
+        reload = np.where(ids[k] == lid, np.minimum(q, start), q)
+    rows = zip(producer.tolist(), free.tolist(), reload.tolist(), q.tolist(), strict=True)
+    return [Place(*row) for row in rows]
+
+
+def _backward_layers(
+    backward: np.ndarray, layer: np.ndarray, end: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The layers backward runs (ids sorted), their first backward nodes in the order
+    backward reaches them, and each id's rank in that order."""
+    ran = np.flatnonzero(backward[end:] & (layer[end:] != NO_LAYER)) + end
+    ids, first = np.unique(layer[ran], return_index=True)
+    by_first = np.argsort(first)
+    rank = np.empty(len(ids), np.int64)
+    rank[by_first] = np.arange(len(ids))
+    return ids, ran[first][by_first], rank
 
 
 StepKind = Literal["node", "offload", "free", "reload", "wait"]

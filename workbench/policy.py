@@ -365,6 +365,14 @@ def graph_facts(graph: JointGraph) -> list[OpFacts]:
     return _FACTS[graph]
 
 
+def graph_plan(graph: JointGraph) -> DecidePlan:
+    """The rules' `DecidePlan` of the graph's facts (built once): what re-deciding after a
+    flip and the offload look-ups of one node read instead of a pass over the graph."""
+    if graph not in _PLANS:
+        _PLANS[graph] = decide_plan(graph_facts(graph))
+    return _PLANS[graph]
+
+
 def node_keys(graph: JointGraph) -> dict[str, str]:
     """Stable, layer-relative keys `MODULE::OP#k` (k-th such op in that module) for decidable
     nodes; `MODULE` uses `layers.*` so one key names the op in every identical layer."""
@@ -450,17 +458,14 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
     """
     validate(graph, policy)
     selectors = [s.row() for s in policy.selectors]
-    facts = graph_facts(graph)
-    if graph not in _PLANS:
-        _PLANS[graph] = decide_plan(facts)
     return decide_ops(
-        facts,
+        graph_facts(graph),
         policy.preset,
         selectors,
         policy.overrides,
         policy.fsdp_reshard,
         policy.offload,
-        _PLANS[graph],
+        graph_plan(graph),
     )
 
 
@@ -477,7 +482,7 @@ def next_action(
         return "save", None
     if not current.recompute:
         return "recompute", None
-    refusal = offload_refusal_in(graph_facts(graph), decisions, node, policy.preset)
+    refusal = offload_refusal_in(graph_plan(graph), decisions, node, policy.preset)
     return ("save", f"{node} {refusal}") if refusal else ("offload", None)
 
 

@@ -1,7 +1,7 @@
 """torch's remat pass replayed on node indices: the schedule it would produce, no graph built.
 
 Entry points: `replay(index, recompute) -> Flat`, `offload_schedule(index, flat, names,
-options)` (the offload pass replayed on it) and `kept_for_backward(graph, decisions)`.
+options)` (the offload pass replayed on it) and `saved_bytes_by_node(graph, decisions)`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import numpy as np
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph
 from workbench.index import Csr, Flat, GraphIndex, graph_index, offload_entry
-from workbench.offload import Offloaded, Place, interleave_arrays, place_offloads
+from workbench.offload import Offloaded, Place, interleave_arrays, place_offloads_arrays
 from workbench.rules import RECOMPUTE, OffloadOptions, Tag
 
-__all__ = ["kept_for_backward", "offload_schedule", "recompute_flags", "replay"]
+__all__ = ["offload_schedule", "recompute_flags", "replay", "saved_bytes_by_node"]
 
 
 def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> np.ndarray:
@@ -155,7 +155,7 @@ def _getitems_raised(
     return entries[np.argsort(keys)]
 
 
-def kept_for_backward(graph: JointGraph, decisions: Mapping[str, Tag] | None) -> dict[str, int]:
+def saved_bytes_by_node(graph: JointGraph, decisions: Mapping[str, Tag] | None) -> dict[str, int]:
     """Saved activation bytes by forward node once `decisions` are rematerialized (the
     joint graph as traced when None): `GraphIndex.saved_by_node` of the replayed schedule.
     Pictures and diffs read it, also for partitioner tags that recompute random ops."""
@@ -172,7 +172,7 @@ def offload_schedule(
     """The schedule `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
     it offloads the nodes `names`: the same skips (not a forward op, not one tensor, sharing
     an input's storage, returned, written in place, not read in backward), `Offloaded`
-    read off the schedule, then THE placement (`place_offloads`, `interleave`); each wait
+    read off the schedule, then THE placement (`place_offloads_arrays`, `interleave`); each wait
     for a reload is followed by the forward views backward reads, replayed on it, and
     backward readers read the reload. Returns the schedule and the skipped names with why."""
     n, entries = index.n, flat.entries
@@ -212,8 +212,8 @@ def offload_schedule(
     if not wanted:
         return flat, skipped
     wanted.sort(key=lambda w: w[2].producer)
-    layer = np.array(index.layer, dtype=object)[entries % n].tolist()
-    places = place_offloads(backward.tolist(), layer, [w[2] for w in wanted], options)
+    layer = index.arrays.layer[entries % n]
+    places = place_offloads_arrays(backward, layer, [w[2] for w in wanted], options)
     return _interleaved(index, flat, end, wanted, places), skipped
 
 

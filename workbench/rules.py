@@ -598,8 +598,11 @@ def fsdp_tag(reshard: bool) -> Tag:
 class DecidePlan(NamedTuple):
     """What deciding derives from the facts alone, built once per graph (`decide_plan`) so
     that re-deciding after a flip only touches the nodes a policy can change: the
-    overridden ones, the followers, and the nodes with a user across a layer boundary."""
+    overridden ones, the followers, and the nodes with a user across a layer boundary;
+    and so that the offload rules look a node up without a pass over the graph."""
 
+    by_name: dict[str, OpFacts]
+    last_layers: tuple[int | None, int | None]  # `last_layer`: graph SAC's, graph trainer's
     by_key: dict[str, list[str]]  # `OpFacts.key` -> nodes
     by_layer_key: dict[str, list[str]]  # `OpFacts.layer_key` -> nodes
     leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
@@ -626,6 +629,8 @@ def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
         if leader is not None and leader in by_name:
             leaders.append((f.name, leader, leader == f.gather))
     return DecidePlan(
+        by_name,
+        (last_layer(facts), last_layer(facts, titan=True)),
         dict(by_key),
         dict(by_layer_key),
         leaders,
@@ -668,7 +673,7 @@ def decide_ops(
     _follow(tags, requested, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
     if may_offload(preset, selectors, overrides):
-        decide_offload(facts, tags, preset, offload or OffloadOptions())
+        decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
     return tags
 
 
@@ -801,7 +806,7 @@ def decide_titan_ops(
         tags[f.name] = tag
     save_layer_boundaries(tags, (plan or decide_plan(facts)).titan_boundaries)
     if may_offload(preset, selectors, overrides):
-        decide_offload(facts, tags, preset, offload or OffloadOptions())
+        decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
     return tags
 
 
@@ -895,13 +900,14 @@ def kept_for_backward(
 
 
 def offload_refusal_in(
-    facts: Sequence[OpFacts], tags: Mapping[str, Tag], name: str, preset: str
+    plan: DecidePlan, tags: Mapping[str, Tag], name: str, preset: str
 ) -> str | None:
     """Why node `name` may not be offloaded under `tags` (the rules and the keep test of
-    `decide_offload`, budget aside), or None if it may."""
+    `decide_offload`, budget aside), or None if it may. Reads the facts through their
+    `plan`: a flip or a look at one node costs that node's users, not the graph."""
     titan = preset in TITAN_PRESETS
-    by_name = {f.name: f for f in facts}
-    refusal = offload_refusal(by_name[name], last_layer(facts, titan), titan)
+    by_name = plan.by_name
+    refusal = offload_refusal(by_name[name], plan.last_layers[titan], titan)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
         return "is not kept for backward: nothing to offload"
     return refusal
@@ -920,18 +926,23 @@ def may_offload(
 
 
 def decide_offload(
-    facts: Sequence[OpFacts], tags: dict[str, Tag], preset: str, options: OffloadOptions
+    facts: Sequence[OpFacts],
+    tags: dict[str, Tag],
+    preset: str,
+    options: OffloadOptions,
+    plan: DecidePlan | None = None,
 ) -> None:
     """The offload step, in place on `tags`. An offload preset offloads every saved node
     the policy did not ask to save by name that may be offloaded and is kept for backward;
     an `offload` request (selector or override) the rules cannot grant is saved instead,
     tagged `Why.OFFLOAD_REFUSED` with the reason. Then the budget: offloads are kept largest
     first (graph order among equals) while they fit; the rest go back to their preset's
-    save (`OFFLOAD_REFUSED` when asked for by name)."""
+    save (`OFFLOAD_REFUSED` when asked for by name). The facts' `plan`, when given,
+    saves the lookups built from them."""
     titan = preset in TITAN_PRESETS
-    last = last_layer(facts, titan)
-    by_name = {f.name: f for f in facts}
-    kept = kept_for_backward(tags, by_name)
+    plan = plan or decide_plan(facts)
+    last = plan.last_layers[titan]
+    kept = kept_for_backward(tags, plan.by_name)
     chosen: list[OpFacts] = []
     before: dict[str, Tag] = {}
     for f in facts:

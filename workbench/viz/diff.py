@@ -12,7 +12,7 @@ from typing import Any
 from workbench.graph import JointGraph
 from workbench.policy import Decisions
 from workbench.remat import RematResult
-from workbench.replay import kept_for_backward
+from workbench.replay import saved_bytes_by_node
 from workbench.viz.network import DiffRow, original_of
 from workbench.viz.render import View
 from workbench.viz.style import human_bytes, human_flops, signed
@@ -145,11 +145,14 @@ def diff(
 ) -> PolicyDiff:
     """Nodes whose decision (save, recompute, offload) differs, and nodes whose kept bytes
     changed without a change of their own (the base of a view that is now saved). Δ kept
-    bytes is the change of `kept_for_backward` (the estimate's saved activation bytes,
+    bytes is the change of `saved_bytes_by_node` (the estimate's saved activation bytes,
     offloaded ones included) at each node, so the rows add up to the estimates' difference;
     Δ recompute FLOPs counts a changed node's FLOPs; Δ offloaded bytes its bytes moved to
     host memory. MUST vs PREFER of the same action is no change."""
-    kept_a, kept_b = kept_for_backward(graph, decisions_a), kept_for_backward(graph, decisions_b)
+    kept_a, kept_b = (
+        saved_bytes_by_node(graph, decisions_a),
+        saved_bytes_by_node(graph, decisions_b),
+    )
     rows, flipped = [], set()
     for name in graph.nodes:
         if name not in decisions_a or name not in decisions_b:

@@ -16,7 +16,7 @@ import torch.fx as fx
 from workbench.errors import WorkbenchError
 from workbench.graph import JointGraph, NodeInfo
 from workbench.policy import Decisions
-from workbench.replay import kept_for_backward
+from workbench.replay import saved_bytes_by_node
 from workbench.viz.network import forward_side, is_offload, is_recompute, recompute_flops
 from workbench.viz.render import Changes, View, new_digraph, op_view
 from workbench.viz.style import (
@@ -164,10 +164,10 @@ def overview(
 ) -> Overview:
     """Group forward ops by module, `depth` levels below a layer; fold runs of consecutive
     layers whose ops, sizes and decisions are identical. Kept bytes are the saved activation
-    bytes of `workbench.replay.kept_for_backward` (the estimate's figure), by the node owning
+    bytes of `workbench.replay.saved_bytes_by_node` (the estimate's figure), by the node owning
     each storage; recompute FLOPs count forward ops tagged recompute."""
     changes = changes or {}
-    kept = kept_for_backward(graph, decisions)
+    kept = saved_bytes_by_node(graph, decisions)
     units: dict[Unit, list[str]] = {}
     box_key: dict[str, str] = {}
     for info in graph.ops():

@@ -18,7 +18,7 @@ from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.graph import JointGraph, short_op
 from workbench.policy import Decisions
-from workbench.replay import kept_for_backward
+from workbench.replay import saved_bytes_by_node
 from workbench.viz.network import (
     DiffRow,
     forward_side,
@@ -213,7 +213,7 @@ def op_view(
     copies = [] if gm is None else [f"{n}_recomputed" for n in shown if f"{n}_recomputed" in source]
     check_layout_size(len(shown) + len(copies), force)
     # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
-    kept = kept_for_backward(graph, None), kept_for_backward(graph, decisions)
+    kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
     diffing = changes is not None
     changes = changes or {}
     members = set(shown) | set(copies)

@@ -35,7 +35,7 @@ from workbench.policy import (
     decidable,
     decide,
     flip,
-    graph_facts,
+    graph_plan,
     layer_key,
     next_action,
     node_keys,
@@ -865,7 +865,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         """Whether the op's output may be offloaded, and why not."""
         if name not in self._decisions:
             return "-"
-        refusal = offload_refusal_in(graph_facts(self.graph), self._decisions, name,
+        refusal = offload_refusal_in(graph_plan(self.graph), self._decisions, name,
                                      self.policy.preset)  # fmt: skip
         return "possible" if refusal is None else f"not possible: it {refusal}"
 
