@@ -23,7 +23,7 @@ from workbench.cli import main
 from workbench.estimate import Estimator
 from workbench.graph import JointGraph
 from workbench.models import Workload, load_workload
-from workbench.policy import Policy, decide, graph_facts
+from workbench.policy import Policy, decide, graph_plan
 from workbench.rules import offload_refusal_in
 from workbench.trace import timed_trace, trace
 
@@ -111,11 +111,11 @@ def test_offload_floor_policy_offloads_what_full_recompute_keeps(
 ) -> None:
     full = decide(offload_graph, Policy("full"))
     floor = decide(offload_graph, offload_floor_policy(offload_graph))
-    facts = graph_facts(offload_graph)
+    plan = graph_plan(offload_graph)
     may = {
         name
         for name, tag in full.items()
-        if not tag.recompute and offload_refusal_in(facts, full, name, "full") is None
+        if not tag.recompute and offload_refusal_in(plan, full, name, "full") is None
     }
     assert may and {name for name, tag in floor.items() if tag.offload} == may
     assert {n for n, t in floor.items() if t.recompute} == {

@@ -18,7 +18,7 @@ from workbench.errors import WorkbenchError
 from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
 from workbench.index import OFFLOAD_STEPS
-from workbench.policy import Action, Policy, decide, flip, graph_facts, layer_key, node_keys
+from workbench.policy import Action, Policy, decide, flip, graph_plan, layer_key, node_keys
 from workbench.remat import RECOMPUTED_SUFFIX, remat
 from workbench.rules import OffloadOptions, offload_refusal_in
 from workbench.solve import SOLVER_DEFER_LAYERS, Solution, fsdp_choices, solve
@@ -147,12 +147,12 @@ def offload_floor_policy(graph: JointGraph, fsdp_reshard: bool = True) -> Policy
     a save/recompute/offload policy reaches where the activations full recompute cannot
     drop are what remains of them."""
     full = Policy("full", fsdp_reshard=fsdp_reshard)
-    tags, facts, keys = decide(graph, full), graph_facts(graph), node_keys(graph)
+    tags, plan, keys = decide(graph, full), graph_plan(graph), node_keys(graph)
     offload: Action = "offload"
     overrides = {
         layer_key(graph.nodes[name], keys[name]): offload
         for name, tag in tags.items()
-        if not tag.recompute and offload_refusal_in(facts, tags, name, "full") is None
+        if not tag.recompute and offload_refusal_in(plan, tags, name, "full") is None
     }
     return Policy(
         "full",
