@@ -781,7 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result["code"])
     elif args.command == "activations":
         print(result["table"])
-    elif args.command == "bench" and args.bench == "offload":
+    elif args.command == "bench" and args.subcommand == "offload":
         from workbench.bench import offload_table
 
         print(offload_table(result))
