@@ -216,6 +216,23 @@ def test_place_offloads_defers_and_prefetches_by_layers() -> None:
         place_offloads(BACKWARD, LAYER, [Offloaded(8, 8, 9)], OffloadOptions())
 
 
+def test_prefetch_counts_layers_from_the_producers_layer() -> None:
+    """As graph trainer does: with N = 1, layer 0's output, first read in layer 1's
+    backward, is reloaded where layer 1's backward starts, as layer 0's own values are (not
+    a layer before its reader's); outside the layers, right before the reader."""
+    #        0     1  2  3  4  5  6  7  8  9 10 11 12  13
+    layer = [None, 0, 0, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0, None]
+    backward = [False] * 7 + [True] * 7
+    output = Offloaded(producer=2, last_forward_use=3, first_backward_use=10)
+    inner = Offloaded(producer=1, last_forward_use=2, first_backward_use=11)
+    places = place_offloads(backward, layer, [output, inner], OffloadOptions(None, 1, 0))
+    assert [p.reload_before for p in places] == [9, 9]  # layer 1's first backward node
+    places = place_offloads(backward, layer, [output, inner], OffloadOptions(None, 2, 0))
+    assert [p.reload_before for p in places] == [7, 7]  # layer 2's
+    outside = Offloaded(producer=0, last_forward_use=1, first_backward_use=12)
+    assert place_offloads(backward, layer, [outside], OffloadOptions(None, 2, 0))[0][2] == 12
+
+
 def _plain_place_offloads(
     backward: list[bool], layer: list[int | None], values: list[Offloaded], options: OffloadOptions
 ) -> list[Place]:
@@ -249,7 +266,7 @@ def _plain_place_offloads(
             target = min(region_of[producer] + options.defer_layers, len(region_end) - 1)
             free = max(free, region_end[target])
         reload = q
-        lid = layer[q] if layer[q] is not None else layer[producer]
+        lid = layer[producer]
         if options.prefetch_layers and lid in rank:
             earlier = rank[lid] - options.prefetch_layers
             reload = min(q, first_in_backward[order[earlier]] if earlier >= 0 else end)

@@ -144,12 +144,14 @@ def test_entry_node_reads_every_entry_space(small_graphs: dict[str, Fixture]) ->
     )
 )
 def test_interleave_arrays_is_interleave(places: list[tuple[int, int, int, int]]) -> None:
-    """The order the pass builds, from a plain loop: before each node its reloads then its
-    waits, after it its copies then its frees, values in order."""
+    """The order the pass builds, from a plain loop: before each node its reloads (in the
+    order of their first backward readers) then its waits, after it its copies then its
+    frees, otherwise values in order."""
     expected: list[Step] = []
     for p in range(10):
-        for kind, col in (("reload", 2), ("wait", 3)):
-            expected += [Step(kind, k) for k, pl in enumerate(places) if pl[col] == p]  # type: ignore[arg-type]
+        reloads = sorted((pl[3], k) for k, pl in enumerate(places) if pl[2] == p)
+        expected += [Step("reload", k) for _, k in reloads]
+        expected += [Step("wait", k) for k, pl in enumerate(places) if pl[3] == p]
         expected.append(Step("node", p))
         for kind, col in (("offload", 0), ("free", 1)):
             expected += [Step(kind, k) for k, pl in enumerate(places) if pl[col] == p]  # type: ignore[arg-type]

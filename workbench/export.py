@@ -646,9 +646,8 @@ def _offload_notes(policy: Policy) -> list[str]:
             if policy.offload.defer_layers < TORCHTITAN_MIN_DEFER_LAYERS
             else "."
         ),
-        "prefetch: torchtitan counts the N layers from the offloaded tensor's own layer, the "
-        "workbench from its first backward reader's: a layer's output, read first by the "
-        "next layer's backward, is reloaded one layer later there.",
+        "prefetch: the same rule (reload N layers before the offloaded tensor's own layer "
+        "in backward).",
     ]
     return notes
 

@@ -242,9 +242,11 @@ def place_offloads(
     with M > 0 at the end of the region M regions after the producer's (never before the
     last reader, at the latest at the end of forward). Backward layers are ordered by their
     first backward node; the reload goes before the first backward node of the layer
-    `prefetch_layers` N before the first reader's layer in that order (the first backward
-    node when there is none that early; the reader's own layer, or the producer's when the
-    reader is outside the layers), and never after the reader; N = 0: right before it."""
+    `prefetch_layers` N before the producer's layer in that order (the first backward node
+    when there is none that early), never after the first reader, and right before it when
+    N = 0 or the producer is outside the layers. Counting from the producer's layer is
+    graph trainer's rule (`apply_cpu_offload_pass`), so an exported policy runs where the
+    estimate puts it (`workbench.titan.offload_passes` checks)."""
     ids = np.fromiter((NO_LAYER if x is None else x for x in layer), np.int64, len(layer))
     return place_offloads_arrays(np.asarray(backward, bool), ids, values, options)
 
@@ -274,7 +276,7 @@ def place_offloads_arrays(
     reload = q
     ids, first, rank = _backward_layers(backward, layer, end)
     if options.prefetch_layers and len(ids):
-        lid = np.where(layer[q] != NO_LAYER, layer[q], layer[producer])
+        lid = layer[producer]
         k = np.minimum(np.searchsorted(ids, lid), len(ids) - 1)
         earlier = rank[k] - options.prefetch_layers
         start = np.where(earlier >= 0, first[np.maximum(earlier, 0)], end)
@@ -311,22 +313,30 @@ class Step(NamedTuple):
 def interleave(length: int, places: Sequence[Place]) -> list[Step]:
     """The node order with the offload steps in it, as the pass builds the graph: after a
     node, the copies of values it produced, then the frees placed after it; before a node,
-    the reloads placed before it, then the waits; among equals, in value order."""
+    the reloads placed before it, in the order backward first reads them (the transfer
+    stream runs them in that order; graph trainer queues them so too), then the waits;
+    otherwise in value order."""
     kinds, at = interleave_arrays(length, places)
     return [Step(STEP_KINDS[k], a) for k, a in zip(kinds.tolist(), at.tolist(), strict=True)]
 
 
 def interleave_arrays(length: int, places: Sequence[Place]) -> tuple[np.ndarray, np.ndarray]:
     """`interleave` as two arrays (the estimate's form): each step's kind, an index into
-    `STEP_KINDS`, and its position or value index. Sorted by (node position, group, value),
-    the groups being reloads, waits, the node, copies, frees."""
+    `STEP_KINDS`, and its position or value index. Sorted by (node position, group, first
+    backward reader for reloads, value), the groups being reloads, waits, the node, copies,
+    frees."""
     values = len(places)
     table = np.array(places, np.int64).reshape(values, 4)
     k = np.arange(values)
-    # (anchor column, group) of offload, free, reload and wait
-    groups = ((0, 3), (1, 4), (2, 0), (3, 1))
-    keys = [(np.arange(length) * 5 + 2) * (values + 1)]
-    keys += [(table[:, col] * 5 + group) * (values + 1) + k for col, group in groups]
+    span = length + 1  # room for the first-reader position of reloads
+
+    def key(position: Any, group: int, reader: Any = 0, value: Any = 0) -> Any:
+        return ((position * 5 + group) * span + reader) * (values + 1) + value
+
+    keys = [key(np.arange(length), 2)]
+    # offload, free, reload and wait, each after or before its anchor column
+    keys += [key(table[:, 0], 3, 0, k), key(table[:, 1], 4, 0, k)]
+    keys += [key(table[:, 2], 0, table[:, 3], k), key(table[:, 3], 1, 0, k)]
     kinds = np.repeat(np.arange(5), [length] + [values] * 4)
     at = np.concatenate((np.arange(length), np.tile(k, 4)))
     order = np.argsort(np.concatenate(keys), kind="stable")

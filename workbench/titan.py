@@ -335,19 +335,6 @@ OFFLOAD_PLACEMENT: tuple[Difference, ...] = (
         "end of the layer after the producer's: more device memory than the workbench's 0); "
         "the workbench's rule frees as early as is safe",
     ),
-    Difference(
-        key="prefetch layer",
-        rule="`prefetch_layers` N >= 1 (`cpu_offload_prefetch_n_layers`)",
-        presets=("offload", "titan-sac_and_offload"),
-        workbench="the reload goes N layers before the layer of the value's first backward reader",
-        graph_trainer="N layers before the value's own layer (its reload carries the "
-        "producer's module path)",
-        why="they differ for a layer's output, which the next layer's backward reads first "
-        "(its recomputed norm and residual add): the workbench starts that reload one layer "
-        "earlier, holding the reloaded copy one layer longer; on llama3-8b (fake, seq 8192, "
-        "h100, `titan-sac_and_offload`, defer 1) the estimate's peak is the same, its exposed "
-        "transfer time 0 here vs 2.4 ms there at N = 1, 21.8 ms here vs 0 there at N = 2",
-    ),
 )
 
 
@@ -458,7 +445,7 @@ class OffloadPasses:
     workbench: fx.GraphModule
     graph_trainer: fx.GraphModule
     # offloaded node -> layers of (producer, first backward reader; the producer's where the
-    # reader is outside the layers, as the workbench's prefetch counts)
+    # reader is outside the layers): what prefetch is counted from and where it is needed
     layers: dict[str, tuple[int | None, int | None]]
     options: OffloadOptions
     refused: str | None = None
@@ -488,14 +475,12 @@ def offload_mismatches(passes: OffloadPasses) -> list[OffloadMismatch]:
     order there: that moves no device memory (only reloads allocate, only in backward)."""
     ours, theirs = passes.landings()
     result = []
-    for name, (producer, reader) in passes.layers.items():
+    for name in passes.layers:
         for step, a, b in zip(STEP_NAMES, ours[name], theirs[name], strict=True):
             if a == b:
                 continue
             if step == "free" and passes.refused is not None:
                 key = "defer 0"
-            elif step == "reload" and passes.options.prefetch_layers and reader != producer:
-                key = "prefetch layer"
             else:
                 key = "unexplained"
             result.append(OffloadMismatch(name, step, a, b, key))
