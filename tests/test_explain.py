@@ -74,6 +74,13 @@ def test_offload_is_compared_with_graph_trainers_sac_and_offload(
     text = explain_text(result)
     assert "differs from graph trainer's `sac_and_offload` (`titan-sac_and_offload` here)" in text
     assert "no memory policy of this name" not in text
+    placement = result["offload_placement"]
+    assert placement["options"] == {"budget_bytes": None, "prefetch_layers": 1, "defer_layers": 0}
+    assert [d["key"] for d in placement["differences"]] == [d.key for d in OFFLOAD_PLACEMENT]
+    assert "offload steps (prefetch 1, defer 0) go where graph trainer's" in text
+    assert all(d.why in text for d in OFFLOAD_PLACEMENT)
+    assert explain("default")["offload_placement"] is None
+    assert "offload steps" not in explain_text(explain("default"))
     pytest.importorskip("torchtitan.experiments.graph_trainer.memory_policy")
     _, graph = small_graphs["llama3-debug"]
     against = explain("offload", graph)["graph_trainer"]

@@ -17,6 +17,7 @@ from workbench.rules import DECISIONS, PRESETS, TITAN_PRESETS, Why
 from workbench.titan import (
     CPU_FORCED,
     NOT_REPRODUCED,
+    OFFLOAD_PLACEMENT,
     compare,
     counterpart,
     differences_of,
@@ -88,6 +89,7 @@ def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str
 def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, Any]:
     """The policy's rules in words and, for a workbench preset, the rules where graph
     trainer's preset of the same name (`sac_and_offload` for `offload`) differs and why;
+    for a policy that offloads, where its copies go against graph trainer's offload pass;
     with a graph, its decisions by reason and (where graph trainer has a counterpart) the
     mismatches with graph trainer's own tagging of that graph, each named by the difference
     that explains it."""
@@ -106,6 +108,15 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
         "differences": [d.to_json() for d in differences_of(preset)],
         "cpu_forced_rule": CPU_FORCED.to_json() if preset in CPU_FORCED.presets else None,
         "not_reproduced": list(NOT_REPRODUCED) if preset in TITAN_PRESETS else [],
+        # where the pass puts the copies, against graph trainer's apply_cpu_offload_pass
+        "offload_placement": (
+            {
+                "options": policy.offload._asdict(),
+                "differences": [d.to_json() for d in OFFLOAD_PLACEMENT],
+            }
+            if policy.offloads
+            else None
+        ),
     }
     if graph is not None:
         result["model"] = graph.model_name
@@ -133,6 +144,17 @@ def explain_text(result: dict[str, Any]) -> str:
             f"(`titan-{counterpart_name}` here) in {len(result['differences'])} rules:"
         )
         for d in result["differences"]:
+            lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
+            lines.append(f"    why: {d['why']}")
+    placement = result["offload_placement"]
+    if placement is not None:
+        options, n = placement["options"], len(placement["differences"])
+        lines.append(
+            f"offload steps (prefetch {options['prefetch_layers']}, defer "
+            f"{options['defer_layers']}) go where graph trainer's apply_cpu_offload_pass puts "
+            f"them, step for step, but for {n} rule{'' if n == 1 else 's'}:"
+        )
+        for d in placement["differences"]:
             lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
             lines.append(f"    why: {d['why']}")
     if result["cpu_forced_rule"] is not None:
