@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_offload import CASES, POLICIES  # the policies the CPU ops are checked on
 
 import workbench.offload as offload
 from workbench.estimate import Estimator, estimate_remat
@@ -28,7 +29,6 @@ from workbench.models import Workload
 from workbench.offload import OFFLOAD_META, Ops, host_buffer_pool, is_offload_node
 from workbench.policy import Policy
 from workbench.remat import remat
-from workbench.rules import OffloadOptions
 
 Fixture = tuple[Workload, JointGraph]
 AO = importlib.import_module("torch._functorch._activation_offloading.offload_ops")
@@ -113,20 +113,6 @@ def ao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Streams]:
     yield streams
     assert not AO._wait_registry, "a copy the graph never waited for"
     AO._clear_wait_registry()
-
-
-POLICIES = {
-    "offload": Policy("offload"),
-    "now": Policy("offload", offload=OffloadOptions(prefetch_layers=0, defer_layers=0)),
-    "early-late": Policy("offload", offload=OffloadOptions(prefetch_layers=2, defer_layers=1)),
-    "titan": Policy("titan-sac_and_offload"),
-    "views": Policy(
-        "none", selectors=[{"select": "layers.0.**::aten.mm.default", "action": "offload"}]
-    ),
-}
-CASES = [("llama3-debug", name) for name in POLICIES] + [
-    ("dsv3-debug", name) for name in ("offload", "early-late", "views")
-]
 
 
 @pytest.mark.parametrize(("model", "name"), CASES)
