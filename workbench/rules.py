@@ -165,10 +165,11 @@ class OffloadOptions(NamedTuple):
     """How offloaded activations move (graph trainer's `cpu_offload_*` options).
 
     `budget_bytes`: host bytes the offloaded storages may take, chosen largest first (None:
-    no limit). `prefetch_layers`: the reload starts this many layers earlier in backward
-    than the first backward reader's layer (0: right before the reader). `defer_layers`:
-    the device copy is freed this many layers after the producer's in forward (0: right
-    after its last forward reader)."""
+    no limit). `prefetch_layers`: the reload starts this many layers before the producer's
+    layer in backward, never after the first backward reader (0: right before it), as graph
+    trainer counts. `defer_layers`: the device copy is freed at the end of the layer this
+    many layers after the producer's in forward (0: right after its last forward reader,
+    which torchtitan 0.3.0's pass cannot do)."""
 
     budget_bytes: int | None = None
     prefetch_layers: int = 1
