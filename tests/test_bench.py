@@ -137,12 +137,28 @@ def test_bench_offload_cli(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert main(["bench", "offload", *shape, "--host-budget-bytes", "0"]) == 0
     out = capsys.readouterr().out
-    assert "solver, host 0 GiB" in out and "below eager" in out
+    assert "solver, host 0 GiB" in out and "below eager" in out and "(greedy)" in out
+
+
+def test_bench_offload_searches_with_the_solvers_method_asked(offload_graph: JointGraph) -> None:
+    estimator = Estimator(offload_graph, ("h100",), "adamw")
+    result = bench_offload(offload_graph, estimator, "h100", 2**30, method="knapsack")
+    assert result["search"]["method"] == "knapsack" and "(knapsack)" in result["search"]["how"]
+    for key in ("without_offload", "with_offload"):  # knapsack's own answers, re-estimated
+        row = result[key]
+        est = estimator.estimate(Policy.from_json(row["policy"]))
+        assert row["peak_bytes"] == est.peak_bytes <= result["eager"]["peak_bytes"]
+        assert row["est_step_seconds"] <= result["eager"]["est_step_seconds"] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--host-budget-bytes", "-1"), ("--profile", "h900"), ("--tolerance-bytes", "0")],
+    [
+        ("--host-budget-bytes", "-1"),
+        ("--profile", "h900"),
+        ("--tolerance-bytes", "0"),
+        ("--method", "simplex"),
+    ],
 )
 def test_bench_offload_refuses_a_bad_flag_before_tracing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: str, value: str

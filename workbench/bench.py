@@ -170,6 +170,7 @@ def bench_offload(
     *,
     tolerance_bytes: int = 2**20,
     step_rtol: float = 1e-9,
+    method: str = "greedy",
 ) -> dict[str, Any]:
     """What offload buys at `eager`'s step time: eager's estimated peak and step; for host
     budget 0 (no offload) and `host_budget_bytes`, the lowest device peak `solve` reaches
@@ -182,8 +183,9 @@ def bench_offload(
     budget: at eager's peak its answer costs at most eager's (eager is a preset it weighs),
     and a smaller budget can only cost more, so "as fast as eager" holds above one budget
     and not below it. A pareto front answers only at its grid of budgets; a fine grid costs
-    as many solves. The solver is a heuristic: where its cost is not monotone in the budget,
-    the answer meets eager's time but is not proven the lowest. Every figure is the exact
+    as many solves. `method` is solve's: greedy and knapsack are heuristics, and where
+    their cost is not monotone in the budget the answer meets eager's time but is not
+    proven the lowest. Every figure is the exact
     estimate of the returned policy (`Estimator.estimate`); a budget below full recompute's
     peak, which `solve` refuses, counts as too low."""
     if profile not in {p.name for p in estimator.profiles}:
@@ -204,7 +206,14 @@ def bench_offload(
     )
 
     def solved(budget: int, host: int) -> Solution:
-        return solve(graph, budget, profile=profile, estimator=estimator, host_budget_bytes=host)
+        return solve(
+            graph,
+            budget,
+            method=method,
+            profile=profile,
+            estimator=estimator,
+            host_budget_bytes=host,
+        )
 
     def lowest(host: int) -> tuple[Solution | None, int]:
         """The lowest-peak solution within eager's time, and the solves it took."""
@@ -268,7 +277,8 @@ def bench_offload(
             "policy": floor_policy.to_json(),
         },
         "search": {
-            "how": "bisection over solve's device budget (greedy), from eager's peak down",
+            "how": f"bisection over solve's device budget ({method}), from eager's peak down",
+            "method": method,
             "solves": solves,
             "tolerance_bytes": tolerance_bytes,
             "step_rtol": step_rtol,

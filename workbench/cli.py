@@ -335,9 +335,12 @@ def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.bench import bench_offload
     from workbench.estimate import Estimator
     from workbench.profiles import PROFILES
+    from workbench.solve import METHODS
 
     _check_host_budget(args)
     _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    if args.method not in METHODS:
+        raise WorkbenchError(f"--method {args.method!r}: choose one of {', '.join(METHODS)}")
     if args.profile not in PROFILES:
         raise WorkbenchError(
             f"--profile {args.profile!r} is not a device profile; choose one of "
@@ -352,6 +355,7 @@ def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
         args.profile,
         args.host_budget_bytes,
         tolerance_bytes=args.tolerance_bytes,
+        method=args.method,
     )
     return {
         **result,
@@ -732,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2**20,
         help="bisection over the device budget stops within this many bytes (default 1 MiB)",
+    )
+    bench_offload.add_argument(
+        "--method", default="greedy", help="solve's: greedy, knapsack or exact"
     )
     bench_offload.set_defaults(run=cmd_bench_offload, mode="fake")
     for owner, choices in ((parser, commands), (policy, policies), (bench, benches)):
