@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from workbench.errors import WorkbenchError
 from workbench.estimate import Estimator, estimate_remat
 from workbench.graph import JointGraph
+from workbench.index import OFFLOAD_STEPS as STEPS
 from workbench.measure import measure_graph
 from workbench.models import Workload
 from workbench.offload import STEP_KINDS, Place, Step, host_usage, interleave, interleave_arrays
@@ -165,3 +167,20 @@ def test_may_offload_names_every_way_to_ask() -> None:
     assert may_offload("offload", [], None) and may_offload("titan-sac_and_offload", [], None)
     assert may_offload("default", [("layers.*", "aten.mm*", "offload")], None)
     assert may_offload("full", [], {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"})
+
+
+def test_origin_names_the_traced_node_behind_every_step(
+    small_graphs_and_rank: dict[str, JointGraph],
+) -> None:
+    graph = small_graphs_and_rank["llama3-debug"]
+    estimator = Estimator(graph, PROFILES)
+    est = estimator.estimate(Policy("offload", offload=OffloadOptions(defer_layers=1)))
+    origins = {name: estimator.origin(name) for name in est.order}
+    assert set(origins.values()) <= set(graph.nodes)
+    assert all(origins[n] == n for n in est.order if n in graph.nodes)
+    assert est.recomputed_nodes
+    assert {origins[f"{n}_recomputed"] for n in est.recomputed_nodes} == set(est.recomputed_nodes)
+    moved = {row["node"] for row in est.transfers}
+    assert moved and all(origins[f"{n}_{step}"] == n for n in moved for step in STEPS)
+    with pytest.raises(WorkbenchError, match="'nope' names no node of the estimates"):
+        estimator.origin("nope")

@@ -17,9 +17,8 @@ from typing import Any
 from workbench.errors import WorkbenchError
 from workbench.estimate import Estimate, Estimator, estimate_remat
 from workbench.graph import JointGraph
-from workbench.index import OFFLOAD_STEPS
 from workbench.policy import Action, Policy, decide, flip, graph_plan, layer_key, node_keys
-from workbench.remat import RECOMPUTED_SUFFIX, remat
+from workbench.remat import remat
 from workbench.rules import OffloadOptions, offload_refusal_in
 from workbench.solve import SOLVER_DEFER_LAYERS, Solution, fsdp_choices, solve
 from workbench.viz.style import human_bytes
@@ -273,7 +272,7 @@ def bench_offload(
         **searched,
         "floor": {
             **point(floor),
-            **_peak_cause(graph, floor, estimator.optimizer_bytes),
+            **_peak_cause(estimator, floor),
             "policy": floor_policy.to_json(),
         },
         "search": {
@@ -286,13 +285,10 @@ def bench_offload(
     }
 
 
-def _peak_cause(graph: JointGraph, est: Estimate, optimizer_bytes: int) -> dict[str, Any]:
+def _peak_cause(estimator: Estimator, est: Estimate) -> dict[str, Any]:
     """Where the peak is (node, phase, schedule steps after it) and how much of it is the
     training state no policy moves: parameters, gradients and optimizer state."""
-    suffixes = (RECOMPUTED_SUFFIX, "_replayed", *(f"_{step}" for step in OFFLOAD_STEPS))
-    names = [est.peak_node, *(est.peak_node.removesuffix(s) for s in suffixes)]
-    origin = next((n for n in names if n in graph.nodes), None)
-    phase = graph.nodes[origin].phase if origin is not None else "unknown"
+    phase = estimator.graph.nodes[estimator.origin(est.peak_node)].phase
     after = len(est.order) - 1 - est.peak_index
     state = sum(est.peak_breakdown.get(c, 0) for c in ("parameters", "gradients", "optimizer"))
     return {
@@ -301,7 +297,7 @@ def _peak_cause(graph: JointGraph, est: Estimate, optimizer_bytes: int) -> dict[
         "steps_after_peak": after,
         "peak_breakdown": est.peak_breakdown,
         "state_bytes": state,
-        "optimizer_bytes": optimizer_bytes,
+        "optimizer_bytes": estimator.optimizer_bytes,
         "set_by": (
             f"{phase} op {est.peak_node}, {after} of {len(est.order)} steps before the end; "
             f"parameters + gradients + optimizer state {human_bytes(state)} of "

@@ -235,6 +235,17 @@ class Estimator:
         """The schedule torch's remat pass would produce (see `workbench.replay.replay`)."""
         return replay(self.index, recompute)
 
+    def origin(self, name: str) -> str:
+        """The traced node a node name of this estimator's figures stands for (`peak_node`,
+        `order`): a recomputed copy, a replayed view or an offload step names its
+        original's."""
+        found = np.flatnonzero(self._entry_names == name)
+        if not len(found):
+            raise WorkbenchError(
+                f"{name!r} names no node of the estimates of {self.graph.model_name!r}"
+            )
+        return self.index.names[int(self.index.entry_node(found[0]))]
+
     def estimate(self, policy: Policy | Decisions, granularity: int = 1) -> Estimate:
         """The what-if: figures for `policy` as if tagged and rematerialized by torch."""
         if self.index.foreign_tags:
