@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from workbench import cli
 from workbench import policy as policy_module
 from workbench import rules as rules_module
 from workbench.cli import main
@@ -322,6 +323,25 @@ def test_sizes_refused_before_building(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     fails(capsys, argv, message)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--host-budget-bytes", "-1"),
+        ("--profile", "h900"),
+        ("--tolerance-bytes", "0"),
+        ("--method", "simplex"),
+    ],
+)
+def test_bench_offload_refuses_a_bad_flag_before_tracing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    def no_trace(args: object) -> None:
+        raise AssertionError("traced before checking the flags")
+
+    monkeypatch.setattr(cli, "_trace_from_args", no_trace)
+    fails(capsys, ["bench", "offload", *MLP, flag, value], f"^error: {re.escape(flag)}")
 
 
 # --- output files: never clobbered, never through a dangling link ------------------------
