@@ -184,3 +184,26 @@ def test_origin_names_the_traced_node_behind_every_step(
     assert moved and all(origins[f"{n}_{step}"] == n for n in moved for step in STEPS)
     with pytest.raises(WorkbenchError, match="'nope' names no node of the estimates"):
         estimator.origin("nope")
+
+
+def test_a_value_a_collective_reads_is_freed_after_its_wait(
+    small_graphs_and_rank: dict[str, JointGraph],
+) -> None:
+    """An all-gather reads its input until its wait_tensor (gloo and NCCL run it
+    asynchronously): with defer 0 the offloaded input is freed after that wait, not after the
+    all-gather's call, in the pass and in the what-if alike. Freed at the call, gloo read
+    freed memory (a segfault on one FSDP2 x TP2 rank)."""
+    graph = small_graphs_and_rank["llama3-debug-fsdp2-tp2"]
+    cast = "layers.*.attention_norm::aten._to_copy.default#2"  # bf16 cast, then all-gather
+    policy = Policy("default", overrides={cast: "offload"}, offload=OffloadOptions(defer_layers=0))
+    result = remat(graph, policy)
+    assert result.report.offload is not None and "_to_copy_3" in result.report.offload.names
+    nodes = list(result.gm.graph.nodes)
+    at = {node.name: p for p, node in enumerate(nodes)}
+    value = next(n for n in nodes if n.name == "_to_copy_3")
+    gather = next(u for u in value.users if "all_gather" in str(u.target))
+    (wait,) = gather.users
+    free = next(n for n in nodes if n.kwargs.get("keepalive") is value or value in n.args[1:2])
+    assert at[free.name] > at[wait.name]
+    estimator = Estimator(graph, PROFILES)
+    assert estimator.estimate(policy) == estimate_remat(graph, result, estimator)

@@ -251,7 +251,7 @@ def test_gloo_ranks_match_eager_bitwise_for_every_preset(tmp_path: Path) -> None
     keep = str(Policy("default", fsdp_reshard=False).save(tmp_path / "keep.json"))
     policies = [*PRESETS, keep]
     checks = check_ranks("llama3-debug", Parallel(2, 2), policies, layers=2, seq=32)
-    assert [(c.rank, c.preset) for c in checks] == [(r, p) for r in range(4) for p in policies]
+    assert [(c.rank, c.policy) for c in checks] == [(r, p) for r in range(4) for p in policies]
     assert [c for c in checks if not c.bitwise_equal] == []
     # the same batch on every rank: one loss, near log(vocab) for an untrained model, which
     # a rank whose collectives did not run would not reach

@@ -63,3 +63,39 @@ def not_a_model():
 def vector_loss():
     model = TinyMLP()
     return model, (torch.randn(8, 16), torch.randn(8, 4)), lambda out, tgt: out - tgt
+
+
+class WrittenBlock(nn.Module):
+    """Reads a matmul's output `a`, then writes it in place: `b` must see `a` before the
+    write, the cosine after it. A recompute of `b` in backward from the written storage, or
+    one that replays the write first, differs. `sin_first` swaps the sum's terms, which
+    swaps the order backward reads `b` and the written `a`."""
+
+    def __init__(self, width: int, sin_first: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.sin_first = sin_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lin(x)
+        b = a * 3.0  # reads `a` before the write (mul's backward keeps nothing of it)
+        a.mul_(0.5)  # the write: its backward keeps nothing either, so autograd allows it
+        return b.sin() + a.cos() if self.sin_first else a.cos() + b.sin()
+
+
+class WrittenBlocks(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(WrittenBlock(width, i % 2 == 0) for i in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def written_blocks(layers: int = 2, batch: int = 8):
+    """A model whose layers read a storage before an in-place write (`WrittenBlock`)."""
+    torch.manual_seed(0)
+    return WrittenBlocks(depth=layers), (torch.randn(batch, 16), torch.randint(0, 4, (batch,)))

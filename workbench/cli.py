@@ -118,10 +118,10 @@ def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
     return bench_trace(lambda: _trace_from_args(args), args.repeat)
 
 
-def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
+def _add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "default") -> None:
     parser.add_argument(
         "--policy",
-        default="default",
+        default=default,
         help=f"preset ({', '.join(PRESETS)}) or policy.json; `policy explain` says what it does",
     )
 
@@ -134,6 +134,9 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.mode != "real":
         raise WorkbenchError("verify runs the graph: use --mode real")
+    if args.random is not None:
+        return _verify_random(args)
+    args.policy = args.policy or "default"
     policy = parse_policy(args.policy)
     parallel = _parallel_from_args(args)
     if parallel is not None:
@@ -149,7 +152,30 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
         "bitwise_equal": not mismatched,
         "mismatched": mismatched,
         **result.report.to_json(),
+        # what no request can change, and why: node -> reason
+        "forced": {n: result.decisions[n].explanation for n in result.report.forced},
     }
+
+
+def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
+    """`--random N`: N seeded random policies of the model (`workbench.soundness`), each
+    checked bitwise; the failures are listed with their policies, to reproduce one."""
+    from workbench.soundness import run_soundness
+
+    _check_positive("--random", args.random)
+    if args.policy is not None:
+        raise WorkbenchError("verify: give --policy or --random N, not both")
+    parallel = _parallel_from_args(args)
+    shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+    if parallel is None:
+        _refuse_unfit(args, Policy("none"), "cpu")
+        workload = _workload_from_args(args, "real")
+        graph, _ = timed_trace(workload, "real")
+    else:  # the policies' node keys from one rank in fake mode: every rank has its graph
+        workload = _workload_from_args(args, "fake")
+        graph, _ = timed_trace(workload, "fake", parallel)
+    report = run_soundness(workload, graph, args.random, args.seed, parallel, shape)
+    return report.to_json()
 
 
 def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any]:
@@ -613,7 +639,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="remat a policy and check numerics bitwise")
     _add_model_args(verify)
-    _add_policy_arg(verify)
+    _add_policy_arg(verify, default=None)  # None: not given (`--random` takes its place)
+    verify.add_argument(
+        "--random",
+        type=int,
+        metavar="N",
+        help="instead of --policy: N random policies of the model (presets, selectors, "
+        "overrides, offload), each checked bitwise",
+    )
+    verify.add_argument("--seed", type=int, default=0, help="seed of the --random policies")
     verify.set_defaults(run=cmd_verify)
 
     export = commands.add_parser("export", help="export a policy as code")

@@ -1,15 +1,18 @@
 """Bitwise check of rematerialized per-rank graphs on a real process group (gloo on CPU).
 
-Entry points: `check_ranks(spec, parallel, presets, ...) -> list[RankCheck]`, which spawns
-one process per rank, and `check_rank(rank, presets)`, what each process runs: trace its
-step once, remat per preset, run the graph (its collectives on the real group) and
+Entry points: `check_ranks(spec, parallel, policies, ...) -> list[RankCheck]`, which spawns
+one process per rank, and `check_rank(rank, policies)`, what each process runs: trace its
+step once, remat per policy, run the graph (its collectives on the real group) and
 compare loss and gradients with the same sharded model run eagerly.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,30 +23,40 @@ import torch.multiprocessing as mp
 from workbench.errors import WorkbenchError
 from workbench.models import load_workload
 from workbench.parallel import Parallel, RankWorkload, device_mesh, eager_rank_step, shard_workload
-from workbench.policy import parse_policy
+from workbench.policy import Policy, parse_policy
 from workbench.remat import remat
 
 __all__ = ["RankCheck", "check_rank", "check_ranks"]
 
+QUEUE_POLL_SECONDS = 1.0  # how often the parent looks whether the ranks still run
+
 
 @dataclass(frozen=True)
 class RankCheck:
-    """One rank's comparison under one preset: names of outputs that differ in any bit,
-    and the loss (every rank of a correct run computes the same one)."""
+    """One rank's comparison under one policy (`index` into the list checked, `policy` its
+    preset name, file or JSON text): names of outputs that differ in any bit, the loss
+    (every rank of a correct run computes the same one), or the error that stopped it."""
 
     rank: int
-    preset: str
+    index: int
+    policy: str
     mismatched: tuple[str, ...]
     loss: float
+    error: str | None = None
 
     @property
     def bitwise_equal(self) -> bool:
-        return not self.mismatched
+        return self.error is None and not self.mismatched
 
 
-def check_rank(rank: RankWorkload, presets: list[str]) -> list[RankCheck]:
-    """Trace this rank once (real mode), then per preset tag, remat with torch's pass and
-    run; eager reference first, so both see the same parameters."""
+def _label(policy: str | Policy) -> str:
+    return policy if isinstance(policy, str) else json.dumps(policy.to_json())
+
+
+def check_rank(rank: RankWorkload, policies: Sequence[str | Policy]) -> list[RankCheck]:
+    """Trace this rank once (real mode), then per policy tag, remat with torch's pass and
+    run; eager reference first, so both see the same parameters. A policy the remat pass
+    refuses is a check with its error, not the end of the others."""
     from workbench.parallel import trace_sharded
 
     eager = eager_rank_step(rank)
@@ -51,23 +64,28 @@ def check_rank(rank: RankWorkload, presets: list[str]) -> list[RankCheck]:
     assert graph.example_inputs is not None
     names = ["loss", *graph.param_names]
     checks = []
-    for preset in presets:
-        result = remat(graph, parse_policy(preset))  # the policy: its offload options too
-        traced = result.run(graph.example_inputs)
+    for index, spec in enumerate(policies):
+        policy = spec if isinstance(spec, Policy) else parse_policy(spec)
+        try:
+            traced = remat(graph, policy).run(graph.example_inputs)  # its offload options too
+        except (WorkbenchError, RuntimeError) as err:
+            error = str(err).splitlines()[0] if str(err) else type(err).__name__
+            checks.append(RankCheck(dist.get_rank(), index, _label(spec), (), 0.0, error))
+            continue
         mismatched = tuple(
             name for name, a, b in zip(names, traced, eager, strict=True) if not torch.equal(a, b)
         )
-        checks.append(RankCheck(dist.get_rank(), preset, mismatched, float(traced[0])))
+        checks.append(RankCheck(dist.get_rank(), index, _label(spec), mismatched, float(traced[0])))
     return checks
 
 
 def _worker(
     index: int,
     port: int,
-    queue: Any,
+    results: Any,
     spec: str,
     parallel: Parallel,
-    presets: list[str],
+    policies: Sequence[str | Policy],
     shape: dict[str, Any],
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -76,8 +94,8 @@ def _worker(
     try:
         workload = load_workload(spec, **shape)  # same seed: every rank builds the same model
         rank = shard_workload(workload, parallel, device_mesh(parallel))
-        for check in check_rank(rank, presets):
-            queue.put(check)
+        for check in check_rank(rank, policies):
+            results.put(check)
     finally:
         dist.destroy_process_group()
 
@@ -91,7 +109,7 @@ def _free_port() -> int:
 def check_ranks(
     spec: str,
     parallel: Parallel,
-    presets: list[str],
+    policies: Sequence[str | Policy],
     *,
     layers: int | None = None,
     seq: int | None = None,
@@ -99,26 +117,38 @@ def check_ranks(
     dtype: str = "float32",
 ) -> list[RankCheck]:
     """Spawn `parallel.world_size` CPU processes on a gloo group; every rank checks every
-    preset. Results sorted by rank, then preset order."""
+    policy (a preset name, a policy file or a `Policy`). Results sorted by rank, then
+    policy order."""
     if dist.is_initialized():
         raise WorkbenchError(
             "check_ranks spawns its own process group: call it outside an initialised one"
         )
-    for preset in presets:
-        parse_policy(preset)  # fail here, not in every rank
+    for policy in policies:
+        if not isinstance(policy, Policy):
+            parse_policy(policy)  # fail here, not in every rank
     # forkserver with this module preloaded: torch is imported once, not once per rank,
     # and ranks fork from a process that never started a thread pool.
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    queue = context.SimpleQueue()
+    results_queue = context.Queue()
     shape: dict[str, Any] = {"layers": layers, "seq": seq, "batch": batch, "dtype": dtype}
-    mp.start_processes(
+    ranks = mp.start_processes(
         _worker,
-        args=(_free_port(), queue, spec, parallel, presets, shape),
+        args=(_free_port(), results_queue, spec, parallel, list(policies), shape),
         nprocs=parallel.world_size,
-        join=True,
+        join=False,
         start_method="forkserver",
     )
-    results = [queue.get() for _ in range(parallel.world_size * len(presets))]
-    order = {p: i for i, p in enumerate(presets)}
-    return sorted(results, key=lambda c: (c.rank, order[c.preset]))
+    # Read while the ranks run: a rank blocks on a full pipe until its results are read.
+    expected = parallel.world_size * len(policies)
+    results: list[RankCheck] = []
+    while len(results) < expected:
+        try:
+            results.append(results_queue.get(timeout=QUEUE_POLL_SECONDS))
+        except queue.Empty:
+            if ranks.join(timeout=0):  # every rank ended (a failed one raises here)
+                break
+    ranks.join()
+    if len(results) < expected:
+        raise WorkbenchError(f"the ranks sent {len(results)} of {expected} checks and ended")
+    return sorted(results, key=lambda c: (c.rank, c.index))

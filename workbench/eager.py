@@ -40,12 +40,14 @@ def eager_step(workload: Workload) -> list[torch.Tensor]:
     return [loss.detach(), *grads]
 
 
-def load_policy_fn(policy: Policy) -> dict[str, Any]:
+def load_policy_fn(policy: Policy, graph: JointGraph | None = None) -> dict[str, Any]:
     """Run the `policy_fn` export in a fresh namespace: what is measured is what is exported,
     and each model gets its own module stack and counters. Eager SAC cannot offload: a
-    policy that offloads runs as `policy.without_offload()` (what it offloads is saved)."""
+    policy that offloads runs as `policy.without_offload()` (what it offloads is saved).
+    With the model's traced `graph`, the export knows which outputs forward writes in place
+    later (`WRITTEN_LATER`), so a policy saving one runs instead of failing in backward."""
     policy = policy.without_offload()
-    source = export(policy, "policy_fn")
+    source = export(policy, "policy_fn", graph)
     namespace: dict[str, Any] = {"__name__": f"sac_workbench_policy_{policy.preset}"}
     exec(compile(source, f"<policy_fn export of preset {policy.preset!r}>", "exec"), namespace)
     return namespace
@@ -57,12 +59,14 @@ def apply_eager_sac(
     layers_attr: str = "layers",
     *,
     namespace: dict[str, Any] | None = None,
+    graph: JointGraph | None = None,
 ) -> nn.Module:
     """Wrap every block of `model.<layers_attr>` in eager SAC with the exported `apply_ac`.
 
     In place: each block's forward is replaced and its submodules get forward hooks; the
     same model is returned. Deep-copy first to keep an unwrapped model. Preset `none` with
-    nothing to recompute leaves the model as it is. `namespace`: an already loaded export.
+    nothing to recompute leaves the model as it is. `namespace`: an already loaded export;
+    `graph`: the model's traced graph, for the export (`load_policy_fn`).
     """
     blocks = getattr(model, layers_attr, None)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
@@ -76,7 +80,7 @@ def apply_eager_sac(
             f"{layers_attr}.{wrapped[0]} is already wrapped in eager SAC: apply it to a fresh "
             "model (copy.deepcopy before the first apply_eager_sac)"
         )
-    exported = namespace if namespace is not None else load_policy_fn(policy)
+    exported = namespace if namespace is not None else load_policy_fn(policy, graph)
     result: nn.Module = exported["apply_ac"](model, layers_attr)
     return result
 
@@ -87,6 +91,7 @@ def apply_eager_sac_to(
     regions: Sequence[str],
     *,
     namespace: dict[str, Any] | None = None,
+    graph: JointGraph | None = None,
 ) -> nn.Module:
     """Wrap every submodule whose path matches one of `regions` (the selectors' module
     patterns: `layers.*.attention`) in its own eager SAC region, with the exported `policy_fn`.
@@ -115,7 +120,7 @@ def apply_eager_sac_to(
                 f"{path} is already wrapped in eager SAC: apply it to a fresh model "
                 "(copy.deepcopy before the first apply)"
             )
-    exported = namespace if namespace is not None else load_policy_fn(policy)
+    exported = namespace if namespace is not None else load_policy_fn(policy, graph)
     if not exported["WRAP_LAYERS"]:
         return model
     for path in paths:
@@ -135,13 +140,14 @@ def eager_decisions(
     layers_attr: str = "layers",
     *,
     regions: Sequence[str] | None = None,
+    graph: JointGraph | None = None,
 ) -> dict[str, CheckpointPolicy]:
     """Run one eager SAC step on a copy of the model and return what the exported `policy_fn`
     chose in the original forward, keyed `MODULE::OP#k` like `workbench.policy.layer_key`
     (k counted here, independently of `policy_fn`'s own counters). Ops outside the layers (or
     outside `regions`, when given: see `apply_eager_sac_to`) are never checkpointed, so never
-    asked; empty when the policy wraps nothing."""
-    namespace = load_policy_fn(policy)
+    asked; empty when the policy wraps nothing. `graph`: as for `load_policy_fn`."""
+    namespace = load_policy_fn(policy, graph)
     decided = namespace["policy_fn"]
     seen: collections.Counter[tuple[str, str]] = collections.Counter()
     choices: dict[str, CheckpointPolicy] = {}

@@ -24,8 +24,13 @@ from workbench.titan import (
     explained_by,
 )
 
-__all__ = ["explain", "explain_text", "steps"]
+__all__ = ["WRITTEN_STEP", "explain", "explain_text", "steps"]
 
+WRITTEN_STEP = (
+    "a recomputed node whose recompute would not see what forward saw is saved (written in "
+    "place): it writes a storage that is not recomputed, reads one that forward writes in "
+    "place after it, or could be replayed out of order with a recomputed write"
+)
 # The steps that follow a preset's own rule, in the order `decide_ops` / `decide_titan_ops`
 # run them (rules.py owns the code; these are its words).
 _WORKBENCH_STEPS = (
@@ -35,6 +40,7 @@ _WORKBENCH_STEPS = (
     "in-place ops are saved: a recompute would apply the mutation twice",
     "a getitem follows the op it unpacks",
     "a recomputed node with a recomputed user in another layer is saved (layer boundary)",
+    WRITTEN_STEP,
     "offload: the `offload` preset offloads each saved node that may be offloaded, offload "
     "requests the rules cannot grant are saved with the reason, then the budget, largest first",
 )
@@ -45,6 +51,7 @@ _TITAN_STEPS = (
     "random ops are saved (on the CPU, where graph trainer recomputes the flash-attention op)",
     "in graph order, a recomputed node with a recomputed user in a *higher* layer is saved "
     "(nodes outside the layers count as layer -1)",
+    WRITTEN_STEP + " (graph trainer has no such rule: its run would differ from eager there)",
     "`sac_and_offload`: saved contiguous non-view tensors of at least 4 KiB in the layers but "
     "the last are offloaded, largest first within the budget",
 )
@@ -67,6 +74,16 @@ def _decisions_by_reason(graph: JointGraph, policy: Policy) -> dict[str, dict[st
     for tag in decide(graph, policy).values():
         counts[tag.why][tag.action] += 1
     return {why.value: {k: counts[why][k] for k in DECISIONS} for why in Why if why in counts}
+
+
+def _written_in_place(graph: JointGraph, policy: Policy) -> list[dict[str, str]]:
+    """The nodes the in-place rule saved (`Why.WRITTEN_INPUT`), each with why."""
+    decisions = decide(graph, policy)
+    return [
+        {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail}
+        for n, t in decisions.items()
+        if t.why is Why.WRITTEN_INPUT
+    ]
 
 
 def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str) -> dict[str, Any]:
@@ -121,6 +138,7 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
     if graph is not None:
         result["model"] = graph.model_name
         result["decisions_by_reason"] = _decisions_by_reason(graph, policy)
+        result["written_in_place"] = _written_in_place(graph, policy)
         if memory_policy is not None:
             result["graph_trainer"] = _against_graph_trainer(graph, policy, memory_policy)
     return result
@@ -166,6 +184,8 @@ def explain_text(result: dict[str, Any]) -> str:
     for why, counts in result["decisions_by_reason"].items():
         line = f"  {why:<18} {counts['save']:>5} save {counts['recompute']:>5} recompute"
         lines.append(line + (f" {counts['offload']:>5} offload" if counts["offload"] else ""))
+    for row in result["written_in_place"]:
+        lines.append(f"  saved, written in place: {row['node']} ({row['module']}): {row['why']}")
     against = result.get("graph_trainer")
     if against is None:
         return "\n".join(lines)

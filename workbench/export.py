@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import shlex
+import textwrap
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from workbench import rules
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.graph import JointGraph
-from workbench.policy import Policy, decide, validate
+from workbench.policy import Policy, decide, graph_plan, validate
 
 LINE_LENGTH = 100
 # Set on a block by the generated `apply_ac`, so a model is never checkpointed twice.
@@ -195,7 +196,7 @@ def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolic
     row = (str(func), current_module(), op_name(func), is_random(func), mutates(func), None, (),
            None)  # fmt: skip
     facts = _COUNTERS[bool(ctx.is_recompute)].facts(row)
-    return eager_tag(facts, _RULE, PRESET, SELECTORS, OVERRIDES).policy
+    return eager_tag(facts, _RULE, PRESET, SELECTORS, OVERRIDES, WRITTEN_LATER).policy
 
 
 def context_fn() -> Any:
@@ -324,6 +325,9 @@ def _python_module(
     if graph is not None:
         provenance = [_comment(f"Checked against the traced graph of {graph.model_name}.")]
         provenance += [_comment(line) for line in parallel_notes(policy, graph)]
+        if body is _GRAPH_PASS:
+            for note in forced_notes(policy, graph):
+                provenance += [_comment(line) for line in textwrap.wrap(note, LINE_LENGTH - 4)]
     lines = [
         *docstring,
         "",
@@ -409,9 +413,52 @@ def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
             "# False when the policy never recomputes: then apply_ac leaves the model alone.",
             f"WRAP_LAYERS = {wrap}",
             f"WRAPPED_MARKER = {py_str(WRAPPED_MARKER)}",
+            *_written_later_table(graph),
         ],
         body=_POLICY_FN,
     )
+
+
+def _written_later_table(graph: JointGraph | None) -> list[str]:
+    """`WRITTEN_LATER`: the ops (layer keys) whose output forward writes in place later, which
+    eager SAC must recompute (torch's SAC refuses a cached tensor written after caching)."""
+    lines = [
+        "# Ops whose output forward writes in place later (layer keys): recomputed, since",
+        "# torch's SAC fails in backward on a saved tensor written after it was cached.",
+    ]
+    if graph is None:
+        lines.append("# Exported without a traced graph: none known (export with the model).")
+        keys: frozenset[str] = frozenset()
+    else:
+        keys = rules.written_later_keys(graph_plan(graph))
+    if not keys:
+        return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset()"]
+    rows = _items(map(py_str, sorted(keys)), " " * 8)
+    return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset(", "    {", *rows, "    }", ")"]
+
+
+FORCED_NAMED = 5  # forced nodes an export's comments name one by one
+
+
+def forced_notes(policy: Policy, graph: JointGraph) -> list[str]:
+    """What `decide` forces on the traced graph whatever the policy asks, by reason, and
+    each save of the in-place rule (`Why.WRITTEN_INPUT`) with why: the comments of a
+    `graph_pass` export, whose `tag_graph` forces the same in the training job."""
+    decisions = decide(graph, policy)
+    counts = Counter(d.why.value for d in decisions.values() if d.forced)
+    if not counts:
+        return []
+    lines = [
+        "Forced on this graph, whatever the policy asks: "
+        + ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+        + "."
+    ]
+    written = [(n, d) for n, d in decisions.items() if d.why is rules.Why.WRITTEN_INPUT]
+    for name, tag in written[:FORCED_NAMED]:
+        lines.append(f"Saved, written in place: {name} ({graph.nodes[name].module}): {tag.detail}")
+    if len(written) > FORCED_NAMED:
+        lines.append(f"... and {len(written) - FORCED_NAMED} more saved for that reason.")
+    return lines
 
 
 def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:
@@ -575,6 +622,8 @@ def torchtitan_options(
         )
     if memory_policy == "sac_and_offload":
         notes.extend(_offload_notes(policy))
+    if graph is not None:
+        unexpressed.extend(_titan_unsound(graph, memory_policy))
     lines = [
         "# torchtitan graph_trainer options (append to run_train.sh) for this policy:",
         "# " + json.dumps(policy.to_json(), separators=(",", ":")),
@@ -603,6 +652,26 @@ def torchtitan_options(
     if save_ops:
         lines.append(f"--compile.full_recompute_save_ops {shlex.quote(' | '.join(save_ops))}")
     return "\n".join(lines) + "\n"
+
+
+def _titan_unsound(graph: JointGraph, memory_policy: str) -> list[tuple[str, str]]:
+    """The nodes graph trainer's own `memory_policy` tagging recomputes on this graph where a
+    recompute would not see what forward saw (the workbench's `titan-*` preset saves them by
+    `rules.save_written_inputs`; graph trainer has no such rule)."""
+    preset = f"titan-{memory_policy}"
+    if preset not in rules.PRESETS:
+        return []
+    decisions = decide(graph, Policy(preset))
+    written = [n for n, d in decisions.items() if d.why is rules.Why.WRITTEN_INPUT]
+    if not written:
+        return []
+    named = ", ".join(written[:FORCED_NAMED]) + (" ..." if len(written) > FORCED_NAMED else "")
+    why = (
+        f"graph trainer's own {memory_policy!r} tagging recomputes {len(written)} nodes whose "
+        f"recompute would not see what forward saw ({named}; e.g. "
+        f"{decisions[written[0]].detail}), so its loss and gradients would differ from eager's"
+    )
+    return [("a sound run on this graph", why)]
 
 
 def _offload_options(policy: Policy) -> list[str]:

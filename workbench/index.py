@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from workbench.errors import WorkbenchError
 from workbench.graph import ORIGIN_KEY, JointGraph, Phase
 from workbench.offload import NO_LAYER, REPLAYED_VIEW, is_offload_node
-from workbench.rules import mutates, unshard_chains
+from workbench.rules import mutates, reads_until_wait, unshard_chains
 
 __all__ = [
     "OFFLOAD_STEPS",
@@ -242,14 +242,15 @@ class GraphIndex:
         )
 
     @functools.cached_property
-    def offload_facts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def offload_facts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per node, what the offload pass checks: an op call, returning one tensor, writing
-        its input in place."""
+        its input in place, reading its input until a wait (`rules.reads_until_wait`)."""
         nodes = list(self.graph.gm.graph.nodes)
         call = np.array([node.op == "call_function" for node in nodes], bool)
         single = np.array([isinstance(node.meta.get("val"), torch.Tensor) for node in nodes])
         writes = np.array([mutates(node.target) for node in nodes], bool)
-        return call, single.astype(bool), writes
+        until_wait = np.array([reads_until_wait(node.target) for node in nodes], bool)
+        return call, single.astype(bool), writes, until_wait
 
     @functools.cached_property
     def identity_flat(self) -> Flat:

@@ -225,10 +225,12 @@ def measure_eager(
     regions: Sequence[str] | None = None,
     warmup: int = 1,
     repeats: int = 5,
+    graph: JointGraph | None = None,
 ) -> Measurement:
     """An eager train step: no AC (`policy=None`), or eager SAC with the exported policy_fn
     wrapped around every block (on a copy of the model), or around each submodule matching
-    `regions` (`apply_eager_sac_to`, e.g. `["layers.*.attention", "layers.*.feed_forward"]`)."""
+    `regions` (`apply_eager_sac_to`, e.g. `["layers.*.attention", "layers.*.feed_forward"]`).
+    `graph`: the workload's traced graph, for the export (`eager.load_policy_fn`)."""
     if policy is None:
         target, name = workload, "no AC"
     else:
@@ -236,10 +238,10 @@ def measure_eager(
         # eager SAC cannot offload: it runs the policy with its offloads saved
         preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
         if regions is None:
-            model = apply_eager_sac(copied, policy, layers_attr)
+            model = apply_eager_sac(copied, policy, layers_attr, graph=graph)
             name = f"eager SAC ({preset})"
         else:
-            model = apply_eager_sac_to(copied, policy, regions)
+            model = apply_eager_sac_to(copied, policy, regions, graph=graph)
             name = f"eager SAC ({preset}; {', '.join(regions)})"
         target = Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name)
     held = [*target.model.parameters(), *target.model.buffers(), *target.inputs, target.target]
@@ -359,6 +361,6 @@ def measure_policy(
     if baselines:
         others = [
             measure_eager(workload, None, warmup=warmup, repeats=repeats),
-            measure_eager(workload, policy, warmup=warmup, repeats=repeats),
+            measure_eager(workload, policy, warmup=warmup, repeats=repeats, graph=graph),
         ]
     return PolicyMeasurement(measured, est, not mismatched, mismatched, others)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from workbench.errors import WorkbenchError
-from workbench.rules import OffloadOptions, mutates, storage_keys
+from workbench.rules import OffloadOptions, mutates, reads_until_wait, storage_keys
 
 __all__ = [
     "NO_LAYER",
@@ -408,6 +408,19 @@ def _examine(
     return _Value(node, aliases, readers), None
 
 
+def _last_forward_use(value: _Value, position: dict[fx.Node, int], end: int) -> int:
+    """Where forward last reads the value's storage: its last forward user, or the wait of
+    an asynchronous collective reading it (`rules.reads_until_wait`), whichever is later."""
+    last = position[value.node]
+    for alias in [value.node, *value.aliases]:
+        for user in alias.users:
+            if position[user] < end:
+                last = max(last, position[user])
+                if reads_until_wait(user.target):
+                    last = max([last, *(position[w] for w in user.users if position[w] < end)])
+    return last
+
+
 def offload_pass(
     gm: fx.GraphModule,
     names: Iterable[str],
@@ -451,12 +464,9 @@ def offload_pass(
     values = [
         Offloaded(
             position[v.node],
-            max(
-                [position[v.node]]
-                + [position[u] for a in [v.node, *v.aliases] for u in a.users if position[u] < end]
-            ),
+            _last_forward_use(v, position, end),
             min(position[r] for r in v.readers),
-        )  # fmt: skip
+        )
         for v in wanted
     ]
     layers = [layer_of(n) for n in nodes]

@@ -186,7 +186,7 @@ def offload_schedule(
     by_read = np.argsort(flat.read, kind="stable")
     start = np.searchsorted(flat.read[by_read], np.arange(3 * n + 1))
     readers_at = flat.reader[by_read]
-    call, single, writes = index.offload_facts
+    call, single = index.offload_facts[:2]
     skipped: dict[str, str] = {}
     wanted: list[tuple[int, list[int], Offloaded]] = []  # node, needed aliases, facts
     for name in names:
@@ -225,11 +225,12 @@ def _examine(
     entries: np.ndarray,
     end: int,
 ) -> str | tuple[int, list[int], set[int], list[int]]:
-    """`offload._examine` on the schedule: the last forward reader's position, the
+    """`offload._examine` on the schedule: the last forward reader's position (a collective's
+    wait for an asynchronous collective, as `offload._last_forward_use`), the
     backward readers' positions, the aliases they read and every forward alias of the
     value's storage (forward users whose output aliases it, transitively); or why not."""
     n = index.n
-    writes = index.offload_facts[2]
+    writes, until_wait = index.offload_facts[2:]
     aliases: list[int] = []
     readers: list[int] = []
     read_aliases: set[int] = set()
@@ -247,6 +248,9 @@ def _examine(
                     read_aliases.add(a)
                 continue
             last = max(last, q)
+            if u < n and until_wait[u]:  # an asynchronous collective reads until its wait
+                waits = readers_at[start[u] : start[u + 1]]
+                last = max([last, *(int(w) for w in waits.tolist() if w < end)])
             if u < n and u not in seen and _aliases(index, u, seen):
                 if writes[u]:
                     return f"has its storage written in place by {index.names[u]}"

@@ -17,7 +17,7 @@ import collections
 import enum
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -107,6 +107,14 @@ def mutates(target: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
+def reads_until_wait(target: Any) -> bool:
+    """Collectives that run asynchronously: they read their input until the `wait_tensor`
+    on their output, not only when they are called (every `_c10d_functional` op but the
+    wait itself)."""
+    name = op_name(target)
+    return name.startswith("_c10d_functional.") and name != WAIT
+
+
 def module_matches(pattern: str, module: str) -> bool:
     """fnmatch per dotted component, `**` spans any number of components. Linear in the
     product of the component counts (no backtracking), whatever the pattern.
@@ -134,7 +142,8 @@ def module_matches(pattern: str, module: str) -> bool:
 
 
 class Why(enum.Enum):
-    """Why a node has its tag. The last three are forced saves: no request can undo them."""
+    """Why a node has its tag. The last four are forced (`forced`): no request can undo them.
+    They are saves in graph SAC; eager SAC recomputes in-place ops and what they write."""
 
     PRESET = "preset"
     SELECTOR = "selector"
@@ -148,16 +157,21 @@ class Why(enum.Enum):
     RANDOM = "random op"
     MUTATION = "mutates its input"
     LAYER_BOUNDARY = "layer boundary"
+    # A recompute that would not see what forward saw: it writes a storage that is not
+    # recomputed, reads one written after it, or could be replayed out of order with a
+    # write (`save_written_inputs`; `detail` names the nodes).
+    WRITTEN_INPUT = "written in place"
 
     @property
     def forced(self) -> bool:
-        return self in (Why.RANDOM, Why.MUTATION, Why.LAYER_BOUNDARY)
+        return self in (Why.RANDOM, Why.MUTATION, Why.LAYER_BOUNDARY, Why.WRITTEN_INPUT)
 
 
 _FORCED_WORDS = {
     Why.RANDOM: " (nondeterministic_seeded); torch's remat pass cannot replay RNG",
     Why.MUTATION: "; recomputing would apply the mutation twice",
     Why.LAYER_BOUNDARY: " (recomputed user {} is in another layer)",
+    Why.WRITTEN_INPUT: " ({})",
 }
 
 
@@ -251,12 +265,17 @@ class OpFacts(NamedTuple):
     # Its output storage, for the offload rules; None when it returns no single tensor
     # (and in eager SAC, which cannot offload).
     storage: Storage | None = None
+    # What the in-place rule (`save_written_inputs`) reads: every input node (graph inputs
+    # included), the input whose storage the output shares (a view, an in-place op's
+    # `self`, a getitem's tuple; None for a new storage) and the inputs it writes in place.
+    inputs: tuple[str, ...] = ()
+    alias: str | None = None
+    writes: tuple[str, ...] = ()
 
 
-# (name, module, op, random, mutation, parent, users, gather, storage), in graph order.
-Row = tuple[
-    str, str, str, bool, bool, "str | None", tuple[str, ...], "str | None", "Storage | None"
-]
+# (name, module, op, random, mutation, parent, users, gather[, storage[, inputs, alias,
+# writes]]), in graph order: eager SAC's rows stop after `gather`.
+Row = tuple[Any, ...]
 
 
 class OpCounter:
@@ -270,6 +289,7 @@ class OpCounter:
     def facts(self, row: Row) -> OpFacts:
         name, module, op, random, mutation, parent, users, gather = row[:8]
         storage = row[8] if len(row) > 8 else None  # rows without it: nothing to offload
+        inputs, alias, writes = row[9:12] if len(row) > 9 else ((), None, ())
         layer = layer_of(module)
         if op in MATMUL_OPS:
             self.matmuls[layer] += 1
@@ -278,7 +298,7 @@ class OpCounter:
         key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
         return OpFacts(
             name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
-            key, layer_key, gather, storage,
+            key, layer_key, gather, storage, inputs, alias, writes,
         )  # fmt: skip
 
 
@@ -345,9 +365,39 @@ def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str])
                 tuple(user.name for user in node.users),
                 gathers.get(node.name),
                 storage_of(node),
+                tuple(x.name for x in node.all_input_nodes),
+                alias_input(node),
+                written_inputs(node),
             )  # fmt: skip
         )
     return rows
+
+
+def alias_input(node: torch.fx.Node) -> str | None:
+    """The input whose storage `node`'s output shares (a view of it, an in-place op on it, a
+    getitem of its tuple), or None when the output is a new storage."""
+    keys = storage_keys(node)
+    if keys:
+        for x in node.all_input_nodes:
+            if keys & storage_keys(x):
+                return x.name
+    return None
+
+
+def written_inputs(node: torch.fx.Node) -> tuple[str, ...]:
+    """The inputs `node` writes in place: its schema's `Tensor(a!)` arguments."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return ()
+    written: list[str] = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else None)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.fx.Node):
+                written.append(v.name)
+    return tuple(written)
 
 
 def unshard_chains(gm: torch.fx.GraphModule) -> dict[str, str]:
@@ -609,12 +659,39 @@ class DecidePlan(NamedTuple):
     leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
     boundaries: list[tuple[str, tuple[str, ...]]]  # graph SAC's layer-boundary walk
     titan_boundaries: list[tuple[str, tuple[str, ...]]]  # graph trainer's
+    writes: WritePlan  # the in-place rule's storages, writes and readers
     # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
     # and those tags once followers took their leader's
     requested: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
 
 
 REQUEST_MEMO = 8  # request tables a plan remembers (one per preset and selector list)
+
+
+class WritePlan(NamedTuple):
+    """What the in-place rule reads, from the facts alone: each node's position in graph
+    order, the storage each node's output lives in (named by the node or graph input that
+    made it: `alias` followed to its end), the writes into each storage in graph order, and
+    the nodes that read a written storage (the only ones the rule can force), in order."""
+
+    position: dict[str, int]
+    root: dict[str, str]
+    writes: dict[str, list[tuple[int, str]]]  # storage -> [(position, writer)]
+    readers: tuple[str, ...]
+
+
+def write_plan(facts: Sequence[OpFacts]) -> WritePlan:
+    """The `WritePlan` of these facts (graph order)."""
+    position: dict[str, int] = {}
+    root: dict[str, str] = {}
+    writes: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    for i, f in enumerate(facts):
+        position[f.name] = i
+        root[f.name] = f.name if f.alias is None else root.get(f.alias, f.alias)
+        for x in f.writes:
+            writes[root.get(x, x)].append((i, f.name))
+    readers = tuple(f.name for f in facts if any(root.get(x, x) in writes for x in f.inputs))
+    return WritePlan(position, root, dict(writes), readers)
 
 
 def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
@@ -639,6 +716,7 @@ def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
         layer_boundaries(
             facts, by_name, lambda f, u: titan_layer(u.module) > titan_layer(f.module), False
         ),
+        write_plan(facts),
         {},
     )
 
@@ -673,6 +751,7 @@ def decide_ops(
                     overridden.add(name)
     _follow(tags, requested, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
+    save_written_inputs(tags, plan)
     if may_offload(preset, selectors, overrides):
         decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
     return tags
@@ -766,6 +845,123 @@ def save_layer_boundaries(
                 break
 
 
+def replayed_by(tags: Mapping[str, Tag], by_name: Mapping[str, OpFacts]) -> Callable[[str], bool]:
+    """A test of whether torch's remat pass copies a node into backward: it is tagged
+    recompute and a backward node reads it, or a copied node does (what the pass's
+    `gather_recompute_deps` collects). Users that are not forward nodes are backward ones."""
+    replayed: dict[str, bool] = {}
+
+    def test(name: str) -> bool:
+        if name not in replayed:
+            replayed[name] = False  # a cycle guard: the facts are a DAG
+            replayed[name] = tags[name].recompute and any(
+                u not in by_name or test(u) for u in by_name[name].users
+            )
+        return replayed[name]
+
+    return test
+
+
+def save_written_inputs(tags: dict[str, Tag], plan: DecidePlan) -> None:
+    """Save, in place on `tags`, every node whose recompute would not compute what forward
+    computed because of an in-place write (`Why.WRITTEN_INPUT`, `detail` says which):
+
+    - it reads a storage that is not recomputed (a saved node's, a graph input's) and that a
+      forward node writes at or after it: in backward the recompute reads the written value,
+      and if it is the writer itself, it writes that storage a second time;
+    - it reads a storage the recomputation makes anew, that another recomputed node writes,
+      with no path of recomputed nodes between the two: torch's remat pass copies nodes in
+      batches per backward reader, so only a data path fixes their order.
+
+    Only nodes the remat pass copies into backward count (`replayed_by`). Saving is always
+    sound (with nothing recomputed, backward reads what forward made), and each save can
+    only end others' reasons or move them to later readers, so the walk repeats until
+    nothing changes. Backward ops are assumed not to write forward storages (autograd's
+    formulas never do). In-place ops are saved by `forced_save` in the workbench's
+    presets; the `titan-*` ones tag them like any op, as graph trainer does."""
+    wp = plan.writes
+    if not wp.writes:
+        return
+    while True:
+        replayed = replayed_by(tags, plan.by_name)
+        for name in wp.readers:
+            if replayed(name):
+                detail = _written_input(name, tags, plan, replayed)
+                if detail is not None:
+                    tags[name] = Tag(CheckpointPolicy.MUST_SAVE, Why.WRITTEN_INPUT, detail)
+                    break  # the replayed set changed: walk again
+        else:
+            return
+
+
+def written_later_keys(plan: DecidePlan) -> frozenset[str]:
+    """Layer keys (`layers.3.attention_norm::aten.mean.dim#0`) of the nodes whose output
+    storage a later forward node writes in place: what eager SAC may not cache."""
+    wp = plan.writes
+    return frozenset(
+        plan.by_name[name].layer_key
+        for name, at in wp.position.items()
+        if any(later > at for later, _ in wp.writes.get(wp.root[name], ()))
+    )
+
+
+def _written_input(
+    name: str, tags: Mapping[str, Tag], plan: DecidePlan, replayed: Callable[[str], bool]
+) -> str | None:
+    """Why recomputing `name` would not see what forward saw (`save_written_inputs`)."""
+    wp, by_name = plan.writes, plan.by_name
+    here = wp.position[name]
+    for x in by_name[name].inputs:
+        storage = wp.root.get(x, x)
+        if storage not in wp.writes:
+            continue
+        made = x  # where the recomputation gets the storage: follow recomputed aliases
+        while made in by_name and tags[made].recompute and by_name[made].alias is not None:
+            made = by_name[made].alias  # type: ignore[assignment]
+        if made not in by_name or not tags[made].recompute:  # forward's own storage
+            later = [w for at, w in wp.writes[storage] if at >= here]
+            if later and later[0] == name:
+                return (
+                    f"{name} writes {x}, which is not recomputed: its recompute in backward "
+                    "would write it a second time"
+                )
+            if later:
+                return (
+                    f"reads {x}, which {later[0]} writes in place later in forward: its "
+                    "recompute in backward would read the written value"
+                )
+            continue
+        for at, writer in wp.writes[storage]:
+            if writer == name or not replayed(writer):
+                continue
+            first, then = (name, writer) if here < at else (writer, name)
+            if not _reads_through_recomputed(then, first, tags, plan):
+                return (
+                    f"reads the storage recomputed {made} makes, which recomputed {writer} "
+                    "writes in place with no data path between them: torch's remat pass "
+                    "may replay them in another order"
+                )
+    return None
+
+
+def _reads_through_recomputed(
+    then: str, first: str, tags: Mapping[str, Tag], plan: DecidePlan
+) -> bool:
+    """Whether `then` reads `first` through recomputed nodes only, so that torch's remat
+    pass must copy `first` before `then` (it gathers recomputed inputs depth first)."""
+    by_name, stop = plan.by_name, plan.writes.position[first]
+    todo, seen = [then], {then}
+    while todo:
+        for x in by_name[todo.pop()].inputs:
+            if x == first:
+                return True
+            if x in by_name and x not in seen and tags[x].recompute:
+                if plan.writes.position[x] > stop:
+                    seen.add(x)
+                    todo.append(x)
+    return False
+
+
 def decide_titan_ops(
     facts: Sequence[OpFacts],
     preset: str,
@@ -805,7 +1001,9 @@ def decide_titan_ops(
         if f.random and tag.recompute:
             tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
         tags[f.name] = tag
-    save_layer_boundaries(tags, (plan or decide_plan(facts)).titan_boundaries)
+    plan = plan or decide_plan(facts)
+    save_layer_boundaries(tags, plan.titan_boundaries)
+    save_written_inputs(tags, plan)
     if may_offload(preset, selectors, overrides):
         decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
     return tags
@@ -874,22 +1072,14 @@ def kept_for_backward(
     """A test of whether torch's remat pass keeps a saved node's storage for backward: a
     backward node reads it (or a saved forward view of it), or a recomputed node that
     backward needs does. Users that are not forward nodes are backward ones."""
-    needed: dict[str, bool] = {}
-
-    def need(g: OpFacts) -> bool:  # a recompute-tagged node: copied into backward?
-        if g.name not in needed:
-            needed[g.name] = False
-            needed[g.name] = any(
-                u not in by_name or (tags[u].recompute and need(by_name[u])) for u in g.users
-            )
-        return needed[g.name]
+    replayed = replayed_by(tags, by_name)
 
     def kept(f: OpFacts) -> bool:
         todo, seen = [f], {f.name}
         while todo:
             for user in todo.pop().users:
                 u = by_name.get(user)
-                if u is None or (tags[user].recompute and need(u)):
+                if u is None or replayed(user):
                     return True
                 view = u.storage is not None and not u.storage.fresh
                 if view and not tags[user].recompute and user not in seen:
@@ -985,6 +1175,7 @@ def eager_tag(
     preset: str,
     selectors: Sequence[SelectorRow],
     overrides: Mapping[str, str],
+    written_later: Collection[str] = frozenset(),
 ) -> Tag:
     """Eager SAC's decision for one op as it runs. In-place ops come first and are
     recomputed: eager SAC caches an op's output before autograd bumps an in-place op's
@@ -992,7 +1183,10 @@ def eager_tag(
     activation checkpoint has been mutated"); its recompute mutates a fresh tensor, and
     checkpoint restores the RNG state, so a random in-place op (`bernoulli_`) replays exactly.
     Other random ops are saved, as in the graph; eager SAC cannot offload, so an offload
-    request is saved (`Why.OFFLOAD_REFUSED`)."""
+    request is saved (`Why.OFFLOAD_REFUSED`). An op whose output forward writes in place
+    later (its layer key in `written_later`, from `written_later_keys` of a traced graph) is
+    recomputed for the same reason as an in-place op: torch's SAC refuses a cached tensor
+    that was written after it was cached."""
     if facts.mutation:
         return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.MUTATION)
     if facts.random:
@@ -1000,4 +1194,7 @@ def eager_tag(
     tag = requested(facts, rule, preset, selectors, overrides)
     if tag.offload:
         return Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, "eager SAC cannot offload")
+    if not tag.recompute and facts.layer_key in written_later:
+        detail = "forward writes its output in place later: eager SAC recomputes it"
+        return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.WRITTEN_INPUT, detail)
     return tag

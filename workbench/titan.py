@@ -29,16 +29,19 @@ from workbench.remat import copy_graph_module, remat
 from workbench.rules import (
     COMPUTE_INTENSIVE_OPS,
     OFFLOAD,
+    PRESETS,
     RECOMPUTE,
     TITAN_NOT_IN_LAYERS,
     TITAN_PRESETS,
     TITAN_SAVE_OPS,
     OffloadOptions,
+    Why,
     titan_layer,
 )
 
 __all__ = [
     "CPU_FORCED",
+    "WRITTEN_FORCED",
     "DIFFERENCES",
     "MEMORY_POLICIES",
     "NOT_REPRODUCED",
@@ -315,6 +318,19 @@ CPU_FORCED = Difference(
     "trainer's save list, so nothing is forced there",
 )
 
+# Saves the in-place rule forces (`rules.save_written_inputs`), in every preset.
+WRITTEN_FORCED = Difference(
+    key="written in place",
+    rule="a recompute that would not see what forward saw (an in-place write)",
+    presets=tuple(PRESETS),
+    workbench="saved: it writes a storage that is not recomputed, reads one forward writes "
+    "in place after it, or could be replayed out of order with a recomputed write",
+    graph_trainer="recomputed as its policy asks",
+    why="the recompute would compute another value than forward did, so loss and gradients "
+    "would differ from eager's; with graph trainer's own presets this happens only on models "
+    "that write a saved activation in place (the workbench's reference models do not)",
+)
+
 # Where graph trainer's offload pass places the steps otherwise than the workbench's
 # `offload_pass` for the same options, on the same graph (`offload_mismatches` names the
 # row behind each step it finds apart; the README shows `differences_table(OFFLOAD_PLACEMENT)`).
@@ -394,6 +410,8 @@ def explained_by(mismatch: Mismatch, preset: str) -> str:
     reason = mismatch.reason
     if reason.startswith("forced:random op"):
         return CPU_FORCED.key
+    if reason.startswith(f"forced:{Why.WRITTEN_INPUT.value}"):
+        return WRITTEN_FORCED.key
     if reason.startswith(("selector:", "override:")):
         return reason.split(":", 1)[0]
     if preset in TITAN_PRESETS:

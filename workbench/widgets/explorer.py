@@ -267,7 +267,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         """Move one op's decision on, save -> recompute -> offload -> save (offload only where
         the rules allow it; the message says why not), in every identical layer when
         `all_layers`."""
-        before = self._decisions.get(name)
+        old = self._decisions
+        before = old.get(name)
         skipped = None
         if before is not None and name in self.graph.nodes and decidable(self.graph.nodes[name]):
             _, skipped = next_action(self.graph, self.policy, name, self._decisions)
@@ -282,6 +283,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.message = f"{name} is now {_WORDS[after.action]} {where}"
         if skipped:
             self.message += f" (offload not offered: {skipped})"
+        self.message += _newly_forced(old, self._decisions, name)
         self._autosave()
 
     def show(self, view: str) -> None:
@@ -880,6 +882,18 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
 
 _WORDS = {"save": "saved", "recompute": "recomputed", "offload": "offloaded"}
+NEWLY_FORCED_NAMED = 3  # nodes a flip's message names when it forces others
+
+
+def _newly_forced(before: Decisions, after: Decisions, flipped: str) -> str:
+    """What a flip forced elsewhere (a save no request can undo), for the message line:
+    `; forced in turn: add_, add__1 saved (written in place (...))`, or nothing."""
+    forced = [n for n, d in after.items() if d.forced and n != flipped and not before[n].forced]
+    if not forced:
+        return ""
+    named, rest = ", ".join(forced[:NEWLY_FORCED_NAMED]), len(forced) - NEWLY_FORCED_NAMED
+    more = f" and {rest} more" if rest > 0 else ""
+    return f"; forced in turn: {named}{more} saved ({after[forced[0]].explanation})"
 
 
 def _read_bytes(path: Path) -> bytes | None:
