@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
-from workbench.trace import trace
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def small_graphs() -> dict[str, tuple[Workload, JointGraph]]:
 def rank_debug() -> JointGraph:
     """llama3-debug, 2 layers, 128 tokens, FSDP2 x TP2, rank 0 on fake tensors: long enough
     a sequence that activations, not parameter state, set the peak."""
-    from workbench.parallel import Parallel
+    from workbench.capture.parallel import Parallel
 
     workload = load_workload("llama3-debug", device="meta", layers=2, seq=128)
     return trace(workload, "fake", Parallel(2, 2))

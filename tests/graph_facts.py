@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from workbench.graph import JointGraph
+from workbench.capture.graph import JointGraph
 
 
 def read_by_backward(graph: JointGraph, gm: fx.GraphModule | None = None) -> set[str]:

@@ -7,13 +7,14 @@ import json
 
 import pytest
 
-from workbench import activations
-from workbench.activations import activation_log, activation_rows, totals
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
 from workbench.cli import main
-from workbench.graph import JointGraph
-from workbench.index import graph_index
-from workbench.models import Workload
-from workbench.policy import Policy, decide
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
+from workbench.interop import activations
+from workbench.interop.activations import activation_log, activation_rows, totals
+from workbench.rewrite.index import graph_index
 
 
 @pytest.mark.parametrize("preset", ["default", "titan-eager"])

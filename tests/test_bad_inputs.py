@@ -21,13 +21,12 @@ from typing import Any
 import pytest
 
 from workbench import cli
-from workbench import policy as policy_module
-from workbench import rules as rules_module
+from workbench.capture.ops import module_matches
 from workbench.cli import main
+from workbench.decide import policy as policy_module
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.files import check_writable
-from workbench.policy import Policy
-from workbench.rules import module_matches
 
 HEAD = '{"schema": "sac-workbench/policy", '
 MLP = ["--model", "user_models:mlp"]
@@ -505,7 +504,7 @@ def test_many_double_stars_cost_at_most_pattern_times_path(
         calls += 1
         return real(name, pattern)
 
-    monkeypatch.setattr(rules_module.fnmatch, "fnmatchcase", counting)
+    monkeypatch.setattr(fnmatch, "fnmatchcase", counting)
     pattern = ".".join(["**", "x"] * 100 + ["nomatch"])
     module = ".".join(["x"] * 30)
     assert not module_matches(pattern, module)

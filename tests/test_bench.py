@@ -19,13 +19,14 @@ from workbench.bench import (
     offload_table,
     percentile,
 )
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import timed_trace, trace
 from workbench.cli import main
-from workbench.estimate import Estimator
-from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
-from workbench.policy import Policy, decide, graph_plan
-from workbench.rules import offload_refusal_in
-from workbench.trace import timed_trace, trace
+from workbench.cost.estimate import Estimator
+from workbench.decide.decider import decide, rules_of
+from workbench.decide.offloadable import offload_refusal_in
+from workbench.decide.policy import Policy
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -111,7 +112,7 @@ def test_offload_floor_policy_offloads_what_full_recompute_keeps(
 ) -> None:
     full = decide(offload_graph, Policy("full"))
     floor = decide(offload_graph, offload_floor_policy(offload_graph))
-    plan = graph_plan(offload_graph)
+    plan = rules_of(offload_graph).plan
     may = {
         name
         for name, tag in full.items()

@@ -23,7 +23,7 @@ import pytest
 if TYPE_CHECKING:
     from playwright.sync_api import Page
 
-from workbench.viz import svg_id
+from workbench.show.viz import svg_id
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [
@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 # Four layers fold into one `layers.0–3 ×4` frame; 128 tokens leave room for Suggest.
 NOTEBOOK_CELLS = [
-    "from workbench.models import load_workload\nfrom workbench.widgets import PolicyExplorer",
+    "from workbench.capture.models import load_workload\n"
+    "from workbench.show.widgets import PolicyExplorer",
     'explorer = PolicyExplorer(load_workload("llama3-debug", layers=4, seq=128), "default",\n'
     '                          autosave="explorer.policy.json")\n'
     "explorer",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.models import load_workload
-from workbench.policy import Policy
+from workbench.capture.models import load_workload
+from workbench.decide.policy import Policy
 from workbench.studies.capture import compile_eager_sac, every_other_mm_policy
 
 

@@ -169,7 +169,7 @@ def test_verify_json(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_verify_policy_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from workbench.policy import Policy, Selector
+    from workbench.decide.policy import Policy, Selector
 
     policy = Policy("default", [Selector("layers.*.feed_forward.w2::aten.mm.default", "recompute")])
     saved = policy.save(tmp_path / "p.json")
@@ -323,8 +323,8 @@ def test_export_out_says_where_instead_of_printing_the_file(
 def test_readme_solve_example_is_feasible(llama_debug: tuple[object, object]) -> None:
     import re
 
-    from workbench.estimate import Estimator
-    from workbench.policy import Policy
+    from workbench.cost.estimate import Estimator
+    from workbench.decide.policy import Policy
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     frac = float(re.search(r"solve --model llama3-debug --budget-frac ([\d.]+)", readme)[1])

@@ -10,18 +10,20 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.eager import (
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.capture.workload import eager_step
+from workbench.decide.decider import decide, layer_key, node_keys
+from workbench.decide.policy import Policy, Selector
+from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.decide.tags import Why
+from workbench.errors import WorkbenchError
+from workbench.interop.eager import (
     apply_eager_sac,
     apply_eager_sac_to,
     eager_decisions,
-    eager_step,
     policy_from_eager,
 )
-from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import PRESETS, Policy, Selector, decide, layer_key, node_keys
-from workbench.rules import TITAN_PRESETS, Why
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(

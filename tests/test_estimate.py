@@ -7,16 +7,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
+from workbench.cost.estimate import CATEGORIES, Estimator, estimate, estimate_remat
+from workbench.cost.measure import held_bytes, measure_graph
+from workbench.cost.profiles import DeviceProfile
+from workbench.decide.decider import decide, flip
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import CATEGORIES, Estimator, estimate, estimate_remat
-from workbench.graph import JointGraph
-from workbench.measure import held_bytes, measure_graph
-from workbench.models import Workload, load_workload
-from workbench.policy import Policy, decide, flip
-from workbench.profiles import DeviceProfile
-from workbench.remat import copy_graph_module, remat
-from workbench.trace import trace
-from workbench.viz import overview
+from workbench.rewrite.remat import copy_graph_module, remat
+from workbench.show.viz import overview
 
 Fixture = tuple[Workload, JointGraph]
 PRESETS = ["none", "default", "eager", "full"]

@@ -13,14 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from workbench import titan
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
 from workbench.cli import main
-from workbench.explain import explain, explain_text
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import Policy, decide
-from workbench.rules import PRESETS, TITAN_PRESETS
-from workbench.titan import DIFFERENCES, OFFLOAD_PLACEMENT, differences_of, differences_table
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.interop import titan
+from workbench.interop.titan import (
+    DIFFERENCES,
+    OFFLOAD_PLACEMENT,
+    differences_of,
+    differences_table,
+)
+from workbench.show.explain import explain, explain_text
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

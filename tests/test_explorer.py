@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
+from workbench.cost.estimate import Estimator
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator
-from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
-from workbench.policy import Policy, decide
-from workbench.trace import trace
-from workbench.viz import render_overview, svg_id
-from workbench.widgets import PolicyExplorer
-from workbench.widgets.session import Autosave, Edits, History, Point
+from workbench.show.viz import render_overview, svg_id
+from workbench.show.widgets import PolicyExplorer
+from workbench.show.widgets.session import Autosave, Edits, History, Point
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -257,7 +258,7 @@ def test_suggest_loads_a_solved_policy_within_the_budget(peaky: Fixture, tmp_pat
 def test_suggest_and_sweep_use_the_host_budget(
     peaky: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import workbench.solve
+    import workbench.search.solve
 
     # at 32 tokens parameters set the peak (full recompute's equals no AC's), so offload
     # buys nothing there: 256 tokens, where half-way between the two it does
@@ -284,13 +285,13 @@ def test_suggest_and_sweep_use_the_host_budget(
     assert "host budget must be 0 (no offload) or more bytes" in ex.message
     assert ex.suggest_host_budget_bytes == 2**30
     seen: list[int] = []
-    real = workbench.solve.pareto
+    real = workbench.search.solve.pareto
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(kwargs["host_budget_bytes"])  # type: ignore[arg-type]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(workbench.solve, "pareto", spy)
+    monkeypatch.setattr(workbench.search.solve, "pareto", spy)
     ex.sweep(points=2)
     assert seen == [2**30]
 
@@ -311,7 +312,7 @@ def test_run_that_cannot_fit_refuses_and_keeps_the_edits(
     ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
     ex.flip("mm_4")
     edited = dict(ex.policy_json)
-    monkeypatch.setattr("workbench.measure.available_bytes", lambda device: 1024)
+    monkeypatch.setattr("workbench.cost.measure.available_bytes", lambda device: 1024)
     send(ex, type="run")
     assert "estimated to need" in ex.message and "GiB" in ex.message
     assert ex.policy_json == edited and not ex.running and ex.run_result == {}

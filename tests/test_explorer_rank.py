@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from workbench.estimate import Estimator
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import Policy, decide
-from workbench.solve import solve
-from workbench.viz import svg_id
-from workbench.viz.style import COLLECTIVE_WORDS
-from workbench.widgets import PolicyExplorer
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.cost.estimate import Estimator
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
+from workbench.search.solve import solve
+from workbench.show.viz import svg_id
+from workbench.show.viz.style import COLLECTIVE_WORDS
+from workbench.show.widgets import PolicyExplorer
 
 
 def send(widget: PolicyExplorer, **msg: object) -> None:

@@ -19,9 +19,15 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
     remat_using_tags_for_fwd_loss_bwd_graph,
 )
 
-from workbench.eager import eager_step
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.capture.workload import eager_step
+from workbench.decide.decider import decide
+from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.policy import Policy, Selector
+from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
-from workbench.export import (
+from workbench.interop.export import (
     FORMATS,
     TORCHTITAN_VERSIONS,
     export,
@@ -30,10 +36,6 @@ from workbench.export import (
     torchtitan_options,
     write_export,
 )
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import PRESETS, Policy, Selector, decide
-from workbench.rules import OffloadOptions
 
 MODELS = ("llama3-debug", "dsv3-debug")
 CUSTOM = Policy(
@@ -64,8 +66,8 @@ for name, path in json.loads(sys.argv[1]).items():
     modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(modules[name])
 assert not any(m.split(".")[0] == "workbench" for m in sys.modules), "export imported workbench"
-from workbench.models import load_workload
-from workbench.trace import trace
+from workbench.capture.models import load_workload
+from workbench.capture.trace import trace
 out = {}
 for model in json.loads(sys.argv[2]):
     graph = trace(load_workload(model, layers=2, seq=32), mode="real")

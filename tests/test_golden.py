@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from workbench.estimate import Estimator
-from workbench.graph import JointGraph
-from workbench.policy import Policy
-from workbench.rules import PRESETS
+from workbench.capture.graph import JointGraph
+from workbench.cost.estimate import Estimator
+from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS
 
 GOLDEN = Path(__file__).with_name("golden_figures.json")
 PROFILE = "h100"

@@ -7,8 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workbench.graph import JointGraph
-from workbench.index import (
+from workbench.capture.graph import JointGraph
+from workbench.cost.replay import recompute_flags, replay
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
+from workbench.rewrite.index import (
     OFFLOAD_STEPS,
     Flat,
     GraphIndex,
@@ -17,8 +20,6 @@ from workbench.index import (
     offload_entry,
     offload_step,
 )
-from workbench.policy import Policy, decide
-from workbench.replay import recompute_flags, replay
 
 PRESETS = ["none", "default", "eager", "full"]
 

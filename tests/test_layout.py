@@ -1,19 +1,22 @@
-"""What is core and what is a study: the pipeline imports neither the studies nor the zoo."""
+"""The house: packages by stage importing only downward, no cycle, small modules; what is
+core and what is a study (the pipeline imports neither the studies nor the zoo)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 CORE = [
-    "workbench.trace",
-    "workbench.policy",
-    "workbench.remat",
-    "workbench.estimate",
-    "workbench.solve",
-    "workbench.export",
+    "workbench.capture.trace",
+    "workbench.decide.policy",
+    "workbench.rewrite.remat",
+    "workbench.cost.estimate",
+    "workbench.search.solve",
+    "workbench.interop.export",
 ]
 
 
@@ -29,8 +32,8 @@ def test_core_modules_import_no_study(module: str) -> None:
 
 def test_tracing_imports_no_model_zoo() -> None:
     code = (
-        "import sys, workbench.trace; "
-        "print(sorted(m for m in sys.modules if m.startswith('workbench.models')))"
+        "import sys, workbench.capture.trace; "
+        "print(sorted(m for m in sys.modules if m.startswith('workbench.capture.models')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -38,8 +41,116 @@ def test_tracing_imports_no_model_zoo() -> None:
 
 def test_workload_is_the_same_type_everywhere() -> None:
     import workbench
-    from workbench.models import Workload as FromZoo
-    from workbench.workload import Workload
+    from workbench.capture.models import Workload as FromZoo
+    from workbench.capture.workload import Workload
 
     assert FromZoo is Workload is workbench.Workload
     assert callable(workbench.load_workload)
+
+
+# --- the house: packages by pipeline stage, each importing only the ones before it ----------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
+# The stages in the order data flows; a module imports its own stage and the ones before.
+STAGES = ("capture", "decide", "rewrite", "cost", "search", "interop", "show")
+BASE = {"workbench.errors", "workbench.files"}  # what every stage may import
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The workbench modules `path` imports, anywhere in it (function-level imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def test_no_import_cycle() -> None:
+    modules = _modules()
+    edges = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(edges[name]):
+            if state.get(other) == 1:
+                cycle = path[path.index(other) :] + [other]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if other not in state:
+                visit(other, [*path, other])
+        state[name] = 2
+
+    for name in sorted(modules):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_stages_import_only_downward() -> None:
+    """capture <- decide <- rewrite <- cost <- search <- interop <- show; the studies and the
+    top level (cli, bench, the package itself) may import any stage, no stage a study."""
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        stage = _stage(name)
+        if stage is None:
+            continue
+        for other in _imports(path, modules):
+            if other in BASE or other == "workbench":
+                continue
+            theirs = _stage(other)
+            if theirs is None or STAGES.index(theirs) > STAGES.index(stage):
+                wrong.append(f"{name} imports {other}")
+    assert wrong == []
+
+
+def test_modules_stay_small() -> None:
+    big = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert big == {}, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_old_module_names_still_import_for_one_release() -> None:
+    code = (
+        "import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+        "import workbench.decide.engine as engine, workbench.show.viz.style as style\n"
+        "try:\n"
+        "    import workbench.rules\n"
+        "except DeprecationWarning as e:\n"
+        "    print(e)\n"
+        "warnings.simplefilter('ignore')\n"
+        "import workbench.rules, workbench.viz.style, workbench.policy\n"
+        "from workbench.models import load_workload\n"
+        "print(workbench.rules.decide_ops is engine.decide_ops,\n"
+        "      workbench.viz.style is style, callable(workbench.policy.decide))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "workbench.rules moved to workbench.capture.ops / workbench.decide.facts / "
+        "workbench.decide.tags / workbench.decide.presets / workbench.decide.plan / "
+        "workbench.decide.offloadable / workbench.decide.engine; the old name goes in the "
+        "next release",
+        "True True True",
+    ]

@@ -7,22 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import measure as measure_module
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
+from workbench.cost import measure as measure_module
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.measure import check_fits, held_bytes, measure_graph
+from workbench.cost.profiles import DeviceProfile, cpu_profile, get_profile
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.measure import (
-    check_fits,
-    held_bytes,
-    measure_eager,
-    measure_graph,
-    measure_policy,
-)
-from workbench.models import Workload, load_workload
-from workbench.policy import Policy
-from workbench.profiles import DeviceProfile, cpu_profile, get_profile
-from workbench.remat import remat
-from workbench.trace import trace
+from workbench.interop.baselines import measure_eager, measure_policy
+from workbench.rewrite.remat import remat
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -111,7 +106,9 @@ def test_cpu_profile_is_measured_once_then_cached(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
     fake = DeviceProfile("cpu", "test cpu", {"float32": 1e10, "bfloat16": 1e9}, 1e10)
-    monkeypatch.setattr("workbench.profiles.measure_cpu_profile", lambda: calls.append(1) or fake)
+    monkeypatch.setattr(
+        "workbench.cost.profiles.measure_cpu_profile", lambda: calls.append(1) or fake
+    )
     assert cpu_profile() == fake and cpu_profile() == fake
     assert len(calls) == 1
     (tmp_path / "sac-workbench" / "cpu-profile.json").write_text("{damaged")
@@ -120,7 +117,7 @@ def test_cpu_profile_is_measured_once_then_cached(
 
 
 def test_measured_cpu_profile_has_positive_rates() -> None:
-    from workbench.profiles import measure_cpu_profile
+    from workbench.cost.profiles import measure_cpu_profile
 
     profile = measure_cpu_profile()
     assert profile.matmul_rate("float32") > 1e8 and profile.bytes_per_s > 1e8
@@ -145,7 +142,7 @@ def test_eager_sac_per_submodule_regions() -> None:
 
 def test_measure_step_counts_what_the_closure_allocates() -> None:
     """Two 1 MiB float32 outputs held at once by the step, on top of a 4 KiB input."""
-    from workbench.measure import measure_step
+    from workbench.cost.measure import measure_step
 
     x = torch.ones(1024)
 
@@ -163,7 +160,7 @@ def test_measure_step_counts_what_the_closure_allocates() -> None:
 
 
 def test_allocation_granularity_and_rounding() -> None:
-    from workbench.profiles import CUDA_ALLOC_GRANULARITY, allocation_granularity, round_up
+    from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY, allocation_granularity, round_up
 
     assert allocation_granularity("cpu") == 1
     assert allocation_granularity(torch.device("cuda", 0)) == CUDA_ALLOC_GRANULARITY == 512

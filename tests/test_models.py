@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench.errors import WorkbenchError
-from workbench.models import (
+from workbench.capture.fits import available_bytes
+from workbench.capture.models import (
     REFERENCE_MODELS,
     Workload,
-    available_bytes,
     load_workload,
     model_names,
     parse_dtype,
     token_cross_entropy,
 )
-from workbench.models.deepseek_v3 import MoE
-from workbench.models.llama3 import LLAMA3_FLAVORS, apply_rope, rope_tables
+from workbench.capture.models.deepseek_v3 import MoE
+from workbench.capture.models.llama3 import LLAMA3_FLAVORS, apply_rope, rope_tables
+from workbench.errors import WorkbenchError
 
 
 def test_registry_has_published_llama3_shapes() -> None:

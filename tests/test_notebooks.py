@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.viz import render_view
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.show.viz import render_view
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -14,45 +14,40 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.trace import trace
 from workbench.cli import main
-from workbench.eager import eager_decisions
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.measure import bitwise_mismatches
+from workbench.decide.decider import decide, flip, next_action, node_keys, rules_of
+from workbench.decide.engine import decide_ops, eager_tag
+from workbench.decide.facts import MIN_OFFLOAD_BYTES, Storage, op_facts
+from workbench.decide.offloadable import OffloadOptions, offload_refusal
+from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS
+from workbench.decide.tags import Why
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.measure import bitwise_mismatches, measure_eager
-from workbench.models import Workload, load_workload
-from workbench.offload import (
+from workbench.interop.baselines import measure_eager
+from workbench.interop.eager import eager_decisions
+from workbench.rewrite.host_ops import host_usage, ops_for
+from workbench.rewrite.offload import offload_pass
+from workbench.rewrite.placement import (
     NO_LAYER,
     OFFLOAD_META,
     Offloaded,
     Place,
     Step,
-    host_usage,
     interleave,
     is_offload_node,
-    offload_pass,
-    ops_for,
     place_offloads,
     place_offloads_arrays,
 )
-from workbench.parallel import Parallel
-from workbench.policy import Policy, decide, flip, graph_facts, next_action, node_keys
-from workbench.remat import remat
-from workbench.rules import (
-    MIN_OFFLOAD_BYTES,
-    PRESETS,
-    OffloadOptions,
-    Storage,
-    Why,
-    decide_ops,
-    eager_tag,
-    offload_refusal,
-    op_facts,
-)
-from workbench.trace import trace
-from workbench.viz import diff, render_view
-from workbench.viz.style import GREEN, KIND_STYLE, node_kind
-from workbench.widgets import PolicyExplorer
+from workbench.rewrite.remat import remat
+from workbench.show.viz import diff, render_view
+from workbench.show.viz.style import GREEN, KIND_STYLE, node_kind
+from workbench.show.widgets import PolicyExplorer
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -411,7 +406,7 @@ def test_offload_keys_name_the_preset_choice(small_graphs: dict[str, Fixture]) -
     keys = node_keys(graph)
     moved = offloaded(graph, Policy("offload"))
     assert moved and all(keys[n].startswith("layers.*") for n in moved)
-    assert {f.name for f in graph_facts(graph) if f.storage is None} & set(moved) == set()
+    assert {f.name for f in rules_of(graph).facts if f.storage is None} & set(moved) == set()
 
 
 def test_the_cpu_uses_the_workbench_ops_with_buffers_of_their_own() -> None:

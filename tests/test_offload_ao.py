@@ -21,14 +21,15 @@ import pytest
 import torch
 from test_offload import CASES, POLICIES  # the policies the CPU ops are checked on
 
-import workbench.offload as offload
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.measure import bitwise_mismatches
-from workbench.models import Workload
-from workbench.offload import OFFLOAD_META, Ops, host_buffer_pool, is_offload_node
-from workbench.policy import Policy
-from workbench.remat import remat
+import workbench.rewrite.offload as offload
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.measure import bitwise_mismatches
+from workbench.decide.policy import Policy
+from workbench.rewrite.host_ops import Ops, host_buffer_pool
+from workbench.rewrite.placement import OFFLOAD_META, is_offload_node
+from workbench.rewrite.remat import remat
 
 Fixture = tuple[Workload, JointGraph]
 AO = importlib.import_module("torch._functorch._activation_offloading.offload_ops")

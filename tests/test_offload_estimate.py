@@ -10,18 +10,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.measure import measure_graph
+from workbench.cost.profiles import H100
+from workbench.cost.replay import offload_schedule, recompute_flags, replay
+from workbench.decide.decider import decide, flip
+from workbench.decide.offloadable import OffloadOptions, may_offload
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.index import OFFLOAD_STEPS as STEPS
-from workbench.measure import measure_graph
-from workbench.models import Workload
-from workbench.offload import STEP_KINDS, Place, Step, host_usage, interleave, interleave_arrays
-from workbench.policy import Policy, decide, flip
-from workbench.profiles import H100
-from workbench.remat import remat
-from workbench.replay import offload_schedule, recompute_flags, replay
-from workbench.rules import OffloadOptions, may_offload
+from workbench.rewrite.host_ops import host_usage
+from workbench.rewrite.index import OFFLOAD_STEPS as STEPS
+from workbench.rewrite.placement import STEP_KINDS, Place, Step, interleave, interleave_arrays
+from workbench.rewrite.remat import remat
 
 Fixture = tuple[Workload, JointGraph]
 PROFILES = ("h100",)

@@ -7,15 +7,15 @@ from dataclasses import replace
 
 import pytest
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import load_workload
+from workbench.capture.trace import trace
 from workbench.cli import main
+from workbench.cost.estimate import Estimator
+from workbench.cost.profiles import H100
+from workbench.decide.decider import decide
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator
-from workbench.graph import JointGraph
-from workbench.models import load_workload
-from workbench.policy import decide
-from workbench.profiles import H100
-from workbench.solve import pareto, preset_points, solve
-from workbench.trace import trace
+from workbench.search.solve import pareto, preset_points, solve
 
 # a host link so fast that offloading costs no time: offload must then pay off
 FAST = replace(H100, name="fast-link", host_bytes_per_s=1e15)

@@ -14,24 +14,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-import workbench.parallel as parallel_module
-from workbench.cli import main
-from workbench.distributed_check import check_ranks
-from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
-from workbench.models.llama3 import Llama3, Llama3Config
-from workbench.parallel import (
+import workbench.capture.parallel as parallel_module
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.models.llama3 import Llama3, Llama3Config
+from workbench.capture.parallel import (
     Parallel,
     eager_rank_step,
     fake_process_group,
     shard_workload,
     trace_rank,
 )
-from workbench.policy import Policy
-from workbench.remat import remat
-from workbench.trace import trace
+from workbench.capture.trace import trace
+from workbench.cli import main
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.ranks import check_ranks
+from workbench.decide.policy import Policy
+from workbench.errors import WorkbenchError
+from workbench.rewrite.remat import remat
 
 PRESETS = ["none", "default", "eager", "full"]
 SMALL = {"layers": 2, "seq": 32}
@@ -268,7 +268,7 @@ def test_trace_speedups_leave_the_graph_as_it_was(
     import importlib
 
     trace_module = importlib.import_module(
-        "workbench.trace"
+        "workbench.capture.tracing"
     )  # the package's `trace` is the function
     fast = rank_graphs["llama3-debug"]
     monkeypatch.setattr(parallel_module, "backward_without_stack_traces", contextlib.nullcontext)

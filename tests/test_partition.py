@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.models import load_workload
-from workbench.parallel import Parallel, fake_process_group, shard_workload
-from workbench.rules import ALL_GATHER
+from workbench.capture.models import load_workload
+from workbench.capture.ops import ALL_GATHER
+from workbench.capture.parallel import Parallel, fake_process_group, shard_workload
+from workbench.show.viz import diff
 from workbench.studies.partition import (
     Partition,
     activation_bytes,
@@ -21,7 +22,6 @@ from workbench.studies.partition import (
     repartition_forward,
     to_first_names,
 )
-from workbench.viz import diff
 
 
 @pytest.fixture(scope="module")

@@ -8,24 +8,20 @@ from pathlib import Path
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import (
-    PRESETS,
-    SCHEMA_VERSION,
-    Policy,
-    Selector,
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.decide.decider import (
     decidable,
     decide,
     flip,
     layer_key,
     node_keys,
-    parse_policy,
     restrict,
     validate,
 )
-from workbench.rules import COMPUTE_INTENSIVE_OPS
+from workbench.decide.policy import SCHEMA_VERSION, Policy, Selector, parse_policy
+from workbench.decide.presets import COMPUTE_INTENSIVE_OPS, PRESETS
+from workbench.errors import WorkbenchError
 
 Fixture = tuple[Workload, JointGraph]
 SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
@@ -153,8 +149,8 @@ def test_overrides_apply_to_all_layers_or_one(llama_debug: Fixture) -> None:
 
 
 def test_keys_are_stable_across_traces(llama_debug: Fixture) -> None:
-    from workbench.models import load_workload
-    from workbench.trace import trace
+    from workbench.capture.models import load_workload
+    from workbench.capture.trace import trace
 
     _, graph = llama_debug
     again = trace(load_workload("llama3-debug", layers=2, seq=16), mode="real")

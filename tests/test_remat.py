@@ -11,15 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.eager import eager_step
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
+from workbench.capture.workload import eager_step
+from workbench.cost.estimate import estimate
+from workbench.decide.decider import decide, node_keys
+from workbench.decide.policy import Policy
+from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
-from workbench.estimate import estimate
-from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
-from workbench.policy import Decision, Policy, decide, node_keys
-from workbench.remat import RematWarning, remat, tag_graph
-from workbench.rules import Why
-from workbench.trace import trace
+from workbench.rewrite.remat import RematWarning, remat, tag_graph
 
 Fixture = tuple[Workload, JointGraph]
 PRESETS = ["none", "default", "eager", "full"]
@@ -86,7 +87,7 @@ def test_tag_graph_tags_only_forward(llama_debug: Fixture) -> None:
         if node.meta.get("autograd_backward"):
             assert "recompute" not in node.meta
     backward = next(i.name for i in graph.ops() if i.phase == "backward")
-    bad = {backward: Decision(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "test")}
+    bad = {backward: Tag(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "test")}
     with pytest.raises(WorkbenchError, match="refusing to tag backward node"):
         tag_graph(graph, bad)
 
@@ -94,7 +95,7 @@ def test_tag_graph_tags_only_forward(llama_debug: Fixture) -> None:
 def test_nothing_recomputed_is_said_loudly(llama_debug: Fixture) -> None:
     """A graph whose backward lost its autograd_backward marks: remat silently does nothing."""
     _, graph = llama_debug
-    from workbench.remat import copy_graph_module
+    from workbench.rewrite.remat import copy_graph_module
 
     gm = copy_graph_module(graph.gm)
     for node in gm.graph.nodes:
@@ -145,10 +146,10 @@ def test_random_policies_are_bitwise_equal(small: Fixture, data: st.DataObject) 
 
 
 def test_region_summary_of_the_router() -> None:
-    from workbench.models import load_workload
-    from workbench.policy import Policy, Selector
-    from workbench.remat import region_summary
-    from workbench.trace import trace
+    from workbench.capture.models import load_workload
+    from workbench.capture.trace import trace
+    from workbench.decide.policy import Policy, Selector
+    from workbench.rewrite.remat import region_summary
 
     graph = trace(load_workload("dsv3-debug", layers=2, seq=16), mode="real")
     gate = "layers.*.feed_forward.router.gate::aten.mm.default"

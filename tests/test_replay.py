@@ -9,13 +9,14 @@ import random
 import numpy as np
 import pytest
 
+from workbench.capture.graph import JointGraph
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.replay import recompute_flags, replay, saved_bytes_by_node
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.index import GraphIndex, Schedule, graph_index
-from workbench.policy import Policy, decide
-from workbench.remat import remat
-from workbench.replay import recompute_flags, replay, saved_bytes_by_node
+from workbench.rewrite.index import GraphIndex, Schedule, graph_index
+from workbench.rewrite.remat import remat
 
 MODELS = ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"]
 

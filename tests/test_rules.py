@@ -1,8 +1,9 @@
-"""The one rule source: decide(), the exports and the studies all run workbench.rules."""
+"""The one rule source: decide(), the exports and the studies all run workbench.decide."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import random
 import sys
@@ -10,23 +11,43 @@ import sys
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench import rules
-from workbench.export import export, rules_source
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import Policy, Selector, decide, flip, graph_facts, graph_plan
-from workbench.rules import OpFacts, Why, decide_ops, module_matches, op_facts
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.capture.ops import module_matches
+from workbench.decide import EMBEDDED
+from workbench.decide.decider import decide, flip, rules_of
+from workbench.decide.engine import decide_ops, eager_tag, forced_save, fsdp_tag, requested
+from workbench.decide.facts import OpFacts, op_facts
+from workbench.decide.offloadable import (
+    OffloadOptions,
+    decide_offload,
+    kept_for_backward,
+    offload_refusal,
+    offload_refusal_in,
+)
+from workbench.decide.plan import last_layer
+from workbench.decide.policy import Policy, Selector
+from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.decide.tags import SelectorRow, Tag, Why
+from workbench.interop.export import export, rules_source
 
 
-def test_rules_import_only_torch_and_the_stdlib() -> None:
-    tree = ast.parse(inspect.getsource(rules))
-    roots = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            roots.add((node.module or "").split(".")[0])
-    assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names)
+def test_embedded_rules_import_only_torch_the_stdlib_and_each_other() -> None:
+    """Each embedded file imports torch, the standard library and the files before it."""
+    for i, name in enumerate(EMBEDDED):
+        tree = ast.parse(inspect.getsource(importlib.import_module(name)))
+        roots, own = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if module.startswith("workbench"):
+                    own.add(module)
+                else:
+                    roots.add(module.split(".")[0])
+        assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names), name
+        assert own <= set(EMBEDDED[:i]), name
 
 
 @pytest.mark.parametrize("fmt", ["policy_fn", "graph_pass"])
@@ -35,7 +56,7 @@ def test_exports_embed_the_rule_source_verbatim(fmt: str) -> None:
     code = export(Policy("eager", overrides={"layers.*::aten.mm.default#0": "save"}), fmt)
     assert body in code
     assert "def decide_ops(" in body and "def eager_tag(" in body and "PRESETS" in body
-    assert inspect.getsource(rules.decide_ops) in code
+    assert inspect.getsource(decide_ops) in code
     for statement in imports:  # every import the rules need is there (merged with others)
         for node in ast.parse(statement).body:
             names = [a.name for a in node.names]  # type: ignore[attr-defined]
@@ -51,10 +72,10 @@ def test_exported_rules_are_the_workbench_rules(
     exec(compile(export(Policy("eager"), "graph_pass"), "<export>", "exec"), namespace)
     exported_decide = namespace["decide_ops"]
     exported_facts = namespace["op_facts"]
-    rows = [tuple(f)[:3] + tuple(f)[6:] for f in graph_facts(graph)]
+    rows = [tuple(f)[:3] + tuple(f)[6:] for f in rules_of(graph).facts]
     rows = [
         (f.name, f.module, f.op, f.random, f.mutation, f.parent, f.users, f.gather)
-        for f in graph_facts(graph)
+        for f in rules_of(graph).facts
     ]
     tags = exported_decide(exported_facts(rows), "eager")  # type: ignore[operator]
     expected = decide(graph, Policy("eager"))
@@ -84,7 +105,7 @@ def test_forced_saves_and_layer_boundary() -> None:
 
 def test_eager_tag_lets_the_in_place_rule_win_over_random() -> None:
     bernoulli_ = facts("x", "layers.0.dropout", "aten.bernoulli_.float", random=True, mutation=True)
-    tag = rules.eager_tag(bernoulli_, rules.PRESETS["none"](), "none", (), {})
+    tag = eager_tag(bernoulli_, PRESETS["none"](), "none", (), {})
     assert tag.policy == CheckpointPolicy.PREFER_RECOMPUTE and tag.why is Why.MUTATION
 
 
@@ -130,29 +151,33 @@ def test_module_matching_is_not_combinatorial() -> None:
 def test_doctests() -> None:
     import doctest
 
-    result = doctest.testmod(rules)
-    assert result.attempted > 0 and result.failed == 0
+    attempted = 0
+    for name in EMBEDDED:
+        result = doctest.testmod(importlib.import_module(name))
+        assert result.failed == 0, name
+        attempted += result.attempted
+    assert attempted > 0
 
 
 def _plain_decide(
     facts: list[OpFacts],
     preset: str,
-    selectors: list[rules.SelectorRow],
+    selectors: list[SelectorRow],
     overrides: dict[str, str],
     fsdp_reshard: bool,
-) -> dict[str, rules.Tag]:
+) -> dict[str, Tag]:
     """Graph SAC's tags computed from scratch, node by node, as the rules say: the request
     or a forced save, followers take their leader's tag, then the layer boundaries, then
     the offload step."""
-    rule = rules.PRESETS[preset]()
-    tags: dict[str, rules.Tag] = {}
+    rule = PRESETS[preset]()
+    tags: dict[str, Tag] = {}
     for f in facts:
-        forced = rules.forced_save(f)
-        tag = rules.requested(f, rule, preset, selectors, overrides)
+        forced = forced_save(f)
+        tag = requested(f, rule, preset, selectors, overrides)
         if forced is not None:
-            tag = rules.Tag(CheckpointPolicy.MUST_SAVE, forced)
+            tag = Tag(CheckpointPolicy.MUST_SAVE, forced)
         elif tag.why is Why.PRESET and f.gather == f.name:
-            tag = rules.fsdp_tag(fsdp_reshard)
+            tag = fsdp_tag(fsdp_reshard)
         tags[f.name] = tag
     for f in facts:
         leader = f.gather if f.gather not in (None, f.name) else f.parent
@@ -167,9 +192,9 @@ def _plain_decide(
         for user in f.users:
             other = tags.get(user)
             if other and other.recompute and by_name[user].layer != f.layer:
-                tags[f.name] = rules.Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
+                tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
                 break
-    rules.decide_offload(facts, tags, preset, rules.OffloadOptions())
+    decide_offload(facts, tags, preset, OffloadOptions())
     return tags
 
 
@@ -180,18 +205,18 @@ def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
     """decide() keeps each graph's plan and request tables: after random flips, selector
     and preset changes (more than the plan remembers) its tags equal a plain decision."""
     graph = small_graphs_and_rank[model]
-    facts = graph_facts(graph)
+    facts = rules_of(graph).facts
     rng = random.Random(3)
     policy = Policy("default")
     selectors = [Selector("**::aten.mm.default", "save"), Selector("layers.1.**::*", "recompute")]
     for step in range(60):
         if step % 10 == 9:  # another preset, selector list or FSDP choice
-            preset = rng.choice([p for p in rules.PRESETS if p != policy.preset])
+            preset = rng.choice([p for p in PRESETS if p != policy.preset])
             chosen = rng.sample(selectors, rng.randint(0, 2))
             policy = Policy(preset, chosen, fsdp_reshard=rng.random() < 0.5)
         tags = decide(graph, policy)
         rows, overrides = [s.row() for s in policy.selectors], policy.overrides
-        if policy.preset in rules.TITAN_PRESETS:
+        if policy.preset in TITAN_PRESETS:
             assert tags == decide_ops(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
         else:
             assert tags == _plain_decide(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
@@ -200,13 +225,13 @@ def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
 
 
 def _plain_offload_refusal(
-    facts: list[OpFacts], tags: dict[str, rules.Tag], name: str, preset: str
+    facts: list[OpFacts], tags: dict[str, Tag], name: str, preset: str
 ) -> str | None:
     """`offload_refusal_in` from the facts alone: the look-ups built afresh for each node."""
-    titan = preset in rules.TITAN_PRESETS
+    titan = preset in TITAN_PRESETS
     by_name = {f.name: f for f in facts}
-    refusal = rules.offload_refusal(by_name[name], rules.last_layer(facts, titan), titan)
-    if refusal is None and not rules.kept_for_backward(tags, by_name)(by_name[name]):
+    refusal = offload_refusal(by_name[name], last_layer(facts, titan), titan)
+    if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
         return "is not kept for backward: nothing to offload"
     return refusal
 
@@ -218,10 +243,10 @@ def test_offload_refusal_through_the_plan_equals_from_the_facts(
     """The plan's kept look-ups give every node the answer the facts give, for graph SAC's
     and graph trainer's rules, whether the node is saved, recomputed or offloaded."""
     graph = small_graphs_and_rank[model]
-    facts, plan = graph_facts(graph), graph_plan(graph)
+    facts, plan = rules_of(graph).facts, rules_of(graph).plan
     presets = ["none", "eager", "full", "offload", "titan-default", "titan-sac_and_offload"]
     for preset in presets:
         tags = decide(graph, Policy(preset))
-        answers = [rules.offload_refusal_in(plan, tags, f.name, preset) for f in facts]
+        answers = [offload_refusal_in(plan, tags, f.name, preset) for f in facts]
         assert answers == [_plain_offload_refusal(facts, tags, f.name, preset) for f in facts]
         assert None in answers and any(answers), preset

@@ -10,20 +10,22 @@ from collections import Counter
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import load_workload
+from workbench.capture.ops import ALL_GATHER, WAIT
+from workbench.capture.parallel import Parallel
+from workbench.capture.trace import trace
 from workbench.cli import main
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.profiles import H100
+from workbench.decide.decider import decide, rules_of
+from workbench.decide.policy import Policy
+from workbench.decide.tags import Why
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator, estimate_remat
-from workbench.export import export
-from workbench.graph import JointGraph
-from workbench.models import load_workload
-from workbench.parallel import Parallel
-from workbench.policy import Policy, decide, graph_facts
-from workbench.profiles import H100
-from workbench.remat import remat
-from workbench.rules import ALL_GATHER, WAIT, Why
-from workbench.trace import trace
-from workbench.viz import render_view
-from workbench.viz.style import COLLECTIVE_WORDS, svg_id
+from workbench.interop.export import export
+from workbench.rewrite.remat import remat
+from workbench.show.viz import render_view
+from workbench.show.viz.style import COLLECTIVE_WORDS, svg_id
 
 SMALL = {"layers": 2, "seq": 32}
 PRESETS = ["none", "default", "eager", "full", "titan-default"]
@@ -40,7 +42,7 @@ def _fsdp_gathers(graph: JointGraph) -> list[str]:
 
 
 def test_unshard_chains_and_waits_in_the_facts(rank_graph: JointGraph) -> None:
-    facts = {f.name: f for f in graph_facts(rank_graph)}
+    facts = {f.name: f for f in rules_of(rank_graph).facts}
     gathers = _fsdp_gathers(rank_graph)
     # one chain per parameter, led by its fsdp all-gather; TP's all-gathers of activations
     # are on no chain
@@ -59,7 +61,7 @@ def test_unshard_chains_stop_where_data_comes_in_on_fsdp_only_graphs() -> None:
     # without TP the embedding reads the gathered table and the tokens alone: it and every
     # activation after it are on no chain, so a policy still decides them
     graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(2))
-    facts = graph_facts(graph)
+    facts = rules_of(graph).facts
     on_chains = [f for f in facts if f.gather is not None]
     assert {f.op for f in on_chains if f.gather == f.name} == {ALL_GATHER}
     assert len({f.gather for f in on_chains}) == len(graph.param_names) == 21
@@ -72,7 +74,7 @@ def test_unshard_chains_stop_where_data_comes_in_on_fsdp_only_graphs() -> None:
 def test_fsdp_reshard_decides_the_chains_and_waits_follow(
     rank_graph: JointGraph, reshard: bool
 ) -> None:
-    facts = graph_facts(rank_graph)
+    facts = rules_of(rank_graph).facts
     for preset in ("none", "default", "full"):
         tags = decide(rank_graph, Policy(preset, fsdp_reshard=reshard))
         for gather in _fsdp_gathers(rank_graph):
@@ -93,7 +95,7 @@ def test_fsdp_reshard_decides_the_chains_and_waits_follow(
 def test_selectors_name_all_gathers_and_win_over_the_fsdp_choice(rank_graph: JointGraph) -> None:
     save = {"select": f"layers.0.**::{ALL_GATHER}", "action": "save"}
     tags = decide(rank_graph, Policy("full", [save]))
-    facts = {f.name: f for f in graph_facts(rank_graph)}
+    facts = {f.name: f for f in rules_of(rank_graph).facts}
     by_layer = Counter((facts[g].layer, tags[g].recompute) for g in _fsdp_gathers(rank_graph))
     assert by_layer[(0, False)] == 9 and by_layer[(0, True)] == 0  # 9 parameters a layer
     assert by_layer[(1, True)] == 9

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.ops import ALL_GATHER, WAIT
 from workbench.cli import main
-from workbench.estimate import Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.policy import Policy, decide, graph_facts, node_keys
-from workbench.remat import remat
-from workbench.rules import ALL_GATHER, WAIT, Why
-from workbench.solve import _search, fsdp_choices, pareto, solve
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.decide.decider import decide, node_keys, rules_of
+from workbench.decide.policy import Policy
+from workbench.decide.tags import Why
+from workbench.rewrite.remat import remat
+from workbench.search.solve import _search, fsdp_choices, pareto, solve
 
 PROFILES = ("h100",)
 DEBUG_RANK = ["--model", "llama3-debug", "--layers", "2", "--seq", "128", "--fsdp", "2"]
@@ -28,7 +30,7 @@ def test_linear_model_follows_decide_on_collectives(rank_debug: JointGraph, resh
     always saved, or always recomputed) gets that tag from `decide` on the policy the
     search writes: waits follow their collective, unshard chains the FSDP choice."""
     search = _search(rank_debug, "recompute_time", "h100", Estimator(rank_debug, PROFILES), reshard)
-    model, facts = search.model, {f.name: f for f in graph_facts(rank_debug)}
+    model, facts = search.model, {f.name: f for f in rules_of(rank_debug).facts}
     names = list(node_keys(rank_debug))
     ops = {f.op for f in facts.values() if f.key in model.candidates}
     assert {ALL_GATHER, "_c10d_functional.reduce_scatter_tensor.default"} <= ops  # TP's

@@ -7,16 +7,17 @@ import json
 import pytest
 import torch
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.capture.workload import eager_step
 from workbench.cli import main
-from workbench.eager import eager_step
+from workbench.cost.estimate import Estimator
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator
-from workbench.export import export
-from workbench.graph import JointGraph
-from workbench.models import Workload
-from workbench.policy import Policy, decide
-from workbench.remat import remat
-from workbench.solve import _search, pareto, solve
+from workbench.interop.export import export
+from workbench.rewrite.remat import remat
+from workbench.search.solve import _search, pareto, solve
 
 Fixture = tuple[Workload, JointGraph]
 PROFILES = ("h100",)

@@ -19,28 +19,33 @@ from pathlib import Path
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench import rules
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.trace import trace
+from workbench.capture.workload import eager_step
 from workbench.cli import main
-from workbench.eager import apply_eager_sac, eager_step
-from workbench.explain import explain, explain_text
-from workbench.export import export, torchtitan_options
-from workbench.graph import JointGraph
-from workbench.measure import bitwise_equal, bitwise_mismatches
-from workbench.models import Workload, load_workload
-from workbench.parallel import Parallel
-from workbench.policy import Policy, decide, graph_plan
-from workbench.remat import remat
-from workbench.rules import PRESETS, Why
-from workbench.soundness import (
+from workbench.cost.measure import bitwise_equal, bitwise_mismatches
+from workbench.decide import engine
+from workbench.decide.decider import decide, rules_of
+from workbench.decide.facts import alias_input, fx_rows, op_facts, written_inputs
+from workbench.decide.plan import decide_plan, replayed_by
+from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS
+from workbench.decide.tags import Why
+from workbench.interop.eager import apply_eager_sac
+from workbench.interop.export import export, torchtitan_options
+from workbench.interop.titan import WRITTEN_FORCED, compare, explained_by
+from workbench.rewrite.remat import remat
+from workbench.search.soundness import (
     check_policies,
     check_rank_policies,
     random_policies,
     random_policy,
     run_soundness,
 )
-from workbench.titan import WRITTEN_FORCED, compare, explained_by
-from workbench.trace import trace
-from workbench.widgets import PolicyExplorer
+from workbench.show.explain import explain, explain_text
+from workbench.show.widgets import PolicyExplorer
 
 Fixture = tuple[Workload, JointGraph]
 # Random policies per case in CI; set the variable to run hundreds by hand.
@@ -149,10 +154,10 @@ def test_without_the_rule_the_issue_policy_differs(
     """The negative control: the same remat with the rule switched off recomputes add_ and
     the gradients differ (the check can fail)."""
     workload, graph = small_graphs["llama3-debug"]
-    monkeypatch.setattr(rules, "save_written_inputs", lambda tags, plan: None)
-    graph_plan(graph).requested.clear()
-    decisions = rules.decide_ops(
-        rules.op_facts(rules.fx_rows(graph.gm, lambda n: graph.nodes[n.name].module)),
+    monkeypatch.setattr(engine, "save_written_inputs", lambda tags, plan: None)
+    rules_of(graph).plan.requested.clear()
+    decisions = engine.decide_ops(
+        op_facts(fx_rows(graph.gm, lambda n: graph.nodes[n.name].module)),
         "titan-default",
         [s.row() for s in Policy.from_json(ISSUE_22).selectors],
     )
@@ -199,8 +204,8 @@ def test_each_case_fails_without_the_rule(
     written: Fixture, preset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     workload, graph = written
-    monkeypatch.setattr(rules, "save_written_inputs", lambda tags, plan: None)
-    graph_plan(graph).requested.clear()
+    monkeypatch.setattr(engine, "save_written_inputs", lambda tags, plan: None)
+    rules_of(graph).plan.requested.clear()
     (check,) = check_policies(workload, graph, [Policy(preset)])
     assert not check.bitwise_equal
 
@@ -215,17 +220,17 @@ def test_rule_on_rows() -> None:
         ("w", "layers.0.f", "aten.mul_.Tensor", False, True, None, ("bw",), None, None,
          ("a",), "a", ("a",)),
     ]  # fmt: skip
-    facts = rules.op_facts(rows)
-    plan = rules.decide_plan(facts)
+    facts = op_facts(rows)
+    plan = decide_plan(facts)
     assert plan.writes.root == {"a": "a", "b": "b", "w": "a"}
     assert plan.writes.writes == {"a": [(2, "w")]} and plan.writes.readers == ("b", "w")
-    assert rules.written_later_keys(plan) == {"layers.0.f::aten.mm.default#0"}
-    tags = rules.decide_ops(facts, "default")  # saves the mm, recomputes b, w forced saved
+    assert engine.written_later_keys(plan) == {"layers.0.f::aten.mm.default#0"}
+    tags = engine.decide_ops(facts, "default")  # saves the mm, recomputes b, w forced saved
     assert tags["b"].why is Why.WRITTEN_INPUT and tags["b"].forced
     assert tags["b"].policy is CheckpointPolicy.MUST_SAVE
-    titan = rules.decide_ops(facts, "titan-default")  # also recomputes w on the saved a
+    titan = engine.decide_ops(facts, "titan-default")  # also recomputes w on the saved a
     assert titan["w"].why is Why.WRITTEN_INPUT and "second time" in titan["w"].detail
-    assert rules.replayed_by(titan, plan.by_name)("b") is False  # saved now
+    assert replayed_by(titan, plan.by_name)("b") is False  # saved now
 
 
 def test_alias_and_written_inputs_read_the_schema(written: Fixture) -> None:
@@ -233,11 +238,11 @@ def test_alias_and_written_inputs_read_the_schema(written: Fixture) -> None:
     share their input's storage, and only the in-place op writes it."""
     _, graph = written
     nodes = {n.name: n for n in graph.gm.graph.nodes}
-    assert rules.alias_input(nodes["addmm"]) is None and rules.written_inputs(nodes["mul"]) == ()
-    assert rules.alias_input(nodes["mul_"]) == "addmm"
-    assert rules.written_inputs(nodes["mul_"]) == ("addmm",)
-    assert rules.alias_input(nodes["t"]) == nodes["t"].all_input_nodes[0].name  # a view
-    assert rules.written_inputs(nodes["t"]) == ()
+    assert alias_input(nodes["addmm"]) is None and written_inputs(nodes["mul"]) == ()
+    assert alias_input(nodes["mul_"]) == "addmm"
+    assert written_inputs(nodes["mul_"]) == ("addmm",)
+    assert alias_input(nodes["t"]) == nodes["t"].all_input_nodes[0].name  # a view
+    assert written_inputs(nodes["t"]) == ()
 
 
 # --- where the forced decision is stated ----------------------------------------------------

@@ -13,19 +13,21 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.activations import activation_log, activation_rows
-from workbench.eager import eager_step
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.models.torchtitan import SDPA_NOTE, flavors
+from workbench.capture.ops import op_name
+from workbench.capture.trace import trace
+from workbench.capture.workload import eager_step
+from workbench.cost.estimate import Estimator
+from workbench.decide.decider import decide
+from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.policy import Policy
+from workbench.decide.presets import TITAN_SAVE_OPS
+from workbench.decide.tags import Why
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimator
-from workbench.explain import explain
-from workbench.graph import JointGraph
-from workbench.models import Workload, load_workload
-from workbench.models.torchtitan import SDPA_NOTE, flavors
-from workbench.offload import is_offload_node
-from workbench.policy import Policy, decide
-from workbench.remat import remat
-from workbench.rules import TITAN_SAVE_OPS, OffloadOptions, Why, op_name
-from workbench.titan import (
+from workbench.interop.activations import activation_log, activation_rows
+from workbench.interop.titan import (
     CPU_FORCED,
     OFFLOAD_PLACEMENT,
     _tagged_copy,
@@ -36,7 +38,9 @@ from workbench.titan import (
     offload_mismatches,
     offload_passes,
 )
-from workbench.trace import trace
+from workbench.rewrite.placement import is_offload_node
+from workbench.rewrite.remat import remat
+from workbench.show.explain import explain
 
 needs_torchtitan = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,

@@ -7,11 +7,13 @@ import collections
 import pytest
 import torch
 
-from workbench.eager import eager_step
+from workbench.capture.graph import JointGraph, describe_nodes
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.ops import layer_of, layer_pattern
+from workbench.capture.trace import trace
+from workbench.capture.tracing import annotate_modules
+from workbench.capture.workload import eager_step
 from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph, describe_nodes, layer_of, layer_pattern
-from workbench.models import Workload, load_workload
-from workbench.trace import annotate_modules, trace
 
 
 @pytest.mark.parametrize("fixture", ["llama_debug", "dsv3_debug"])

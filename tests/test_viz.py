@@ -14,16 +14,17 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import load_workload
+from workbench.capture.trace import trace
 from workbench.cli import main
+from workbench.cost.estimate import estimate
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy, Selector
+from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
-from workbench.estimate import estimate
-from workbench.graph import JointGraph
-from workbench.models import load_workload
-from workbench.policy import Decision, Policy, Selector, decide
-from workbench.remat import remat
-from workbench.rules import Why
-from workbench.trace import trace
-from workbench.viz import (
+from workbench.rewrite.remat import remat
+from workbench.show.viz import (
     VIEWS,
     diff,
     expand,
@@ -42,8 +43,8 @@ from workbench.viz import (
     to_networkx,
     whole_graph,
 )
-from workbench.viz import render as render_module
-from workbench.viz.style import DECISION_KINDS, KIND_STYLE, node_kind
+from workbench.show.viz import render as render_module
+from workbench.show.viz.style import DECISION_KINDS, KIND_STYLE, node_kind
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -139,7 +140,7 @@ def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
 def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
     decisions = dict(decide(four_layers, Policy("default")))
     name = next(i.name for i in four_layers.ops() if i.layer == 2 and i.op == "aten.mm.default")
-    decisions[name] = Decision(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "test")
+    decisions[name] = Tag(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "test")
     titles = [g.title for g in overview(four_layers, decisions).groups]
     assert {"layers.0–1 ×2", "layers.2", "layers.3"} <= set(titles)
 
@@ -181,8 +182,8 @@ def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
     kept = next(n for n, d in before.items() if n in saved and not d.recompute)
     dropped = next(n for n, d in before.items() if n in saved and d.recompute)
     after = dict(before)
-    after[kept] = Decision(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "a")
-    after[dropped] = Decision(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "b")
+    after[kept] = Tag(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "a")
+    after[dropped] = Tag(CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "b")
     changed = diff(two_layers, before, after)
     rows = {r.node: r for r in changed.rows}
     flipped = {n for n, r in rows.items() if {r.before, r.after} == {"save", "recompute"}}

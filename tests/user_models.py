@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.models import Workload
+from workbench.capture.models import Workload
 
 
 class TinyMLP(nn.Module):

@@ -1,22 +1,28 @@
 """SAC Workbench: graph-based selective activation checkpointing, traced, decided, measured.
 
-Flow: `models.load_workload` -> `trace.trace` -> `JointGraph` -> policy -> remat -> estimate.
+Flow, one package per stage, each importing only the ones before it: `capture` (workload ->
+`trace` -> `JointGraph`) -> `decide` (`Policy` -> tags) -> `rewrite` (torch's remat pass, the
+offload pass) -> `cost` (estimate, measure) -> `search` (solver, Pareto front) -> `interop`
+(exports, torchtitan, eager baselines) -> `show` (pictures, the explorer).
 """
 
 from typing import Any
 
+from workbench import _moved
+from workbench.capture.graph import JointGraph, NodeInfo
+from workbench.capture.trace import trace
+from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph, NodeInfo
-from workbench.trace import trace
-from workbench.workload import Workload
 
 __all__ = ["JointGraph", "NodeInfo", "Workload", "WorkbenchError", "load_workload", "trace"]
+
+_moved.install()  # `workbench.rules`, `workbench.policy`, ... for one release, with a warning
 
 
 def __getattr__(name: str) -> Any:
     """`workbench.load_workload` imports the model zoo on first use: tracing does not need it."""
     if name == "load_workload":
-        from workbench.models import load_workload
+        from workbench.capture.models import load_workload
 
         return load_workload
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

@@ -14,14 +14,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from workbench.capture.graph import JointGraph
+from workbench.cost.estimate import Estimate, Estimator, estimate_remat
+from workbench.decide.decider import decide, flip, layer_key, node_keys, rules_of
+from workbench.decide.offloadable import OffloadOptions, offload_refusal_in
+from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
-from workbench.estimate import Estimate, Estimator, estimate_remat
-from workbench.graph import JointGraph
-from workbench.policy import Action, Policy, decide, flip, graph_plan, layer_key, node_keys
-from workbench.remat import remat
-from workbench.rules import OffloadOptions, offload_refusal_in
-from workbench.solve import SOLVER_DEFER_LAYERS, Solution, fsdp_choices, solve
-from workbench.viz.style import human_bytes
+from workbench.rewrite.remat import remat
+from workbench.search.solve import SOLVER_DEFER_LAYERS, Solution, fsdp_choices, solve
+from workbench.show.viz.style import human_bytes
 
 __all__ = [
     "bench_offload",
@@ -114,7 +115,7 @@ def bench_whatif(
 def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, Any]:
     """Time the overview and one layer's view (build + `dot` layout to SVG), median of
     `repeat` runs; deciding is timed apart."""
-    from workbench.viz import render_view
+    from workbench.show.viz import render_view
 
     start = time.perf_counter()
     decisions = decide(graph, policy)
@@ -146,7 +147,7 @@ def offload_floor_policy(graph: JointGraph, fsdp_reshard: bool = True) -> Policy
     a save/recompute/offload policy reaches where the activations full recompute cannot
     drop are what remains of them."""
     full = Policy("full", fsdp_reshard=fsdp_reshard)
-    tags, plan, keys = decide(graph, full), graph_plan(graph), node_keys(graph)
+    tags, plan, keys = decide(graph, full), rules_of(graph).plan, node_keys(graph)
     offload: Action = "offload"
     overrides = {
         layer_key(graph.nodes[name], keys[name]): offload

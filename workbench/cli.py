@@ -16,17 +16,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import DTYPES, Workload, is_user_factory, load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.trace import timed_trace
+from workbench.decide.policy import Policy, parse_policy
+from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.files import check_writable
-from workbench.graph import JointGraph
-from workbench.models import DTYPES, Workload, is_user_factory, load_workload
-from workbench.parallel import Parallel
-from workbench.policy import Policy, parse_policy
-from workbench.rules import PRESETS
-from workbench.trace import timed_trace
 
 if TYPE_CHECKING:
-    from workbench.estimate import Estimator
+    from workbench.cost.estimate import Estimator
 
 EXIT_USAGE = 2
 INT64_MAX = 2**63 - 1
@@ -129,8 +129,8 @@ def _add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "defa
 def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     """Remat with torch's pass, run under no_grad, compare loss and grads bitwise to eager
     (both from one generator state, so dropout draws alike); refuses what cannot fit."""
-    from workbench.measure import bitwise_mismatches
-    from workbench.remat import remat
+    from workbench.cost.measure import bitwise_mismatches
+    from workbench.rewrite.remat import remat
 
     if args.mode != "real":
         raise WorkbenchError("verify runs the graph: use --mode real")
@@ -158,9 +158,9 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
-    """`--random N`: N seeded random policies of the model (`workbench.soundness`), each
+    """`--random N`: N seeded random policies of the model (`workbench.search.soundness`), each
     checked bitwise; the failures are listed with their policies, to reproduce one."""
-    from workbench.soundness import run_soundness
+    from workbench.search.soundness import run_soundness
 
     _check_positive("--random", args.random)
     if args.policy is not None:
@@ -180,7 +180,7 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
 
 def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any]:
     """One gloo process per rank: each rank's remat'd graph against its eager step."""
-    from workbench.distributed_check import check_ranks
+    from workbench.cost.ranks import check_ranks
 
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     checks = check_ranks(args.model, parallel, [args.policy], **shape)
@@ -194,7 +194,7 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
-    from workbench.export import FORMATS, export, torchtitan_options, write_export
+    from workbench.interop.export import FORMATS, export, torchtitan_options, write_export
 
     if args.format not in FORMATS:
         raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
@@ -216,7 +216,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
     """graph trainer's activation-memory table for the policy: rows, totals and the log text."""
-    from workbench.activations import activation_log, activation_rows, totals
+    from workbench.interop.activations import activation_log, activation_rows, totals
 
     policy = parse_policy(args.policy)
     graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
@@ -233,7 +233,7 @@ def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
     """The policy's rules in words and where it differs from graph trainer's; with --model,
     its decisions by reason and mismatches with graph trainer's tagging of that graph."""
-    from workbench.explain import explain
+    from workbench.show.explain import explain
 
     policy = parse_policy(args.policy)
     graph = _trace_from_args(args)[0] if args.model is not None else None
@@ -241,7 +241,7 @@ def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _profiles_from_args(args: argparse.Namespace) -> list[str]:
-    from workbench.profiles import get_profile
+    from workbench.cost.profiles import get_profile
 
     names = [p.strip() for p in args.profile.split(",") if p.strip()]
     if not names:
@@ -253,7 +253,7 @@ def _profiles_from_args(args: argparse.Namespace) -> list[str]:
 
 def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
     """Memory peak, saved activations, recompute FLOPs and step time without running."""
-    from workbench.estimate import Estimator
+    from workbench.cost.estimate import Estimator
 
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
@@ -273,10 +273,10 @@ def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None
     the eager step it is compared with (no AC), and refuse a peak the device cannot hold."""
     import torch
 
-    from workbench.estimate import Estimator
-    from workbench.measure import check_fits
-    from workbench.profiles import allocation_granularity
-    from workbench.trace import trace
+    from workbench.capture.trace import trace
+    from workbench.cost.estimate import Estimator
+    from workbench.cost.measure import check_fits
+    from workbench.cost.profiles import allocation_granularity
 
     fake = trace(_workload_from_args(args, "fake"), "fake")
     estimator = Estimator(fake, profiles=(), optimizer="none")  # the run holds no optimizer
@@ -289,7 +289,7 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     """Estimate on fake tensors first (refusing what cannot fit), then run for real."""
     import torch
 
-    from workbench.measure import measure_policy
+    from workbench.interop.baselines import measure_policy
 
     _check_positive("--repeat", args.repeat)
     if args.warmup < 0:
@@ -326,8 +326,8 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
     """Draw one view of the policy's decisions to --out (.svg, .png, .pdf or .dot)."""
-    from workbench.policy import decide
-    from workbench.viz import parse_view, render_view
+    from workbench.decide.decider import decide
+    from workbench.show.viz import parse_view, render_view
 
     parse_view(args.view)  # fail before tracing
     check_writable(args.out, overwrite=args.overwrite)
@@ -359,9 +359,9 @@ def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
     """The lowest peak the solver reaches at eager's step time, with and without offload,
     and the floor (see `workbench.bench.bench_offload`)."""
     from workbench.bench import bench_offload
-    from workbench.estimate import Estimator
-    from workbench.profiles import PROFILES
-    from workbench.solve import METHODS
+    from workbench.cost.estimate import Estimator
+    from workbench.cost.profiles import PROFILES
+    from workbench.search.solve import METHODS
 
     _check_host_budget(args)
     _check_positive("--tolerance-bytes", args.tolerance_bytes)
@@ -414,8 +414,8 @@ def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
-    from workbench.estimate import Estimator
-    from workbench.solve import solve
+    from workbench.cost.estimate import Estimator
+    from workbench.search.solve import solve
 
     _check_host_budget(args)
     graph, trace_seconds = _trace_from_args(args)
@@ -441,8 +441,8 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
-    from workbench.estimate import Estimator
-    from workbench.solve import Solution, fsdp_choices, pareto, preset_points
+    from workbench.cost.estimate import Estimator
+    from workbench.search.solve import Solution, fsdp_choices, pareto, preset_points
 
     _check_host_budget(args)
     graph, trace_seconds = _trace_from_args(args)
@@ -550,7 +550,7 @@ _LIST_ROWS = 12  # rows of a list shown before "… N more"
 
 def _human_value(key: str, value: Any) -> str:
     """One value with its unit, chosen by the key's name (`*_bytes`, `*seconds*`, `*flops*`)."""
-    from workbench.viz.style import human_bytes, human_flops
+    from workbench.show.viz.style import human_bytes, human_flops
 
     if isinstance(value, bool) or value is None:
         return "yes" if value is True else "no" if value is False else "-"
@@ -828,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(offload_table(result))
         print(f"{result['seconds']:.1f} s (trace {result['trace_seconds']:.1f} s)")
     elif args.command == "policy":
-        from workbench.explain import explain_text
+        from workbench.show.explain import explain_text
 
         print(explain_text(result))
     else:

@@ -24,11 +24,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from workbench import rules
-from workbench.eager import eager_step
-from workbench.export import export
-from workbench.policy import Policy
-from workbench.workload import Workload
+from workbench.capture.ops import is_random, mutates, op_name
+from workbench.capture.workload import Workload, eager_step
+from workbench.decide.engine import eager_tag
+from workbench.decide.facts import OpCounter
+from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS
+from workbench.interop.export import export
 
 PolicyFnFactory = Callable[[], Callable[..., CheckpointPolicy]]
 
@@ -91,17 +93,17 @@ class _Checkpointed(torch.nn.Module):
 
 
 def every_other_mm_policy() -> Callable[..., CheckpointPolicy]:
-    """torchtitan's rule as a plain policy_fn: the `eager` preset of `workbench.rules` with
+    """torchtitan's rule as a plain policy_fn: the `eager` preset of `workbench.decide` with
     no module knowledge (every op counted as if in one layer), so every second mm of the
     forward is recomputed and compute-intensive ops are saved."""
-    rule = rules.PRESETS["eager"]()
-    counters = {False: rules.OpCounter(), True: rules.OpCounter()}
+    rule = PRESETS["eager"]()
+    counters = {False: OpCounter(), True: OpCounter()}
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        op = rules.op_name(func)
-        row = (op, "layers.0", op, rules.is_random(func), rules.mutates(func), None, (), None, None)
+        op = op_name(func)
+        row = (op, "layers.0", op, is_random(func), mutates(func), None, (), None, None)
         facts = counters[bool(ctx.is_recompute)].facts(row)
-        return rules.eager_tag(facts, rule, "eager", (), {}).policy
+        return eager_tag(facts, rule, "eager", (), {}).policy
 
     return policy_fn
 

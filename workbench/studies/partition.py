@@ -25,13 +25,15 @@ from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.traceback import preserve_node_meta
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.capture.graph import JointGraph, NodeInfo, describe_nodes
+from workbench.capture.tracing import annotate_modules
+from workbench.capture.workload import Workload
+from workbench.decide.decider import Decisions
+from workbench.decide.engine import fsdp_tag
+from workbench.decide.facts import unshard_chains
+from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
-from workbench.graph import JointGraph, NodeInfo, describe_nodes
-from workbench.index import distinct_storage_bytes
-from workbench.policy import Decision, Decisions
-from workbench.rules import Why, fsdp_tag, unshard_chains
-from workbench.trace import annotate_modules
-from workbench.workload import Workload
+from workbench.rewrite.index import distinct_storage_bytes
 
 PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
@@ -264,7 +266,7 @@ def partition_saving(
 ) -> Partition:
     """Partition a copy of `first.joint` with every forward op tagged: MUST_SAVE if named in
     `saved`, PREFER_RECOMPUTE otherwise (torch's SAC tags, as graph SAC writes them). Random
-    ops (attention has a dropout seed) are MUST_SAVE, as `workbench.policy.decide` forces:
+    ops (attention has a dropout seed) are MUST_SAVE, as `workbench.decide.policy.decide` forces:
     recomputing them would need RNG functionalization, which needs a fake mode. Min-cut also
     saves views that autograd emitted for the backward (a weight's transpose, a detach of the
     attention output); tags live on forward ops, so `follow_views` also tags the forward node
@@ -334,19 +336,19 @@ def gathered_saved(joint: fx.GraphModule, names: Iterable[str]) -> list[str]:
 
 
 def as_joint_graph(partition: Partition, name: str) -> JointGraph:
-    """The partition's joint graph as a workbench `JointGraph`, for `workbench.viz`."""
+    """The partition's joint graph as a workbench `JointGraph`, for `workbench.show.viz`."""
     gm = partition.joint_graph()
     tokens = sum(t.numel() for t in partition.forward_inputs if not t.is_floating_point())
     return JointGraph(gm, describe_nodes(gm), [], name, "real", tokens)
 
 
 def partition_decisions(graph: JointGraph, recomputed: Iterable[str], why: str) -> Decisions:
-    """A partition as graph-SAC tags, for pictures and `workbench.viz.diff`: forward ops the
+    """A partition as graph-SAC tags, for pictures and `workbench.show.viz.diff`: forward ops the
     backward runs again `recompute`, the rest `save` (kept where backward reads them, as a
     save tag means to the remat pass)."""
     again = set(recomputed)
     return {
-        name: Decision(
+        name: Tag(
             CheckpointPolicy.MUST_RECOMPUTE if name in again else CheckpointPolicy.MUST_SAVE,
             Why.PARTITIONER,
             why,

@@ -1,0 +1,174 @@
+"""torchtitan's own decoder models as workloads: `torchtitan:FAMILY/FLAVOR` (torchtitan 0.3.0).
+
+Entry point: `load_torchtitan(spec, layers=, seq=, batch=, dtype=, device=, seed=)`, which
+`workbench.capture.models.load_workload` calls for specs starting with `torchtitan:`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pkgutil
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.errors import WorkbenchError
+
+__all__ = ["PREFIX", "SDPA_NOTE", "families", "flavors", "load_torchtitan"]
+
+PREFIX = "torchtitan:"
+INSTALL_HINT = "pip install -e '.[torchtitan]'"
+SDPA_NOTE = (
+    "attention: torchtitan's ScaledDotProductAttention replaces FlexAttention in every layer "
+    "(flex attention has no CPU backward and its block mask cannot be built on meta); "
+    "is_causal SDPA, no document masking"
+)
+
+
+def _torchtitan_models() -> ModuleType:
+    try:
+        return importlib.import_module("torchtitan.models")
+    except ImportError as err:
+        raise WorkbenchError(f"torchtitan models need torchtitan ({err}): {INSTALL_HINT}") from None
+
+
+def families() -> list[str]:
+    """Model families of the installed torchtitan (its `torchtitan/models/*` packages)."""
+    package = _torchtitan_models()
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
+
+
+def _family(name: str) -> ModuleType:
+    known = families()
+    if name not in known:
+        raise WorkbenchError(
+            f"unknown torchtitan model family {name!r}; choose one of {', '.join(known)}"
+        )
+    try:
+        module = importlib.import_module(f"torchtitan.models.{name}")
+    except ImportError as err:
+        raise WorkbenchError(
+            f"cannot import torchtitan.models.{name} ({err}): {INSTALL_HINT}"
+        ) from None
+    if not hasattr(module, "model_registry"):
+        raise WorkbenchError(f"torchtitan.models.{name} has no model_registry")
+    return module
+
+
+def flavors(family: str) -> list[str]:
+    """Flavors of one family: the keys of its `*_configs` registry dict."""
+    module = _family(family)
+    registries = [
+        value
+        for key, value in vars(module).items()
+        if key.endswith("_configs") and isinstance(value, dict)
+    ]
+    return [flavor for registry in registries for flavor in registry]
+
+
+def _parse(spec: str) -> tuple[str, str]:
+    family, slash, flavor = spec.removeprefix(PREFIX).partition("/")
+    if not slash or not family or not flavor:
+        raise WorkbenchError(
+            f"torchtitan model {spec!r} must be torchtitan:FAMILY/FLAVOR, "
+            "e.g. torchtitan:llama3/debugmodel"
+        )
+    return family, flavor
+
+
+def _model_config(family: str, flavor: str, layers: int | None) -> Any:
+    """The flavor's decoder config, cut to `layers` blocks, with SDPA inner attention."""
+    known = flavors(family)
+    if flavor not in known:
+        raise WorkbenchError(
+            f"unknown torchtitan {family} flavor {flavor!r}; choose one of {', '.join(known)}"
+        )
+    config = copy.deepcopy(_family(family).model_registry(flavor).model)
+    blocks = getattr(config, "layers", None)
+    if not isinstance(blocks, list) or not hasattr(config, "vocab_size"):
+        raise WorkbenchError(
+            f"torchtitan:{family}/{flavor} is not a token decoder (no layers list and "
+            "vocab_size): only language models can be traced here"
+        )
+    if layers is not None:
+        if layers > len(blocks):
+            raise WorkbenchError(
+                f"torchtitan:{family}/{flavor} has {len(blocks)} layers; --layers must be at "
+                f"most {len(blocks)}"
+            )
+        config.layers = blocks[:layers]
+    _use_sdpa(config)
+    return config
+
+
+def _use_sdpa(config: Any) -> None:
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    for block in config.layers:
+        attention: Any = getattr(block, "attention", None)  # absent in linear-attention blocks
+        if isinstance(getattr(attention, "inner_attention", None), FlexAttention.Config):
+            attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def _build(config: Any, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = config.build()
+            if str(device) != "meta":
+                model.init_states()
+    finally:
+        torch.set_default_dtype(previous)
+    return model  # type: ignore[no-any-return]
+
+
+def _default_shape(flavor: str) -> tuple[int, int]:
+    """(batch, seq): small for debug flavors, one long sequence for real ones."""
+    return (2, 128) if "debug" in flavor else (1, 8192)
+
+
+def load_torchtitan(
+    spec: str,
+    *,
+    layers: int | None,
+    seq: int | None,
+    batch: int | None,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+) -> Any:
+    """A `Workload` of torchtitan's model `spec`; `device="meta"` for fake-mode tracing."""
+    from workbench.capture.fits import check_build_fits
+    from workbench.capture.workload import token_workload
+
+    family, flavor = _parse(spec)
+    config = _model_config(family, flavor, layers)
+    default_batch, default_seq = _default_shape(flavor)
+    batch, seq = batch or default_batch, seq or default_seq
+    if str(device) != "meta":
+        meta = _build(config, dtype, "meta")
+        check_build_fits(spec, meta, torch.device(device))
+    torch.manual_seed(seed)
+    model = _build(config, dtype, device)
+    workload = token_workload(
+        model,
+        config.vocab_size,
+        batch=batch,
+        seq=seq,
+        device=device,
+        seed=seed,
+        name=spec,
+        config={
+            "layers": len(config.layers),
+            "seq": seq,
+            "batch": batch,
+            "dtype": str(dtype).removeprefix("torch."),
+            "attention": "sdpa",
+        },
+    )
+    workload.notes.append(SDPA_NOTE)
+    return workload

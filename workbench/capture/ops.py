@@ -1,0 +1,105 @@
+"""What an op and a module path are, as the rules and the trace both read them.
+
+Entry points: `op_name(target)`, `is_random`, `mutates`, `reads_until_wait` (facts of an
+OpOverload), `layer_of` / `layer_pattern` / `module_matches` (module paths) and
+`storage_keys(node)`. Torch and the standard library only: exports embed this file first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
+
+
+WAIT = "_c10d_functional.wait_tensor.default"
+
+
+_LAYER_RE = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def layer_of(module: str) -> int | None:
+    """Index of the repeated block a module path belongs to.
+
+    >>> layer_of("layers.3.attention"), layer_of("norm")
+    (3, None)
+    """
+    match = _LAYER_RE.search(module)
+    return int(match.group()) if match else None
+
+
+def layer_pattern(module: str) -> str:
+    """The path shared by identical layers.
+
+    >>> layer_pattern("layers.3.attention.wq")
+    'layers.*.attention.wq'
+    """
+    return _LAYER_RE.sub("*", module, count=1)
+
+
+def op_name(target: Any) -> str:
+    """`aten.mm.default` for an OpOverload; a plain callable's name (`getitem`) otherwise."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def is_random(target: Any) -> bool:
+    """Ops tagged nondeterministic_seeded: torch's remat pass cannot replay their RNG."""
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in target.tags
+    )
+
+
+def mutates(target: Any) -> bool:
+    """In-place ops: a recomputed copy would apply the mutation twice."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def reads_until_wait(target: Any) -> bool:
+    """Collectives that run asynchronously: they read their input until the `wait_tensor`
+    on their output, not only when they are called (every `_c10d_functional` op but the
+    wait itself)."""
+    name = op_name(target)
+    return name.startswith("_c10d_functional.") and name != WAIT
+
+
+def module_matches(pattern: str, module: str) -> bool:
+    """fnmatch per dotted component, `**` spans any number of components. Linear in the
+    product of the component counts (no backtracking), whatever the pattern.
+
+    >>> module_matches("layers.*.attention", "layers.3.attention")
+    True
+    >>> module_matches("**.wq", "layers.3.attention.wq"), module_matches("**", "")
+    (True, True)
+    """
+    pattern_parts = pattern.split(".") if pattern else []
+    parts = module.split(".") if module else []
+    # matched[j]: pattern_parts[i:] matches parts[j:], computed from the last component back.
+    matched = [False] * len(parts) + [True]
+    for component in reversed(pattern_parts):
+        after = matched
+        matched = [False] * (len(parts) + 1)
+        for j in range(len(parts), -1, -1):
+            if component == "**":
+                matched[j] = after[j] or (j < len(parts) and matched[j + 1])
+            else:
+                matched[j] = (
+                    j < len(parts) and after[j + 1] and fnmatch.fnmatchcase(parts[j], component)
+                )
+    return matched[0]
+
+
+def storage_keys(node: torch.fx.Node) -> set[Any]:
+    """The storages behind a node's output tensors (one per tensor; views share their
+    base's, in fake tensors as in real ones)."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return {StorageWeakRef(v.untyped_storage()) for v in values if isinstance(v, torch.Tensor)}

@@ -1,0 +1,494 @@
+"""One rank of a sharded train step: FSDP x TP on a 2-D device mesh, traced in one process.
+
+Entry points: `Parallel(fsdp, tp)`, `trace_rank(workload, mode, parallel, mesh=None)` (what
+`trace(..., parallel=)` calls), and for callers that run ranks: `fake_process_group`,
+`device_mesh`, `shard_workload` -> `RankWorkload`, `trace_sharded`, `eager_rank_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils.parametrize as parametrize
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.fx.traceback import annotate
+
+from workbench.capture.fits import available_bytes
+from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
+from workbench.capture.models import DTYPES, Workload
+from workbench.capture.models.deepseek_v3 import MoE
+from workbench.capture.models.llama3 import Llama3
+from workbench.capture.tracing import (
+    Mode,
+    backward_without_stack_traces,
+    check_grads,
+    check_loss,
+    trace_step,
+)
+from workbench.errors import WorkbenchError
+
+__all__ = [
+    "MESH_DIMS",
+    "Parallel",
+    "RankWorkload",
+    "TpPlan",
+    "device_mesh",
+    "eager_rank_step",
+    "fake_process_group",
+    "reference_tp_plan",
+    "shard_workload",
+    "trace_rank",
+    "trace_sharded",
+]
+
+MESH_DIMS = ("fsdp", "tp")
+DtypeName = Literal["bfloat16", "float32"]
+# A TP plan: {module path: ParallelStyle} for `parallelize_module`, or a callable that
+# parallelizes the model on the "tp" mesh itself.
+TpPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], Any]
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """FSDP x TP degrees and mixed precision as torchtitan runs it: fp32 master shards,
+    cast to `param_dtype` before the all-gather, gradients reduce-scattered in
+    `reduce_dtype`."""
+
+    fsdp: int = 1
+    tp: int = 1
+    param_dtype: DtypeName = "bfloat16"
+    reduce_dtype: DtypeName = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise WorkbenchError(f"parallel {name} must be a positive integer, got {value!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise WorkbenchError(
+                    f"parallel {name} {getattr(self, name)!r} is not one of {', '.join(DTYPES)}"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.fsdp * self.tp
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fsdp": self.fsdp,
+            "tp": self.tp,
+            "world_size": self.world_size,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+        }
+
+
+@contextlib.contextmanager
+def fake_process_group(parallel: Parallel, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+    """torch's built-in `fake` process group (rank 0 of `world_size`, collectives do
+    nothing) and its ("fsdp", "tp") mesh, destroyed on exit. The group is process-global,
+    so one that someone else initialised is refused rather than replaced."""
+    if dist.is_initialized():
+        raise WorkbenchError(
+            f"a torch.distributed process group is already initialised (backend "
+            f"{dist.get_backend()}, world size {dist.get_world_size()}): destroy it first, or "
+            "pass its mesh to workbench.capture.parallel.trace_rank(workload, mode, parallel, mesh)"
+        )
+    dist.init_process_group("fake", rank=0, world_size=parallel.world_size)
+    try:
+        yield device_mesh(parallel, device_type)
+    finally:
+        dist.destroy_process_group()
+
+
+def device_mesh(parallel: Parallel, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D ("fsdp", "tp") mesh over the initialised process group."""
+    return init_device_mesh(device_type, (parallel.fsdp, parallel.tp), mesh_dim_names=MESH_DIMS)
+
+
+def reference_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
+    """Megatron-style TP with sequence-parallel norms for the reference Llama3/DeepSeek-V3:
+    q/k/v and w1/w3 column-wise, wo and w2 row-wise into sequence shards, the output
+    projection column-wise over the vocabulary (for `loss_parallel`). MoE blocks stay
+    replicated over TP: they get the whole sequence and hand back their sequence shard."""
+    if not isinstance(model, Llama3):
+        return None
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}"
+        plan[f"{p}.attention_norm"] = SequenceParallel()
+        plan[f"{p}.attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        for name in ("wq", "wk", "wv"):
+            plan[f"{p}.attention.{name}"] = ColwiseParallel()
+        plan[f"{p}.attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
+        plan[f"{p}.ffn_norm"] = SequenceParallel()
+        if isinstance(layer.feed_forward, MoE):
+            plan[f"{p}.feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
+            continue
+        plan[f"{p}.feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        plan[f"{p}.feed_forward.w1"] = ColwiseParallel()
+        plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
+        plan[f"{p}.feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def check_tp_shapes(workload: Workload, parallel: Parallel) -> None:
+    """TP splits heads, kv heads, the FFN and the vocabulary; sequence parallelism the
+    sequence. (FSDP's row split is checked per parameter while sharding.)"""
+    model, tp = workload.model, parallel.tp
+    if tp == 1 or not isinstance(model, Llama3):
+        return
+    config = model.config
+    seq = int(workload.inputs[0].shape[1])
+    sizes = {
+        "heads": config.n_heads,
+        "kv heads": config.n_kv_heads,
+        "ffn hidden size": config.ffn_hidden,
+        "vocabulary": config.vocab_size,
+        "sequence": seq,
+    }
+    for what, size in sizes.items():
+        if size % tp:
+            raise WorkbenchError(
+                f"--tp {tp} does not divide the {what} of {workload.name!r} ({size}); "
+                f"choose a tp that divides {size}"
+            )
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Where one parameter's local shard sits: the state key functional_call swaps, the
+    2-D placements and the global shape."""
+
+    fqn: str
+    key: str
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class GatherParameter(nn.Module):
+    """FSDP in forward, the SimpleFSDP way: a parametrization turning the fsdp-sharded
+    parameter into its tp-local whole. The cast to `param_dtype` comes before the
+    all-gather (half the bytes on the wire); its backward reduce-scatters the gradient
+    in `reduce_dtype`."""
+
+    def __init__(
+        self,
+        meshes: tuple[DeviceMesh, DeviceMesh],
+        tp_placement: Placement | None,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.fsdp_mesh, self.tp_mesh = meshes  # `mesh["fsdp"]`, `mesh["tp"]`
+        self.tp_placement = tp_placement
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+
+    def forward(self, sharded: torch.Tensor) -> torch.Tensor:
+        local = sharded.to_local() if isinstance(sharded, DTensor) else sharded
+        on_fsdp = DTensor.from_local(local, self.fsdp_mesh, (Shard(0),), run_check=False)
+        whole = on_fsdp.redistribute(
+            placements=(Replicate(),),
+            forward_dtype=self.param_dtype,
+            backward_dtype=self.reduce_dtype,
+        ).to_local(grad_placements=(Partial(),))
+        if self.tp_placement is None:
+            return whole
+        return DTensor.from_local(whole, self.tp_mesh, (self.tp_placement,), run_check=False)
+
+
+@dataclass
+class RankWorkload:
+    """A workload sharded for one rank: its model holds 2-D DTensor parameters."""
+
+    workload: Workload
+    parallel: Parallel
+    mesh: DeviceMesh
+    shards: list[ParamShard] = field(default_factory=list)
+
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's parameter shards, detached leaves in `shards` order."""
+        named = dict(self.workload.model.named_parameters())
+        return [
+            _local(named[s.key]).detach().requires_grad_(named[s.key].requires_grad)
+            for s in self.shards
+        ]
+
+
+_PARAMETRIZED = re.compile(r"\.?parametrizations\.([^.]+)\.original$")
+
+
+def _clean_fqn(key: str) -> str:
+    """`wq.parametrizations.weight.original` -> `wq.weight`: the name the user knows."""
+    return _PARAMETRIZED.sub(lambda m: ("." if m.start() else "") + m.group(1), key)
+
+
+def shard_workload(
+    workload: Workload,
+    parallel: Parallel,
+    mesh: DeviceMesh,
+    tp_plan: TpPlan | None = None,
+) -> RankWorkload:
+    """A copy of `workload` whose model is TP-parallelized on `mesh["tp"]` and whose every
+    parameter is an fsdp-sharded DTensor gathered by `GatherParameter`. `tp_plan` (or the
+    workload's `tp_plan` attribute) is needed for TP on models other than the references."""
+    check_tp_shapes(workload, parallel)
+    model = copy.deepcopy(workload.model)
+    if parallel.tp > 1:
+        plan = tp_plan or workload.tp_plan or reference_tp_plan(model)
+        if plan is None:
+            raise WorkbenchError(
+                f"--tp {parallel.tp}: model {workload.name!r} has no tensor-parallel plan; give "
+                "one as workload.tp_plan (or shard_workload's tp_plan): a dict {module path: "
+                "ParallelStyle} for parallelize_module or a callable(model, tp_mesh); or use --tp 1"
+            )
+        tied = _tied_parameters(model)
+        if callable(plan):
+            plan(model, mesh["tp"])
+        else:
+            parallelize_module(model, mesh["tp"], plan)
+        _retie(tied, workload.name)
+    shards = _shard_parameters(model, workload.name, parallel, mesh)
+    sharded = copy.copy(workload)
+    sharded.model = model
+    sharded.config = {**workload.config, **parallel.to_json()}
+    return RankWorkload(sharded, parallel, mesh, shards)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Parameters shared by several modules (tied embeddings), as (path, module, name)."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((path, module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(tied: list[list[tuple[str, nn.Module, str]]], model_name: str) -> None:
+    """parallelize_module gives each module its own DTensor parameter: tie them again
+    when TP placed them alike, and refuse when it did not."""
+    for (path, module, name), *others in tied:
+        first = module._parameters[name]
+        for other_path, other, other_name in others:
+            param = other._parameters[other_name]
+            if getattr(param, "placements", None) != getattr(first, "placements", None):
+                raise WorkbenchError(
+                    f"tied parameters {path}.{name} and {other_path}.{other_name} of "
+                    f"{model_name!r} get different tensor-parallel placements; untie them "
+                    "or give both modules the same sharding"
+                )
+            other._parameters[other_name] = first
+
+
+def _shard_parameters(
+    model: nn.Module, name: str, parallel: Parallel, mesh: DeviceMesh
+) -> list[ParamShard]:
+    """Replace each parameter by its fsdp shard (of its tp shard) as a 2-D DTensor and
+    register the gather; tied parameters stay tied."""
+    fsdp, rank = parallel.fsdp, mesh.get_local_rank("fsdp")
+    meshes = (mesh["fsdp"], mesh["tp"])  # sliced once: a slice costs a millisecond
+    done: dict[int, nn.Parameter] = {}
+    gathers: dict[int, GatherParameter] = {}
+    owners = [
+        (path, module, pname, param)
+        for path, module in model.named_modules()
+        for pname, param in list(module._parameters.items())
+        if param is not None
+    ]
+    for path, module, pname, param in owners:
+        if id(param) not in done:
+            tp_placement = param.placements[0] if isinstance(param, DTensor) else None
+            local = param.to_local() if isinstance(param, DTensor) else param.detach()
+            fqn = f"{path}.{pname}" if path else pname
+            if local.dim() == 0 or local.shape[0] % fsdp:
+                rows = local.shape[0] if local.dim() else "no"
+                raise WorkbenchError(
+                    f"--fsdp {fsdp} does not divide parameter {fqn} of {name!r} "
+                    f"({rows} rows per tp rank, shape {tuple(local.shape)}); "
+                    f"choose an fsdp that divides {rows}"
+                )
+            shard = local.chunk(fsdp, dim=0)[rank].clone()
+            same_dim = isinstance(tp_placement, Shard) and tp_placement.dim == 0
+            placements: tuple[Placement, ...] = (
+                _StridedShard(0, split_factor=parallel.tp) if same_dim else Shard(0),
+                tp_placement or Replicate(),
+            )
+            full_shape = param.shape
+            dtensor = DTensor.from_local(
+                shard,
+                mesh,
+                placements,
+                run_check=False,
+                shape=full_shape,
+                stride=_contiguous_stride(full_shape),
+            )
+            done[id(param)] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+            gathers[id(param)] = GatherParameter(
+                meshes, tp_placement, DTYPES[parallel.param_dtype], DTYPES[parallel.reduce_dtype]
+            )
+        module._parameters[pname] = done[id(param)]
+        parametrize.register_parametrization(module, pname, gathers[id(param)], unsafe=True)
+    return [
+        ParamShard(
+            fqn=_clean_fqn(key),
+            key=key,
+            placements=tuple(p.placements) if isinstance(p, DTensor) else (),
+            shape=p.shape,
+            stride=tuple(p.stride()),
+        )
+        for key, p in model.named_parameters()
+    ]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def _loss_context(rank: RankWorkload) -> contextlib.AbstractContextManager[None]:
+    """Vocabulary-sharded logits need torch's parallel cross entropy, forward and backward."""
+    return loss_parallel() if rank.parallel.tp > 1 else contextlib.nullcontext()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def eager_rank_step(rank: RankWorkload) -> list[torch.Tensor]:
+    """This rank's plain autograd step of the sharded model: `[loss, *local grads]` in
+    `shards` order, the reference a traced per-rank graph must equal bitwise."""
+    workload = rank.workload
+    assert workload.loss_fn is not None
+    named = dict(workload.model.named_parameters())
+    params = [named[s.key] for s in rank.shards]
+    with _loss_context(rank):
+        loss = workload.loss_fn(workload.model(*workload.inputs), workload.target)
+        grads = torch.autograd.grad(loss, params)
+    return [_local(loss).detach(), *(_local(g) for g in grads)]
+
+
+def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
+    """Trace one rank's step: placeholders are the mesh (opaque), the local parameter
+    shards (re-wrapped as DTensors inside the step), buffers, inputs and target."""
+    workload, shards, parallel = rank.workload, rank.shards, rank.parallel
+    assert workload.loss_fn is not None
+    loss_fn = workload.loss_fn
+    buffers = dict(workload.model.named_buffers())
+    n_params, n_buffers, n_inputs = len(shards), len(buffers), len(workload.inputs)
+
+    def step(mesh: DeviceMesh, *flat: Any) -> list[torch.Tensor]:
+        local = flat[:n_params]
+        state: dict[str, Any] = {
+            s.key: DTensor.from_local(
+                t, mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride
+            )
+            for s, t in zip(shards, local, strict=True)
+        }
+        state.update(zip(buffers, flat[n_params : n_params + n_buffers], strict=True))
+        inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
+        with _loss_context(rank):
+            output = torch.func.functional_call(workload.model, state, inputs)
+            with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
+                loss = check_loss(workload, loss_fn(output, flat[-1]))
+            with backward_without_stack_traces():
+                grads = torch.autograd.grad(loss, local, allow_unused=True)
+        check_grads(workload, [s.fqn for s in shards], grads)
+        return [_local(loss), *grads]
+
+    args = [
+        rank.mesh,
+        *rank.local_params(),
+        *buffers.values(),
+        *workload.inputs,
+        workload.target,
+    ]
+    kinds: list[tuple[InputKind, str]] = [
+        ("mesh", "mesh"),
+        *(("param", s.fqn) for s in shards),
+        *(("buffer", name) for name in buffers),
+        *(("input", f"inputs[{i}]") for i in range(n_inputs)),
+        ("target", "target"),
+    ]
+    graph = trace_step(workload, step, args, kinds, mode)
+    graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in MESH_DIMS}
+    graph.config.update(parallel.to_json())
+    return graph
+
+
+def check_fits_rank(workload: Workload, parallel: Parallel) -> None:
+    """Refuse a real per-rank trace whose shard, gradient and gathered low-precision copy
+    of every parameter exceed free memory (the whole model is built in this process too)."""
+    params = list(workload.model.parameters())
+    if any(p.is_meta for p in params):
+        return
+    device = params[0].device if params else torch.device("cpu")
+    total = sum(p.numel() * p.element_size() for p in params)
+    elements = sum(p.numel() for p in params)
+    low = torch.empty((), dtype=DTYPES[parallel.param_dtype]).element_size()
+    needed = total + 2 * total // parallel.world_size + elements * low // parallel.tp
+    free = available_bytes(device)
+    if needed > free:
+        raise WorkbenchError(
+            f"one rank of {workload.name!r} at fsdp {parallel.fsdp} x tp {parallel.tp} needs "
+            f"about {needed / 2**30:.1f} GiB on {device} (model, shards, gradients, gathered "
+            f"weights) but {free / 2**30:.1f} GiB is free: trace it with --mode fake"
+        )
+
+
+def trace_rank(
+    workload: Workload, mode: Mode, parallel: Parallel, mesh: DeviceMesh | None = None
+) -> JointGraph:
+    """Shard a copy of `workload` for rank 0 of `parallel` and trace its step. Without
+    `mesh`, a fake process group lives for the duration of the trace: a real-mode graph
+    traced that way can run only inside such a group (trace and run inside
+    `fake_process_group`, or a real one, and pass its mesh)."""
+    if mode == "real":
+        check_fits_rank(workload, parallel)
+    if mesh is not None:
+        return trace_sharded(shard_workload(workload, parallel, mesh), mode)
+    with fake_process_group(parallel) as fake_mesh:
+        return trace_sharded(shard_workload(workload, parallel, fake_mesh), mode)

@@ -1,0 +1,81 @@
+"""Trace one training step (forward + loss + backward) into a single FX graph.
+
+Entry point: `trace(workload, mode="real"|"fake", parallel=None) -> JointGraph`. Parameters
+and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx.traceback import annotate
+
+from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
+from workbench.capture.tracing import (
+    Mode,
+    backward_without_stack_traces,
+    check_grads,
+    check_loss,
+    trace_step,
+)
+from workbench.capture.workload import Workload
+from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    from workbench.capture.parallel import Parallel
+
+
+def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = None) -> JointGraph:
+    """Trace `workload`'s train step.
+
+    Tracing always runs on fake tensors, so data-dependent control flow fails the same
+    way in both modes. `real` keeps the workload's tensors on the graph so it can run;
+    `fake` keeps none (a model built on the meta device is traced as if on the CPU).
+    With `parallel`, the graph is one rank's step of the sharded model
+    (`workbench.capture.parallel.trace_rank`).
+    """
+    if mode not in ("real", "fake"):
+        raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
+    if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
+        from workbench.capture.parallel import trace_rank
+
+        return trace_rank(workload, mode, parallel)
+    model = workload.model
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    real = [*params.values(), *buffers.values(), *workload.inputs, workload.target]
+    n_params, n_buffers, n_inputs = len(params), len(buffers), len(workload.inputs)
+    loss_fn = workload.loss_fn
+    assert loss_fn is not None
+
+    def step(*flat: Any) -> list[torch.Tensor]:
+        p = flat[:n_params]
+        state = dict(zip(params, p, strict=True))
+        state.update(zip(buffers, flat[n_params : n_params + n_buffers], strict=True))
+        inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
+        output = torch.func.functional_call(model, state, inputs)
+        with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
+            loss = check_loss(workload, loss_fn(output, flat[-1]))
+        with backward_without_stack_traces():
+            grads = torch.autograd.grad(loss, p, allow_unused=True)
+        check_grads(workload, list(params), grads)
+        return [loss, *grads]
+
+    kinds: list[tuple[InputKind, str]] = [
+        *(("param", name) for name in params),
+        *(("buffer", name) for name in buffers),
+        *(("input", f"inputs[{i}]") for i in range(n_inputs)),
+        ("target", "target"),
+    ]
+    return trace_step(workload, step, real, kinds, mode)
+
+
+def timed_trace(
+    workload: Workload, mode: Mode, parallel: Parallel | None = None
+) -> tuple[JointGraph, float]:
+    """`trace` plus its wall time in seconds (for the CLI and benchmarks)."""
+    start = time.perf_counter()
+    graph = trace(workload, mode, parallel)
+    return graph, time.perf_counter() - start

@@ -1,0 +1,226 @@
+"""How a train step becomes one FX graph: make_fx under fake tensors with backward nodes
+marked, module paths annotated, and the checks on what the user's step returns.
+
+Entry point: `trace_step(workload, step, inputs, kinds, mode) -> JointGraph`, which
+`workbench.capture.trace` (one device) and `workbench.capture.parallel` (one rank) call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.fx.traceback import annotate, preserve_node_meta
+
+from workbench.capture.graph import InputKind, InputSpec, JointGraph, describe_nodes
+from workbench.capture.workload import Workload
+from workbench.errors import WorkbenchError, describe
+
+Mode = Literal["real", "fake"]
+
+
+@contextlib.contextmanager
+def annotate_modules(model: nn.Module) -> Iterator[None]:
+    """Tag every op with the path of the innermost module whose forward ran it."""
+    patched: list[tuple[nn.Module, Any]] = []
+    for path, module in model.named_modules():
+        if "parametrizations" in path.split("."):
+            continue  # a parameter's getter (FSDP's gather) belongs to the module using it
+        forward = module.forward
+        patched.append((module, module.__dict__.get("forward")))
+
+        def annotated(*args: Any, _forward: Any = forward, _path: str = path, **kw: Any) -> Any:
+            with annotate({"module": _path}):
+                return _forward(*args, **kw)
+
+        module.forward = annotated  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module, own_forward in patched:
+            if own_forward is None:
+                del module.forward
+            else:
+                module.forward = own_forward
+
+
+@contextlib.contextmanager
+def _backward_marking(fake_mode: FakeTensorMode) -> Iterator[None]:
+    """All of these are needed for backward nodes to carry autograd_backward and seq_nr."""
+    multithreading = torch.autograd.is_multithreading_enabled()
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        with (
+            tracing(TracingContext(fake_mode)),
+            preserve_node_meta(),
+            torch.compiler._non_strict_tracing_context(),
+            torch.compiler._patch_engine_backward(),
+        ):
+            yield
+    finally:
+        torch.autograd.set_multithreading_enabled(multithreading)
+
+
+@contextlib.contextmanager
+def backward_without_stack_traces() -> Iterator[None]:
+    """Around the step's `autograd.grad` while make_fx traces it: backward ops are recorded
+    without capturing a Python stack each. Their stacks lie inside torch's autograd (a
+    backward node's source comes from its forward op by `seq_nr`, which this leaves alone),
+    so only the time goes (stack capture was a sixth of a profiled sharded 8B trace)."""
+    mode = get_proxy_mode()
+    tracer = getattr(mode, "tracer", None)
+    if tracer is None or not getattr(tracer, "record_stack_traces", False):
+        yield
+        return
+    tracer.record_stack_traces = False
+    try:
+        yield
+    finally:
+        tracer.record_stack_traces = True
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while make_fx builds the graph: every full collection
+    walks the growing graph and its fake tensors again (a tenth of a large trace); the
+    collector runs as usual afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _to_fake(fake_mode: FakeTensorMode, value: Any, device: torch.device) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_meta:
+        converter = fake_mode.fake_tensor_converter
+        return converter.from_meta_and_device(fake_mode, value, device)
+    return fake_mode.from_tensor(value)
+
+
+def _device_of(workload: Workload) -> torch.device:
+    for tensor in [*workload.model.parameters(), *workload.inputs]:
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")
+
+
+def check_loss(workload: Workload, loss: Any) -> torch.Tensor:
+    """The loss must be one number: the step differentiates it."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise WorkbenchError(
+            f"loss function of {workload.name!r} must return a scalar tensor, "
+            f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+        )
+    return loss
+
+
+def check_grads(workload: Workload, names: list[str], grads: Sequence[Any]) -> None:
+    """Every lifted parameter must get a gradient, or the graph's outputs misalign."""
+    unused = [name for name, g in zip(names, grads, strict=True) if g is None]
+    if unused:
+        raise WorkbenchError(
+            f"parameters of {workload.name!r} get no gradient from the loss: "
+            f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; "
+            "freeze them (requires_grad=False) or use them"
+        )
+
+
+def trace_step(
+    workload: Workload,
+    step: Callable[..., list[torch.Tensor]],
+    args: list[Any],
+    kinds: list[tuple[InputKind, str]],
+    mode: Mode,
+) -> JointGraph:
+    """make_fx `step(*args)` on fake copies of `args`; `kinds` names each placeholder.
+    Non-tensor arguments (a device mesh) pass through as opaque inputs."""
+    if mode == "real" and any(isinstance(t, torch.Tensor) and t.is_meta for t in args):
+        raise WorkbenchError(
+            f"model {workload.name!r} lives on the meta device: trace it with mode='fake' "
+            "or build it on cpu/cuda"
+        )
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, shape_env=ShapeEnv())
+    device = _device_of(workload)
+    with fake_mode:
+        fake_args = [_to_fake(fake_mode, t, device) for t in args]
+    try:
+        with _backward_marking(fake_mode), annotate_modules(workload.model), _collector_paused():
+            gm = make_fx(step, record_stack_traces=True)(*fake_args)
+    except WorkbenchError:
+        raise
+    except GuardOnDataDependentSymNode as err:
+        raise WorkbenchError(
+            f"model {workload.name!r} cannot be traced: Python control flow depends on "
+            f"tensor values ({_where(err)}); use torch.where/torch.cond or fix the shapes"
+        ) from None
+    except Exception as err:  # torch raises many types; the user needs one clear line
+        raise WorkbenchError(f"model {workload.name!r} cannot be traced: {describe(err)}") from err
+    _refuse_data_dependent_shapes(gm, workload.name)
+    return JointGraph(
+        gm=gm,
+        nodes=describe_nodes(gm),
+        inputs=_input_specs(gm, kinds),
+        model_name=workload.name,
+        mode=mode,
+        tokens=workload.tokens,
+        config=dict(workload.config),
+        example_inputs=args if mode == "real" else None,
+    )
+
+
+def _refuse_data_dependent_shapes(gm: fx.GraphModule, name: str) -> None:
+    """Sizes that depend on tensor values (boolean masks, nonzero) have no byte count to
+    estimate or save: name the first op that makes one, and the user's line if known."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in value.shape):
+                line = _user_line(node.meta.get("stack_trace") or "")
+                raise WorkbenchError(
+                    f"model {name!r} has data-dependent shapes: {node.target} "
+                    f"({node.name}{', ' + line if line else ''}) makes a tensor whose size "
+                    "depends on tensor values; use fixed-size ops (torch.where, masking by "
+                    "multiplication) instead"
+                )
+
+
+def _user_line(stack_trace: str) -> str:
+    """The last `File ...` line of a stack trace outside torch itself."""
+    lines = [
+        line.strip()
+        for line in stack_trace.splitlines()
+        if line.strip().startswith("File ") and "/torch/" not in line
+    ]
+    return lines[-1] if lines else ""
+
+
+def _input_specs(gm: fx.GraphModule, kinds: list[tuple[InputKind, str]]) -> list[InputSpec]:
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [
+        InputSpec(placeholder=p, kind=kind, fqn=fqn)
+        for p, (kind, fqn) in zip(placeholders, kinds, strict=True)
+    ]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _where(err: BaseException) -> str:
+    """The user's source line that asked for a tensor value, when torch reports it."""
+    return _user_line(str(err)) or _first_line(err)

@@ -1,0 +1,108 @@
+"""`Workload`: what one training step needs (model, example batch, loss), apart from the zoo.
+
+Entry points: `Workload(model, inputs, target, loss_fn)` (tracing, measuring and the explorer
+take one) and `eager_step(workload)` (one plain autograd step: the numbers to match).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.errors import WorkbenchError
+
+__all__ = ["LossFn", "Workload", "eager_step", "token_cross_entropy", "token_workload"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in float32 like torchtitan."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+@dataclass
+class Workload:
+    """What one training step needs: `loss_fn(model(*inputs), target)`."""
+
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    target: Any = None
+    loss_fn: LossFn | None = None
+    name: str = "model"
+    config: dict[str, Any] = field(default_factory=dict)
+    # Tensor-parallel plan for `trace(..., parallel=Parallel(tp=N))` on a model that is not
+    # a reference one: {module path: ParallelStyle} or a callable(model, tp_mesh).
+    tp_plan: Any = None
+    notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inputs, torch.Tensor):
+            self.inputs = (self.inputs,)
+        if not isinstance(self.model, nn.Module):
+            raise WorkbenchError(
+                f"workload {self.name!r}: model must be a torch.nn.Module, "
+                f"got {type(self.model).__name__}"
+            )
+        if self.loss_fn is None:
+            self.loss_fn = _default_loss(self.name, self.target)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens (or samples) per step: the first input's leading two dims for token ids."""
+        first = self.inputs[0]
+        if first.dtype in (torch.int32, torch.int64) and first.dim() >= 2:
+            return int(first.shape[0] * first.shape[1])
+        return int(first.shape[0]) if first.dim() else 1
+
+
+def _default_loss(name: str, target: Any) -> LossFn:
+    if isinstance(target, torch.Tensor) and target.dtype in (torch.int32, torch.int64):
+        return token_cross_entropy
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        return lambda out, tgt: F.mse_loss(out.float(), tgt.float())
+    raise WorkbenchError(
+        f"workload {name!r} has no loss function and its target ({type(target).__name__}) "
+        "is neither integer class labels nor a float tensor: return (model, batch, loss_fn)"
+    )
+
+
+def token_workload(
+    model: nn.Module,
+    vocab_size: int,
+    *,
+    batch: int,
+    seq: int,
+    device: str | torch.device,
+    seed: int,
+    name: str,
+    config: dict[str, Any],
+) -> Workload:
+    """A language model's step on `batch` random sequences of `seq` token ids (next-token
+    targets, mean cross entropy); on meta, ids without values for fake tracing."""
+    with torch.device(device):
+        generator = None if str(device) == "meta" else torch.Generator(device).manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (batch, seq + 1), generator=generator)
+    return Workload(
+        model=model,
+        inputs=(ids[:, :-1],),
+        target=ids[:, 1:],
+        loss_fn=token_cross_entropy,
+        name=name,
+        config=config,
+    )
+
+
+def eager_step(workload: Workload) -> list[torch.Tensor]:
+    """One plain autograd train step: `[loss, *grads]`, grads in `model.parameters()` order
+    (the order of `JointGraph.param_names`), so it lines up with a traced graph's outputs."""
+    assert workload.loss_fn is not None
+    params = list(workload.model.parameters())
+    loss = workload.loss_fn(workload.model(*workload.inputs), workload.target)
+    grads = torch.autograd.grad(loss, params)
+    return [loss.detach(), *grads]

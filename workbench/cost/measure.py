@@ -1,0 +1,269 @@
+"""Measurement: run a step for real; its peak memory and step time, and its loss and
+gradients against eager's, bit for bit.
+
+Entry points: `measure_graph(graph, gm)`, `measure_step(name, step, held, tokens)`,
+`measure_run(...)` (any callable), `bitwise_mismatches` and `check_fits`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from workbench.capture.fits import available_bytes
+from workbench.capture.graph import JointGraph
+from workbench.capture.workload import Workload, eager_step
+from workbench.cost.profiles import allocation_granularity, round_up
+from workbench.errors import WorkbenchError, describe
+from workbench.rewrite.host_ops import host_buffer_pool
+
+
+@dataclass
+class Measurement:
+    """One way of running the step. `peak_bytes` = what the inputs hold (`held_bytes`) plus
+    the most the step allocated on top; `step_seconds` is the median of `all_seconds`."""
+
+    name: str
+    device: str
+    peak_bytes: int
+    held_bytes: int
+    step_seconds: float
+    all_seconds: list[float]
+    tokens: int
+    outputs: list[torch.Tensor] = field(repr=False, default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "held_bytes": self.held_bytes,
+            "step_seconds": self.step_seconds,
+            "all_seconds": self.all_seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+def device_of(tensors: Iterable[Any]) -> torch.device:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def held_bytes(tensors: Iterable[Any], granularity: int = 1) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and slices counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = round_up(storage.nbytes(), granularity)
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Kineto writes profiler start/stop lines to file descriptor 2 whatever its log level;
+    errors still arrive as Python exceptions."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _cpu_peak(run: Callable[[], Any]) -> tuple[int, Any]:
+    """Most bytes the CPU allocator held at once during `run`, above what it held before,
+    from the profiler's allocation events."""
+    with (
+        _native_stderr_silenced(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        result = run()
+    events: list[Any] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            events.append(event)
+        stack.extend(event.children)
+    events.sort(key=lambda e: e.start_time_ns)
+    live = peak = 0
+    for event in events:
+        live += event.typed[1].alloc_size
+        peak = max(peak, live)
+    return peak, result
+
+
+def _cuda_peak(run: Callable[[], Any], device: torch.device) -> tuple[int, Any]:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before, result
+
+
+def measure_run(
+    name: str,
+    run: Callable[[], list[torch.Tensor]],
+    inputs: Sequence[Any],
+    tokens: int,
+    warmup: int,
+    repeats: int,
+) -> Measurement:
+    """Warm up, time `repeats` runs (median), then one more run for the memory peak. On a
+    GPU the runs share torch's pinned host buffers, as a training loop with offload does."""
+    if repeats < 1 or warmup < 0:
+        raise WorkbenchError(f"repeats must be ≥ 1 and warmup ≥ 0, got {repeats} and {warmup}")
+    device = device_of(inputs)
+    with _fails_in_one_line(name), host_buffer_pool(device):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+        for _ in range(warmup):
+            run()
+        times = []
+        for _ in range(repeats):
+            gc.collect()
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            times.append(time.perf_counter() - start)
+        gc.collect()
+        extra, outputs = _cuda_peak(run, device) if device.type == "cuda" else _cpu_peak(run)
+        held = held_bytes(inputs, allocation_granularity(device))
+        return Measurement(
+            name=name,
+            device=str(device),
+            peak_bytes=held + extra,
+            held_bytes=held,
+            step_seconds=statistics.median(times),
+            all_seconds=times,
+            tokens=tokens,
+            outputs=list(outputs),
+        )
+
+
+@contextlib.contextmanager
+def _fails_in_one_line(what: str) -> Iterator[None]:
+    """Real data can fail where fake tensors passed (fake kernels skip some dtype checks; out
+    of memory): one line naming what ran instead of torch's traceback."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        raise WorkbenchError(f"{what} failed when run for real: {describe(err)}") from None
+
+
+def measure_step(
+    name: str,
+    step: Callable[[], list[torch.Tensor]],
+    held: Sequence[Any],
+    tokens: int,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> Measurement:
+    """Any train step as a closure (e.g. a partitioned forward + backward); `held`: the
+    tensors it reads that exist before it runs (parameters, buffers, inputs)."""
+    return measure_run(name, step, held, tokens, warmup, repeats)
+
+
+def measure_graph(
+    graph: JointGraph,
+    gm: fx.GraphModule | None = None,
+    inputs: Sequence[Any] | None = None,
+    *,
+    name: str = "graph",
+    warmup: int = 1,
+    repeats: int = 5,
+) -> Measurement:
+    """Run `gm` (default: the joint graph itself) under no_grad on the graph's real inputs."""
+    args = list(inputs) if inputs is not None else graph.example_inputs
+    if args is None:
+        raise WorkbenchError(
+            f"graph of {graph.model_name!r} was traced in fake mode and holds no tensors: "
+            "trace with mode='real' to measure it"
+        )
+    module = graph.gm if gm is None else gm
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(module(*args))
+
+    return measure_run(name, run, args, graph.tokens, warmup, repeats)
+
+
+def bitwise_mismatches(
+    graph: JointGraph, gm: fx.GraphModule, workload: Workload, seed: int = 0
+) -> list[str]:
+    """Outputs (`loss`, then parameter names) where running `gm` under no_grad differs bitwise
+    from a plain eager step. Both start from the same generator state (the caller's is restored
+    after): random ops such as dropout then draw the same numbers, since the graph runs them
+    as eager does (random ops are always saved, never replayed by remat)."""
+    inputs = graph.example_inputs
+    assert inputs is not None
+    device = device_of(inputs)
+    devices = [device] if device.type == "cuda" else []
+
+    def seeded(run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return run()
+
+    def run_graph() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(gm(*inputs))
+
+    with _fails_in_one_line(f"the graph of {graph.model_name!r}"):
+        traced = seeded(run_graph)
+    with _fails_in_one_line(f"the eager step of {graph.model_name!r}"):
+        eager = seeded(lambda: eager_step(workload))
+    names = ["loss", *graph.param_names]
+    return [n for n, a, b in zip(names, traced, eager, strict=True) if not bitwise_equal(a, b)]
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: NaN equals an identical NaN, 0.0 differs from -0.0
+    (`torch.equal` compares values, so a NaN loss would never be equal to itself).
+
+    >>> nan = torch.tensor([float("nan"), 0.0])
+    >>> bitwise_equal(nan, nan.clone()), bitwise_equal(nan, torch.tensor([float("nan"), -0.0]))
+    (True, False)
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def check_fits(estimated_peak: int, held: int, device: torch.device, what: str) -> None:
+    """Refuse a run whose estimated peak exceeds what the device has free (beyond the inputs
+    it already holds), instead of swapping or dying out of memory."""
+    needed = estimated_peak - held
+    free = available_bytes(device)
+    if needed > 0.9 * free:
+        raise WorkbenchError(
+            f"{what} is estimated to need {estimated_peak / 2**30:.2f} GiB at its peak "
+            f"({needed / 2**30:.2f} GiB beyond its inputs) but {device} has "
+            f"{free / 2**30:.2f} GiB free: use a smaller --batch/--seq/--layers, a policy "
+            "that recomputes more, or `estimate` with --mode fake"
+        )

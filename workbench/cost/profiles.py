@@ -1,0 +1,173 @@
+"""Device profiles for roofline time estimates: matmul rate per dtype and memory bandwidth.
+
+Entry point: `get_profile(name)` for `h100`, `h200` (datasheet peaks) or `cpu` (this
+machine's rates, measured once and cached in `~/.cache/sac-workbench/`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from workbench.errors import WorkbenchError
+
+# A nominal link rate for CPU processes (gloo over shared memory or TCP varies widely).
+CPU_LINK_BYTES_PER_S = 10e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Rates a roofline needs. `matmul_flops_per_s` is keyed by dtype name; ops the flop
+    counter does not count are memory-bound at `bytes_per_s`."""
+
+    name: str
+    description: str
+    matmul_flops_per_s: dict[str, float]
+    bytes_per_s: float
+    # Collectives: bytes per second per direction and per rank, inside one node and across
+    # nodes; a process group spans nodes when its ranks do not fit in `ranks_per_node`.
+    intra_node_bytes_per_s: float = CPU_LINK_BYTES_PER_S
+    inter_node_bytes_per_s: float = CPU_LINK_BYTES_PER_S
+    ranks_per_node: int = 8
+    links: str = "nominal 10 GB/s for CPU ranks (not measured)"
+    # CPU offload: bytes per second per direction between device and host memory; None:
+    # a memory copy at `bytes_per_s`, which counts each byte read and written (the CPU).
+    host_bytes_per_s: float | None = None
+
+    def host_rate(self) -> float:
+        return self.host_bytes_per_s or self.bytes_per_s / 2
+
+    def link_rate(self, spans_nodes: bool) -> float:
+        return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
+
+    def matmul_rate(self, dtype: str | None) -> float:
+        return self.matmul_flops_per_s.get(dtype or "float32", self.matmul_flops_per_s["float32"])
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+# Dense datasheet peaks (SXM parts). fp32 matmul uses the non-tensor-core rate: torch does
+# not allow TF32 matmuls by default. These are upper bounds, so times are lower bounds.
+H100 = DeviceProfile(
+    name="h100",
+    description="NVIDIA H100 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 3.35 TB/s",
+    matmul_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    bytes_per_s=3.35e12,
+    # NVLink 4 (H100 SXM datasheet: 900 GB/s bidirectional, so 450 GB/s each way) among the
+    # 8 GPUs of an HGX/DGX node; across nodes one ConnectX-7 InfiniBand NDR400 port per GPU
+    # (400 Gb/s = 50 GB/s each way, DGX H100 user guide).
+    intra_node_bytes_per_s=450e9,
+    inter_node_bytes_per_s=50e9,
+    ranks_per_node=8,
+    links="NVLink4 450 GB/s per direction in a node of 8, InfiniBand NDR400 50 GB/s per GPU across",
+    # PCIe Gen5 x16: 64 GB/s nominal per direction; ~55 GB/s is what pinned-memory copies
+    # reach in practice (about 86 % of nominal after protocol overhead).
+    host_bytes_per_s=55e9,
+)
+# The same compute as the H100, with HBM3e's bandwidth.
+H200 = replace(
+    H100,
+    name="h200",
+    description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
+    bytes_per_s=4.8e12,
+)  # same NVLink 4 (900 GB/s bidirectional, H200 datasheet) and NDR400 links as the H100
+
+
+# CUDA's caching allocator rounds every block up to a multiple of this; the CPU's does not.
+CUDA_ALLOC_GRANULARITY = 512
+
+
+def allocation_granularity(device: torch.device | str) -> int:
+    """What one allocation of `device` is rounded up to, as `max_memory_allocated` counts."""
+    return CUDA_ALLOC_GRANULARITY if torch.device(device).type == "cuda" else 1
+
+
+def round_up(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "sac-workbench" / "cpu-profile.json"
+
+
+def _machine_key() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cpu_profile() -> DeviceProfile:
+    """Time a 1024³ matmul per dtype and a 64 MiB copy on this CPU (about a second)."""
+    n = 1024
+    rates = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        rates[name] = 2 * n**3 / _best_seconds(functools.partial(torch.mm, a, b))
+    src = torch.empty(16 * 2**20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / _best_seconds(lambda: dst.copy_(src))
+    return DeviceProfile(
+        name="cpu",
+        description=(
+            f"this CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads), measured: "
+            f"fp32 matmul {rates['float32'] / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s"
+        ),
+        matmul_flops_per_s=rates,
+        bytes_per_s=bandwidth,
+    )
+
+
+def cpu_profile(refresh: bool = False) -> DeviceProfile:
+    """This CPU's profile: measured on first use, then read from the cache file."""
+    path, key = _cache_path(), _machine_key()
+    if not refresh and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.pop("machine") == key:
+                return DeviceProfile(**data)
+        except (ValueError, KeyError, TypeError):
+            pass  # a stale or damaged cache is measured again
+    profile = measure_cpu_profile()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**profile.to_json(), "machine": key}))
+    except OSError:
+        pass  # a read-only home still gets a profile, just not a cached one
+    return profile
+
+
+PROFILES: dict[str, Callable[[], DeviceProfile]] = {
+    "h100": lambda: H100,
+    "h200": lambda: H200,
+    "cpu": cpu_profile,
+}
+
+
+def get_profile(profile: str | DeviceProfile) -> DeviceProfile:
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if profile not in PROFILES:
+        raise WorkbenchError(
+            f"unknown device profile {profile!r}; choose one of {', '.join(PROFILES)} "
+            "or pass a workbench.cost.profiles.DeviceProfile"
+        )
+    return PROFILES[profile]()

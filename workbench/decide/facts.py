@@ -1,0 +1,223 @@
+"""What the rules see of one forward or loss node of a joint graph: `OpFacts`.
+
+Entry points: `fx_rows(gm, module_of)` (rows read off an FX graph: ops, storages, aliases,
+in-place writes, FSDP unshard chains) and `op_facts(rows)` (counted in graph order).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from workbench.capture.ops import (
+    ALL_GATHER,
+    WAIT,
+    is_random,
+    layer_of,
+    layer_pattern,
+    mutates,
+    op_name,
+    storage_keys,
+)
+
+# Ops whose tag is their input's: a getitem unpacks it, a wait_tensor ends its collective.
+FOLLOWERS = frozenset({"getitem", WAIT})
+
+
+# Matmuls, counted per layer forward (the `eager` preset recomputes every second one).
+MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
+
+
+# Offload moves whole storages: smaller ones cost more in transfer overhead than they free
+# (graph trainer's `_MIN_OFFLOAD_BYTES`).
+MIN_OFFLOAD_BYTES = 4096
+
+
+class Storage(NamedTuple):
+    """What offloading needs to know of a node's output: a single tensor's bytes, whether it
+    is contiguous and owns its storage (not a view or alias of an input), whether the step
+    returns it (or a view of it) and whether forward writes into it in place later."""
+
+    bytes: int
+    contiguous: bool
+    fresh: bool
+    output: bool
+    mutated: bool  # a forward op writes into the storage in place
+
+
+class OpFacts(NamedTuple):
+    """What the rules see of one forward or loss node."""
+
+    name: str
+    module: str
+    op: str
+    layer: int | None
+    occurrence: int  # occurrences of (module, op) before this one
+    matmul_index: int  # matmuls of this layer so far, this one included (from 1)
+    random: bool
+    mutation: bool
+    parent: str | None  # the multi-output node a getitem unpacks, the collective a wait ends
+    users: tuple[str, ...]
+    key: str  # `layers.*.attention::aten.mm.default#0`: the op in every identical layer
+    layer_key: str  # `layers.3.attention::aten.mm.default#0`: the op in this layer only
+    # The FSDP all-gather of the parameter unshard chain this node is part of (cast ->
+    # all_gather -> wait -> view ..., computed from graph inputs alone): one decision, the
+    # gather's. Its own name for the gather itself; None off such chains.
+    gather: str | None = None
+    # Its output storage, for the offload rules; None when it returns no single tensor
+    # (and in eager SAC, which cannot offload).
+    storage: Storage | None = None
+    # What the in-place rule (`save_written_inputs`) reads: every input node (graph inputs
+    # included), the input whose storage the output shares (a view, an in-place op's
+    # `self`, a getitem's tuple; None for a new storage) and the inputs it writes in place.
+    inputs: tuple[str, ...] = ()
+    alias: str | None = None
+    writes: tuple[str, ...] = ()
+
+
+# (name, module, op, random, mutation, parent, users, gather[, storage[, inputs, alias,
+# writes]]), in graph order: eager SAC's rows stop after `gather`.
+Row = tuple[Any, ...]
+
+
+class OpCounter:
+    """Counts ops per module and matmuls per layer, in the order they run: the graph's order
+    for graph SAC, dispatch order inside one layer forward for eager SAC."""
+
+    def __init__(self) -> None:
+        self.seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.matmuls: collections.Counter[int | None] = collections.Counter()
+
+    def facts(self, row: Row) -> OpFacts:
+        name, module, op, random, mutation, parent, users, gather = row[:8]
+        storage = row[8] if len(row) > 8 else None  # rows without it: nothing to offload
+        inputs, alias, writes = row[9:12] if len(row) > 9 else ((), None, ())
+        layer = layer_of(module)
+        if op in MATMUL_OPS:
+            self.matmuls[layer] += 1
+        k = self.seen[(module, op)]
+        self.seen[(module, op)] += 1
+        key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
+        return OpFacts(
+            name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
+            key, layer_key, gather, storage, inputs, alias, writes,
+        )  # fmt: skip
+
+
+def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
+    """Facts of the forward and loss nodes of a graph, counted in graph order."""
+    counter = OpCounter()
+    return [counter.facts(row) for row in rows]
+
+
+def storage_of(node: torch.fx.Node) -> Storage | None:
+    """The offload facts of `node`'s output (None unless it is a single tensor), from the
+    fake tensors in `meta["val"]`: aliases share their base's storage there."""
+    value = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        return None
+    (key,) = storage_keys(node)
+    try:
+        contiguous, size = bool(value.is_contiguous()), int(value.numel() * value.element_size())
+    except Exception:  # symbolic shapes: graph trainer assumes contiguous and large enough
+        contiguous, size = True, MIN_OFFLOAD_BYTES
+    output = mutated = False
+    todo, seen = [node], {node}
+    while todo:  # forward nodes sharing the storage: views, getitems, in-place ops
+        for user in todo.pop().users:
+            if user.op == "output":
+                output = True
+            elif user not in seen and not user.meta.get("autograd_backward"):
+                if key not in storage_keys(user):
+                    continue
+                seen.add(user)
+                todo.append(user)
+                mutated = mutated or mutates(user.target)
+    fresh = not any(key in storage_keys(x) for x in node.all_input_nodes)
+    return Storage(size, contiguous, fresh, output, mutated)
+
+
+def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:
+    """Rows of the forward and loss call nodes of a joint graph: every node that is neither
+    a placeholder, the output, nor marked `meta["autograd_backward"]`."""
+    gathers = unshard_chains(gm)
+    rows: list[Row] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node.meta.get("autograd_backward"):
+            continue
+        target = node.target if node.op == "call_function" else None
+        op = op_name(target) if target is not None else node.op
+        parent = node.args[0] if op in FOLLOWERS and node.args else None
+        rows.append(
+            (
+                node.name,
+                module_of(node),
+                op,
+                is_random(target),
+                mutates(target),
+                parent.name if isinstance(parent, torch.fx.Node) else None,
+                tuple(user.name for user in node.users),
+                gathers.get(node.name),
+                storage_of(node),
+                tuple(x.name for x in node.all_input_nodes),
+                alias_input(node),
+                written_inputs(node),
+            )  # fmt: skip
+        )
+    return rows
+
+
+def alias_input(node: torch.fx.Node) -> str | None:
+    """The input whose storage `node`'s output shares (a view of it, an in-place op on it, a
+    getitem of its tuple), or None when the output is a new storage."""
+    keys = storage_keys(node)
+    if keys:
+        for x in node.all_input_nodes:
+            if keys & storage_keys(x):
+                return x.name
+    return None
+
+
+def written_inputs(node: torch.fx.Node) -> tuple[str, ...]:
+    """The inputs `node` writes in place: its schema's `Tensor(a!)` arguments."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return ()
+    written: list[str] = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else None)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.fx.Node):
+                written.append(v.name)
+    return tuple(written)
+
+
+def unshard_chains(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Forward node -> the all-gather of its FSDP unshard chain: nodes computed from graph
+    inputs alone (no activation flows in) that lead to or come from an all-gather, the
+    parameter's cast -> all_gather -> wait -> views (TP's all-gathers of activations are
+    not on such chains). Below a gather the chain takes only nodes fed by it alone: the
+    embedding lookup (gathered table and token input) starts the activations."""
+    from_inputs: dict[torch.fx.Node, str | None] = {}  # input-only node -> its gather so far
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("autograd_backward"):
+            continue
+        inputs = node.all_input_nodes
+        if not inputs or not all(x.op == "placeholder" or x in from_inputs for x in inputs):
+            continue
+        above = {from_inputs.get(x) for x in inputs}
+        if above - {None} and len(above) > 1:
+            continue  # a gathered parameter meeting data or another parameter: compute
+        from_inputs[node] = (
+            node.name if op_name(node.target) == ALL_GATHER else next(iter(above), None)
+        )
+    for node in reversed(list(from_inputs)):  # the casts and views before a gather
+        if from_inputs[node] is None:
+            below = [from_inputs[u] for u in node.users if from_inputs.get(u)]
+            from_inputs[node] = next(iter(below), None)
+    return {node.name: gather for node, gather in from_inputs.items() if gather is not None}

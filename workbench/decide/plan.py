@@ -1,0 +1,141 @@
+"""What deciding derives from a graph's facts alone, once per graph: `DecidePlan`.
+
+Entry points: `decide_plan(facts)`, `layer_boundaries`, `last_layer` and `replayed_by`
+(which recompute-tagged nodes torch's remat pass copies into backward).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from workbench.decide.facts import OpFacts
+from workbench.decide.presets import TITAN_NOT_IN_LAYERS, titan_layer
+from workbench.decide.tags import Tag
+
+
+class DecidePlan(NamedTuple):
+    """What deciding derives from the facts alone, built once per graph (`decide_plan`) so
+    that re-deciding after a flip only touches the nodes a policy can change: the
+    overridden ones, the followers, and the nodes with a user across a layer boundary;
+    and so that the offload rules look a node up without a pass over the graph."""
+
+    by_name: dict[str, OpFacts]
+    last_layers: tuple[int | None, int | None]  # `last_layer`: graph SAC's, graph trainer's
+    by_key: dict[str, list[str]]  # `OpFacts.key` -> nodes
+    by_layer_key: dict[str, list[str]]  # `OpFacts.layer_key` -> nodes
+    leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
+    boundaries: list[tuple[str, tuple[str, ...]]]  # graph SAC's layer-boundary walk
+    titan_boundaries: list[tuple[str, tuple[str, ...]]]  # graph trainer's
+    writes: WritePlan  # the in-place rule's storages, writes and readers
+    # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
+    # and those tags once followers took their leader's
+    requested: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
+
+
+REQUEST_MEMO = 8  # request tables a plan remembers (one per preset and selector list)
+
+
+class WritePlan(NamedTuple):
+    """What the in-place rule reads, from the facts alone: each node's position in graph
+    order, the storage each node's output lives in (named by the node or graph input that
+    made it: `alias` followed to its end), the writes into each storage in graph order, and
+    the nodes that read a written storage (the only ones the rule can force), in order."""
+
+    position: dict[str, int]
+    root: dict[str, str]
+    writes: dict[str, list[tuple[int, str]]]  # storage -> [(position, writer)]
+    readers: tuple[str, ...]
+
+
+def write_plan(facts: Sequence[OpFacts]) -> WritePlan:
+    """The `WritePlan` of these facts (graph order)."""
+    position: dict[str, int] = {}
+    root: dict[str, str] = {}
+    writes: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    for i, f in enumerate(facts):
+        position[f.name] = i
+        root[f.name] = f.name if f.alias is None else root.get(f.alias, f.alias)
+        for x in f.writes:
+            writes[root.get(x, x)].append((i, f.name))
+    readers = tuple(f.name for f in facts if any(root.get(x, x) in writes for x in f.inputs))
+    return WritePlan(position, root, dict(writes), readers)
+
+
+def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
+    """The plan of `decide_ops` for these facts (graph order)."""
+    by_name = {f.name: f for f in facts}
+    by_key: dict[str, list[str]] = collections.defaultdict(list)
+    by_layer_key: dict[str, list[str]] = collections.defaultdict(list)
+    leaders = []
+    for f in facts:
+        by_key[f.key].append(f.name)
+        by_layer_key[f.layer_key].append(f.name)
+        leader = f.gather if f.gather not in (None, f.name) else f.parent
+        if leader is not None and leader in by_name:
+            leaders.append((f.name, leader, leader == f.gather))
+    return DecidePlan(
+        by_name,
+        (last_layer(facts), last_layer(facts, titan=True)),
+        dict(by_key),
+        dict(by_layer_key),
+        leaders,
+        layer_boundaries(facts, by_name, lambda f, u: crosses_layer(f.layer, u.layer)),
+        layer_boundaries(
+            facts, by_name, lambda f, u: titan_layer(u.module) > titan_layer(f.module), False
+        ),
+        write_plan(facts),
+        {},
+    )
+
+
+def crosses_layer(layer: int | None, user_layer: int | None) -> bool:
+    """A recomputed node feeding a recomputed user in another layer must be saved, or
+    torch's remat pass would chain recomputation across layers."""
+    return layer != user_layer
+
+
+def layer_boundaries(
+    facts: Sequence[OpFacts],
+    by_name: Mapping[str, OpFacts],
+    crosses: Callable[[OpFacts, OpFacts], bool],
+    reverse: bool = True,
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The nodes with users that `crosses` a layer boundary, and those users, in the order
+    the layer-boundary rule walks them: reverse graph order by default, so a user's final
+    tag is known before its inputs are judged (graph trainer walks forward)."""
+    walk = reversed(facts) if reverse else facts
+    result = []
+    for f in walk:
+        users = tuple(u for u in f.users if u in by_name and crosses(f, by_name[u]))
+        if users:
+            result.append((f.name, users))
+    return result
+
+
+def replayed_by(tags: Mapping[str, Tag], by_name: Mapping[str, OpFacts]) -> Callable[[str], bool]:
+    """A test of whether torch's remat pass copies a node into backward: it is tagged
+    recompute and a backward node reads it, or a copied node does (what the pass's
+    `gather_recompute_deps` collects). Users that are not forward nodes are backward ones."""
+    replayed: dict[str, bool] = {}
+
+    def test(name: str) -> bool:
+        if name not in replayed:
+            replayed[name] = False  # a cycle guard: the facts are a DAG
+            replayed[name] = tags[name].recompute and any(
+                u not in by_name or test(u) for u in by_name[name].users
+            )
+        return replayed[name]
+
+    return test
+
+
+def last_layer(facts: Sequence[OpFacts], titan: bool = False) -> int | None:
+    """The layer whose activations are never offloaded: backward reads them at once. Graph
+    trainer has none when the graph holds fewer than two layers."""
+    layers = {titan_layer(f.module) if titan else f.layer for f in facts}
+    layers -= {None, TITAN_NOT_IN_LAYERS}
+    if titan and len(layers) < 2:
+        return None
+    return max(layers, default=None)  # type: ignore[type-var]

@@ -1,0 +1,124 @@
+"""Graph SAC measured beside its baselines: no activation checkpointing, and eager SAC as
+exported (the `policy_fn` export wrapped around every block or around chosen regions).
+
+Entry points: `measure_policy(workload, policy, baselines=...)` (trace, remat, estimate,
+refuse what cannot fit, run, check bitwise) and `measure_eager(workload, policy=None)`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.trace import trace
+from workbench.capture.workload import Workload, eager_step
+from workbench.cost.estimate import Estimate, Estimator, estimate_remat
+from workbench.cost.measure import (
+    Measurement,
+    bitwise_mismatches,
+    check_fits,
+    device_of,
+    held_bytes,
+    measure_graph,
+    measure_run,
+)
+from workbench.cost.profiles import allocation_granularity
+from workbench.decide.policy import Policy
+from workbench.interop.eager import apply_eager_sac, apply_eager_sac_to
+from workbench.rewrite.remat import remat
+
+
+def measure_eager(
+    workload: Workload,
+    policy: Policy | None = None,
+    *,
+    layers_attr: str = "layers",
+    regions: Sequence[str] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    graph: JointGraph | None = None,
+) -> Measurement:
+    """An eager train step: no AC (`policy=None`), or eager SAC with the exported policy_fn
+    wrapped around every block (on a copy of the model), or around each submodule matching
+    `regions` (`apply_eager_sac_to`, e.g. `["layers.*.attention", "layers.*.feed_forward"]`).
+    `graph`: the workload's traced graph, for the export (`eager.load_policy_fn`)."""
+    if policy is None:
+        target, name = workload, "no AC"
+    else:
+        copied = copy.deepcopy(workload.model)
+        # eager SAC cannot offload: it runs the policy with its offloads saved
+        preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
+        if regions is None:
+            model = apply_eager_sac(copied, policy, layers_attr, graph=graph)
+            name = f"eager SAC ({preset})"
+        else:
+            model = apply_eager_sac_to(copied, policy, regions, graph=graph)
+            name = f"eager SAC ({preset}; {', '.join(regions)})"
+        target = Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name)
+    held = [*target.model.parameters(), *target.model.buffers(), *target.inputs, target.target]
+    return measure_run(name, lambda: eager_step(target), held, workload.tokens, warmup, repeats)
+
+
+@dataclass
+class PolicyMeasurement:
+    """Graph SAC measured beside its estimate, with the bitwise check against eager."""
+
+    graph_sac: Measurement
+    estimate: Estimate
+    bitwise_equal: bool
+    mismatched: list[str]
+    baselines: list[Measurement] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.graph_sac.peak_bytes,
+            "estimated_peak_bytes": self.estimate.peak_bytes,
+            "step_seconds": self.graph_sac.step_seconds,
+            "tokens_per_second": self.graph_sac.tokens_per_second,
+            "bitwise_equal": self.bitwise_equal,
+            "mismatched": self.mismatched,
+            "device": self.graph_sac.device,
+            "baselines": [b.to_json() for b in self.baselines],
+        }
+
+
+def measure_policy(
+    workload: Workload,
+    policy: Policy,
+    *,
+    baselines: bool = False,
+    warmup: int = 1,
+    repeats: int = 5,
+    graph: JointGraph | None = None,
+    estimator: Estimator | None = None,
+) -> PolicyMeasurement:
+    """Trace, remat with torch's pass, estimate, refuse what cannot fit, run, and compare
+    loss and gradients bitwise with a plain eager step. `graph` and `estimator`: already
+    built ones of this workload, so they are not built again."""
+    graph = graph if graph is not None else trace(workload, mode="real")
+    assert graph.example_inputs is not None
+    device = device_of(graph.example_inputs)
+    result = remat(graph, policy)
+    # a graph run holds no optimizer state: compare it with the graph's own bytes
+    if estimator is None or estimator.optimizer_bytes:
+        estimator = Estimator(graph, profiles=(), optimizer="none")
+    granularity = allocation_granularity(device)
+    est = estimate_remat(graph, result, estimator, granularity)
+    eager_peak = estimator.estimate(Policy("none"), granularity).peak_bytes  # the comparison
+    check_fits(
+        max(est.peak_bytes, eager_peak), held_bytes(graph.example_inputs), device, workload.name
+    )
+    measured = measure_graph(
+        graph, result.gm, name=f"graph SAC ({policy.preset})", warmup=warmup, repeats=repeats
+    )
+    mismatched = bitwise_mismatches(graph, result.gm, workload)
+    others = []
+    if baselines:
+        others = [
+            measure_eager(workload, None, warmup=warmup, repeats=repeats),
+            measure_eager(workload, policy, warmup=warmup, repeats=repeats, graph=graph),
+        ]
+    return PolicyMeasurement(measured, est, not mismatched, mismatched, others)

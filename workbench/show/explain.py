@@ -1,0 +1,204 @@
+"""`policy explain`: a policy's rules in words, where a workbench preset differs from
+graph trainer's preset of the same name and why, and on a traced graph its decisions by reason.
+
+Entry points: `explain(policy, graph=None) -> dict` (one JSON object) and `explain_text(result)`.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from typing import Any
+
+from workbench.capture.graph import JointGraph
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.decide.tags import DECISIONS, Why
+from workbench.errors import WorkbenchError
+from workbench.interop.titan import (
+    CPU_FORCED,
+    NOT_REPRODUCED,
+    OFFLOAD_PLACEMENT,
+    compare,
+    counterpart,
+    differences_of,
+    explained_by,
+)
+
+__all__ = ["WRITTEN_STEP", "explain", "explain_text", "steps"]
+
+WRITTEN_STEP = (
+    "a recomputed node whose recompute would not see what forward saw is saved (written in "
+    "place): it writes a storage that is not recomputed, reads one that forward writes in "
+    "place after it, or could be replayed out of order with a recomputed write"
+)
+# The steps that follow a preset's own rule, in the order `decide_ops` / `decide_titan_ops`
+# run them (rules.py owns the code; these are its words).
+_WORKBENCH_STEPS = (
+    "the preset's rule asks, then selectors (later ones win), then overrides (a key naming "
+    "one layer wins over a `layers.*` key)",
+    "random ops are saved: torch's remat pass cannot replay their RNG",
+    "in-place ops are saved: a recompute would apply the mutation twice",
+    "a getitem follows the op it unpacks",
+    "a recomputed node with a recomputed user in another layer is saved (layer boundary)",
+    WRITTEN_STEP,
+    "offload: the `offload` preset offloads each saved node that may be offloaded, offload "
+    "requests the rules cannot grant are saved with the reason, then the budget, largest first",
+)
+_TITAN_STEPS = (
+    "nodes of `lm_head*` / `loss*` modules are left untagged (saved)",
+    "a getitem takes its parent's tag",
+    "the other nodes: the preset's rule asks, then selectors, then overrides",
+    "random ops are saved (on the CPU, where graph trainer recomputes the flash-attention op)",
+    "in graph order, a recomputed node with a recomputed user in a *higher* layer is saved "
+    "(nodes outside the layers count as layer -1)",
+    WRITTEN_STEP + " (graph trainer has no such rule: its run would differ from eager there)",
+    "`sac_and_offload`: saved contiguous non-view tensors of at least 4 KiB in the layers but "
+    "the last are offloaded, largest first within the budget",
+)
+
+
+def steps(preset: str) -> tuple[str, ...]:
+    """The steps after the preset's rule: graph trainer's for `titan-*`, the workbench's else."""
+    return _TITAN_STEPS if preset in TITAN_PRESETS else _WORKBENCH_STEPS
+
+
+def _rule_words(preset: str) -> str:
+    """The preset factory's docstring, on one line: the rule's one description."""
+    return " ".join(inspect.cleandoc(PRESETS[preset].__doc__ or "").split())
+
+
+def _decisions_by_reason(graph: JointGraph, policy: Policy) -> dict[str, dict[str, int]]:
+    """Per `Why` (preset, random op, layer boundary, ...): how many nodes saved / recomputed /
+    offloaded (saved in host memory)."""
+    counts: dict[Why, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for tag in decide(graph, policy).values():
+        counts[tag.why][tag.action] += 1
+    return {why.value: {k: counts[why][k] for k in DECISIONS} for why in Why if why in counts}
+
+
+def _written_in_place(graph: JointGraph, policy: Policy) -> list[dict[str, str]]:
+    """The nodes the in-place rule saved (`Why.WRITTEN_INPUT`), each with why."""
+    decisions = decide(graph, policy)
+    return [
+        {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail}
+        for n, t in decisions.items()
+        if t.why is Why.WRITTEN_INPUT
+    ]
+
+
+def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str) -> dict[str, Any]:
+    try:
+        mismatches = compare(graph, policy, memory_policy)
+    except WorkbenchError as err:  # torchtitan not installed: say so, explain the rest
+        return {"memory_policy": memory_policy, "skipped": str(err)}
+    keys = [explained_by(m, policy.preset) for m in mismatches]
+    return {
+        "memory_policy": memory_policy,
+        "mismatches": len(mismatches),
+        "by_difference": dict(collections.Counter(keys)),
+        "cpu_forced": [
+            m.node for m, k in zip(mismatches, keys, strict=True) if k == CPU_FORCED.key
+        ],
+        "rows": [{**m.to_json(), "difference": k} for m, k in zip(mismatches, keys, strict=True)],
+    }
+
+
+def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, Any]:
+    """The policy's rules in words and, for a workbench preset, the rules where graph
+    trainer's preset of the same name (`sac_and_offload` for `offload`) differs and why;
+    for a policy that offloads, where its copies go against graph trainer's offload pass;
+    with a graph, its decisions by reason and (where graph trainer has a counterpart) the
+    mismatches with graph trainer's own tagging of that graph, each named by the difference
+    that explains it."""
+    policy = policy if isinstance(policy, Policy) else Policy(policy)
+    preset = policy.preset
+    memory_policy = counterpart(preset)
+    result: dict[str, Any] = {
+        "policy": policy.to_json(),
+        "preset": preset,
+        "kind": "graph trainer's" if preset in TITAN_PRESETS else "workbench",
+        "rule": _rule_words(preset),
+        "steps": list(steps(preset)),
+        "selectors": [{"select": s.select, "action": s.action} for s in policy.selectors],
+        "overrides": dict(sorted(policy.overrides.items())),
+        "graph_trainer_counterpart": memory_policy,
+        "differences": [d.to_json() for d in differences_of(preset)],
+        "cpu_forced_rule": CPU_FORCED.to_json() if preset in CPU_FORCED.presets else None,
+        "not_reproduced": list(NOT_REPRODUCED) if preset in TITAN_PRESETS else [],
+        # where the pass puts the copies, against graph trainer's apply_cpu_offload_pass
+        "offload_placement": (
+            {
+                "options": policy.offload._asdict(),
+                "differences": [d.to_json() for d in OFFLOAD_PLACEMENT],
+            }
+            if policy.offloads
+            else None
+        ),
+    }
+    if graph is not None:
+        result["model"] = graph.model_name
+        result["decisions_by_reason"] = _decisions_by_reason(graph, policy)
+        result["written_in_place"] = _written_in_place(graph, policy)
+        if memory_policy is not None:
+            result["graph_trainer"] = _against_graph_trainer(graph, policy, memory_policy)
+    return result
+
+
+def explain_text(result: dict[str, Any]) -> str:
+    """What a person reads: `explain`'s result as numbered rules and short lines."""
+    preset, counterpart_name = result["preset"], result["graph_trainer_counterpart"]
+    lines = [f"policy: {preset} ({result['kind']} preset)", f"rule: {result['rule']}", "then:"]
+    lines += [f"  {i}. {step}" for i, step in enumerate(result["steps"], start=1)]
+    lines += [f"selector {s['select']}: {s['action']}" for s in result["selectors"]]
+    lines += [f"override {key}: {action}" for key, action in result["overrides"].items()]
+    if counterpart_name is None:
+        lines.append("graph trainer (torchtitan 0.3.0) has no memory policy of this name")
+    elif preset in TITAN_PRESETS:
+        lines.append(f"graph trainer's `{counterpart_name}`, node for node, but for:")
+        lines += [f"  - {rule}" for rule in result["not_reproduced"]]
+    else:
+        lines.append(
+            f"differs from graph trainer's `{counterpart_name}` "
+            f"(`titan-{counterpart_name}` here) in {len(result['differences'])} rules:"
+        )
+        for d in result["differences"]:
+            lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
+            lines.append(f"    why: {d['why']}")
+    placement = result["offload_placement"]
+    if placement is not None:
+        options, n = placement["options"], len(placement["differences"])
+        lines.append(
+            f"offload steps (prefetch {options['prefetch_layers']}, defer "
+            f"{options['defer_layers']}) go where graph trainer's apply_cpu_offload_pass puts "
+            f"them, step for step, but for {n} rule{'' if n == 1 else 's'}:"
+        )
+        for d in placement["differences"]:
+            lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
+            lines.append(f"    why: {d['why']}")
+    if result["cpu_forced_rule"] is not None:
+        forced = result["cpu_forced_rule"]
+        lines.append(f"forced on the CPU: {forced['rule']}: {forced['why']}")
+    if "model" not in result:
+        return "\n".join(lines)
+    lines.append(f"on {result['model']}, decisions by reason:")
+    for why, counts in result["decisions_by_reason"].items():
+        line = f"  {why:<18} {counts['save']:>5} save {counts['recompute']:>5} recompute"
+        lines.append(line + (f" {counts['offload']:>5} offload" if counts["offload"] else ""))
+    for row in result["written_in_place"]:
+        lines.append(f"  saved, written in place: {row['node']} ({row['module']}): {row['why']}")
+    against = result.get("graph_trainer")
+    if against is None:
+        return "\n".join(lines)
+    if "skipped" in against:
+        lines.append(f"against graph trainer's own tagging: skipped ({against['skipped']})")
+        return "\n".join(lines)
+    by = ", ".join(f"{k} {n}" for k, n in against["by_difference"].items()) or "none"
+    lines.append(
+        f"against graph trainer's own `{against['memory_policy']}` tagging of this graph "
+        f"(its default config): {against['mismatches']} mismatches ({by})"
+    )
+    if against["cpu_forced"]:
+        lines.append(f"  CPU-forced: {', '.join(against['cpu_forced'])}")
+    return "\n".join(lines)

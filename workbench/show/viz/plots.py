@@ -1,0 +1,187 @@
+"""Matplotlib plots of plain numbers: memory over the step, saved bytes per layer, and the
+memory-vs-step-time trade-off with its Pareto front.
+
+Entry points: `plot_memory_timeline`, `plot_layer_saved_bytes`, `plot_tradeoff`,
+`pareto_front(points)` and `save_figure(fig, path)` (deterministic SVG/PDF/PNG). Figures
+are bare `Figure`s drawn by Agg: the global pyplot backend is left alone.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from workbench.errors import WorkbenchError
+from workbench.files import write_file
+from workbench.show.viz.style import BLUE, ORANGE, PURPLE, SKY, VERMILLION, YELLOW
+
+PALETTE = [BLUE, ORANGE, "#009E73", VERMILLION, SKY, PURPLE, YELLOW, "#999999"]
+TRADEOFF_KEYS = ("name", "peak_bytes", "step_seconds", "measured")
+
+
+def _unit(max_bytes: float) -> tuple[float, str]:
+    """GiB when the largest value reaches 1 GiB, else MiB: readable axes."""
+    return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")
+
+
+def plot_memory_timeline(
+    timeline: Mapping[str, Sequence[int]],
+    measured: Sequence[int] | None = None,
+    peak_index: int | None = None,
+) -> Figure:
+    """Stacked area of live bytes per category (params, activations, grads, ...) over the
+    ops of one step; `measured` as a black line; the peak (default: the highest total)
+    marked with a dashed line and its value."""
+    if not timeline:
+        raise WorkbenchError("memory timeline is empty: give at least one category of bytes")
+    lengths = {name: len(values) for name, values in timeline.items()}
+    steps = next(iter(lengths.values()))
+    if len(set(lengths.values())) != 1 or (measured is not None and len(measured) != steps):
+        raise WorkbenchError(
+            f"memory timeline series differ in length: {lengths}"
+            + (f", measured {len(measured)}" if measured is not None else "")
+        )
+    totals = [sum(values[i] for values in timeline.values()) for i in range(steps)]
+    scale, unit = _unit(max(totals + list(measured or [0])))
+    if peak_index is None:
+        peak_index = max(range(steps), key=totals.__getitem__)
+    if not 0 <= peak_index < steps:
+        raise WorkbenchError(f"peak_index {peak_index} is outside 0..{steps - 1}")
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.add_subplot()
+    x = list(range(steps))
+    ax.stackplot(
+        x,
+        *[[v / scale for v in values] for values in timeline.values()],
+        labels=list(timeline),
+        colors=PALETTE[: len(timeline)],
+        alpha=0.85,
+    )
+    if measured is not None:
+        ax.plot(x, [v / scale for v in measured], color="black", lw=1.2, label="measured")
+    peak = totals[peak_index] / scale
+    ax.axvline(peak_index, color="black", ls="--", lw=0.8)
+    ax.annotate(
+        f"estimated peak {peak:.2f} {unit}\nat op {peak_index}",
+        (peak_index, peak),
+        xytext=(8, -4),
+        textcoords="offset points",
+        va="top",
+    )
+    ax.set_xlabel("op index in execution order (forward, then backward)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title("Memory over one training step")
+    ax.set_xlim(0, max(steps - 1, 1))
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_layer_saved_bytes(per_layer: Mapping[int | str, int]) -> Figure:
+    """Bars: bytes kept for backward in each layer (or any named group)."""
+    if not per_layer:
+        raise WorkbenchError("per-layer saved bytes are empty")
+    scale, unit = _unit(max(per_layer.values()))
+    fig = Figure(figsize=(max(5.0, 0.28 * len(per_layer) + 2), 3.8))
+    ax = fig.add_subplot()
+    labels = [str(k) for k in per_layer]
+    ax.bar(labels, [v / scale for v in per_layer.values()], color=BLUE)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"kept for backward ({unit})")
+    ax.set_title("Activations kept for backward, per layer")
+    if len(labels) > 16:
+        ax.tick_params(axis="x", labelrotation=90, labelsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _check_points(points: Sequence[Mapping[str, Any]]) -> None:
+    for i, point in enumerate(points):
+        missing = [k for k in TRADEOFF_KEYS if k not in point]
+        if missing:
+            raise WorkbenchError(
+                f"trade-off point {i} lacks {', '.join(missing)}; each point needs "
+                f"{', '.join(TRADEOFF_KEYS)}"
+            )
+
+
+def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Points no other point beats on both peak memory and step time (lower is better),
+    sorted by peak memory. Ties on both count once, the first given."""
+    _check_points(points)
+    ordered = sorted(points, key=lambda p: (p["peak_bytes"], p["step_seconds"]))
+    front: list[Mapping[str, Any]] = []
+    for point in ordered:
+        if not front or point["step_seconds"] < front[-1]["step_seconds"]:
+            front.append(point)
+    return front
+
+
+def plot_tradeoff(points: Sequence[Mapping[str, Any]]) -> Figure:
+    """Peak memory against step time for each tried policy: estimated points hollow circles,
+    measured ones filled squares, the Pareto front as a dashed step line."""
+    if not points:
+        raise WorkbenchError("no trade-off points to plot")
+    front = pareto_front(points)
+    scale, unit = _unit(max(p["peak_bytes"] for p in points))
+    fig = Figure(figsize=(7, 5))
+    ax = fig.add_subplot()
+    for measured, marker, label in ((False, "o", "estimated"), (True, "s", "measured")):
+        chosen = [p for p in points if bool(p["measured"]) == measured]
+        if chosen:
+            ax.scatter(
+                [p["step_seconds"] for p in chosen],
+                [p["peak_bytes"] / scale for p in chosen],
+                marker=marker,
+                s=60,
+                facecolors=BLUE if measured else "none",
+                edgecolors=BLUE,
+                label=label,
+                zorder=3,
+            )
+    by_time = sorted(front, key=lambda p: p["step_seconds"])
+    ax.step(
+        [p["step_seconds"] for p in by_time],
+        [p["peak_bytes"] / scale for p in by_time],
+        where="post",
+        color=ORANGE,
+        ls="--",
+        lw=1.5,
+        label="Pareto front (best trade-offs)",
+        zorder=2,
+    )
+    for p in points:
+        ax.annotate(
+            str(p["name"]),
+            (p["step_seconds"], p["peak_bytes"] / scale),
+            xytext=(5, 5),
+            textcoords="offset points",
+            fontsize="small",
+        )
+    ax.margins(0.12)
+    ax.set_xlabel("step time (s)")
+    ax.set_ylabel(f"peak memory ({unit})")
+    ax.set_title("Memory vs step time per policy (lower left is better)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig: Figure, path: str | Path, overwrite: bool = False) -> Path:
+    """Save with no date and a fixed SVG hash salt: the same data give identical files.
+    An existing file is kept unless `overwrite`."""
+    target = Path(path)
+    fmt = target.suffix.lstrip(".").lower()
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
+    buffer = io.BytesIO()
+    with matplotlib.rc_context({"svg.hashsalt": "sac-workbench"}):
+        fig.savefig(buffer, format=fmt or None, metadata=metadata)
+    return write_file(target, buffer.getvalue(), overwrite=overwrite)

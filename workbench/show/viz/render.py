@@ -1,0 +1,358 @@
+"""Op-level Graphviz pictures: one node per FX node, coloured by its save/recompute decision.
+
+Entry points: `op_view(graph, names, decisions) -> View` (a chosen set of nodes, their
+outside inputs and backward readers summarised), `whole_graph(...)`, `to_svg`, `write`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import graphviz
+import torch.fx as fx
+
+from workbench.capture.graph import JointGraph, short_op
+from workbench.cost.replay import saved_bytes_by_node
+from workbench.decide.decider import Decisions
+from workbench.errors import WorkbenchError
+from workbench.files import write_file
+from workbench.show.viz.network import (
+    DiffRow,
+    forward_side,
+    is_offload,
+    is_recompute,
+    node_facts,
+    original_of,
+    recompute_flops,
+)
+from workbench.show.viz.style import (
+    BLUE,
+    COLLECTIVE_STYLE,
+    COLLECTIVE_WORDS,
+    DECISION_KINDS,
+    FADED,
+    GREEN,
+    GREY,
+    KIND_STYLE,
+    ORANGE,
+    Kind,
+    forced_words,
+    human_bytes,
+    human_flops,
+    is_collective,
+    kind_rows,
+    legend_label,
+    node_kind,
+    short_shape,
+    svg_id,
+)
+
+# dot needs 70-125 s for ~2,000 op nodes: past this, ask for the overview instead.
+MAX_LAYOUT_NODES = 1500
+
+# Fewer network-simplex and crossing-minimisation passes: a two-layer joint graph (500 ops)
+# lays out in 2 s instead of minutes, at the cost of a few more edge crossings.
+QUICK_LAYOUT_ABOVE = 200
+QUICK_LAYOUT = {"nslimit": "2", "mclimit": "0.3"}
+
+# node name -> its diff row: what a diff picture highlights.
+Changes = Mapping[str, DiffRow]
+
+FONT = "Helvetica"
+FORMATS = ("svg", "png", "pdf", "dot")
+
+
+@dataclass
+class View:
+    """A laid-out-on-demand picture: the Graphviz graph and how many nodes and edges it has.
+    Jupyter shows it as SVG."""
+
+    dot: graphviz.Digraph
+    nodes: int
+    edges: int
+
+    def svg(self) -> str:
+        return to_svg(self.dot)
+
+    def write(self, path: str | Path, overwrite: bool = False) -> Path:
+        return write(self.dot, path, overwrite)
+
+    def _repr_svg_(self) -> str:
+        return self.svg()
+
+    def __repr__(self) -> str:
+        """The text a front end shows when it withholds SVG (an untrusted notebook)."""
+        return (
+            f"Graphviz picture: {self.nodes} nodes, {self.edges} edges. Its SVG is hidden "
+            "because this notebook is not trusted: File > Trust Notebook, or `jupyter trust "
+            "NOTEBOOK` (`make lab` does it); `.write('view.png')` saves it as an image."
+        )
+
+
+def check_layout_size(count: int, force: bool) -> None:
+    if count > MAX_LAYOUT_NODES and not force:
+        raise WorkbenchError(
+            f"this view has {count} nodes; Graphviz needs minutes for more than "
+            f"{MAX_LAYOUT_NODES}. Use the overview (view 'overview'), one layer "
+            "('layer:N') or one module ('module:PATH'), or pass force=True (--force)"
+        )
+
+
+def new_digraph(name: str, label: str, rankdir: str = "TB") -> graphviz.Digraph:
+    return graphviz.Digraph(
+        name=name,
+        graph_attr={
+            "rankdir": rankdir,
+            "label": label,
+            "labelloc": "t",
+            "labeljust": "l",
+            "fontname": FONT,
+            "fontsize": "12",
+            "nodesep": "0.25",
+            "ranksep": "0.35",
+        },
+        node_attr={"shape": "box", "style": "filled,rounded", "fontname": FONT, "fontsize": "10"},
+        edge_attr={"fontname": FONT, "fontsize": "9", "color": "#555555"},
+    )
+
+
+def _op_label(
+    graph: JointGraph,
+    name: str,
+    decisions: Decisions | None,
+    kept: tuple[dict[str, int], dict[str, int]],
+    change: DiffRow | None,
+) -> str:
+    info = node_facts(graph, name)
+    assert info is not None
+    lines = [short_op(info.op), short_shape(info), human_bytes(info.bytes)]
+    if original_of(name) is not None and name not in graph.nodes:
+        lines[0] += " (recomputed copy)"
+    elif forward_side(info) and name in kept[1] and is_offload(decisions, name):
+        lines[2] += " · offloaded for bwd"
+    elif forward_side(info) and name in kept[1]:
+        lines[2] += " · kept for bwd"
+    elif forward_side(info) and name in kept[0] and is_recompute(decisions, name):
+        lines[2] += " · recomputed for bwd"
+    decision = (decisions or {}).get(name)
+    if decision is not None and decision.forced:
+        lines.append(forced_words(decision))
+    if change is not None:
+        lines.append(f"changed: {change.before} → {change.after}")
+    return "\n".join(lines)
+
+
+def _tooltip(graph: JointGraph, name: str, decisions: Decisions | None) -> str:
+    info = node_facts(graph, name)
+    assert info is not None
+    decision = (decisions or {}).get(name)
+    parts = [name, info.op, f"module: {info.module or '(top level)'}", f"phase: {info.phase}"]
+    if info.flops:
+        parts.append(f"FLOPs: {human_flops(info.flops)}")
+    if decision is not None:
+        parts.append(f"{decision.policy.name} ({decision.reason})")
+    if info.source:
+        parts.append(info.source)
+    return "\n".join(parts)
+
+
+def _kind(graph: JointGraph, name: str, decisions: Decisions | None) -> Kind:
+    if original_of(name) is not None and name not in graph.nodes:
+        return "recomputed_copy"
+    info = node_facts(graph, name)
+    assert info is not None
+    return node_kind(info, (decisions or {}).get(name))
+
+
+def _attrs(kind: Kind, change: DiffRow | None, diffing: bool) -> dict[str, str]:
+    attrs = dict(KIND_STYLE[kind][0])
+    if "style" in attrs:
+        attrs["style"] += ",rounded"
+    if diffing and change is None and kind != "recomputed_copy":
+        attrs.update(fillcolor=FADED, fontcolor="#888888")
+        attrs.pop("peripheries", None)
+    if change is not None:
+        attrs.update(penwidth="3", color="#000000")
+    return attrs
+
+
+def _legend_rows(kinds: Iterable[Kind], diffing: bool) -> list[tuple[str, str]]:
+    rows = kind_rows(kinds)
+    rows.append((GREY, "note: backward ops of that module reading values from here"))
+    if diffing:
+        rows.append((FADED, "unchanged between the two policies"))
+    return rows
+
+
+def op_view(
+    graph: JointGraph,
+    names: Iterable[str],
+    decisions: Decisions | None = None,
+    *,
+    gm: fx.GraphModule | None = None,
+    changes: Changes | None = None,
+    title: str = "",
+    force: bool = False,
+) -> View:
+    """One box per node in `names` (graph order kept), plus `*_recomputed` copies of them
+    when `gm` (a remat output) is given. Forward values from outside the set appear as one
+    "from MODULE" input per module; backward readers as one grey note per backward module,
+    reached by a blue edge (value kept) or an orange dashed one (value recomputed).
+
+    Raises WorkbenchError past MAX_LAYOUT_NODES unless `force`.
+    """
+    joint = {n.name: n for n in graph.gm.graph.nodes}
+    source = {n.name: n for n in (gm or graph.gm).graph.nodes}
+    shown = list(dict.fromkeys(names))
+    unknown = [n for n in shown if n not in graph.nodes]
+    if unknown:
+        raise WorkbenchError(f"no such nodes in {graph.model_name!r}: {', '.join(unknown[:5])}")
+    copies = [] if gm is None else [f"{n}_recomputed" for n in shown if f"{n}_recomputed" in source]
+    check_layout_size(len(shown) + len(copies), force)
+    # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
+    kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
+    diffing = changes is not None
+    changes = changes or {}
+    members = set(shown) | set(copies)
+    fwd = [n for n in shown if forward_side(graph.nodes[n])]
+    heading = title or f"{graph.model_name}: {len(shown)} ops"
+    lines = [
+        f"kept for backward here: {human_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
+        f" · recomputed here: {human_flops(recompute_flops(graph, fwd, decisions))}"
+        f" (of forward ops tagged recompute)",
+        "box: op · output shape and dtype · output size; hover for node name and reason",
+        "blue edge into a note: value kept in memory until backward reads it",
+        "orange dashed edge: backward needs it, but it is recomputed instead of kept",
+    ]
+    kinds: list[Kind] = [*DECISION_KINDS, "backward"]
+    if any(is_offload(decisions, n) for n in fwd):  # only then: pictures without stay as were
+        lines.append("green edge: kept in host memory (offloaded), reloaded before backward")
+        kinds.insert(len(DECISION_KINDS), "offload")
+    if copies:
+        kinds.append("recomputed_copy")
+    infos = {n: node_facts(graph, n) for n in members}
+    collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
+    if collectives:
+        lines.append(COLLECTIVE_WORDS)
+    dot = new_digraph("ops", legend_label(heading, lines, _legend_rows(kinds, diffing)))
+    if len(members) > QUICK_LAYOUT_ABOVE:
+        dot.graph_attr.update(QUICK_LAYOUT)
+    for name in [*shown, *copies]:
+        kind = _kind(graph, name, decisions)
+        change = changes.get(name)
+        dot.node(
+            svg_id("n", name),
+            _op_label(graph, name, decisions, kept, change),
+            id=svg_id("n", name),
+            tooltip=_tooltip(graph, name, decisions),
+            **_attrs(kind, change, diffing),
+            **(COLLECTIVE_STYLE if name in collectives else {}),
+        )
+    outside: dict[str, None] = {}
+    readers: dict[str, dict[str, None]] = collections.defaultdict(dict)
+    edges = 0
+    for name in [*shown, *copies]:
+        node = source.get(name) or joint[name]
+        for arg in node.all_input_nodes:
+            if arg.name in members:
+                dot.edge(svg_id("n", arg.name), svg_id("n", name))
+                edges += 1
+                continue
+            info = node_facts(graph, arg.name)
+            if info is not None and forward_side(info) and original_of(arg.name) is None:
+                module = info.module
+                if module not in outside:
+                    outside[module] = None
+                    dot.node(
+                        svg_id("i", module),
+                        f"from {module or '(top level)'}",
+                        id=svg_id("i", module),
+                        shape="plaintext",
+                        style="",
+                        fontcolor="#555555",
+                    )
+                dot.edge(svg_id("i", module), svg_id("n", name), color="#999999")
+                edges += 1
+        if name not in source:
+            continue
+        for user in source[name].users:
+            info = node_facts(graph, user.name)
+            if user.name in members or info is None or info.phase != "backward":
+                continue
+            if original_of(user.name) is not None and user.name not in graph.nodes:
+                continue  # recomputed chains outside the view
+            readers[info.module][name] = None
+    for module, values in readers.items():
+        dot.node(
+            svg_id("b", module),
+            f"backward of {module or '(top level)'}\nreads {len(values)} value(s) from here",
+            id=svg_id("b", module),
+            shape="note",
+            style="filled",
+            fillcolor=GREY,
+        )
+        for name in values:
+            recomputed = is_recompute(decisions, name) or name in copies
+            offloaded = not recomputed and is_offload(decisions, name)
+            dot.edge(
+                svg_id("n", name),
+                svg_id("b", module),
+                color=ORANGE if recomputed else GREEN if offloaded else BLUE,
+                style="dashed" if recomputed else "solid",
+                penwidth="1.2" if recomputed else "2",
+            )
+            edges += 1
+    for copy in copies:
+        original = original_of(copy)
+        assert original is not None
+        dot.edge(
+            svg_id("n", original),
+            svg_id("n", copy),
+            style="dashed",
+            color=ORANGE,
+            constraint="false",
+            tooltip="recomputed copy of this node",
+        )
+        edges += 1
+    return View(dot, nodes=len(members) + len(outside) + len(readers), edges=edges)
+
+
+def whole_graph(
+    graph: JointGraph,
+    decisions: Decisions | None = None,
+    *,
+    gm: fx.GraphModule | None = None,
+    force: bool = False,
+) -> View:
+    """Every forward, loss and backward op: only for small graphs (see MAX_LAYOUT_NODES)."""
+    names = [i.name for i in graph.ops()]
+    return op_view(
+        graph,
+        names,
+        decisions,
+        gm=gm,
+        title=f"{graph.model_name}: the whole step, {len(names)} ops",
+        force=force,
+    )
+
+
+def to_svg(dot: graphviz.Digraph) -> str:
+    """Lay out with `dot`; the same graph and decisions give byte-identical SVG."""
+    return dot.pipe(format="svg", encoding="utf-8")
+
+
+def write(dot: graphviz.Digraph, path: str | Path, overwrite: bool = False) -> Path:
+    """Write SVG, PNG, PDF or DOT source, chosen by the file suffix (never replacing an
+    existing file unless `overwrite`)."""
+    target = Path(path)
+    fmt = target.suffix.lstrip(".").lower()
+    if fmt not in FORMATS:
+        raise WorkbenchError(
+            f"cannot write {str(target)!r}: suffix must be one of "
+            f"{', '.join('.' + f for f in FORMATS)}"
+        )
+    data = dot.source if fmt == "dot" else dot.pipe(format=fmt)
+    return write_file(target, data, overwrite=overwrite)

@@ -1,0 +1,183 @@
+"""How pictures look: the colour-blind-safe palette, node kinds, legend rows and units.
+
+Entry points: `node_kind(info, decision)`, `KIND_STYLE`, `COLLECTIVE_STYLE`,
+`legend_label(rows)`, `svg_id` /
+`node_from_svg_id`, and the label helpers `human_bytes` and `human_flops`.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Iterable
+from typing import Literal
+
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.capture.graph import COLLECTIVE_OPS, NodeInfo
+from workbench.decide.tags import Tag
+from workbench.errors import WorkbenchError
+
+Kind = Literal[
+    "must_save",
+    "prefer_save",
+    "must_recompute",
+    "prefer_recompute",
+    "offload",
+    "forced_save",
+    "untagged",
+    "backward",
+    "recomputed_copy",
+]
+
+# Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
+BLUE, SKY, VERMILLION, ORANGE = "#0072B2", "#56B4E9", "#D55E00", "#E69F00"
+PURPLE, YELLOW, GREY, WHITE = "#CC79A7", "#F0E442", "#DDDDDD", "#FFFFFF"
+GREEN = "#009E73"  # Okabe-Ito bluish green
+FADED = "#F2F2F2"
+
+# kind -> (graphviz node attributes, plain words for the legend)
+KIND_STYLE: dict[Kind, tuple[dict[str, str], str]] = {
+    "prefer_save": ({"fillcolor": SKY}, "saved for backward (preset chose)"),
+    "must_save": (
+        {"fillcolor": BLUE, "fontcolor": WHITE},
+        "saved for backward (you chose: MUST_SAVE)",
+    ),
+    "forced_save": (
+        {"fillcolor": PURPLE, "peripheries": "2"},
+        "saved, forced (layer boundary, random op or in-place op)",
+    ),
+    "prefer_recompute": ({"fillcolor": ORANGE}, "recomputed in backward (preset chose)"),
+    "must_recompute": (
+        {"fillcolor": VERMILLION, "fontcolor": WHITE},
+        "recomputed in backward (you chose: MUST_RECOMPUTE)",
+    ),
+    "offload": (
+        {"fillcolor": GREEN, "fontcolor": WHITE},
+        "offloaded to host memory, reloaded before backward (MUST_CPU_OFFLOAD)",
+    ),
+    "untagged": ({"fillcolor": WHITE}, "forward op, no decision given"),
+    "backward": ({"fillcolor": GREY, "fontcolor": "#444444"}, "backward op"),
+    "recomputed_copy": (
+        {"fillcolor": YELLOW, "style": "filled,dashed"},
+        "copy recomputed in backward by remat (dashed edge from its original)",
+    ),
+}
+# Communication ops (all-gather, reduce-scatter, all-reduce, wait) of a per-rank graph: a
+# shape of their own, so the fill colour still tells their save/recompute decision.
+COLLECTIVE_STYLE: dict[str, str] = {"shape": "hexagon", "style": "filled"}
+COLLECTIVE_WORDS = "hexagon: communication op (all-gather, reduce-scatter, all-reduce, wait)"
+
+
+def is_collective(info: NodeInfo) -> bool:
+    return info.op in COLLECTIVE_OPS
+
+
+DECISION_KINDS: tuple[Kind, ...] = (
+    "prefer_save",
+    "must_save",
+    "forced_save",
+    "prefer_recompute",
+    "must_recompute",
+)
+
+
+_POLICY_KIND: dict[CheckpointPolicy, Kind] = {
+    CheckpointPolicy.MUST_SAVE: "must_save",
+    CheckpointPolicy.PREFER_SAVE: "prefer_save",
+    CheckpointPolicy.MUST_RECOMPUTE: "must_recompute",
+    CheckpointPolicy.PREFER_RECOMPUTE: "prefer_recompute",
+    CheckpointPolicy.MUST_CPU_OFFLOAD: "offload",
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: "offload",
+}
+
+
+def node_kind(info: NodeInfo, decision: Tag | None) -> Kind:
+    """What colour a node gets: its decision, or backward / untagged."""
+    if info.phase == "backward":
+        return "backward"
+    if decision is None:
+        return "untagged"
+    if decision.forced:
+        return "forced_save"
+    return _POLICY_KIND.get(decision.policy, "prefer_save")
+
+
+def forced_words(decision: Tag) -> str:
+    """`forced: layer boundary`: the short form of a forced decision's reason."""
+    return f"forced: {decision.why.value}"
+
+
+def human_bytes(n: float) -> str:
+    """Binary units, as memory is counted: 1 MiB = 1024 KiB."""
+    sign = "−" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_flops(n: float) -> str:
+    sign = "−" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{n:.0f} FLOP"
+
+
+def signed(text: str) -> str:
+    return text if text.startswith("−") or text.startswith("0 ") else f"+{text}"
+
+
+_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int64": "i64", "int32": "i32"}
+
+
+def short_shape(info: NodeInfo) -> str:
+    shapes = ", ".join("×".join(map(str, s)) or "scalar" for s in info.shapes)
+    dtype = _DTYPES.get(info.dtype or "", info.dtype or "")
+    return f"{shapes} {dtype}".strip()
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+
+
+def svg_id(kind: str, name: str) -> str:
+    """A Graphviz- and SVG-safe id: `KIND-` + the name with other characters as `-XX-` hex
+    (`:` would be read as a port, `.` breaks CSS selectors). `node_from_svg_id` reverses it."""
+    return f"{kind}-" + _UNSAFE.sub(lambda m: f"-{ord(m.group()):02x}-", name)
+
+
+def node_from_svg_id(element_id: str, kind: str = "n") -> str:
+    """The node name (or module path) an SVG `<g id=...>` stands for."""
+    prefix = f"{kind}-"
+    if not element_id.startswith(prefix):
+        raise WorkbenchError(
+            f"SVG id {element_id!r} is not a {kind!r} element; op nodes start with 'n-', "
+            "module boxes with 'm-', backward summaries with 'b-', outside inputs with 'i-'"
+        )
+    return re.sub(
+        r"-([0-9a-f]{2,})-", lambda m: chr(int(m.group(1), 16)), element_id[len(prefix) :]
+    )
+
+
+def swatch(colour: str) -> str:
+    """A colour sample as text: table cells would stretch with the legend's width."""
+    if colour in (WHITE, FADED):
+        return '<FONT COLOR="#888888">□□□</FONT>'
+    return f'<FONT COLOR="{colour}">███</FONT>'
+
+
+def legend_label(title: str, lines: Iterable[str], rows: Iterable[tuple[str, str]]) -> str:
+    """A Graphviz HTML label: a title, plain lines, then one colour sample per meaning."""
+    cells = [f"<B>{html.escape(title)}</B>"]
+    cells += [html.escape(line) for line in lines]
+    cells += [f"{swatch(colour)}  {html.escape(words)}" for colour, words in rows]
+    body = "".join(f'<TR><TD ALIGN="LEFT">{cell}</TD></TR>' for cell in cells)
+    return f'<<TABLE BORDER="0" CELLSPACING="1" CELLPADDING="1">{body}</TABLE>>'
+
+
+def kind_rows(kinds: Iterable[Kind]) -> list[tuple[str, str]]:
+    return [(KIND_STYLE[k][0]["fillcolor"], KIND_STYLE[k][1]) for k in kinds]

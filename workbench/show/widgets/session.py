@@ -1,0 +1,228 @@
+"""The explorer's session state in plain Python (no Jupyter): undo/redo, the history of tried
+policies, and the autosave file that never loses a user's policy.
+
+Entry points: `Edits` (undo/redo), `History` (tried policies, re-timed per profile) and
+`Autosave` (`recover(graph, start)`, `save(policy)`), all testable without a browser.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.capture.graph import JointGraph
+from workbench.decide.decider import restrict
+from workbench.decide.policy import Policy
+from workbench.errors import WorkbenchError
+from workbench.files import write_file
+from workbench.show.viz import pareto_front
+
+__all__ = ["Autosave", "Edits", "History", "Point", "policy_label"]
+
+
+class Edits:
+    """The current policy with undo and redo stacks; a new change clears redo."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._undo: list[Policy] = []
+        self._redo: list[Policy] = []
+
+    @property
+    def can_undo(self) -> bool:
+        return bool(self._undo)
+
+    @property
+    def can_redo(self) -> bool:
+        return bool(self._redo)
+
+    def change(self, policy: Policy) -> bool:
+        """Make `policy` current (undoable); False when it equals the current one."""
+        if policy == self.policy:
+            return False
+        self._undo.append(self.policy)
+        self._redo.clear()
+        self.policy = policy
+        return True
+
+    def undo(self) -> Policy:
+        if not self._undo:
+            raise WorkbenchError("nothing to undo")
+        self._redo.append(self.policy)
+        self.policy = self._undo.pop()
+        return self.policy
+
+    def redo(self) -> Policy:
+        if not self._redo:
+            raise WorkbenchError("nothing to redo")
+        self._undo.append(self.policy)
+        self.policy = self._redo.pop()
+        return self.policy
+
+
+def policy_label(policy: dict[str, Any]) -> str:
+    """`eager + 3 edits`: the preset and how many selectors and overrides sit on it."""
+    changes = len(policy["selectors"]) + len(policy["overrides"])
+    return policy["preset"] + (f" + {changes} edits" if changes else "")
+
+
+@dataclass
+class Point:
+    """One tried policy: estimated step time per device profile, or one measured time."""
+
+    policy: dict[str, Any]
+    peak_bytes: int
+    seconds: dict[str, float]  # profile -> estimated step time; {device: time} when measured
+    measured: bool = False
+    solver: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return ("solver: " if self.solver else "") + policy_label(self.policy)
+
+
+class History:
+    """Every policy tried, one estimated and at most one measured point per policy.
+
+    Estimated points keep their time on every profile, so switching the profile re-times
+    them; measured points are times on a real device and form their own front.
+    """
+
+    def __init__(self) -> None:
+        self.points: list[Point] = []
+
+    def add(self, point: Point) -> None:
+        """Add `point`, replacing an earlier one of the same policy and kind."""
+        self.points = [
+            p
+            for p in self.points
+            if not (p.policy == point.policy and p.measured == point.measured)
+        ]
+        self.points.append(point)
+
+    def policy(self, index: int) -> Policy:
+        if not 0 <= index < len(self.points):
+            raise WorkbenchError(f"no history point #{index}; there are {len(self.points)}")
+        return Policy.from_json(self.points[index].policy)
+
+    def to_json(self, profile: str) -> list[dict[str, Any]]:
+        """Points for the plot: `step_seconds` on `profile` for estimates (the measured time
+        for measured points) and `pareto` within each kind."""
+        rows = []
+        for index, p in enumerate(self.points):
+            seconds = next(iter(p.seconds.values())) if p.measured else p.seconds[profile]
+            rows.append({
+                "index": index, "name": p.name, "policy": p.policy, "peak_bytes": p.peak_bytes,
+                "step_seconds": seconds, "measured": p.measured,
+                "profile": next(iter(p.seconds)) if p.measured else profile,
+                **({"solver": p.solver} if p.solver else {}), **p.extra,
+            })  # fmt: skip
+        on_front: set[int] = set()
+        for measured in (False, True):
+            kind = [r for r in rows if r["measured"] == measured]
+            on_front |= {r["index"] for r in pareto_front(kind)}
+        return [{**r, "pareto": r["index"] in on_front} for r in rows]
+
+
+def _claim(path: Path, suffix: str, data: bytes) -> Path:
+    """Write `data` to the first free name among `path+suffix`, `path+suffix.2`, ... (never
+    replacing a file, also when two sessions race for the same name)."""
+    for n in range(1, 1000):
+        candidate = path.with_name(path.name + suffix + (f".{n}" if n > 1 else ""))
+        if os.path.lexists(candidate):
+            continue
+        try:
+            return write_file(candidate, data)
+        except WorkbenchError:
+            if not os.path.lexists(candidate):
+                raise
+    raise WorkbenchError(f"no free name for a copy of {str(path)!r} (tried {suffix}.2 to .999)")
+
+
+def _relocated(path: Path) -> Path:
+    """`policy.json` -> the first of `policy.2.json`, `policy.3.json`, ... that is free."""
+    for n in range(2, 1000):
+        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        if not os.path.lexists(candidate):
+            return candidate
+    raise WorkbenchError(f"no free autosave name next to {str(path)!r}")
+
+
+class Autosave:
+    """The policy file one explorer keeps up to date.
+
+    Rules: a file this session did not write (another explorer's, or edited by hand) is
+    never replaced — the session moves to a free name and says so; an unreadable file or
+    one with entries that no longer apply is first copied aside under a name no other
+    copy holds. `save` never raises: a failure comes back as the line to show.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._last: bytes | None = None  # what this session last read or wrote there
+
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def recover(self, graph: JointGraph, start: Policy) -> tuple[Policy, str]:
+        """The autosaved policy when there is one (what still applies to `graph`), else
+        `start`; and the line that tells the user what happened."""
+        try:
+            data = self._read()
+        except OSError as err:
+            old, self.path = self.path, _relocated(self.path)
+            return start, (
+                f"cannot read {old.name} ({err.strerror}); it is left as it is and this "
+                f"explorer autosaves to {self.path.name}"
+            )
+        if data is None:
+            return start, ""
+        try:
+            saved = Policy.from_bytes(data, f"autosave {str(self.path)!r}")
+        except WorkbenchError as err:
+            kept = _claim(self.path, ".unreadable", data)
+            self._last = data  # copied aside: ours to replace
+            return start, f"{err}; kept it as {kept.name} and started from {start.preset!r}"
+        policy, dropped = restrict(graph, saved)
+        self._last = data
+        if not dropped:
+            return policy, f"restored the autosaved policy from {self.path.name}"
+        kept = _claim(self.path, ".stale", data)
+        return policy, (
+            f"restored {self.path.name}; {len(dropped)} entries no longer match this graph "
+            f"and were left out (the full file is kept as {kept.name}): " + " | ".join(dropped)
+        )
+
+    def save(self, policy: Policy) -> str:
+        """Write `policy`; "" when saved where it was, else the line to show the user."""
+        note = ""
+        try:
+            for _ in range(100):
+                current = self._read()
+                if current is not None and current != self._last:
+                    old, self.path, self._last = self.path, _relocated(self.path), None
+                    note = (
+                        f"{old.name} was changed outside this explorer (another explorer or an "
+                        f"editor) and is left as it is; this explorer now autosaves to "
+                        f"{self.path.name}"
+                    )
+                    continue
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    policy.save(self.path, overwrite=current is not None)
+                except WorkbenchError:
+                    if current is None and os.path.lexists(self.path):
+                        continue  # appeared meanwhile: someone else's, look again
+                    raise
+                self._last = self._read()
+                return note
+            raise WorkbenchError(f"{str(self.path)!r} keeps changing under this explorer")
+        except (WorkbenchError, OSError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            return f"NOT autosaved to {self.path}: {reason}. Your edits live only in this explorer"
