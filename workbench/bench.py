@@ -22,7 +22,7 @@ from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
 from workbench.rewrite.remat import remat
 from workbench.search.solve import SOLVER_DEFER_LAYERS, Solution, fsdp_choices, solve
-from workbench.show.viz.style import human_bytes
+from workbench.units import format_bytes
 
 __all__ = [
     "bench_offload",
@@ -301,8 +301,8 @@ def _peak_cause(estimator: Estimator, est: Estimate) -> dict[str, Any]:
         "optimizer_bytes": estimator.optimizer_bytes,
         "set_by": (
             f"{phase} op {est.peak_node}, {after} of {len(est.order)} steps before the end; "
-            f"parameters + gradients + optimizer state {human_bytes(state)} of "
-            f"{human_bytes(est.peak_bytes)}"
+            f"parameters + gradients + optimizer state {format_bytes(state)} of "
+            f"{format_bytes(est.peak_bytes)}"
         ),
     }
 
@@ -334,6 +334,6 @@ def offload_table(result: dict[str, Any]) -> str:
     solves = result["search"]["solves"]
     lines.append(
         f"search: {result['search']['how']}, {solves['without_offload']} + "
-        f"{solves['with_offload']} solves, to {human_bytes(result['search']['tolerance_bytes'])}"
+        f"{solves['with_offload']} solves, to {format_bytes(result['search']['tolerance_bytes'])}"
     )
     return "\n".join(lines)

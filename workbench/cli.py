@@ -24,6 +24,7 @@ from workbench.decide.policy import Policy, parse_policy
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.files import check_writable
+from workbench.units import format_value
 
 if TYPE_CHECKING:
     from workbench.cost.estimate import Estimator
@@ -548,23 +549,14 @@ _LONG_TEXT = 100  # characters: longer values print as their start and a note
 _LIST_ROWS = 12  # rows of a list shown before "… N more"
 
 
-def _human_value(key: str, value: Any) -> str:
-    """One value with its unit, chosen by the key's name (`*_bytes`, `*seconds*`, `*flops*`)."""
-    from workbench.show.viz.style import human_bytes, human_flops
-
+def _human_value(key: str, value: Any, parent: str = "") -> str:
+    """One value with the unit its key names (`workbench.units.unit_of`)."""
     if isinstance(value, bool) or value is None:
         return "yes" if value is True else "no" if value is False else "-"
     if isinstance(value, int | float):
-        if key.endswith("bytes") or key.endswith("_bytes_delta"):
-            return human_bytes(value)
-        if "seconds" in key:
-            if abs(value) < 1e-3:
-                return f"{value * 1e6:,.1f} µs"
-            return f"{value * 1e3:,.2f} ms" if abs(value) < 1 else f"{value:,.2f} s"
-        if "flops" in key:
-            return human_flops(value)
-        if "tokens_per_second" in key:
-            return f"{value:,.0f} tokens/s"
+        formatted = format_value(key, value, parent)
+        if formatted is not None:
+            return formatted
         return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
     if value in ({}, [], ""):
         return "none"
@@ -572,17 +564,6 @@ def _human_value(key: str, value: Any) -> str:
     if len(text) > _LONG_TEXT:
         return f"{text[:_LONG_TEXT]}… ({len(text):,} characters; --json prints all)"
     return text
-
-
-def _unit_key(parent: str, child: str) -> str:
-    """The key whose name says the unit of `parent[child]`: the child's own (`peak_bytes`),
-    else the parent's (`est_step_seconds` -> `h100`); breakdowns and per-layer maps are bytes."""
-    words = ("bytes", "seconds", "flops", "tokens_per_second")
-    if any(w in child for w in words):
-        return child
-    if "breakdown" in parent or "by_layer" in parent:
-        return "bytes"
-    return parent
 
 
 def _human_lines(result: dict[str, Any], indent: str = "") -> list[str]:
@@ -593,7 +574,7 @@ def _human_lines(result: dict[str, Any], indent: str = "") -> list[str]:
         if isinstance(value, dict) and value:
             lines.append(f"{indent}{key}:")
             if all(not isinstance(v, dict | list) for v in value.values()):
-                inner = {k: _human_value(_unit_key(key, k), v) for k, v in value.items()}
+                inner = {k: _human_value(k, v, key) for k, v in value.items()}
                 lines += _human_lines(inner, indent + "  ")
             else:
                 lines += _human_lines(value, indent + "  ")

@@ -22,8 +22,9 @@ from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.decide.presets import TITAN_NOT_IN_LAYERS, titan_layer
 from workbench.decide.tags import Tag, Why
+from workbench.units import format_bytes
 
-__all__ = ["ActivationRow", "activation_log", "activation_rows", "format_bytes", "totals"]
+__all__ = ["ActivationRow", "activation_log", "activation_rows", "log_bytes", "totals"]
 
 # Graph trainer's short names for a tag; "SAVE*" is a node it left untagged (saved).
 UNTAGGED = "SAVE*"
@@ -55,16 +56,13 @@ class ActivationRow:
         return dataclasses.asdict(self)
 
 
-def format_bytes(nbytes: int) -> str:
-    """Bytes the way graph trainer's log prints them.
+def log_bytes(nbytes: int) -> str:
+    """Bytes the way graph trainer's log prints them (two digits after the point).
 
-    >>> format_bytes(512), format_bytes(3 * 2**19), format_bytes(2**31)
+    >>> log_bytes(512), log_bytes(3 * 2**19), log_bytes(2**31)
     ('512 B', '1.50 MiB', '2.00 GiB')
     """
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.2f} {unit}"
-    return f"{nbytes} B"
+    return format_bytes(nbytes, digits=2)
 
 
 def _shape(value: Any) -> str:
@@ -164,7 +162,7 @@ def _relative(module: str) -> str:
 
 def _line(index: int, row: ActivationRow, module: str) -> str:
     return (
-        f"  {index:<3} {format_bytes(row.bytes):>10}  {row.dtype:<10} {row.policy:<12} "
+        f"  {index:<3} {log_bytes(row.bytes):>10}  {row.dtype:<10} {row.policy:<12} "
         f"{row.shape:<25} {module:<30} {row.op:<55} {row.source}"
     )
 
@@ -188,7 +186,7 @@ def activation_log(rows: list[ActivationRow]) -> str:
     lines = [rule, header, rule]
     other = by_layer.get(TITAN_NOT_IN_LAYERS, [])
     if other:
-        other_bytes = format_bytes(sum(r.bytes for r in other))
+        other_bytes = log_bytes(sum(r.bytes for r in other))
         lines.append(f"[non-layer] ({len(other)} activations, {other_bytes})")
         lines += [_line(i, row, row.module) for i, row in enumerate(other)]
         lines.append("")
@@ -200,8 +198,8 @@ def activation_log(rows: list[ActivationRow]) -> str:
         else:
             label = f"[layers {layers[0]}-{layers[-1]}] (x{len(layers)}, same pattern)"
         lines.append(
-            f"{label} ({len(block)} activations, {format_bytes(size)} each, "
-            f"{format_bytes(size * len(layers))} total)"
+            f"{label} ({len(block)} activations, {log_bytes(size)} each, "
+            f"{log_bytes(size * len(layers))} total)"
         )
         lines += [_line(i, row, _relative(row.module)) for i, row in enumerate(block)]
         lines.append("")
@@ -210,7 +208,7 @@ def activation_log(rows: list[ActivationRow]) -> str:
     summary = totals(rows)
     lines += [
         rule,
-        f"Total: {summary['activations']} activations, {format_bytes(summary['bytes'])} "
+        f"Total: {summary['activations']} activations, {log_bytes(summary['bytes'])} "
         f"across {scope}",
         rule,
         f"{UNTAGGED} = untagged (kept in GPU memory by default)",

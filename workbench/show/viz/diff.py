@@ -15,7 +15,8 @@ from workbench.decide.decider import Decisions
 from workbench.rewrite.remat import RematResult
 from workbench.show.viz.network import DiffRow, original_of
 from workbench.show.viz.render import View
-from workbench.show.viz.style import human_bytes, human_flops, signed
+from workbench.show.viz.style import signed
+from workbench.units import format_bytes, format_flops
 
 COLUMNS = (
     "node", "module", "op", "before", "after", "Δ kept bytes", "Δ recompute FLOPs",
@@ -66,11 +67,11 @@ class PolicyDiff:
         """A plain Markdown table (no pandas), with a totals line; `limit` rows at most. The
         offload figures only when a row moves to or from offload."""
         columns = COLUMNS if self.offloads else COLUMNS[:-1]
-        moved = f", offloaded {signed(human_bytes(self.offloaded_bytes_delta))}"
+        moved = f", offloaded {signed(format_bytes(self.offloaded_bytes_delta))}"
         head = [
             f"{self.before_name} → {self.after_name}: {len(self.rows)} activations changed, "
-            f"kept for backward {signed(human_bytes(self.saved_bytes_delta))}, "
-            f"recompute {signed(human_flops(self.recompute_flops_delta))}"
+            f"kept for backward {signed(format_bytes(self.saved_bytes_delta))}, "
+            f"recompute {signed(format_flops(self.recompute_flops_delta))}"
             + (moved if self.offloads else ""),
             "",
             "| " + " | ".join(columns) + " |",
@@ -79,9 +80,9 @@ class PolicyDiff:
         shown = self.rows if limit is None else self.rows[:limit]
         body = [
             f"| {r.node} | {r.module or '(top level)'} | {r.op} | {r.before} | {r.after} | "
-            f"{signed(human_bytes(r.saved_bytes_delta))} | "
-            f"{signed(human_flops(r.recompute_flops_delta))} |"
-            + (f" {signed(human_bytes(r.offloaded_bytes_delta))} |" if self.offloads else "")
+            f"{signed(format_bytes(r.saved_bytes_delta))} | "
+            f"{signed(format_flops(r.recompute_flops_delta))} |"
+            + (f" {signed(format_bytes(r.offloaded_bytes_delta))} |" if self.offloads else "")
             for r in shown
         ]
         if len(shown) < len(self.rows):

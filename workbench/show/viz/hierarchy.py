@@ -19,17 +19,8 @@ from workbench.decide.decider import Decisions
 from workbench.errors import WorkbenchError
 from workbench.show.viz.network import forward_side, is_offload, is_recompute, recompute_flops
 from workbench.show.viz.render import Changes, View, new_digraph, op_view
-from workbench.show.viz.style import (
-    FADED,
-    ORANGE,
-    SKY,
-    WHITE,
-    human_bytes,
-    human_flops,
-    legend_label,
-    signed,
-    svg_id,
-)
+from workbench.show.viz.style import FADED, ORANGE, SKY, WHITE, legend_label, signed, svg_id
+from workbench.units import format_bytes, format_flops
 
 Unit = tuple[str, int | None]  # (top-level module or layer container, layer index)
 
@@ -248,15 +239,16 @@ def _box_label(box: Box, layers: int, decisions: bool, changes: Changes) -> str:
         if box.offload_ops:
             ops += f", {box.offload_ops // layers} of the saved offloaded"
     lines.append(ops)
-    lines.append(f"kept for backward: {_amount(box.saved_bytes, layers, human_bytes)}")
-    lines.append(f"recompute: {_amount(box.recompute_flops, layers, human_flops)}")
+    lines.append(f"kept for backward: {_amount(box.saved_bytes, layers, format_bytes)}")
+    lines.append(f"recompute: {_amount(box.recompute_flops, layers, format_flops)}")
     if box.changed:
         dbytes = sum(changes[n].saved_bytes_delta for n in box.changed)
         dflops = sum(changes[n].recompute_flops_delta for n in box.changed)
         per = " per layer" if layers > 1 else ""
         lines.append(
-            f"CHANGED {_ops(len(box.changed) // layers)}{per}: kept {signed(human_bytes(dbytes))}, "
-            f"recompute {signed(human_flops(dflops))}" + (" in total" if layers > 1 else "")
+            f"CHANGED {_ops(len(box.changed) // layers)}{per}: "
+            f"kept {signed(format_bytes(dbytes))}, "
+            f"recompute {signed(format_flops(dflops))}" + (" in total" if layers > 1 else "")
         )
     return "\n".join(lines)
 
@@ -294,8 +286,8 @@ def render_overview(
     heading = title or f"{graph.model_name}: overview by module"
     lines = [
         f"whole step{' after the change' if diffing else ''}: kept for backward "
-        f"{human_bytes(data.saved_bytes)}, recompute "
-        f"{human_flops(data.recompute_flops)}; {data.forward_ops} forward ops, "
+        f"{format_bytes(data.saved_bytes)}, recompute "
+        f"{format_flops(data.recompute_flops)}; {data.forward_ops} forward ops, "
         f"{data.backward_ops} backward ops (not drawn)",
         "kept for backward = forward outputs backward reads that are not recomputed",
         "recompute = FLOPs of forward ops tagged recompute (run again in backward)",
@@ -315,7 +307,7 @@ def render_overview(
         dflops = sum(r.recompute_flops_delta for r in changes.values())
         lines[0:0] = [
             f"the change: {len(changes)} activations, kept for backward "
-            f"{signed(human_bytes(dbytes))}, recompute {signed(human_flops(dflops))}"
+            f"{signed(format_bytes(dbytes))}, recompute {signed(format_flops(dflops))}"
         ]
         lines.append("bold black outline: box holds ops whose decision changed (CHANGED line)")
         rows.append((FADED, "unchanged between the two policies"))
@@ -336,11 +328,13 @@ def render_overview(
             continue
         with dot.subgraph(name=f"cluster_{index}") as cluster:
             per_layer = (
-                f" · {human_bytes(group.saved_bytes / layers)} kept per layer" if layers > 1 else ""
+                f" · {format_bytes(group.saved_bytes / layers)} kept per layer"
+                if layers > 1
+                else ""
             )
             cluster.attr(
-                label=f"{group.title} · kept {human_bytes(group.saved_bytes)}{per_layer} · "
-                f"recompute {human_flops(group.recompute_flops)}",
+                label=f"{group.title} · kept {format_bytes(group.saved_bytes)}{per_layer} · "
+                f"recompute {format_flops(group.recompute_flops)}",
                 style="rounded",
                 color="#888888",
                 id=svg_id("g", group.path),

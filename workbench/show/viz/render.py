@@ -40,8 +40,6 @@ from workbench.show.viz.style import (
     ORANGE,
     Kind,
     forced_words,
-    human_bytes,
-    human_flops,
     is_collective,
     kind_rows,
     legend_label,
@@ -49,6 +47,7 @@ from workbench.show.viz.style import (
     short_shape,
     svg_id,
 )
+from workbench.units import format_bytes, format_flops
 
 # dot needs 70-125 s for ~2,000 op nodes: past this, ask for the overview instead.
 MAX_LAYOUT_NODES = 1500
@@ -128,7 +127,7 @@ def _op_label(
 ) -> str:
     info = node_facts(graph, name)
     assert info is not None
-    lines = [short_op(info.op), short_shape(info), human_bytes(info.bytes)]
+    lines = [short_op(info.op), short_shape(info), format_bytes(info.bytes)]
     if original_of(name) is not None and name not in graph.nodes:
         lines[0] += " (recomputed copy)"
     elif forward_side(info) and name in kept[1] and is_offload(decisions, name):
@@ -151,7 +150,7 @@ def _tooltip(graph: JointGraph, name: str, decisions: Decisions | None) -> str:
     decision = (decisions or {}).get(name)
     parts = [name, info.op, f"module: {info.module or '(top level)'}", f"phase: {info.phase}"]
     if info.flops:
-        parts.append(f"FLOPs: {human_flops(info.flops)}")
+        parts.append(f"FLOPs: {format_flops(info.flops)}")
     if decision is not None:
         parts.append(f"{decision.policy.name} ({decision.reason})")
     if info.source:
@@ -220,8 +219,8 @@ def op_view(
     fwd = [n for n in shown if forward_side(graph.nodes[n])]
     heading = title or f"{graph.model_name}: {len(shown)} ops"
     lines = [
-        f"kept for backward here: {human_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
-        f" · recomputed here: {human_flops(recompute_flops(graph, fwd, decisions))}"
+        f"kept for backward here: {format_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
+        f" · recomputed here: {format_flops(recompute_flops(graph, fwd, decisions))}"
         f" (of forward ops tagged recompute)",
         "box: op · output shape and dtype · output size; hover for node name and reason",
         "blue edge into a note: value kept in memory until backward reads it",

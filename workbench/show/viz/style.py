@@ -2,7 +2,7 @@
 
 Entry points: `node_kind(info, decision)`, `KIND_STYLE`, `COLLECTIVE_STYLE`,
 `legend_label(rows)`, `svg_id` /
-`node_from_svg_id`, and the label helpers `human_bytes` and `human_flops`.
+`node_from_svg_id`, and the label helpers `format_bytes` and `format_flops`.
 """
 
 from __future__ import annotations
@@ -106,26 +106,6 @@ def node_kind(info: NodeInfo, decision: Tag | None) -> Kind:
 def forced_words(decision: Tag) -> str:
     """`forced: layer boundary`: the short form of a forced decision's reason."""
     return f"forced: {decision.why.value}"
-
-
-def human_bytes(n: float) -> str:
-    """Binary units, as memory is counted: 1 MiB = 1024 KiB."""
-    sign = "−" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_flops(n: float) -> str:
-    sign = "−" if n < 0 else ""
-    n = abs(n)
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if n >= scale:
-            return f"{sign}{n / scale:.1f} {unit}"
-    return f"{sign}{n:.0f} FLOP"
 
 
 def signed(text: str) -> str:

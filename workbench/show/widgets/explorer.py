@@ -45,8 +45,9 @@ from workbench.interop.export import FORMATS, export
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import node_from_svg_id, overview, render_view, svg_id
 from workbench.show.viz.hierarchy import Group
-from workbench.show.viz.style import COLLECTIVE_WORDS, human_bytes, human_flops
+from workbench.show.viz.style import COLLECTIVE_WORDS
 from workbench.show.widgets.session import Autosave, Edits, History, Point, policy_label
+from workbench.units import format_bytes, format_flops
 
 HERE = Path(__file__).parent
 
@@ -348,9 +349,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             where = "its recomputed copy" if est.peak_node != name else "this op"
         else:
             where = f"the backward of {info.module or 'top level'}; its forward ops are marked"
-        self.message = (
-            f"peak {human_bytes(est.peak_bytes)} while {est.peak_node} runs ({info.phase}): {where}"
-        )
+        peak = format_bytes(est.peak_bytes)
+        self.message = f"peak {peak} while {est.peak_node} runs ({info.phase}): {where}"
 
     def _edited(self, **changes: Any) -> Policy:
         """The current policy with some fields changed; the rest (the FSDP choice) kept."""
@@ -465,7 +465,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             )
         self.suggest_host_budget_bytes = budget_bytes
         self.message = (
-            f"Suggest and Sweep may offload up to {human_bytes(budget_bytes)} to host memory"
+            f"Suggest and Sweep may offload up to {format_bytes(budget_bytes)} to host memory"
             if budget_bytes
             else "Suggest and Sweep do not offload (host budget 0)"
         )
@@ -491,15 +491,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         self._change(policy)
         host = self.suggest_host_budget_bytes
         offloaded = (
-            f", offloads {human_bytes(solution.estimate.offloaded_bytes)} to host (budget "
-            f"{human_bytes(host)})"
+            f", offloads {format_bytes(solution.estimate.offloaded_bytes)} to host (budget "
+            f"{format_bytes(host)})"
             if host
             else ", no offload (host budget 0)"
         )
         self.message = (
-            f"suggested by {solution.method} for a budget of {human_bytes(budget_bytes)}: "
-            f"peak {human_bytes(solution.estimate.peak_bytes)}, recompute "
-            f"{human_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
+            f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)}: "
+            f"peak {format_bytes(solution.estimate.peak_bytes)}, recompute "
+            f"{format_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
             f"preset {policy.preset!r}{note} with "
             f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
             "under Policy); refine it by clicking ops"
@@ -718,8 +718,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         if not r:
             return ""
         line = (
-            f"measured on {r['device']}: peak {human_bytes(r['peak_bytes'])} "
-            f"(estimated {human_bytes(r['estimated_peak_bytes'])}), "
+            f"measured on {r['device']}: peak {format_bytes(r['peak_bytes'])} "
+            f"(estimated {format_bytes(r['estimated_peak_bytes'])}), "
             f"{r['step_seconds'] * 1e3:.1f} ms/step, "
             f"{'bitwise equal to eager' if r['bitwise_equal'] else 'NOT bitwise equal'}"
         )
@@ -744,8 +744,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         """Title and lines for the picture: folded layers named as this model has them."""
         est = self._current_estimate()
         lines = [
-            f"kept for backward (whole step): {human_bytes(est.saved_activation_bytes)} · "
-            f"peak {human_bytes(est.peak_bytes)} at {est.peak_node}"
+            f"kept for backward (whole step): {format_bytes(est.saved_activation_bytes)} · "
+            f"peak {format_bytes(est.peak_bytes)} at {est.peak_node}"
         ]
         if self.view == "overview":
             folded = [g.title for g in groups if len(g.layers) > 1]
@@ -800,12 +800,12 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         step = self._step_seconds(est)
         return {
             "peak_bytes": est.peak_bytes,
-            "peak": human_bytes(est.peak_bytes),
+            "peak": format_bytes(est.peak_bytes),
             "peak_node": est.peak_node,
             "saved_bytes": est.saved_activation_bytes,
-            "saved": human_bytes(est.saved_activation_bytes),
+            "saved": format_bytes(est.saved_activation_bytes),
             "recompute_flops": est.recompute_flops,
-            "recompute": human_flops(est.recompute_flops),
+            "recompute": format_flops(est.recompute_flops),
             "recomputed_nodes": len(est.recomputed_nodes),
             "profile": self.profile,
             "step_seconds": step,
@@ -848,8 +848,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "layer": info.layer,
             "shape": " · ".join("×".join(map(str, s)) for s in info.shapes) or "-",
             "dtype": info.dtype or "-",
-            "bytes": human_bytes(info.bytes),
-            "flops": human_flops(info.flops),
+            "bytes": format_bytes(info.bytes),
+            "flops": format_flops(info.flops),
             "backward_consumers": consumers,
             "source": info.source or "-",
             "decision": "-" if decision is None else decision.policy.name,

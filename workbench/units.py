@@ -1,0 +1,112 @@
+"""Figures as people read them: bytes, FLOPs, seconds and rates, each formatted once, and the
+unit of a figure in the workbench's JSON (its key ends with it).
+
+Entry points: `format_bytes`, `format_flops`, `format_seconds`, `unit_of(key, parent)` and
+`format_value(key, value, parent)`, which the CLI's human output, the pictures, the
+explorer and graph trainer's activation log all call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+__all__ = [
+    "Unit",
+    "format_bytes",
+    "format_flops",
+    "format_seconds",
+    "format_value",
+    "unit_of",
+]
+
+Unit = Literal["bytes", "seconds", "flops", "tokens_per_second"]
+# A JSON figure's key names its unit as one of its words (`peak_bytes`, `saved_bytes_before`,
+# `step_seconds`, `recompute_flops_delta`, `tokens_per_second`); a map of figures takes the
+# unit of the key it sits under (`step_seconds: {h100: ...}`), and these maps are bytes by
+# what they break down.
+_WORDS: dict[str, Unit] = {"bytes": "bytes", "seconds": "seconds", "flops": "flops"}
+_RATE: Unit = "tokens_per_second"
+_BYTE_MAPS = ("peak_breakdown", "saved_by_layer", "host_by_layer")
+MINUS = "−"  # U+2212: a negative figure's sign, as the pictures print it
+
+
+def format_bytes(n: float, digits: int = 1) -> str:
+    """Binary units, as memory is counted (1 MiB = 1024 KiB); `digits` after the point
+    (graph trainer's activation log prints 2).
+
+    >>> format_bytes(512), format_bytes(3 * 2**19), format_bytes(3 * 2**19, 2)
+    ('512 B', '1.5 MiB', '1.50 MiB')
+    >>> format_bytes(-2**31)
+    '−2.0 GiB'
+    """
+    sign = MINUS if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.{digits}f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """Decimal units (1 GFLOP = 1e9 FLOP).
+
+    >>> format_flops(2.5e12), format_flops(12)
+    ('2.5 TFLOP', '12 FLOP')
+    """
+    sign = MINUS if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{n:.0f} FLOP"
+
+
+def format_seconds(s: float) -> str:
+    """µs below a millisecond, ms below a second, s above.
+
+    >>> format_seconds(2.5e-5), format_seconds(0.0123), format_seconds(6.4488)
+    ('25.0 µs', '12.30 ms', '6.45 s')
+    """
+    if abs(s) < 1e-3:
+        return f"{s * 1e6:,.1f} µs"
+    return f"{s * 1e3:,.2f} ms" if abs(s) < 1 else f"{s:,.2f} s"
+
+
+def unit_of(key: str, parent: str = "") -> Unit | None:
+    """The unit of the figure at `key` (under the map `parent`), or None for a count.
+
+    >>> unit_of("peak_bytes"), unit_of("h100", "step_seconds"), unit_of("mlp", "peak_breakdown")
+    ('bytes', 'seconds', 'bytes')
+    >>> unit_of("bytes_no_longer_saved"), unit_of("recompute_flops_delta")
+    ('bytes', 'flops')
+    >>> unit_of("nodes") is None
+    True
+    """
+    for name in (key, parent):
+        if _RATE in name:
+            return _RATE
+        for word in name.split("_"):
+            if word in _WORDS:
+                return _WORDS[word]
+    if parent in _BYTE_MAPS:
+        return "bytes"
+    return None
+
+
+def format_value(key: str, value: Any, parent: str = "") -> str | None:
+    """A number with the unit `unit_of` gives it; None when it has none (a count).
+
+    >>> format_value("peak_bytes", 3 * 2**20), format_value("tokens_per_second", 9569.2)
+    ('3.0 MiB', '9,569 tokens/s')
+    """
+    unit = unit_of(key, parent)
+    if unit == "bytes":
+        return format_bytes(value)
+    if unit == "seconds":
+        return format_seconds(value)
+    if unit == "flops":
+        return format_flops(value)
+    if unit == "tokens_per_second":
+        return f"{value:,.0f} tokens/s"
+    return None
