@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from workbench import cli
+from workbench import commands
 from workbench.capture.ops import module_matches
 from workbench.cli import main
 from workbench.decide import policy as policy_module
@@ -339,7 +339,7 @@ def test_bench_offload_refuses_a_bad_flag_before_tracing(
     def no_trace(args: object) -> None:
         raise AssertionError("traced before checking the flags")
 
-    monkeypatch.setattr(cli, "_trace_from_args", no_trace)
+    monkeypatch.setattr(commands, "_trace_from_args", no_trace)
     fails(capsys, ["bench", "offload", *MLP, flag, value], f"^error: {re.escape(flag)}")
 
 

@@ -1,0 +1,454 @@
+"""What each command does with the library: `cmd_NAME(args) -> dict`, the one JSON object
+the command prints (`workbench.cli` parses the arguments and prints the result).
+
+Entry points: the `cmd_*` functions; `workload_from_args`, `parallel_from_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, is_user_factory, load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.trace import timed_trace
+from workbench.decide.policy import Policy, parse_policy
+from workbench.errors import WorkbenchError
+from workbench.files import check_writable
+
+if TYPE_CHECKING:
+    from workbench.cost.estimate import Estimator
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise WorkbenchError(f"{flag} must be a positive integer, got {value}")
+
+
+def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
+    """Built-in and torchtitan models in fake mode are built on meta: no memory at all."""
+    device = "meta" if mode == "fake" and not is_user_factory(args.model) else device
+    return load_workload(
+        args.model,
+        layers=args.layers,
+        seq=args.seq,
+        batch=args.batch,
+        dtype=args.dtype,
+        device=device,
+    )
+
+
+def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
+    """None unless --fsdp or --tp asks for more than one rank."""
+    if args.fsdp == 1 and args.tp == 1:
+        return None
+    return Parallel(fsdp=args.fsdp, tp=args.tp)
+
+
+def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
+    return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
+
+
+def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
+    graph, seconds = _trace_from_args(args)
+    return {**graph.summary(), "seconds": round(seconds, 3)}
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
+    from workbench.bench import bench_trace
+
+    _check_positive("--repeat", args.repeat)
+    return bench_trace(lambda: _trace_from_args(args), args.repeat)
+
+
+def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
+    """Remat with torch's pass, run under no_grad, compare loss and grads bitwise to eager
+    (both from one generator state, so dropout draws alike); refuses what cannot fit."""
+    from workbench.cost.measure import bitwise_mismatches
+    from workbench.rewrite.remat import remat
+
+    if args.mode != "real":
+        raise WorkbenchError("verify runs the graph: use --mode real")
+    if args.random is not None:
+        return _verify_random(args)
+    args.policy = args.policy or "default"
+    policy = parse_policy(args.policy)
+    parallel = _parallel_from_args(args)
+    if parallel is not None:
+        return _verify_ranks(args, parallel)
+    _refuse_unfit(args, policy, "cpu")
+    workload = _workload_from_args(args, "real")
+    graph, _ = timed_trace(workload, "real")
+    result = remat(graph, policy)
+    mismatched = bitwise_mismatches(graph, result.gm, workload)
+    return {
+        "model": graph.model_name,
+        "policy": policy.to_json(),
+        "bitwise_equal": not mismatched,
+        "mismatched": mismatched,
+        **result.report.to_json(),
+        # what no request can change, and why: node -> reason
+        "forced": {n: result.decisions[n].explanation for n in result.report.forced},
+    }
+
+
+def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
+    """`--random N`: N seeded random policies of the model (`workbench.search.soundness`), each
+    checked bitwise; the failures are listed with their policies, to reproduce one."""
+    from workbench.search.soundness import run_soundness
+
+    _check_positive("--random", args.random)
+    if args.policy is not None:
+        raise WorkbenchError("verify: give --policy or --random N, not both")
+    parallel = _parallel_from_args(args)
+    shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+    if parallel is None:
+        _refuse_unfit(args, Policy("none"), "cpu")
+        workload = _workload_from_args(args, "real")
+        graph, _ = timed_trace(workload, "real")
+    else:  # the policies' node keys from one rank in fake mode: every rank has its graph
+        workload = _workload_from_args(args, "fake")
+        graph, _ = timed_trace(workload, "fake", parallel)
+    report = run_soundness(workload, graph, args.random, args.seed, parallel, shape)
+    return report.to_json()
+
+
+def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any]:
+    """One gloo process per rank: each rank's remat'd graph against its eager step."""
+    from workbench.cost.ranks import check_ranks
+
+    shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
+    checks = check_ranks(args.model, parallel, [args.policy], **shape)
+    return {
+        "model": args.model,
+        "policy": parse_policy(args.policy).to_json(),
+        **parallel.to_json(),
+        "bitwise_equal": all(c.bitwise_equal for c in checks),
+        "mismatched": {str(c.rank): list(c.mismatched) for c in checks if c.mismatched},
+    }
+
+
+def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    from workbench.interop.export import FORMATS, export, torchtitan_options, write_export
+
+    if args.format not in FORMATS:
+        raise WorkbenchError(f"unknown format {args.format!r}; choose one of {', '.join(FORMATS)}")
+    if args.torchtitan_version is not None and args.format != "torchtitan":
+        raise WorkbenchError("--torchtitan-version goes with --format torchtitan only")
+    policy = parse_policy(args.policy)
+    if args.out:
+        check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
+    graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
+    if args.format == "torchtitan":
+        text = torchtitan_options(policy, graph, args.torchtitan_version)
+    else:
+        text = export(policy, args.format, graph=graph)
+    result: dict[str, Any] = {"format": args.format, "code": text}
+    if args.out:
+        result["path"] = str(write_export(text, args.out, overwrite=args.overwrite))
+    return result
+
+
+def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
+    """graph trainer's activation-memory table for the policy: rows, totals and the log text."""
+    from workbench.interop.activations import activation_log, activation_rows, totals
+
+    policy = parse_policy(args.policy)
+    graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
+    rows = activation_rows(graph, policy)
+    return {
+        "model": graph.model_name,
+        "policy": policy.to_json(),
+        "total": totals(rows),
+        "rows": [row.to_json() for row in rows],
+        "table": activation_log(rows),
+    }
+
+
+def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy's rules in words and where it differs from graph trainer's; with --model,
+    its decisions by reason and mismatches with graph trainer's tagging of that graph."""
+    from workbench.show.explain import explain
+
+    policy = parse_policy(args.policy)
+    graph = _trace_from_args(args)[0] if args.model is not None else None
+    return explain(policy, graph)
+
+
+def _profiles_from_args(args: argparse.Namespace) -> list[str]:
+    from workbench.cost.profiles import get_profile
+
+    names = [p.strip() for p in args.profile.split(",") if p.strip()]
+    if not names:
+        raise WorkbenchError(f"--profile {args.profile!r} names no device profile, e.g. h100,cpu")
+    for name in names:
+        get_profile(name)  # raises with the list of profiles
+    return names
+
+
+def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
+    """Memory peak, saved activations, recompute FLOPs and step time without running."""
+    from workbench.cost.estimate import Estimator
+
+    policy = parse_policy(args.policy)
+    profiles = _profiles_from_args(args)
+    graph, seconds = _trace_from_args(args)
+    est = Estimator(graph, profiles, args.optimizer).estimate(policy)
+    return {
+        "model": graph.model_name,
+        "mode": graph.mode,
+        "policy": policy.to_json(),
+        "trace_seconds": round(seconds, 3),
+        **est.to_json(timeline=args.timeline),
+    }
+
+
+def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None:
+    """Before anything runs for real: estimate on fake tensors both the policy's graph and
+    the eager step it is compared with (no AC), and refuse a peak the device cannot hold."""
+    import torch
+
+    from workbench.capture.trace import trace
+    from workbench.cost.estimate import Estimator
+    from workbench.cost.measure import check_fits
+    from workbench.cost.profiles import allocation_granularity
+
+    fake = trace(_workload_from_args(args, "fake"), "fake")
+    estimator = Estimator(fake, profiles=(), optimizer="none")  # the run holds no optimizer
+    granularity = allocation_granularity(device)
+    peak = max(estimator.estimate(p, granularity).peak_bytes for p in (policy, Policy("none")))
+    check_fits(peak, 0, torch.device(device), fake.model_name)
+
+
+def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Estimate on fake tensors first (refusing what cannot fit), then run for real."""
+    import torch
+
+    from workbench.interop.baselines import measure_policy
+
+    _check_positive("--repeat", args.repeat)
+    if args.warmup < 0:
+        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
+    if _parallel_from_args(args) is not None:
+        raise WorkbenchError(
+            "measure runs one unsharded process; for --fsdp/--tp use estimate (one rank's "
+            "memory) or verify (every rank on gloo)"
+        )
+    policy = parse_policy(args.policy)
+    _refuse_unfit(args, policy, args.device)
+    workload = _workload_from_args(args, "real", device=args.device)
+    result = measure_policy(
+        workload, policy, baselines=args.baselines, warmup=args.warmup, repeats=args.repeat
+    )
+    return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
+
+
+def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
+    """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
+    from workbench.bench import bench_whatif
+
+    _check_positive("--flips", args.flips)
+    if args.full_path < 0:
+        raise WorkbenchError(f"--full-path must be 0 or more flips, got {args.full_path}")
+    graph, trace_seconds = _trace_from_args(args)
+    result = bench_whatif(
+        graph, parse_policy(args.policy), flips=args.flips, full_path=args.full_path, seed=args.seed
+    )
+    return {**result, "trace_seconds": round(trace_seconds, 3)}
+
+
+def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
+    """Draw one view of the policy's decisions to --out (.svg, .png, .pdf or .dot)."""
+    from workbench.decide.decider import decide
+    from workbench.show.viz import parse_view, render_view
+
+    parse_view(args.view)  # fail before tracing
+    check_writable(args.out, overwrite=args.overwrite)
+    graph, _ = _trace_from_args(args)
+    start = time.perf_counter()
+    decisions = decide(graph, parse_policy(args.policy))
+    view = render_view(graph, decisions, args.view, policy_name=args.policy, force=args.force)
+    path = view.write(args.out, overwrite=args.overwrite)
+    return {
+        "path": str(path),
+        "view": args.view,
+        "nodes": view.nodes,
+        "edges": view.edges,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
+    """Time the overview and one layer's view (see `workbench.bench`)."""
+    from workbench.bench import bench_render
+
+    _check_positive("--repeat", args.repeat)
+    graph, trace_seconds = _trace_from_args(args)
+    result = bench_render(graph, parse_policy(args.policy), args.repeat)
+    return {**result, "trace_seconds": round(trace_seconds, 3)}
+
+
+def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
+    """The lowest peak the solver reaches at eager's step time, with and without offload,
+    and the floor (see `workbench.bench.bench_offload`)."""
+    from workbench.bench import bench_offload
+    from workbench.cost.estimate import Estimator
+    from workbench.cost.profiles import PROFILES
+    from workbench.search.solve import METHODS
+
+    _check_host_budget(args)
+    _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    if args.method not in METHODS:
+        raise WorkbenchError(f"--method {args.method!r}: choose one of {', '.join(METHODS)}")
+    if args.profile not in PROFILES:
+        raise WorkbenchError(
+            f"--profile {args.profile!r} is not a device profile; choose one of "
+            f"{', '.join(PROFILES)}"
+        )
+    graph, trace_seconds = _trace_from_args(args)
+    start = time.perf_counter()
+    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    result = bench_offload(
+        graph,
+        estimator,
+        args.profile,
+        args.host_budget_bytes,
+        tolerance_bytes=args.tolerance_bytes,
+        method=args.method,
+    )
+    return {
+        **result,
+        "seconds": round(time.perf_counter() - start, 3),
+        "trace_seconds": round(trace_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _check_host_budget(args: argparse.Namespace) -> None:
+    """Before tracing: a bad host budget is refused at once, not after a whole front."""
+    if not 0 <= args.host_budget_bytes <= INT64_MAX:
+        raise WorkbenchError(
+            f"--host-budget-bytes must be from 0 (no offload) to {INT64_MAX} (int64), "
+            f"got {args.host_budget_bytes}"
+        )
+
+
+def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
+    if args.budget_bytes is not None:
+        if not 0 < args.budget_bytes <= INT64_MAX:
+            raise WorkbenchError(
+                f"--budget-bytes must be from 1 to {INT64_MAX} (int64), got {args.budget_bytes}"
+            )
+        return int(args.budget_bytes)
+    if not 0 < args.budget_frac <= 1:
+        raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
+    return int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes)
+
+
+def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
+    """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
+    from workbench.cost.estimate import Estimator
+    from workbench.search.solve import solve
+
+    _check_host_budget(args)
+    graph, trace_seconds = _trace_from_args(args)
+    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    budget = _budget_from_args(args, estimator)
+    solution = solve(
+        graph,
+        budget,
+        objective=args.objective,
+        method=args.method,
+        profile=args.profile,
+        estimator=estimator,
+        fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
+        host_budget_bytes=args.host_budget_bytes,
+    )
+    return {
+        "model": graph.model_name,
+        "trace_seconds": round(trace_seconds, 3),
+        **solution.to_json(),
+    }
+
+
+def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
+    """Solutions from full recompute to no AC, presets beside them; a line per budget on
+    stderr."""
+    from workbench.cost.estimate import Estimator
+    from workbench.search.solve import Solution, fsdp_choices, pareto, preset_points
+
+    _check_host_budget(args)
+    graph, trace_seconds = _trace_from_args(args)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, solution: Solution) -> None:
+        est = solution.estimate
+        keep = "" if solution.policy.fsdp_reshard else ", FSDP keep unsharded"
+        print(
+            f"[{done}/{total}] budget {(solution.budget_bytes or 0) / 2**30:.3f} GiB: peak "
+            f"{est.peak_bytes / 2**30:.3f} GiB, recompute "
+            f"{est.recompute_seconds[args.profile] * 1e3:.3f} ms{keep} ({solution.seconds:.2f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    estimator = Estimator(graph, (args.profile,), args.optimizer)
+
+    def front(host_budget: int) -> list[Solution]:
+        return pareto(
+            graph,
+            n=args.points,
+            method=args.method,
+            profile=args.profile,
+            objective=args.objective,
+            progress=progress,
+            estimator=estimator,
+            fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
+            host_budget_bytes=host_budget,
+        )
+
+    points = front(0)
+    # with a host budget, the front with offload beside the one without
+    offload = (
+        {"offload_points": [p.to_json() for p in front(args.host_budget_bytes)]}
+        if args.host_budget_bytes
+        else {}
+    )
+    seconds = time.perf_counter() - start
+
+    def presets(fsdp_reshard: bool) -> dict[str, Any]:
+        return {
+            name: {
+                "peak_bytes": est.peak_bytes,
+                "recompute_flops": est.recompute_flops,
+                "est_recompute_seconds": est.recompute_seconds[args.profile],
+                "est_step_seconds": est.step_seconds[args.profile],
+            }
+            for name, est in preset_points(graph, args.profile, estimator, fsdp_reshard).items()
+        }
+
+    # on graphs with FSDP all-gathers, the presets under the other FSDP choice too
+    other = {"presets_keep_unsharded": presets(False)} if False in fsdp_choices(graph) else {}
+    return {
+        "model": graph.model_name,
+        "points": [p.to_json() for p in points],
+        **offload,
+        "presets": presets(True),
+        **other,
+        "seconds": round(seconds, 3),
+        "trace_seconds": round(trace_seconds, 3),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+# --fsdp-choice -> the solver's `fsdp_reshard` (None: a decision the search makes)
+FSDP_CHOICES: dict[str, bool | None] = {"search": None, "reshard": True, "keep": False}
