@@ -8,9 +8,9 @@ graph torch's pass produced. Both feed one liveness simulation, so they give equ
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch.fx as fx
@@ -139,6 +139,24 @@ class Estimate:
         return result
 
 
+class _Walk(NamedTuple):
+    """One liveness walk over a schedule (`Estimator.simulate`): per step the live bytes by
+    category; per storage its size, owning entry, category, birth and death steps; the host
+    bytes per step and the offloaded storages' bytes by node."""
+
+    entries: np.ndarray
+    peak: int
+    peak_at: int
+    live: np.ndarray
+    sizes: np.ndarray
+    owner: np.ndarray
+    category: np.ndarray
+    born: np.ndarray
+    freed: np.ndarray
+    host_live: np.ndarray
+    offloaded: dict[int, int]
+
+
 class Estimator:
     """The what-if: figures for a policy without building a graph.
 
@@ -228,14 +246,6 @@ class Estimator:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
         return self.index.backward_readers(name)
 
-    def recompute_flags(self, decisions: Decisions) -> np.ndarray:
-        """Per node of the index: tagged for recompute."""
-        return recompute_flags(self.index, decisions)
-
-    def schedule(self, recompute: Sequence[bool] | np.ndarray) -> Flat:
-        """The schedule torch's remat pass would produce (see `workbench.cost.replay.replay`)."""
-        return replay(self.index, recompute)
-
     def origin(self, name: str) -> str:
         """The traced node a node name of this estimator's figures stands for (`peak_node`,
         `order`): a recomputed copy, a replayed view or an offload step names its
@@ -318,17 +328,19 @@ class Estimator:
             )
         )
         return self._report(
-            entries,
-            int(total[peak_p]),
-            peak_p,
-            live,
-            sizes,
-            table.owner,
-            category,
-            table.born,
-            freed,
-            np.cumsum(host_deltas[:steps]),
-            offloaded,
+            _Walk(
+                entries=entries,
+                peak=int(total[peak_p]),
+                peak_at=peak_p,
+                live=live,
+                sizes=sizes,
+                owner=table.owner,
+                category=category,
+                born=table.born,
+                freed=freed,
+                host_live=np.cumsum(host_deltas[:steps]),
+                offloaded=offloaded,
+            )
         )
 
     def _categories(self, flat: Flat, table: Storages) -> np.ndarray:
@@ -355,32 +367,23 @@ class Estimator:
             CATEGORIES.index("temporaries"),
         )
 
-    def _report(
-        self,
-        entries: np.ndarray,
-        peak: int,
-        peak_p: int,
-        live: np.ndarray,
-        sizes: np.ndarray,
-        owner: np.ndarray,
-        category: np.ndarray,
-        allocated_at: np.ndarray,
-        freed_at: np.ndarray,
-        host_live: np.ndarray,
-        offloaded: dict[int, int],
-    ) -> Estimate:
+    def _report(self, walk: _Walk) -> Estimate:
+        """The figures of one walk: peak and what it holds, saved activations, recompute
+        cost, step time with exposed copies, timelines."""
         index = self.index
         n = index.n
         # kept for backward (reloads are the same activations back from the host)
-        saved = np.flatnonzero((category == CATEGORIES.index("activations")) & (owner < 3 * n))
-        saved_nodes, saved_sizes = (owner[saved] % n).tolist(), sizes[saved].tolist()
+        saved = np.flatnonzero(
+            (walk.category == CATEGORIES.index("activations")) & (walk.owner < 3 * n)
+        )
+        saved_nodes, saved_sizes = (walk.owner[saved] % n).tolist(), walk.sizes[saved].tolist()
         by_layer: dict[str, int] = defaultdict(int)
         by_node: dict[str, int] = defaultdict(int)
         for i, size in zip(saved_nodes, saved_sizes, strict=True):
             layer = index.layer[i]
             by_layer["-" if layer is None else str(layer)] += size
             by_node[index.names[i]] += size
-        at_peak = (allocated_at[saved] <= peak_p) & (peak_p <= freed_at[saved])
+        at_peak = (walk.born[saved] <= walk.peak_at) & (walk.peak_at <= walk.freed[saved])
         rows = [
             {
                 "node": index.names[i],
@@ -393,16 +396,17 @@ class Estimator:
             if here
         ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
-        copy_array = entries[(entries >= n) & (entries < 2 * n)] - n
+        copy_array = walk.entries[(walk.entries >= n) & (walk.entries < 2 * n)] - n
         copies = copy_array.tolist()
         names = self._entry_names
-        compute = {name: float(sec[entries].sum()) for name, sec in self._seconds.items()}
-        exposed, transfers = self._transfers(entries, offloaded)
+        compute = {name: float(sec[walk.entries].sum()) for name, sec in self._seconds.items()}
+        exposed, transfers = self._transfers(walk.entries, walk.offloaded)
+        offloaded = sum(walk.offloaded.values())
         return Estimate(
-            peak_bytes=peak,
-            peak_node=names[entries[peak_p]],
-            peak_index=peak_p,
-            peak_breakdown={c: int(live[k, peak_p]) for k, c in enumerate(CATEGORIES)},
+            peak_bytes=walk.peak,
+            peak_node=names[walk.entries[walk.peak_at]],
+            peak_index=walk.peak_at,
+            peak_breakdown={c: int(walk.live[k, walk.peak_at]) for k, c in enumerate(CATEGORIES)},
             saved_activation_bytes=sum(saved_sizes),
             saved_by_node=dict(by_node),
             saved_by_layer=dict(by_layer),
@@ -414,16 +418,17 @@ class Estimator:
                 name: float(sec[copy_array].sum()) for name, sec in self._seconds.items()
             },
             tokens=self.graph.tokens,
-            order=names[entries].tolist(),
-            timeline={c: live[k].tolist() for k, c in enumerate(CATEGORIES)},
-            host_peak_bytes=int(host_live.max(initial=0)),
-            offloaded_bytes=sum(offloaded.values()),
+            order=names[walk.entries].tolist(),
+            timeline={c: walk.live[k].tolist() for k, c in enumerate(CATEGORIES)},
+            host_peak_bytes=int(walk.host_live.max(initial=0)),
+            offloaded_bytes=offloaded,
             transfer_seconds={
-                name: 2 * sum(offloaded.values()) / rate for name, rate in self._host_rates.items()
+                name: 2 * sum(walk.offloaded.values()) / rate
+                for name, rate in self._host_rates.items()
             },
             exposed_transfer_seconds=exposed,
             transfers=transfers,
-            host_timeline=host_live.tolist(),
+            host_timeline=walk.host_live.tolist(),
         )
 
     def _transfers(
