@@ -160,3 +160,18 @@ def test_region_summary_of_the_router() -> None:
     assert saved.kept_bytes == graph.nodes[saved.kept[0]].bytes
     assert again.kept == [] and "mm" in again.recomputed_ops and "topk" in again.recomputed_ops
     assert "mm" not in saved.recomputed_ops
+
+
+def test_traced_info_maps_a_rewritten_node_to_its_trace(small_graphs: dict[str, Fixture]) -> None:
+    """Copies torch's pass makes (`*_recomputed`) and the offload pass's steps: the first map
+    to the traced node they copy, the second to none; another trace's nodes to none."""
+    _, graph = small_graphs["llama3-debug"]
+    _, other = small_graphs["dsv3-debug"]
+    result = remat(graph, Policy("offload"))
+    copies = [n for n in result.gm.graph.nodes if n.name.endswith("_recomputed")]
+    assert copies and all(
+        graph.traced_info(n) is graph.nodes[n.name.removesuffix("_recomputed")] for n in copies
+    )
+    added = [n for n in result.gm.graph.nodes if "workbench" in str(n.target)]
+    assert added and all(graph.traced_info(n) is None for n in added)
+    assert all(other.traced_info(n) is None for n in graph.gm.graph.nodes)

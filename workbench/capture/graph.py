@@ -128,6 +128,21 @@ class JointGraph:
         """Call nodes (no placeholders or output)."""
         return (i for i in self.nodes.values() if i.phase not in ("input", "output"))
 
+    def traced_info(self, node: fx.Node) -> NodeInfo | None:
+        """The facts of the traced node a node of a rewritten copy of this graph comes from
+        (`meta[ORIGIN_KEY]`: torch's remat pass renames what it copies); None for nodes a
+        pass added and for another trace's nodes."""
+        origin = node.meta.get(ORIGIN_KEY)
+        if origin is None or origin[0] != self._token:
+            return None
+        return self.nodes.get(origin[1])
+
+    @functools.cached_property
+    def _token(self) -> str | None:
+        """The trace's token in `meta[ORIGIN_KEY]` (`describe_nodes` sets one per trace)."""
+        origin = next(iter(self.gm.graph.nodes)).meta.get(ORIGIN_KEY)
+        return origin[0] if origin is not None else None
+
     @property
     def world_size(self) -> int:
         return int(self.config.get("world_size", 1))

@@ -17,7 +17,7 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
     remat_using_tags_for_fwd_loss_bwd_graph,
 )
 
-from workbench.capture.graph import ORIGIN_KEY, JointGraph, short_op
+from workbench.capture.graph import JointGraph, short_op
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -107,7 +107,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def tag_graph(graph: JointGraph, decisions: Decisions) -> fx.GraphModule:
-    """Copy of the joint graph with `meta["recompute"]` set on forward nodes only."""
+    """A copy of the joint graph with `meta["recompute"]` set from `decisions`.
+
+    On entry: `decisions` names forward or loss nodes of `graph` (as `decide` returns them).
+    Returns a new GraphModule (the JointGraph is untouched) whose tagged nodes carry their
+    `CheckpointPolicy`; every other node's tag is removed. Raises `WorkbenchError` for a
+    decision on a backward node."""
     gm = copy_graph_module(graph.gm)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
@@ -124,7 +129,14 @@ def remat(
 ) -> RematResult:
     """Tag, run `remat_using_tags_for_fwd_loss_bwd_graph`, then `offload_pass` on the nodes
     tagged offload (with the policy's offload options, or `offload` for bare decisions), and
-    report what changed. The saved-bytes figures are those of torch's pass, before offload."""
+    report what changed.
+
+    On entry: `graph` as traced (backward nodes carry `meta["autograd_backward"]`, every node
+    `meta[ORIGIN_KEY]`); a `Policy` is decided here, bare `Decisions` are taken as they are.
+    Returns a `RematResult`: the rewritten GraphModule (run it under no_grad: it holds the
+    backward), the decisions, and a `RematReport` (saved bytes as torch's pass leaves them,
+    before offload; problems, each also warned as `RematWarning`). The JointGraph is never
+    changed. Raises `WorkbenchError`, with torch's first line, when torch's pass refuses."""
     decisions = decide(graph, policy) if isinstance(policy, Policy) else policy
     if offload is None:
         offload = policy.offload if isinstance(policy, Policy) else OffloadOptions()
@@ -177,8 +189,7 @@ def remat(
 
 def _layer(graph: JointGraph, node: fx.Node) -> int | None:
     """The layer of the traced node a node of the rewritten graph comes from."""
-    origin = node.meta.get(ORIGIN_KEY)
-    info = graph.nodes.get(origin[1]) if origin is not None else None
+    info = graph.traced_info(node)
     return info.layer if info is not None else None
 
 

@@ -1,0 +1,4 @@
+"""The workbench beside other tools: a policy exported as code (`export`), parity with
+torchtitan's graph trainer (`titan`), eager SAC as exported (`eager`) and the baselines it
+is measured beside (`baselines`), graph trainer's per-activation table (`activations`).
+"""
