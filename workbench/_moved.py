@@ -18,17 +18,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from workbench.decide import EMBEDDED
+
 # Old module -> the new modules that hold its names, in the order to search them.
 MOVED: dict[str, tuple[str, ...]] = {
-    "workbench.rules": (
-        "workbench.capture.ops",
-        "workbench.decide.facts",
-        "workbench.decide.tags",
-        "workbench.decide.presets",
-        "workbench.decide.plan",
-        "workbench.decide.offloadable",
-        "workbench.decide.engine",
-    ),
+    "workbench.rules": EMBEDDED,  # the rule files, in the order exports embed them
     "workbench.graph": ("workbench.capture.graph", "workbench.capture.ops"),
     "workbench.trace": ("workbench.capture.trace", "workbench.capture.tracing"),
     "workbench.parallel": ("workbench.capture.parallel",),
