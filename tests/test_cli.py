@@ -320,14 +320,14 @@ def test_export_out_says_where_instead_of_printing_the_file(
     assert "def policy_fn" in out.read_text()
 
 
-def test_readme_solve_example_is_feasible(llama_debug: tuple[object, object]) -> None:
+def test_docs_solve_example_is_feasible(llama_debug: tuple[object, object]) -> None:
     import re
 
     from workbench.cost.estimate import Estimator
     from workbench.decide.policy import Policy
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    frac = float(re.search(r"solve --model llama3-debug --budget-frac ([\d.]+)", readme)[1])
+    cli_doc = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    frac = float(re.search(r"solve --model llama3-debug --budget-frac ([\d.]+)", cli_doc)[1])
     estimator = Estimator(llama_debug[1], ["h100"])  # type: ignore[arg-type]
     full, none = (estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
-    assert frac * none >= full, f"README's --budget-frac {frac} is below full's {full / none:.2f}"
+    assert frac * none >= full, f"cli.md's --budget-frac {frac} is below full's {full / none:.2f}"

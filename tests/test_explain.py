@@ -1,5 +1,6 @@
 """`policy explain`: rules in words, the one table of differences from graph trainer (the
-README's table is that table), decisions by reason on a graph, and the CLI around it.
+tables in docs/torchtitan.md are that table), decisions by reason on a graph, and the CLI
+around it.
 
 The comparisons with graph trainer's own tagging of torchtitan's models are in test_titan.py.
 """
@@ -28,13 +29,13 @@ from workbench.interop.titan import (
 )
 from workbench.show.explain import explain, explain_text
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TITAN_DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
 
 
-def _readme_table(table: str | None = None) -> list[str]:
-    """The rows of the README's table that starts with the header of `table` (default: the
-    differences table's)."""
-    lines = README.read_text().splitlines()
+def _doc_table(table: str | None = None) -> list[str]:
+    """The rows of docs/torchtitan.md's table that starts with the header of `table`
+    (default: the differences table's)."""
+    lines = TITAN_DOC.read_text().splitlines()
     start = lines.index((table or differences_table()).splitlines()[0])
     rows = []
     for line in lines[start:]:
@@ -44,11 +45,11 @@ def _readme_table(table: str | None = None) -> list[str]:
     return rows
 
 
-def test_readme_table_is_the_librarys() -> None:
-    assert _readme_table() == differences_table().splitlines()
-    assert len(_readme_table()) == 2 + len(DIFFERENCES)
+def test_doc_tables_are_the_librarys() -> None:
+    assert _doc_table() == differences_table().splitlines()
+    assert len(_doc_table()) == 2 + len(DIFFERENCES)
     placement = differences_table(OFFLOAD_PLACEMENT, "graph trainer (`apply_cpu_offload_pass`)")
-    assert _readme_table(placement) == placement.splitlines()
+    assert _doc_table(placement) == placement.splitlines()
     assert len(placement.splitlines()) == 2 + len(OFFLOAD_PLACEMENT)
 
 
