@@ -21,7 +21,13 @@ from workbench.decide.offloadable import OffloadOptions, offload_refusal_in
 from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
 from workbench.rewrite.remat import remat
-from workbench.search.solve import SOLVER_DEFER_LAYERS, Solution, fsdp_choices, solve
+from workbench.search.solve import (
+    SOLVER_DEFER_LAYERS,
+    Solution,
+    SolveOptions,
+    fsdp_choices,
+    solve,
+)
 from workbench.units import format_bytes
 
 __all__ = [
@@ -206,14 +212,8 @@ def bench_offload(
     )
 
     def solved(budget: int, host: int) -> Solution:
-        return solve(
-            graph,
-            budget,
-            method=method,
-            profile=profile,
-            estimator=estimator,
-            host_budget_bytes=host,
-        )
+        options = SolveOptions(method=method, profile=profile, host_budget_bytes=host)  # type: ignore[arg-type]
+        return solve(graph, budget, options, estimator=estimator)
 
     def lowest(host: int) -> tuple[Solution | None, int]:
         """The lowest-peak solution within eager's time, and the solves it took."""
