@@ -21,6 +21,7 @@ from workbench.decide.engine import forced_save, save_layer_boundaries, save_wri
 from workbench.decide.offloadable import offload_refusal
 from workbench.decide.plan import last_layer
 from workbench.decide.tags import Tag, Why
+from workbench.rewrite.index import GraphIndex
 
 __all__ = ["RECOMPUTED", "SAVED", "Folded", "LinearModel"]
 
@@ -90,21 +91,18 @@ class LinearModel:
         forced = {f.name for f in facts if forced_save(f) is not None}
         # followers take their leader's decision and parameter all-gathers the FSDP
         # choice: none is a choice here, nor a key whose nodes never feed backward
-        held = forced | {name for name, _, _ in self.plan.leaders}
-        fixed = {f.key for f in facts if f.name in held or f.gather is not None}
+        decided = forced | {name for name, _, _ in self.plan.leaders}
+        fixed = {f.key for f in facts if f.name in decided or f.gather is not None}
         read = {k for k, feeds in zip(self.key_of, self._feeds_backward(), strict=True) if feeds}
         self.unread = sorted(set(self.key_of) - read - fixed)  # recomputed as `full` does
         self.candidates = sorted(read - fixed)
         choice = {k: c for c, k in enumerate(self.candidates)}
-        chain = RECOMPUTED if fsdp_reshard else SAVED
-        self.source = [
-            SAVED
-            if f.name in forced
-            else chain
-            if f.gather == f.name
-            else choice.get(f.key, RECOMPUTED)
-            for f in facts
-        ]
+        self.source = [choice.get(key, RECOMPUTED) for key in self.key_of]
+        for p, f in enumerate(facts):
+            if f.name in forced:
+                self.source[p] = SAVED
+            elif f.gather == f.name:
+                self.source[p] = RECOMPUTED if fsdp_reshard else SAVED
         for name, leader, _ in self.plan.leaders:  # graph order: leaders come first
             if name not in forced:
                 self.source[position[name]] = self.source[position[leader]]
@@ -114,7 +112,7 @@ class LinearModel:
         involved = {n for name, users in self.plan.boundaries for n in (name, *users)}
         self._boundary_nodes = sorted(((n, position[n]) for n in involved), key=lambda x: x[1])
         self._write_readers = [position[n] for n in self.plan.writes.readers]
-        self._storages(graph, estimator, position)
+        self.storages, self.sizes, self.storage_owner = _storages(index, self.names)
         # keys with a node the rules may offload (`offload_refusal`), and the bytes of
         # the storages each candidate's nodes make: what offloading it would move
         last = last_layer(facts)
@@ -124,9 +122,9 @@ class LinearModel:
         for owner, size in zip(self.storage_owner, self.sizes, strict=True):
             if owner is not None and self.source[owner] >= 0:
                 self.key_bytes[self.source[owner]] += size
-        at = [index.index_of[n] for n in self.names]
+        rows = [index.index_of[n] for n in self.names]
         flops = np.asarray([graph.nodes[n].flops for n in self.names], dtype=float)
-        seconds = np.asarray(estimator.seconds[profile], dtype=float)[at]
+        seconds = np.asarray(estimator.seconds[profile], dtype=float)[rows]
         primary, secondary = (seconds, flops) if objective == "recompute_time" else (flops, seconds)
         # ties in the objective (FLOP-free elementwise ops) are broken by the other measure
         scale = primary.sum() / secondary.sum() if secondary.sum() > 0 else 0.0
@@ -141,24 +139,6 @@ class LinearModel:
         for p in reversed(range(len(feeds))):
             feeds[p] = feeds[p] or any(feeds[u] for u in self.users[p])
         return feeds
-
-    def _storages(self, graph: JointGraph, estimator: Estimator, position: dict[str, int]) -> None:
-        """Each node's storages that count as saved activations (the index's ids renumbered
-        from 0), their bytes, and the node making each (None: not a decidable node)."""
-        index = estimator.index
-        renumber: dict[int, int] = {}
-        self.storages: list[tuple[int, ...]] = []
-        self.sizes: list[int] = []
-        self.storage_owner: list[int | None] = []
-        for name in self.names:
-            ids = []
-            for s in index.activation_storages(name):
-                if s not in renumber:
-                    renumber[s] = len(self.sizes)
-                    self.sizes.append(index.storage_bytes(s))
-                    self.storage_owner.append(position.get(index.storage_owner(s)))
-                ids.append(renumber[s])
-            self.storages.append(tuple(ids))
 
     def tags(self, saved: Collection[int]) -> list[bool]:
         """Per node (graph order): tagged recompute once the candidates in `saved` are kept,
@@ -195,10 +175,9 @@ class LinearModel:
                     held.update(self.storages[p])
         return copied, held
 
-    def evaluate(self, saved: Sequence[bool] | set[int]) -> tuple[int, float]:
+    def evaluate(self, saved: Collection[int]) -> tuple[int, float]:
         """(saved bytes, recompute cost) with the candidates in `saved` kept."""
-        chosen = saved if isinstance(saved, set) else {c for c, s in enumerate(saved) if s}
-        copied, held = self.replay(self.tags(chosen))
+        copied, held = self.replay(self.tags(saved))
         return sum(self.sizes[s] for s in held), sum(self.cost[p] for p in copied)
 
     def recomputed(self, saved: Collection[int]) -> set[str]:
@@ -248,3 +227,26 @@ class LinearModel:
             sizes=sizes,
             cost=[sum(self.cost[p] for p in ps) for ps in members],
         )
+
+
+def _storages(
+    index: GraphIndex, names: Sequence[str]
+) -> tuple[list[tuple[int, ...]], list[int], list[int | None]]:
+    """Each node's storages that count as saved activations (`activation_storages`, ids
+    renumbered from 0), their bytes, and the position of the node making each (None: not
+    one of `names`)."""
+    position = {name: p for p, name in enumerate(names)}
+    renumber: dict[int, int] = {}
+    storages: list[tuple[int, ...]] = []
+    sizes: list[int] = []
+    owners: list[int | None] = []
+    for name in names:
+        ids = []
+        for s in index.activation_storages(name):
+            if s not in renumber:
+                renumber[s] = len(sizes)
+                sizes.append(index.storage_bytes(s))
+                owners.append(position.get(index.storage_owner(s)))
+            ids.append(renumber[s])
+        storages.append(tuple(ids))
+    return storages, sizes, owners
