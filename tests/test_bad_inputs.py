@@ -324,23 +324,41 @@ def test_sizes_refused_before_building(
     fails(capsys, argv, message)
 
 
+SOLVER_FLAGS = [
+    ("--host-budget-bytes", "-1"),
+    ("--profile", "h900"),
+    ("--method", "simplex"),
+]
+
+
 @pytest.mark.parametrize(
-    ("flag", "value"),
+    ("command", "flag", "value"),
     [
-        ("--host-budget-bytes", "-1"),
-        ("--profile", "h900"),
-        ("--tolerance-bytes", "0"),
-        ("--method", "simplex"),
+        *((["floor"], flag, value) for flag, value in SOLVER_FLAGS),
+        (["floor"], "--tolerance-bytes", "0"),
+        (["bench", "offload"], "--method", "simplex"),  # floor's old name
+        *((["solve", "--budget-frac", "0.5"], flag, value) for flag, value in SOLVER_FLAGS),
+        (["solve", "--budget-frac", "0.5"], "--objective", "memory"),
+        *((["pareto"], flag, value) for flag, value in SOLVER_FLAGS),
     ],
 )
-def test_bench_offload_refuses_a_bad_flag_before_tracing(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: str, value: str
+def test_solver_commands_refuse_a_bad_flag_before_tracing(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+    flag: str,
+    value: str,
 ) -> None:
+    """One check (`commands._solve_options_from_args`, on the library's own tests) for every
+    command that runs the solver: the error names the flag and what is valid."""
+
     def no_trace(args: object) -> None:
         raise AssertionError("traced before checking the flags")
 
     monkeypatch.setattr(commands, "_trace_from_args", no_trace)
-    fails(capsys, ["bench", "offload", *MLP, flag, value], f"^error: {re.escape(flag)}")
+    message = fails(capsys, [*command, *MLP, flag, value], f"^error: {re.escape(flag)}")
+    if flag in ("--method", "--profile", "--objective"):
+        assert "choose one of" in message
 
 
 # --- output files: never clobbered, never through a dangling link ------------------------

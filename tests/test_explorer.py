@@ -258,7 +258,7 @@ def test_suggest_loads_a_solved_policy_within_the_budget(peaky: Fixture, tmp_pat
 def test_suggest_and_sweep_use_the_host_budget(
     peaky: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import workbench.search.solve
+    import workbench.search.pareto
 
     # at 32 tokens parameters set the peak (full recompute's equals no AC's), so offload
     # buys nothing there: 256 tokens, where half-way between the two it does
@@ -285,13 +285,13 @@ def test_suggest_and_sweep_use_the_host_budget(
     assert "host budget must be 0 (no offload) or more bytes" in ex.message
     assert ex.suggest_host_budget_bytes == 2**30
     seen: list[int] = []
-    real = workbench.search.solve.pareto
+    real = workbench.search.pareto.pareto
 
     def spy(*args: object, **kwargs: object) -> object:
-        seen.append(kwargs["host_budget_bytes"])  # type: ignore[arg-type]
+        seen.append(kwargs["options"].host_budget_bytes)  # type: ignore[attr-defined]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(workbench.search.solve, "pareto", spy)
+    monkeypatch.setattr(workbench.search.pareto, "pareto", spy)
     ex.sweep(points=2)
     assert seen == [2**30]
 

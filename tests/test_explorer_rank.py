@@ -15,7 +15,7 @@ from workbench.capture.models import Workload
 from workbench.cost.estimate import Estimator
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
-from workbench.search.solve import solve
+from workbench.search.solve import SolveOptions, solve
 from workbench.show.viz import svg_id
 from workbench.show.viz.style import COLLECTIVE_WORDS
 from workbench.show.widgets import PolicyExplorer
@@ -72,7 +72,7 @@ def test_explorer_on_a_rank_keeps_the_fsdp_choice(rank_debug: JointGraph, tmp_pa
     edited = ex.policy
     # Suggest: the solver's FSDP choice for the budget comes with its policy
     budget = ex.budget_range["min"]
-    expected = solve(rank_debug, budget, profile=ex.profile, estimator=ex.estimator)
+    expected = solve(rank_debug, budget, SolveOptions(profile=ex.profile), estimator=ex.estimator)
     send(ex, type="suggest", budget=budget)
     assert "suggested by greedy" in ex.message and "FSDP reshard after forward" in ex.message
     assert ex.metrics["peak_bytes"] <= budget

@@ -11,15 +11,8 @@ from workbench.capture.graph import JointGraph
 from workbench.cost.replay import recompute_flags, replay
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
-from workbench.rewrite.index import (
-    OFFLOAD_STEPS,
-    Flat,
-    GraphIndex,
-    Schedule,
-    graph_index,
-    offload_entry,
-    offload_step,
-)
+from workbench.rewrite.index import GraphIndex, graph_index
+from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule, offload_entry, offload_step
 
 PRESETS = ["none", "default", "eager", "full"]
 
@@ -132,3 +125,39 @@ def test_offload_entries_name_their_node_and_step(graphs: dict[str, JointGraph])
     assert (offload_step(n, entries) == steps).all()
     assert (index.entry_node(entries) == nodes).all()
     assert offload_entry(n, 5, 3) == 3 * n + 23 and offload_step(n, 3 * n + 23) == 3
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_activation_storages_are_the_traced_graphs_saved_bytes(
+    graphs: dict[str, JointGraph], model: str
+) -> None:
+    """What a model of the pass reads per node gives back `saved_by_node` of the graph as
+    traced: the storages of the forward nodes backward reads, by their owners."""
+    index = graph_index(graphs[model])
+    forward = [name for name, phase in zip(index.names, index.phase, strict=True)
+               if phase in ("forward", "loss")]  # fmt: skip
+    held = {s for name in forward if index.read_in_backward(name)
+            for s in index.activation_storages(name)}  # fmt: skip
+    by_owner: dict[str, int] = {}
+    for s in held:
+        by_owner[index.storage_owner(s)] = by_owner.get(index.storage_owner(s), 0)
+        by_owner[index.storage_owner(s)] += index.storage_bytes(s)
+    assert by_owner == index.saved_by_node(index.identity())
+    inputs = [
+        name for name, phase in zip(index.names, index.phase, strict=True) if phase == "input"
+    ]
+    assert inputs and all(index.activation_storages(n) == () for n in inputs)
+
+
+def test_live_backward_readers_leave_out_what_dead_code_elimination_drops(
+    graphs: dict[str, JointGraph],
+) -> None:
+    """A backward node nothing reads (autograd's leftover detach on the loss-parallel graph)
+    reads its input, but not as torch's remat pass leaves the graph."""
+    index = graph_index(graphs["llama3-debug-fsdp2-tp2"])
+    dropped = [n for n in index.names if index.read_in_backward(n)
+               and not index.read_in_backward(n, live=True)]  # fmt: skip
+    assert dropped and all(index.op[index.index_of[n]] == "aten.detach.default" for n in dropped)
+    for name in dropped:
+        (reader,) = (u for u in index.users[index.index_of[name]] if index.is_bwd[u])
+        assert not index.users[reader]  # read by nothing, not even the output

@@ -21,9 +21,9 @@ from workbench.decide.offloadable import OffloadOptions, may_offload
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.rewrite.host_ops import host_usage
-from workbench.rewrite.index import OFFLOAD_STEPS as STEPS
 from workbench.rewrite.placement import STEP_KINDS, Place, Step, interleave, interleave_arrays
 from workbench.rewrite.remat import remat
+from workbench.rewrite.schedule import OFFLOAD_STEPS as STEPS
 
 Fixture = tuple[Workload, JointGraph]
 PROFILES = ("h100",)

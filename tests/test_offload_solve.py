@@ -15,7 +15,8 @@ from workbench.cost.estimate import Estimator
 from workbench.cost.profiles import H100
 from workbench.decide.decider import decide
 from workbench.errors import WorkbenchError
-from workbench.search.solve import pareto, preset_points, solve
+from workbench.search.pareto import pareto
+from workbench.search.solve import SolveOptions, preset_points, solve
 
 # a host link so fast that offloading costs no time: offload must then pay off
 FAST = replace(H100, name="fast-link", host_bytes_per_s=1e15)
@@ -35,20 +36,22 @@ def offloads(graph: JointGraph, solution_policy: object) -> int:
 
 def test_no_host_budget_never_offloads(graph: JointGraph) -> None:
     estimator = Estimator(graph, (FAST,))
-    for host in (0, None):
-        kwargs = {} if host is None else {"host_budget_bytes": host}
-        solution = solve(graph, TIGHT, profile="fast-link", estimator=estimator, **kwargs)
+    for options in (SolveOptions(profile="fast-link", host_budget_bytes=0), None):
+        options = options or SolveOptions(profile="fast-link")
+        solution = solve(graph, TIGHT, options, estimator=estimator)
         assert offloads(graph, solution.policy) == 0
         assert solution.estimate.host_peak_bytes == 0 and solution.host_budget_bytes == 0
 
 
 def test_offload_lowers_the_cost_within_the_host_budget(graph: JointGraph) -> None:
     estimator = Estimator(graph, (FAST,))
-    kept = solve(graph, TIGHT, profile="fast-link", estimator=estimator)
-    moved = solve(graph, TIGHT, profile="fast-link", estimator=estimator, host_budget_bytes=2**30)
+    kept = solve(graph, TIGHT, SolveOptions(profile="fast-link"), estimator=estimator)
+    roomy = SolveOptions(profile="fast-link", host_budget_bytes=2**30)
+    moved = solve(graph, TIGHT, roomy, estimator=estimator)
     assert moved.estimate.peak_bytes <= TIGHT and offloads(graph, moved.policy) > 0
     assert moved.cost() < kept.cost()
-    small = solve(graph, TIGHT, profile="fast-link", estimator=estimator, host_budget_bytes=2**23)
+    tight = SolveOptions(profile="fast-link", host_budget_bytes=2**23)
+    small = solve(graph, TIGHT, tight, estimator=estimator)
     assert 0 < small.estimate.offloaded_bytes <= 2**23
     assert small.to_json()["host_peak_bytes"] == small.estimate.host_peak_bytes <= 2**23
 
@@ -56,25 +59,23 @@ def test_offload_lowers_the_cost_within_the_host_budget(graph: JointGraph) -> No
 def test_exposed_copy_time_is_a_cost(graph: JointGraph) -> None:
     """Over a crawling host link, offloading costs more than any recompute: not chosen."""
     estimator = Estimator(graph, (SLOW,))
-    solution = solve(
-        graph, TIGHT, profile="slow-link", estimator=estimator, host_budget_bytes=2**30
-    )
+    options = SolveOptions(profile="slow-link", host_budget_bytes=2**30)
+    solution = solve(graph, TIGHT, options, estimator=estimator)
     assert offloads(graph, solution.policy) == 0
     assert solution.to_json()["exposed_transfer_seconds"] == 0.0
 
 
 def test_negative_host_budget_is_refused(graph: JointGraph) -> None:
     with pytest.raises(WorkbenchError, match="host budget must be 0"):
-        solve(graph, TIGHT, host_budget_bytes=-1)
+        solve(graph, TIGHT, SolveOptions(host_budget_bytes=-1))
 
 
 def test_front_with_offload_is_no_worse(graph: JointGraph) -> None:
     estimator = Estimator(graph, (FAST,))
     budgets = [TIGHT, 105_000_000]
-    without = pareto(graph, budgets, profile="fast-link", estimator=estimator)
-    with_offload = pareto(
-        graph, budgets, profile="fast-link", estimator=estimator, host_budget_bytes=2**30
-    )
+    without = pareto(graph, budgets, options=SolveOptions(profile="fast-link"), estimator=estimator)
+    roomy = SolveOptions(profile="fast-link", host_budget_bytes=2**30)
+    with_offload = pareto(graph, budgets, options=roomy, estimator=estimator)
     for a, b in zip(without, with_offload, strict=True):
         assert b.cost() <= a.cost() and b.estimate.peak_bytes <= b.budget_bytes  # type: ignore[operator]
     assert "offload" in preset_points(graph, "fast-link", estimator)

@@ -15,8 +15,9 @@ from workbench.cost.replay import recompute_flags, replay, saved_bytes_by_node
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.rewrite.index import GraphIndex, Schedule, graph_index
+from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.remat import remat
+from workbench.rewrite.schedule import Schedule
 
 MODELS = ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"]
 

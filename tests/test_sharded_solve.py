@@ -16,9 +16,10 @@ from workbench.cli import main
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.decide.decider import decide, node_keys, rules_of
 from workbench.decide.policy import Policy
-from workbench.decide.tags import Why
 from workbench.rewrite.remat import remat
-from workbench.search.solve import _search, fsdp_choices, pareto, solve
+from workbench.search.model import RECOMPUTED, SAVED
+from workbench.search.pareto import pareto
+from workbench.search.solve import SolveOptions, Solver, fsdp_choices, solve
 
 PROFILES = ("h100",)
 DEBUG_RANK = ["--model", "llama3-debug", "--layers", "2", "--seq", "128", "--fsdp", "2"]
@@ -26,28 +27,25 @@ DEBUG_RANK = ["--model", "llama3-debug", "--layers", "2", "--seq", "128", "--fsd
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_linear_model_follows_decide_on_collectives(rank_debug: JointGraph, reshard: bool) -> None:
-    """For saved sets of candidates, each node the model says follows a candidate (or is
-    always saved, or always recomputed) gets that tag from `decide` on the policy the
-    search writes: waits follow their collective, unshard chains the FSDP choice."""
-    search = _search(rank_debug, "recompute_time", "h100", Estimator(rank_debug, PROFILES), reshard)
+    """TP's collectives are choices, their waits follow them, unshard chains follow the FSDP
+    choice; for saved sets of candidates the model tags every node as `decide` tags the
+    policy the search writes (`test_search_model` holds the property on every fixture)."""
+    options = SolveOptions(fsdp_reshard=reshard)
+    (search,) = Solver(rank_debug, options, Estimator(rank_debug, PROFILES))._searches
     model, facts = search.model, {f.name: f for f in rules_of(rank_debug).facts}
     names = list(node_keys(rank_debug))
+    assert model.names == names
     ops = {f.op for f in facts.values() if f.key in model.candidates}
     assert {ALL_GATHER, "_c10d_functional.reduce_scatter_tensor.default"} <= ops  # TP's
     waits = [p for p, n in enumerate(names) if facts[n].op == WAIT]
     assert any(model.source[p] >= 0 for p in waits)  # a TP collective's wait: a choice
     chains = [p for p, n in enumerate(names) if facts[n].gather is not None]
-    assert chains and {model.source[p] for p in chains} == {-2 if reshard else -1}
+    assert chains and {model.source[p] for p in chains} == {RECOMPUTED if reshard else SAVED}
     rng = random.Random(0)
     count = len(model.candidates)
     for chosen in (set(), set(range(count)), set(rng.sample(range(count), count // 2))):
         tags = decide(rank_debug, search.policy(chosen))
-        for p, name in enumerate(names):
-            tag, source = tags[name], model.source[p]
-            if tag.why is Why.LAYER_BOUNDARY or source == -2 and not facts[name].gather:
-                continue  # the boundary rule (modelled apart); unread nodes: never saved
-            expected = source == -2 or (source >= 0 and source not in chosen)
-            assert tag.recompute == expected, (name, tag, source)
+        assert model.tags(chosen) == [tags[n].recompute for n in names]
 
 
 def test_solve_takes_the_better_fsdp_choice_for_the_budget(rank_debug: JointGraph) -> None:
@@ -70,18 +68,23 @@ def test_solve_takes_the_better_fsdp_choice_for_the_budget(rank_debug: JointGrap
         assert Estimator(rank_debug, PROFILES).estimate(found.policy) == found.estimate
         full_path = estimate_remat(rank_debug, remat(rank_debug, found.policy), estimator)
         assert full_path.peak_bytes == found.estimate.peak_bytes
-    fixed = solve(rank_debug, roomy_budget, estimator=estimator, fsdp_reshard=True)
+    fixed = solve(rank_debug, roomy_budget, SolveOptions(fsdp_reshard=True), estimator=estimator)
     assert fixed.policy.fsdp_reshard and fixed.cost() > roomy.cost()
 
 
 def test_pareto_front_holds_points_of_both_fsdp_choices(rank_debug: JointGraph) -> None:
-    points = pareto(rank_debug, n=5, estimator=Estimator(rank_debug, PROFILES))
+    points = pareto(rank_debug, points=5, estimator=Estimator(rank_debug, PROFILES))
     choices = [p.policy.fsdp_reshard for p in points]
     assert choices[0] is True and choices[-1] is False  # reshard where memory is tight
     costs = [p.cost() for p in points]
     assert all(a >= b for a, b in zip(costs, costs[1:], strict=False)) and costs[-1] == 0
     assert all(p.estimate.peak_bytes <= (p.budget_bytes or 0) for p in points)
-    only = pareto(rank_debug, n=3, estimator=Estimator(rank_debug, PROFILES), fsdp_reshard=True)
+    only = pareto(
+        rank_debug,
+        points=3,
+        options=SolveOptions(fsdp_reshard=True),
+        estimator=Estimator(rank_debug, PROFILES),
+    )
     assert all(p.policy.fsdp_reshard for p in only)
 
 

@@ -8,16 +8,19 @@ import pytest
 import torch
 
 from workbench.capture.graph import JointGraph
-from workbench.capture.models import Workload
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
 from workbench.capture.workload import eager_step
 from workbench.cli import main
 from workbench.cost.estimate import Estimator
+from workbench.cost.profiles import H100
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.interop.export import export
 from workbench.rewrite.remat import remat
-from workbench.search.solve import _search, pareto, solve
+from workbench.search.pareto import pareto
+from workbench.search.solve import SolveOptions, Solver, solve
 
 Fixture = tuple[Workload, JointGraph]
 PROFILES = ("h100",)
@@ -32,7 +35,8 @@ def test_solve_within_a_presets_peak_recomputes_no_more(
     estimator = Estimator(graph, PROFILES)
     reference = estimator.estimate(Policy(preset))
     for objective in ("recompute_flops", "recompute_time"):
-        found = solve(graph, reference.peak_bytes, objective=objective, estimator=estimator)
+        options = SolveOptions(objective=objective)
+        found = solve(graph, reference.peak_bytes, options, estimator=estimator)
         assert found.estimate.peak_bytes <= reference.peak_bytes
         assert found.estimate == estimator.estimate(found.policy)  # the exact estimate
         if objective == "recompute_flops":
@@ -48,10 +52,10 @@ def test_greedy_and_knapsack_within_5_percent_of_exact(
     _, graph = request.getfixturevalue(fixture)
     estimator = Estimator(graph, PROFILES)
     budget = estimator.estimate(Policy("eager")).peak_bytes
-    exact = solve(graph, budget, method="exact", estimator=estimator)
+    exact = solve(graph, budget, SolveOptions(method="exact"), estimator=estimator)
     best = exact.estimate.recompute_seconds["h100"]
     for method in ("greedy", "knapsack"):
-        found = solve(graph, budget, method=method, estimator=estimator)
+        found = solve(graph, budget, SolveOptions(method=method), estimator=estimator)
         assert found.estimate.peak_bytes <= budget
         assert found.estimate.recompute_seconds["h100"] <= 1.05 * best, method
 
@@ -80,7 +84,7 @@ def test_full_and_none_forms_decide_alike(small_graphs: dict[str, Fixture]) -> N
     """A solution is written as `full` + saves or `none` + recomputes, whichever is shorter:
     both forms must tag every node the same."""
     _, graph = small_graphs["dsv3-debug"]
-    search = _search(graph, "recompute_time", "h100", Estimator(graph, PROFILES))
+    (search,) = Solver(graph, estimator=Estimator(graph, PROFILES))._searches
     keys = search.model.candidates
     for chosen in (set(range(0, len(keys), 3)), set(range(len(keys))) - {0, 5}):
         short = search.policy(chosen)
@@ -107,11 +111,15 @@ def test_infeasible_budget_names_the_floor(llama_debug: Fixture) -> None:
 def test_bad_arguments_list_the_choices(small_graphs: dict[str, Fixture]) -> None:
     _, graph = small_graphs["llama3-debug"]
     with pytest.raises(WorkbenchError, match="unknown method 'ilp'.*greedy, knapsack, exact"):
-        solve(graph, 10**9, method="ilp")
+        SolveOptions(method="ilp")  # type: ignore[arg-type]
     with pytest.raises(WorkbenchError, match="unknown objective 'memory'"):
-        solve(graph, 10**9, objective="memory")
+        SolveOptions(objective="memory")  # type: ignore[arg-type]
+    with pytest.raises(WorkbenchError, match="host budget must be 0"):
+        SolveOptions(host_budget_bytes=-1)
     with pytest.raises(WorkbenchError, match="no profile 'h200'"):
-        solve(graph, 10**9, profile="h200", estimator=Estimator(graph, PROFILES))
+        solve(graph, 10**9, SolveOptions(profile="h200"), estimator=Estimator(graph, PROFILES))
+    with pytest.raises(WorkbenchError, match="unknown device profile 'h900'"):
+        solve(graph, 10**9, SolveOptions(profile="h900"), estimator=Estimator(graph, PROFILES))
 
 
 @pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug"])
@@ -120,7 +128,7 @@ def test_pareto_is_monotone_and_reports_progress(
 ) -> None:
     _, graph = small_graphs[model]
     seen: list[int] = []
-    points = pareto(graph, n=6, progress=lambda done, total, s: seen.append(done))
+    points = pareto(graph, points=6, progress=lambda done, total, s: seen.append(done))
     assert seen == list(range(1, 7))
     budgets = [p.budget_bytes for p in points]
     assert budgets == sorted(budgets)
@@ -149,3 +157,28 @@ def test_cli_solve_and_pareto_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["seconds"] >= 0 and captured.err.count("\n") == 3
     assert main(["solve", *common, "--budget-bytes", "1"]) == 2
     assert "smallest feasible budget" in capsys.readouterr().err
+
+
+def test_solver_answers_many_budgets_as_solve_does(small_graphs: dict[str, Fixture]) -> None:
+    """One `Solver` per graph and options (what `pareto` and `floor_search` reuse) answers
+    each budget as `solve` would; a `DeviceProfile` works as well as its name."""
+    _, graph = small_graphs["llama3-debug"]
+    estimator = Estimator(graph, PROFILES)
+    solver = Solver(graph, SolveOptions(profile=H100), estimator)
+    assert SolveOptions(profile=H100).profile_name == "h100"
+    full, none = (estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none"))
+    assert solver.floor_bytes == min(full, none) and solver.top_bytes == none
+    for budget in (solver.floor_bytes, (solver.floor_bytes + none) // 2, none):
+        mine, theirs = solver.solve(budget), solve(graph, budget, estimator=estimator)
+        assert (mine.policy, mine.estimate) == (theirs.policy, theirs.estimate)
+    with pytest.raises(WorkbenchError, match="smallest feasible budget"):
+        solver.solve(solver.floor_bytes - 1)
+
+
+def test_exact_refuses_a_graph_with_too_many_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workbench.search.solve as module
+
+    monkeypatch.setattr(module, "EXACT_KEY_LIMIT", 10)
+    graph = trace(load_workload("llama3-debug", layers=1, seq=16), "fake")
+    with pytest.raises(WorkbenchError, match="above the limit of 10; use method='greedy'"):
+        Solver(graph, SolveOptions(method="exact"))

@@ -35,7 +35,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "workbench.rewrite.placement",
         "workbench.rewrite.host_ops",
     ),
-    "workbench.index": ("workbench.rewrite.index",),
+    "workbench.index": ("workbench.rewrite.index", "workbench.rewrite.schedule"),
     "workbench.replay": ("workbench.cost.replay",),
     "workbench.estimate": ("workbench.cost.estimate",),
     "workbench.profiles": ("workbench.cost.profiles",),

@@ -25,6 +25,7 @@ from workbench.commands import (
     cmd_bench_whatif,
     cmd_estimate,
     cmd_export,
+    cmd_floor,
     cmd_measure,
     cmd_pareto,
     cmd_policy_explain,
@@ -127,6 +128,28 @@ def _add_solve_args(parser: argparse.ArgumentParser) -> None:
         help="on --fsdp graphs: search both FSDP settings and keep the better (default), or "
         "fix reshard after forward / keep unsharded",
     )
+
+
+def _add_floor_args(parser: argparse.ArgumentParser) -> None:
+    """`floor`'s flags (and those of `bench offload`, its old name); fake mode by default."""
+    _add_model_args(parser)
+    _add_optimizer_arg(parser)
+    parser.add_argument("--profile", default="h100", help="device profile (default h100)")
+    parser.add_argument(
+        "--host-budget-bytes",
+        type=int,
+        default=64 * 2**30,
+        help="host memory offloaded activations may take (default 64 GiB); 0: no offload",
+    )
+    parser.add_argument(
+        "--tolerance-bytes",
+        type=int,
+        default=2**20,
+        help="bisection over the device budget stops within this many bytes (default 1 MiB)",
+    )
+    parser.add_argument("--method", default="greedy", help="solve's: greedy, knapsack or exact")
+    # what the solver's other flags would say: step time decides, both FSDP settings tried
+    parser.set_defaults(mode="fake", objective="recompute_time", fsdp_choice="search")
 
 
 _LONG_TEXT = 100  # characters: longer values print as their start and a note
@@ -320,28 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_render.add_argument("--repeat", type=int, default=3)
     bench_render.set_defaults(run=cmd_bench_render, mode="fake")
 
-    bench_offload = benches.add_parser(
-        "offload", help="lowest peak at eager's step time, with and without offload"
+    floor = commands.add_parser(
+        "floor", help="lowest peak at eager's step time, with and without offload; the floor"
     )
-    _add_model_args(bench_offload)
-    _add_optimizer_arg(bench_offload)
-    bench_offload.add_argument("--profile", default="h100", help="device profile (default h100)")
-    bench_offload.add_argument(
-        "--host-budget-bytes",
-        type=int,
-        default=64 * 2**30,
-        help="host memory offloaded activations may take (default 64 GiB); 0: no offload",
-    )
-    bench_offload.add_argument(
-        "--tolerance-bytes",
-        type=int,
-        default=2**20,
-        help="bisection over the device budget stops within this many bytes (default 1 MiB)",
-    )
-    bench_offload.add_argument(
-        "--method", default="greedy", help="solve's: greedy, knapsack or exact"
-    )
-    bench_offload.set_defaults(run=cmd_bench_offload, mode="fake")
+    _add_floor_args(floor)
+    floor.set_defaults(run=cmd_floor)
+    bench_offload = benches.add_parser("offload", help="deprecated: the old name of `floor`")
+    _add_floor_args(bench_offload)
+    bench_offload.set_defaults(run=cmd_bench_offload)
     for owner, choices in ((parser, commands), (policy, policies), (bench, benches)):
         owner.commands = tuple(choices.choices or ())
     return parser
@@ -389,10 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result["code"])
     elif args.command == "activations":
         print(result["table"])
-    elif args.command == "bench" and args.subcommand == "offload":
-        from workbench.bench import offload_table
+    elif args.command == "floor" or args.command == "bench" and args.subcommand == "offload":
+        from workbench.search.floor import floor_table
 
-        print(offload_table(result))
+        print(floor_table(result))
         print(f"{result['seconds']:.1f} s (trace {result['trace_seconds']:.1f} s)")
     elif args.command == "policy":
         from workbench.show.explain import explain_text

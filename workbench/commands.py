@@ -7,9 +7,12 @@ Entry points: the `cmd_*` functions; `workload_from_args`, `parallel_from_args`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from workbench.capture.graph import JointGraph
@@ -22,6 +25,7 @@ from workbench.files import check_writable
 
 if TYPE_CHECKING:
     from workbench.cost.estimate import Estimator
+    from workbench.search.solve import SolveOptions
 
 
 INT64_MAX = 2**63 - 1
@@ -297,40 +301,68 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "trace_seconds": round(trace_seconds, 3)}
 
 
-def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
     """The lowest peak the solver reaches at eager's step time, with and without offload,
-    and the floor (see `workbench.bench.bench_offload`)."""
-    from workbench.bench import bench_offload
+    and the floor (see `workbench.search.floor.floor_search`)."""
     from workbench.cost.estimate import Estimator
-    from workbench.cost.profiles import PROFILES
-    from workbench.search.solve import METHODS
+    from workbench.search.floor import floor_search
 
-    _check_host_budget(args)
+    options = _solve_options_from_args(args)
     _check_positive("--tolerance-bytes", args.tolerance_bytes)
-    if args.method not in METHODS:
-        raise WorkbenchError(f"--method {args.method!r}: choose one of {', '.join(METHODS)}")
-    if args.profile not in PROFILES:
-        raise WorkbenchError(
-            f"--profile {args.profile!r} is not a device profile; choose one of "
-            f"{', '.join(PROFILES)}"
-        )
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
     estimator = Estimator(graph, (args.profile,), args.optimizer)
-    result = bench_offload(
-        graph,
-        estimator,
-        args.profile,
-        args.host_budget_bytes,
-        tolerance_bytes=args.tolerance_bytes,
-        method=args.method,
-    )
+    result = floor_search(graph, estimator, options, tolerance_bytes=args.tolerance_bytes)
     return {
         **result,
         "seconds": round(time.perf_counter() - start, 3),
         "trace_seconds": round(trace_seconds, 3),
         "cpu_count": os.cpu_count(),
     }
+
+
+def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
+    """`bench offload`, the old name of `floor` (for one release): says so on stderr once it
+    ran (a refused flag keeps its one error line)."""
+    result = cmd_floor(args)
+    print(
+        "warning: `bench offload` is deprecated and goes in the next release: use "
+        "`python -m workbench floor` (same flags)",
+        file=sys.stderr,
+    )
+    return result
+
+
+@contextlib.contextmanager
+def _flag(name: str) -> Iterator[None]:
+    """A WorkbenchError raised inside names the flag whose value caused it."""
+    try:
+        yield
+    except WorkbenchError as err:
+        raise WorkbenchError(f"{name}: {err}") from None
+
+
+def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
+    """The solver's flags as `SolveOptions`, each checked before anything is traced by the
+    library's own checks (`SolveOptions`, `get_profile`), the error naming the flag:
+    --method, --objective, --profile, --host-budget-bytes, --fsdp-choice."""
+    from workbench.cost.profiles import get_profile
+    from workbench.search.solve import SolveOptions
+
+    _check_host_budget(args)
+    with _flag("--method"):
+        SolveOptions(method=args.method)
+    with _flag("--objective"):
+        SolveOptions(objective=args.objective)
+    with _flag("--profile"):
+        get_profile(args.profile)
+    return SolveOptions(
+        method=args.method,
+        objective=args.objective,
+        profile=args.profile,
+        fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
+        host_budget_bytes=args.host_budget_bytes,
+    )
 
 
 def _check_host_budget(args: argparse.Namespace) -> None:
@@ -359,20 +391,11 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.cost.estimate import Estimator
     from workbench.search.solve import solve
 
-    _check_host_budget(args)
+    options = _solve_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
     estimator = Estimator(graph, (args.profile,), args.optimizer)
     budget = _budget_from_args(args, estimator)
-    solution = solve(
-        graph,
-        budget,
-        objective=args.objective,
-        method=args.method,
-        profile=args.profile,
-        estimator=estimator,
-        fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
-        host_budget_bytes=args.host_budget_bytes,
-    )
+    solution = solve(graph, budget, options, estimator=estimator)
     return {
         "model": graph.model_name,
         "trace_seconds": round(trace_seconds, 3),
@@ -384,9 +407,10 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
     from workbench.cost.estimate import Estimator
-    from workbench.search.solve import Solution, fsdp_choices, pareto, preset_points
+    from workbench.search.pareto import pareto
+    from workbench.search.solve import Solution, fsdp_choices, preset_points
 
-    _check_host_budget(args)
+    options = _solve_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 
@@ -404,16 +428,9 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     estimator = Estimator(graph, (args.profile,), args.optimizer)
 
     def front(host_budget: int) -> list[Solution]:
+        with_host = dataclasses.replace(options, host_budget_bytes=host_budget)
         return pareto(
-            graph,
-            n=args.points,
-            method=args.method,
-            profile=args.profile,
-            objective=args.objective,
-            progress=progress,
-            estimator=estimator,
-            fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
-            host_budget_bytes=host_budget,
+            graph, points=args.points, options=with_host, estimator=estimator, progress=progress
         )
 
     points = front(0)

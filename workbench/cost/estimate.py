@@ -22,15 +22,9 @@ from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.rewrite.index import (
-    OFFLOAD_STEPS,
-    Flat,
-    Schedule,
-    Storages,
-    graph_index,
-    offload_step,
-)
+from workbench.rewrite.index import Storages, graph_index
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX, RematResult
+from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule, offload_step
 
 # `gathered`: parameter copies made for compute on a per-rank graph (storages of FSDP
 # unshard chains: the low-precision cast and the all-gathered weight); `optimizer`: state

@@ -14,8 +14,9 @@ from workbench.capture.graph import JointGraph
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.tags import RECOMPUTE, Tag
 from workbench.errors import WorkbenchError
-from workbench.rewrite.index import Csr, Flat, GraphIndex, graph_index, offload_entry
+from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.placement import Offloaded, Place, interleave_arrays, place_offloads_arrays
+from workbench.rewrite.schedule import Csr, Flat, offload_entry
 
 __all__ = ["offload_schedule", "recompute_flags", "replay", "saved_bytes_by_node"]
 

@@ -11,7 +11,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,75 +28,21 @@ from workbench.capture.ops import mutates, reads_until_wait
 from workbench.decide.facts import unshard_chains
 from workbench.errors import WorkbenchError
 from workbench.rewrite.placement import NO_LAYER, REPLAYED_VIEW, is_offload_node
+from workbench.rewrite.schedule import Csr, Flat, Schedule, offload_entry, offload_step
 
 __all__ = [
-    "OFFLOAD_STEPS",
-    "Csr",
-    "Flat",
     "GraphIndex",
     "NodeArrays",
-    "Schedule",
     "Slot",
     "Storages",
     "distinct_storage_bytes",
     "graph_index",
-    "offload_entry",
-    "offload_step",
 ]
 
 # A node's output slots: an int is a fresh storage of that many bytes (0: no tensor), a
 # pair (j, s) aliases slot s of the node's j-th input (views, getitem, in-place ops).
 Slot = int | tuple[int, int]
-# A rewritten graph as indices: its node order and each entry's inputs. Entries `i < n`
-# are original nodes, `n + i` the recomputed copy of node i, `2n + i` forward view i
-# replayed by the offload pass on a reloaded tensor, and `3n + 4i + k` step k of node i's
-# offload (`OFFLOAD_STEPS`: the host copy, the free of the device original, the reload,
-# the wait for it).
-Schedule = tuple[list[int], dict[int, tuple[int, ...]]]
-OFFLOAD_STEPS = ("offload", "free", "reload", "wait")
-
-
-def offload_entry(n: int, node: Any, step: Any) -> Any:
-    """The entry of step `step` (an index into `OFFLOAD_STEPS`) of node `node`'s offload in a
-    graph of `n` nodes; ints or arrays."""
-    return 3 * n + 4 * node + step
-
-
-def offload_step(n: int, entries: Any) -> Any:
-    """Which step (an index into `OFFLOAD_STEPS`) each offload entry is; ints or arrays."""
-    return (entries - 3 * n) % 4
-
-
 _FORWARD = ("forward", "loss")
-
-
-class Flat(NamedTuple):
-    """A schedule as arrays, so per-policy work is array operations: the entries in order,
-    and every input read as (reader's position, entry read), readers in order."""
-
-    entries: np.ndarray
-    reader: np.ndarray
-    read: np.ndarray
-
-
-class Csr(NamedTuple):
-    """Per-node lists as two arrays: node i's items are `items[start[i] : start[i + 1]]`."""
-
-    start: np.ndarray
-    items: np.ndarray
-
-    @classmethod
-    def of(cls, lists: Sequence[Sequence[int]]) -> Csr:
-        counts = np.fromiter((len(x) for x in lists), np.int64, len(lists))
-        items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
-        return cls(np.concatenate(([0], np.cumsum(counts))), items)
-
-    def gather(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The lists of `nodes`, concatenated: (position in `nodes` of each item, item)."""
-        first, counts = self.start[nodes], self.start[nodes + 1] - self.start[nodes]
-        position = np.repeat(np.arange(len(nodes)), counts)
-        offsets = np.cumsum(counts) - counts
-        return position, self.items[np.arange(len(position)) - np.repeat(offsets - first, counts)]
 
 
 class NodeArrays(NamedTuple):
@@ -407,6 +353,53 @@ class GraphIndex:
             name = self.names[i]
             result[name] = result.get(name, 0) + size
         return result
+
+    # --- per node, for a model of the pass that needs no schedule (the solver's) --------
+
+    def activation_storages(self, name: str) -> tuple[int, ...]:
+        """The storages `name`'s output holds that count as saved activations when backward
+        reads it from forward, by id (`storage_bytes`, `storage_owner`): `saved_mask`'s rule
+        on the traced graph, views resolved to their base; never a graph input's storage, a
+        returned one or an FSDP-gathered parameter copy."""
+        held = self._activation_storages[0]
+        i = self.index_of[name]
+        return tuple(held.items[held.start[i] : held.start[i + 1]].tolist())
+
+    def storage_bytes(self, storage: int) -> int:
+        """The bytes of a storage of `activation_storages`."""
+        return int(self._activation_storages[1][storage])
+
+    def storage_owner(self, storage: int) -> str:
+        """The node whose output allocates a storage of `activation_storages`."""
+        return self.names[int(self._activation_storages[2][storage])]
+
+    def read_in_backward(self, name: str, *, live: bool = False) -> bool:
+        """Whether a backward node takes `name`'s output as an input; with `live`, one that
+        dead-code elimination keeps (torch's remat pass drops the backward nodes nothing
+        needs, such as autograd's leftover detaches, and what only they read)."""
+        i = self.index_of[name]
+        keep = self._kept_by_dce if live else self.is_bwd
+        return any(self.is_bwd[u] and keep[u] for u in self.users[i])
+
+    @functools.cached_property
+    def _activation_storages(self) -> tuple[Csr, np.ndarray, np.ndarray]:
+        """Per node, the storages `saved_mask` may count that its value holds; each
+        storage's bytes and owner, on the traced graph."""
+        flat = self.identity_flat
+        table = self.storages(flat)
+        may = ~self.returned_mask(flat, table) & self._tables.kept[table.owner]
+        pairs = np.stack((table.holder, table.held), axis=1)[may[table.held]]
+        pairs = np.unique(pairs, axis=0).reshape(-1, 2)  # by holder, then storage
+        start = np.searchsorted(pairs[:, 0], np.arange(self.n + 1))
+        return Csr(start, pairs[:, 1]), table.sizes, table.owner
+
+    @functools.cached_property
+    def _kept_by_dce(self) -> tuple[bool, ...]:
+        """Per node: impure, or read by a node that is (what dead-code elimination keeps)."""
+        kept = list(self.impure)
+        for i in reversed(range(self.n)):
+            kept[i] = kept[i] or any(kept[u] for u in self.users[i])
+        return tuple(kept)
 
     # --- readers -----------------------------------------------------------------------
 

@@ -1,3 +1,4 @@
-"""Searching policies: the solver for a memory budget and the Pareto front, and the random
-policies of the soundness property (every accepted policy keeps eager's numbers).
+"""Searching policies: the solver for a memory budget (its linear model, the selection
+methods) and the Pareto front, how low the peak goes at eager's step time (`floor`), and
+the random policies of the soundness property (every accepted policy keeps eager's numbers).
 """

@@ -473,11 +473,11 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     def suggest(self, budget_bytes: int, method: str | None = None) -> None:
         """Load the solver's cheapest policy whose estimated peak fits `budget_bytes`
         (undoable, like any other change)."""
-        from workbench.search.solve import solve
+        from workbench.search.solve import SolveOptions, solve
 
-        solution = solve(self.graph, int(budget_bytes), method=method or self.suggest_method,
-                         profile=self.profile, estimator=self.estimator,
-                         host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
+        options = SolveOptions(method=method or self.suggest_method, profile=self.profile,  # type: ignore[arg-type]
+                               host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
+        solution = solve(self.graph, int(budget_bytes), options, estimator=self.estimator)
         rebased = _rebased(self.graph, solution.policy, self.policy)
         choice = "reshard after forward" if solution.policy.fsdp_reshard else "keep unsharded"
         fsdp = f"; FSDP {choice}" if self.has_fsdp else ""
@@ -508,14 +508,16 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
     def sweep(self, points: int = 8) -> None:
         """Put the solver's memory-vs-time front into the history (each point restorable)."""
-        from workbench.search.solve import pareto
+        from workbench.search.pareto import pareto
+        from workbench.search.solve import SolveOptions
 
         def progress(done: int, total: int, _solution: object) -> None:
             self.status = f"solving budget {done} of {total}…"
 
-        solutions = pareto(self.graph, n=points, method=self.suggest_method, profile=self.profile,
-                           progress=progress, estimator=self.estimator,
-                           host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
+        options = SolveOptions(method=self.suggest_method, profile=self.profile,  # type: ignore[arg-type]
+                               host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
+        solutions = pareto(self.graph, points=points, options=options, progress=progress,
+                           estimator=self.estimator)  # fmt: skip
         for solution in solutions:
             est = solution.estimate
             self.history_log.add(Point(solution.policy.to_json(), est.peak_bytes,
