@@ -27,7 +27,6 @@ MAX_SCREENSHOT_BYTES = 400_000
 # `floor` is the search split's name for `bench offload`, with the same flags. Until that
 # split lands the parser only knows the old name, and examples of `floor` are parsed as it.
 # Delete once `python -m workbench floor` parses.
-RENAMED = {("floor",): ("bench", "offload")}
 
 FENCE = re.compile(r"^ *```.*?^ *```", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -93,17 +92,8 @@ def _command_paths(parser: argparse.ArgumentParser) -> set[tuple[str, ...]]:
     return paths
 
 
-def _as_parsed(argv: list[str], known: set[tuple[str, ...]]) -> list[str]:
-    """`argv` with a renamed command (`RENAMED`) under the name the parser knows."""
-    for new, old in RENAMED.items():
-        if tuple(argv[: len(new)]) == new and new not in known and old in known:
-            return [*old, *argv[len(new) :]]
-    return argv
-
-
 def _command_of(argv: list[str], known: set[tuple[str, ...]]) -> tuple[str, ...]:
     """The command an example runs: `("trace",)`, `("bench", "whatif")`, ..."""
-    argv = _as_parsed(argv, known)
     return tuple(argv[:2]) if tuple(argv[:2]) in known else tuple(argv[:1])
 
 
@@ -139,7 +129,6 @@ def test_relative_links_point_to_existing_files(page: Path, target: str) -> None
 @pytest.mark.parametrize(("where", "argv"), _examples(), ids=[w for w, _ in _examples()])
 def test_cli_examples_parse(where: str, argv: list[str], capsys: pytest.CaptureFixture) -> None:
     parser = build_parser()
-    argv = _as_parsed(argv, _command_paths(parser))
     try:
         parser.parse_args(argv)
     except SystemExit:
