@@ -118,7 +118,7 @@ def test_forced_and_backward_clicks_explain_and_change_nothing(
     backward = next(i.name for i in graph.nodes.values() if i.phase == "backward")
     send(ex, type="click", id=svg_id("n", backward))
     assert "backward node" in ex.message and ex.policy_json == before
-    send(ex, type="click", id="b-layers.0.attention")
+    send(ex, type="click", id=svg_id("b", "layers.0.attention"))
     assert "backward ops of layers.0.attention" in ex.message
     send(ex, type="click", id="m-")
     assert "outside any module" in ex.message
@@ -333,8 +333,8 @@ def test_clicking_a_folded_layer_frame_opens_the_layer(
     send(ex, type="click", id=frame)
     assert ex.view == "layer:0" and ex.message == ""
     send(ex, type="show", view="overview")
-    send(ex, type="click", id=svg_id("g", "layers.0–1 ×2"))  # an older id with the count
-    assert ex.view == "layer:0"
+    send(ex, type="click", id=svg_id("g", "layers.0–1 ×2"))  # no view draws this id
+    assert ex.view == "overview" and "no decision to flip" in ex.message
 
 
 def test_history_is_retimed_per_profile_and_measured_points_stand_apart(
@@ -577,8 +577,9 @@ def test_session_pieces_without_a_widget(tmp_path: Path) -> None:
 
 def test_edits_keep_the_fsdp_choice(peaky: Fixture, tmp_path: Path) -> None:
     """Preset, selector, override and reset edits change only their own field."""
-    widget = explorer(peaky, tmp_path)
-    widget._change(Policy("default", fsdp_reshard=False))
+    workload, graph = peaky
+    start = Policy("default", fsdp_reshard=False)
+    widget = PolicyExplorer(graph, start, workload=workload, autosave=tmp_path / "policy.json")
     widget.set_preset("eager")
     widget.add_selector("layers.*.attention.**::aten.mm.default", "save")
     widget.edit_selector(0, "recompute")

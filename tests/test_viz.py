@@ -28,7 +28,6 @@ from workbench.show.viz import (
     VIEWS,
     diff,
     expand,
-    node_from_svg_id,
     overview,
     pareto_front,
     parse_view,
@@ -87,12 +86,13 @@ def fill_of(group: ET.Element) -> str:
 
 def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) -> None:
     decisions = decide(two_layers, mixed_policy())
-    svg = expand(two_layers, decisions, "layer:0").svg()
+    view = expand(two_layers, decisions, "layer:0")
+    svg = view.svg()
     kinds_seen = set()
     for element_id, group in svg_nodes(svg).items():
-        if not element_id.startswith("n-"):
+        if view.elements[element_id].kind != "op":
             continue
-        name = node_from_svg_id(element_id)
+        name = view.elements[element_id].name
         kind = node_kind(two_layers.nodes[name], decisions.get(name))
         kinds_seen.add(kind)
         assert fill_of(group) == KIND_STYLE[kind][0]["fillcolor"].upper(), name
@@ -109,15 +109,17 @@ def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) ->
         assert "peripheries=2" in line and "forced:" in line
 
 
-def test_every_svg_id_maps_back_to_its_node(two_layers: JointGraph) -> None:
-    svg = whole_graph(two_layers, decide(two_layers, Policy("default"))).svg()
-    ids = [i for i in svg_nodes(svg) if i.startswith("n-")]
-    assert sorted(node_from_svg_id(i) for i in ids) == sorted(i.name for i in two_layers.ops())
-    for odd in ("layers.0.attention", "a:b", "x-1.y", "layers.0–3.ffn"):
-        assert node_from_svg_id(svg_id("m", odd), "m") == odd
-        assert ":" not in svg_id("m", odd) and "." not in svg_id("m", odd)
-    with pytest.raises(WorkbenchError, match="'m-'"):
-        node_from_svg_id("m-norm")
+def test_every_svg_id_says_what_it_stands_for(two_layers: JointGraph) -> None:
+    view = whole_graph(two_layers, decide(two_layers, Policy("default")))
+    drawn = svg_nodes(view.svg())
+    assert set(drawn) == set(view.elements)  # every element described, nothing more
+    ops = [view.elements[i] for i in drawn if view.elements[i].kind == "op"]
+    assert sorted(e.name for e in ops) == sorted(i.name for i in two_layers.ops())
+    assert all(e.nodes == (e.name,) for e in ops)
+    odd = ("layers.0.attention", "a:b", "x-1.y", "layers.0–3.ffn", "a-2e-b", "a.b")
+    ids = [svg_id("m", name) for name in odd]
+    assert len(set(ids)) == len(odd)  # distinct names keep distinct ids
+    assert not any(":" in i or "." in i for i in ids)
 
 
 def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
@@ -148,15 +150,13 @@ def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
 def test_layer_view_holds_exactly_that_layers_forward_ops(four_layers: JointGraph) -> None:
     decisions = decide(four_layers, Policy("default"))
     view = expand(four_layers, decisions, "layer:2")
-    shown = {node_from_svg_id(i) for i in svg_nodes(view.svg()) if i.startswith("n-")}
+    shown = {e.name for e in view.elements.values() if e.kind == "op"}
     expected = {i.name for i in four_layers.ops() if i.layer == 2 and i.phase == "forward"}
     assert shown == expected
-    summaries = [i for i in svg_nodes(view.svg()) if i.startswith("b-")]
-    assert summaries and all(
-        node_from_svg_id(i, "b").startswith("layers.2") for i in summaries[:-1]
-    )
+    summaries = [e.name for e in view.elements.values() if e.kind == "backward"]
+    assert summaries and all(module.startswith("layers.2") for module in summaries[:-1])
     module = expand(four_layers, decisions, "module:layers.1.feed_forward")
-    names = {node_from_svg_id(i) for i in svg_nodes(module.svg()) if i.startswith("n-")}
+    names = {e.name for e in module.elements.values() if e.kind == "op"}
     assert names and all(
         four_layers.nodes[n].module.startswith("layers.1.feed_forward") for n in names
     )
