@@ -24,6 +24,17 @@ from workbench.show.viz.render import Changes, View, new_digraph, op_view
 from workbench.show.viz.style import FADED, ORANGE, SKY, WHITE, legend_label, signed, svg_id
 from workbench.units import format_bytes, format_flops
 
+__all__ = [
+    "Box",
+    "Group",
+    "Overview",
+    "expand",
+    "layer_nodes",
+    "overview",
+    "render_overview",
+    "split_layer",
+]
+
 Unit = tuple[str, int | None]  # (top-level module or layer container, layer index)
 
 

@@ -52,6 +52,20 @@ from workbench.show.viz.style import (
 )
 from workbench.units import format_bytes, format_flops
 
+__all__ = [
+    "Changes",
+    "FORMATS",
+    "MAX_LAYOUT_NODES",
+    "View",
+    "check_layout_size",
+    "new_digraph",
+    "op_elements",
+    "op_view",
+    "to_svg",
+    "whole_graph",
+    "write",
+]
+
 # dot needs 70-125 s for ~2,000 op nodes: past this, ask for the overview instead.
 MAX_LAYOUT_NODES = 1500
 

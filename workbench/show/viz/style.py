@@ -16,6 +16,33 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.capture.graph import COLLECTIVE_OPS, NodeInfo
 from workbench.decide.tags import Tag
 
+__all__ = [
+    "BLUE",
+    "COLLECTIVE_STYLE",
+    "COLLECTIVE_WORDS",
+    "DECISION_KINDS",
+    "FADED",
+    "GREEN",
+    "GREY",
+    "KIND_STYLE",
+    "Kind",
+    "ORANGE",
+    "PURPLE",
+    "SKY",
+    "VERMILLION",
+    "WHITE",
+    "YELLOW",
+    "forced_words",
+    "is_collective",
+    "kind_rows",
+    "legend_label",
+    "node_kind",
+    "short_shape",
+    "signed",
+    "svg_id",
+    "swatch",
+]
+
 Kind = Literal[
     "must_save",
     "prefer_save",
