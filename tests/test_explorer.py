@@ -17,7 +17,9 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.show.viz import render_overview, svg_id
 from workbench.show.widgets import PolicyExplorer
+from workbench.show.widgets.model import STATE
 from workbench.show.widgets.session import Autosave, Edits, History, Point
+from workbench.units import format_bytes
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -587,3 +589,55 @@ def test_edits_keep_the_fsdp_choice(peaky: Fixture, tmp_path: Path) -> None:
     widget.reset()
     assert widget.policy.preset == "eager" and widget.policy.fsdp_reshard is False
     assert widget.policy.selectors == [] and widget.policy.overrides == {}
+
+
+# --- issue 23: the widget is a shell around the plain-Python model ---------------------------
+
+
+def test_every_model_state_is_a_synced_traitlet_and_repr_names_the_session(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
+    synced = set(ex.keys) - {"presets", "profiles", "export_formats"}
+    assert {n for n in synced if not n.startswith("_") and n not in ("layout", "tabbable",
+            "tooltip")} == set(STATE)  # fmt: skip
+    for name in STATE:
+        assert getattr(ex, name) == getattr(ex.model, name), name
+    assert repr(ex) == "PolicyExplorer(llama3-debug, policy eager)"
+    ex.flip("mm_4")
+    assert repr(ex) == "PolicyExplorer(llama3-debug, policy eager + 1 edits)"
+
+
+def test_traitlets_set_from_outside_reach_the_model(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    ex.profile = "cpu"
+    assert ex.model.profile == "cpu" and ex.metrics["profile"] == "cpu"
+    ex.profile = "tpu"  # refused: the message says why, the traitlet shows the model's again
+    assert ex.profile == "cpu" and "unknown profile 'tpu'" in ex.message
+    ex.export_format = "cobol"
+    assert ex.export_format == "policy_fn" and "unknown export format" in ex.message
+    ex.suggest_host_budget_bytes = 2**20
+    assert ex.model.suggest_host_budget_bytes == 2**20 and "up to 1.0 MiB" in ex.message
+    ex.all_layers = False
+    assert not ex.model.all_layers
+
+
+def test_figures_reach_the_front_end_as_text(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    stops, texts = ex.budget_range["stops"], ex.budget_range["texts"]
+    assert stops[0] == ex.budget_range["min"] and stops[-1] == ex.budget_range["max"]
+    assert texts == [format_bytes(b) for b in stops]
+    assert ex.timeline["labels"]["peak"] == f"peak {ex.metrics['peak']}"
+    (plot,) = ex.history_plots
+    assert plot["y"]["ticks"] and all(text == format_bytes(v) for v, text in plot["y"]["ticks"])
+    assert ex.history[0]["peak"] == ex.metrics["peak"]
+    assert ex.offload_text == ""
+    send(ex, type="offload", budget_bytes=2**30, prefetch_layers=2)
+    assert ex.offload_text == "host budget 1.0 GiB, prefetch 2 layer(s), defer 0"
+    assert ex.message == "offload options: " + ex.offload_text
+    js = (Path(__file__).parents[1] / "workbench/show/widgets/explorer.js").read_text()
+    assert "toFixed" not in js and "bytesText" not in js and "secondsText" not in js

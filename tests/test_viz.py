@@ -26,6 +26,7 @@ from workbench.errors import WorkbenchError
 from workbench.rewrite.remat import remat
 from workbench.show.viz import (
     VIEWS,
+    Element,
     diff,
     expand,
     overview,
@@ -43,6 +44,7 @@ from workbench.show.viz import (
     whole_graph,
 )
 from workbench.show.viz import render as render_module
+from workbench.show.viz.render import op_elements
 from workbench.show.viz.style import DECISION_KINDS, KIND_STYLE, node_kind
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -137,6 +139,48 @@ def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
     svg = render_overview(four_layers, decisions).svg()
     assert "layers.0–3 ×4" in svg
     assert len([i for i in svg_nodes(svg) if i.startswith("n-")]) == 0  # no op nodes
+
+
+def test_overview_elements_say_what_each_box_and_frame_opens(four_layers: JointGraph) -> None:
+    view = render_overview(four_layers, decide(four_layers, Policy("default")))
+    drawn = svg_nodes(view.svg())
+    root = ET.fromstring(view.svg())
+    clusters = {g.get("id") for g in root.iter(f"{SVG}g") if g.get("class") == "cluster"}
+    assert set(view.elements) == set(drawn) | clusters  # every box and frame, nothing more
+    frame = view.elements[svg_id("g", "layers.0–3")]
+    assert (frame.kind, frame.name, frame.label, frame.layers) == (
+        "layers", "layers.0", "layers.0–3 ×4", (0, 1, 2, 3)
+    )  # fmt: skip
+    forward = {i.name for i in four_layers.ops() if i.layer is not None and i.phase == "forward"}
+    assert set(frame.nodes) == forward
+    box = view.elements[svg_id("m", "layers.0–3.attention")]
+    assert (box.kind, box.name, box.label, box.layers) == (
+        "module", "layers.0.attention", "attention", (0, 1, 2, 3)
+    )  # fmt: skip
+    assert {four_layers.nodes[n].layer for n in box.nodes} == {0, 1, 2, 3}
+    assert view.elements[svg_id("m", "norm")] == Element(
+        "module", "norm", "norm", (), tuple(view.elements[svg_id("m", "norm")].nodes)
+    )
+    bare = view.svg(legend=False)
+    assert svg_nodes(bare).keys() == drawn.keys() and "identical layers" not in bare
+    assert "identical layers" in html.unescape(view.svg())
+
+
+def test_collectives_are_named_by_the_view(rank_debug: JointGraph) -> None:
+    view = expand(rank_debug, decide(rank_debug, Policy("default")), "layer:0")
+    hexagons = {
+        i
+        for i, g in svg_nodes(view.svg()).items()
+        if [len(p.get("points", "").split()) for p in g.iter(f"{SVG}polygon")][:1] == [7]
+    }
+    assert hexagons and set(view.collectives) == hexagons
+    assert all(view.elements[i].name in rank_debug.nodes for i in hexagons)
+    anywhere = op_elements(rank_debug)
+    assert {i for i, e in anywhere.items() if e.kind == "op"} == {
+        svg_id("n", i.name) for i in rank_debug.ops()
+    }
+    assert set(view.collectives) <= {i for i, e in anywhere.items() if e.collective}
+    assert all(anywhere[i].kind == "backward" for i in view.elements if i.startswith("b-"))
 
 
 def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
