@@ -63,8 +63,7 @@ STATE: tuple[str, ...] = (
     "metrics", "timeline", "history", "history_plots", "message", "profile", "all_layers",
     "policy_json", "modules", "ops", "can_undo", "can_redo", "export_format", "export_code",
     "export_path", "running", "status", "run_result", "budget_range", "suggest_method",
-    "offload_text",
-    "suggest_host_budget_bytes", "has_fsdp", "fsdp_reshard",
+    "suggest_host_budget_bytes", "has_fsdp", "fsdp_reshard", "offload_text",
 )  # fmt: skip
 _WORDS = {"save": "saved", "recompute": "recomputed", "offload": "offloaded"}
 

@@ -198,7 +198,7 @@ def peak_ids(graph: JointGraph, estimator: Estimator, peak_node: str, picture: V
     return [
         element_id
         for element_id, element in picture.elements.items()
-        if (element.kind in ("op", "module") and targets & set(element.nodes))
+        if (element.kind in ("op", "copy", "module") and targets & set(element.nodes))
         or (element.kind == "backward" and element.name == module)
     ]
 
