@@ -21,7 +21,7 @@ from workbench.decide.policy import Policy
 from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
 from workbench.show.viz import Element, View, expand, render_view, svg_id
-from workbench.show.widgets import ExplorerModel, panels, session
+from workbench.show.widgets import ExplorerModel, panels, policy_edits, session
 from workbench.show.widgets.model import STATE, load_source
 from workbench.show.widgets.panels import (
     BUDGET_STOPS,
@@ -38,6 +38,15 @@ from workbench.show.widgets.panels import (
     run_status,
     search_matches,
     timeline_panel,
+)
+from workbench.show.widgets.policy_edits import (
+    edited,
+    op_switch,
+    with_offload,
+    with_override,
+    with_selector,
+    with_selector_action,
+    without_selector,
 )
 from workbench.show.widgets.session import EXPORT_NAMES, Exports, History, Point, default_autosave
 from workbench.show.widgets.suggest import rebased, suggestion
@@ -330,3 +339,30 @@ def test_load_source_refuses_what_it_cannot_explore(small: Fixture) -> None:
     assert load_source(graph) == (graph, None)
     with pytest.raises(WorkbenchError, match="takes a JointGraph, a Workload or a model name"):
         load_source(3.5)  # type: ignore[arg-type]
+
+
+def test_policy_edits_keep_what_they_do_not_edit(small: Fixture) -> None:
+    graph = small[1]
+    start = Policy("eager", fsdp_reshard=False, offload=OffloadOptions(None, 2, 0))
+    assert doctest.testmod(policy_edits).failed == 0
+    assert edited(start, preset="full") == dataclasses.replace(start, preset="full")
+    select = op_switch("layers.*.attention", "aten.mm.default", "save")
+    one = with_selector(graph, start, select, "save")
+    two = with_selector_action(one, 0, "recompute")
+    assert [s.action for s in two.selectors] == ["recompute"] and two.offload == start.offload
+    assert without_selector(two, 0) == start
+    with pytest.raises(WorkbenchError, match="no module matches"):
+        with_selector(graph, start, "layers.*.nope::aten.mm.default", "save")
+    with pytest.raises(WorkbenchError, match="no selector #3; there are 1"):
+        without_selector(one, 3)
+    with pytest.raises(WorkbenchError, match="action 'keep' must be one of"):
+        op_switch("", "aten.mm.default", "keep")
+    assert op_switch("", "aten.mm.default", "save") == "**::aten.mm.default"
+    key = "layers.*.feed_forward.w1::aten.mm.default#0"
+    overridden = dataclasses.replace(start, overrides={key: "recompute"})
+    assert with_override(overridden, key, "save").overrides == {key: "save"}
+    assert with_override(overridden, key, None).overrides == {}
+    with pytest.raises(WorkbenchError, match="no override 'nope'; the policy has 1"):
+        with_override(overridden, "nope", "save")
+    moved = with_offload(start, 2**30, 1, 1)
+    assert moved.offload == OffloadOptions(2**30, 1, 1) and moved.fsdp_reshard is False

@@ -10,7 +10,6 @@ Entry point: `ExplorerModel(graph_or_workload_or_model_name, policy, autosave=..
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,9 @@ from workbench.capture.ops import layer_pattern
 from workbench.capture.trace import trace
 from workbench.cost.estimate import Estimate, Estimator
 from workbench.cost.profiles import PROFILES
-from workbench.decide.decider import Decisions, decidable, decide, flip, next_action, validate
+from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
 from workbench.decide.offloadable import OffloadOptions
-from workbench.decide.policy import ACTIONS, Policy, Selector, offload_options
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import Elements, View, render_view, svg_id
@@ -42,6 +41,15 @@ from workbench.show.widgets.panels import (
     run_status,
     search_matches,
     timeline_panel,
+)
+from workbench.show.widgets.policy_edits import (
+    edited,
+    op_switch,
+    with_offload,
+    with_override,
+    with_selector,
+    with_selector_action,
+    without_selector,
 )
 from workbench.show.widgets.session import (
     Autosave,
@@ -331,12 +339,11 @@ class ExplorerModel:
         peak = format_bytes(est.peak_bytes)
         self.message = f"peak {peak} while {est.peak_node} runs ({phase}): {where}"
 
-    # --- policy edits -------------------------------------------------------------------------
+    # --- policy edits (each undoable and autosaved) -------------------------------------------
 
     def set_preset(self, name: str) -> None:
         """A new preset under the same selectors and overrides."""
-        self._change(self._edited(preset=name))
-        self._autosave()
+        self._edit(edited(self.policy, preset=name))
 
     def set_fsdp_reshard(self, reshard: bool) -> None:
         """The FSDP choice of a per-rank graph: reshard after forward (redo each parameter's
@@ -346,64 +353,40 @@ class ExplorerModel:
                 f"the graph of {self.graph.model_name!r} has no FSDP parameter all-gathers: "
                 "trace it with parallel=Parallel(fsdp=N) (--fsdp N) to choose resharding"
             )
-        self._change(self._edited(fsdp_reshard=bool(reshard)))
-        self.message = (
+        self._edit(
+            edited(self.policy, fsdp_reshard=bool(reshard)),
             "FSDP: reshard after forward (all-gathers redone in backward)"
             if reshard
-            else "FSDP: keep unsharded (gathered weights held from forward to backward)"
+            else "FSDP: keep unsharded (gathered weights held from forward to backward)",
         )
-        self._autosave()
 
     def add_selector(self, select: str, action: str) -> None:
-        """`MODULE::OP` saved or recomputed everywhere it matches (later selectors win)."""
-        selector = Selector(select, action)  # type: ignore[arg-type]
-        policy = self._edited(selectors=[*self.policy.selectors, selector])
-        validate(self.graph, policy)
-        self._change(policy)
-        self.message = f"added selector: {action} {select}"
-        self._autosave()
+        """`MODULE::OP` saved, recomputed or offloaded everywhere it matches (later win)."""
+        policy = with_selector(self.graph, self.policy, select, action)
+        self._edit(policy, f"added selector: {action} {select}")
 
     def switch_op(self, module: str, op: str, action: str) -> None:
         """Save or recompute every `op` under `module` (e.g. all aten.mm in attention)."""
-        if action not in ACTIONS:
-            raise WorkbenchError(f"action {action!r} must be one of {ACTIONS}")
-        pattern = module if module.endswith("**") else f"{module}.**" if module else "**"
-        self.add_selector(f"{pattern}::{op}", action)
+        self.add_selector(op_switch(module, op, action), action)
 
     def remove_selector(self, index: int) -> None:
-        selectors = self._selectors_with(index)
-        del selectors[index]
-        self._change(self._edited(selectors=selectors))
-        self._autosave()
+        self._edit(without_selector(self.policy, index))
 
     def edit_selector(self, index: int, action: str) -> None:
         """Change what selector #index does (save, recompute or offload)."""
-        selectors = self._selectors_with(index)
-        selectors[index] = Selector(selectors[index].select, action)  # type: ignore[arg-type]
-        self._change(self._edited(selectors=selectors))
-        self._autosave()
+        self._edit(with_selector_action(self.policy, index, action))
 
     def set_override(self, key: str, action: str | None) -> None:
         """Set one override's action, or remove it (`action=None`)."""
-        overrides = dict(self.policy.overrides)
-        if key not in overrides:
-            raise WorkbenchError(f"no override {key!r}; the policy has {len(overrides)}")
-        if action is None:
-            del overrides[key]
-        else:
-            overrides[key] = action  # type: ignore[assignment]
-        self._change(self._edited(overrides=overrides))
-        self._autosave()
+        self._edit(with_override(self.policy, key, action))
 
     def set_offload(
         self, budget_bytes: int | None = None, prefetch_layers: int = 1, defer_layers: int = 0
     ) -> None:
         """The policy's offload options: host budget (None: no limit), reload N layers early,
-        free the device copy M layers late (checked as a policy file's are)."""
-        options = offload_options(OffloadOptions(budget_bytes, prefetch_layers, defer_layers))
-        self._change(self._edited(offload=options))
-        self.message = f"offload options: {offload_line(options)}"
-        self._autosave()
+        free the device copy M layers late."""
+        policy = with_offload(self.policy, budget_bytes, prefetch_layers, defer_layers)
+        self._edit(policy, f"offload options: {offload_line(policy.offload)}")
 
     def undo(self) -> None:
         self._apply(self.edits.undo())
@@ -415,8 +398,7 @@ class ExplorerModel:
 
     def reset(self) -> None:
         """Back to the preset alone, keeping its FSDP choice (undoable)."""
-        self._change(self._edited(selectors=[], overrides={}))
-        self._autosave()
+        self._edit(edited(self.policy, selectors=[], overrides={}))
 
     def restore(self, index: int) -> None:
         """Load the policy of a point in the history (undoable), and the host budget its
@@ -521,19 +503,12 @@ class ExplorerModel:
 
     # --- state --------------------------------------------------------------------------------
 
-    def _edited(self, **changes: Any) -> Policy:
-        """The current policy with some fields changed; the rest (the FSDP choice) kept."""
-        current = {
-            "selectors": list(self.policy.selectors),
-            "overrides": dict(self.policy.overrides),
-        }
-        return dataclasses.replace(self.policy, **{**current, **changes})
-
-    def _selectors_with(self, index: int) -> list[Selector]:
-        selectors = list(self.policy.selectors)
-        if not 0 <= index < len(selectors):
-            raise WorkbenchError(f"no selector #{index}; there are {len(selectors)}")
-        return selectors
+    def _edit(self, policy: Policy, message: str = "") -> None:
+        """Make an edited policy current, say so when there is something to say, autosave."""
+        self._change(policy)
+        if message:
+            self.message = message
+        self._autosave()
 
     def _change(self, policy: Policy) -> None:
         """Make `policy` current (undoable); decided first, so a bad one changes nothing."""
