@@ -17,7 +17,9 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.show.viz import render_overview, svg_id
 from workbench.show.widgets import PolicyExplorer
+from workbench.show.widgets.model import STATE
 from workbench.show.widgets.session import Autosave, Edits, History, Point
+from workbench.units import format_bytes
 
 Fixture = tuple[Workload, JointGraph]
 
@@ -118,7 +120,7 @@ def test_forced_and_backward_clicks_explain_and_change_nothing(
     backward = next(i.name for i in graph.nodes.values() if i.phase == "backward")
     send(ex, type="click", id=svg_id("n", backward))
     assert "backward node" in ex.message and ex.policy_json == before
-    send(ex, type="click", id="b-layers.0.attention")
+    send(ex, type="click", id=svg_id("b", "layers.0.attention"))
     assert "backward ops of layers.0.attention" in ex.message
     send(ex, type="click", id="m-")
     assert "outside any module" in ex.message
@@ -333,8 +335,8 @@ def test_clicking_a_folded_layer_frame_opens_the_layer(
     send(ex, type="click", id=frame)
     assert ex.view == "layer:0" and ex.message == ""
     send(ex, type="show", view="overview")
-    send(ex, type="click", id=svg_id("g", "layers.0–1 ×2"))  # an older id with the count
-    assert ex.view == "layer:0"
+    send(ex, type="click", id=svg_id("g", "layers.0–1 ×2"))  # no view draws this id
+    assert ex.view == "overview" and "no decision to flip" in ex.message
 
 
 def test_history_is_retimed_per_profile_and_measured_points_stand_apart(
@@ -577,8 +579,9 @@ def test_session_pieces_without_a_widget(tmp_path: Path) -> None:
 
 def test_edits_keep_the_fsdp_choice(peaky: Fixture, tmp_path: Path) -> None:
     """Preset, selector, override and reset edits change only their own field."""
-    widget = explorer(peaky, tmp_path)
-    widget._change(Policy("default", fsdp_reshard=False))
+    workload, graph = peaky
+    start = Policy("default", fsdp_reshard=False)
+    widget = PolicyExplorer(graph, start, workload=workload, autosave=tmp_path / "policy.json")
     widget.set_preset("eager")
     widget.add_selector("layers.*.attention.**::aten.mm.default", "save")
     widget.edit_selector(0, "recompute")
@@ -586,3 +589,55 @@ def test_edits_keep_the_fsdp_choice(peaky: Fixture, tmp_path: Path) -> None:
     widget.reset()
     assert widget.policy.preset == "eager" and widget.policy.fsdp_reshard is False
     assert widget.policy.selectors == [] and widget.policy.overrides == {}
+
+
+# --- issue 23: the widget is a shell around the plain-Python model ---------------------------
+
+
+def test_every_model_state_is_a_synced_traitlet_and_repr_names_the_session(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
+    synced = set(ex.keys) - {"presets", "profiles", "export_formats"}
+    assert {n for n in synced if not n.startswith("_") and n not in ("layout", "tabbable",
+            "tooltip")} == set(STATE)  # fmt: skip
+    for name in STATE:
+        assert getattr(ex, name) == getattr(ex.model, name), name
+    assert repr(ex) == "PolicyExplorer(llama3-debug, policy eager)"
+    ex.flip("mm_4")
+    assert repr(ex) == "PolicyExplorer(llama3-debug, policy eager + 1 edits)"
+
+
+def test_traitlets_set_from_outside_reach_the_model(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    ex.profile = "cpu"
+    assert ex.model.profile == "cpu" and ex.metrics["profile"] == "cpu"
+    ex.profile = "tpu"  # refused: the message says why, the traitlet shows the model's again
+    assert ex.profile == "cpu" and "unknown profile 'tpu'" in ex.message
+    ex.export_format = "cobol"
+    assert ex.export_format == "policy_fn" and "unknown export format" in ex.message
+    ex.suggest_host_budget_bytes = 2**20
+    assert ex.model.suggest_host_budget_bytes == 2**20 and "up to 1.0 MiB" in ex.message
+    ex.all_layers = False
+    assert not ex.model.all_layers
+
+
+def test_figures_reach_the_front_end_as_text(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    stops, texts = ex.budget_range["stops"], ex.budget_range["texts"]
+    assert stops[0] == ex.budget_range["min"] and stops[-1] == ex.budget_range["max"]
+    assert texts == [format_bytes(b) for b in stops]
+    assert ex.timeline["labels"]["peak"] == f"peak {ex.metrics['peak']}"
+    (plot,) = ex.history_plots
+    assert plot["y"]["ticks"] and all(text == format_bytes(v) for v, text in plot["y"]["ticks"])
+    assert ex.history[0]["peak"] == ex.metrics["peak"]
+    assert ex.offload_text == ""
+    send(ex, type="offload", budget_bytes=2**30, prefetch_layers=2)
+    assert ex.offload_text == "host budget 1.0 GiB, prefetch 2 layer(s), defer 0"
+    assert ex.message == "offload options: " + ex.offload_text
+    js = (Path(__file__).parents[1] / "workbench/show/widgets/explorer.js").read_text()
+    assert "toFixed" not in js and "bytesText" not in js and "secondsText" not in js

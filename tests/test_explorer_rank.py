@@ -52,21 +52,21 @@ def test_explorer_on_a_rank_keeps_the_fsdp_choice(rank_debug: JointGraph, tmp_pa
     points = node.split("<polygon", 1)[1].split('points="', 1)[1].split('"', 1)[0]
     assert len(points.split()) == 7  # a hexagon (closed: the first corner again)
     assert COLLECTIVE_WORDS in ex.legend["lines"]
-    assert ex._decisions[gather].recompute  # reshard after forward
+    assert ex.decisions[gather].recompute  # reshard after forward
     # the toggle: keep unsharded saves every FSDP unshard chain and raises the peak
     peak = ex.metrics["peak_bytes"]
     send(ex, type="fsdp", reshard=False)
-    assert "keep unsharded" in ex.message and not ex._decisions[gather].recompute
+    assert "keep unsharded" in ex.message and not ex.decisions[gather].recompute
     assert ex.metrics["peak_bytes"] > peak
     _consistent(ex, False)
     # flip an op, then one all-gather (in every layer): the FSDP choice stays
     send(ex, type="click", id=svg_id("n", matmul))
-    assert ex._decisions[matmul].recompute and len(ex.policy.overrides) == 1
+    assert ex.decisions[matmul].recompute and len(ex.policy.overrides) == 1
     _consistent(ex, False)
     send(ex, type="click", id=svg_id("n", gather))
     assert "now recomputed" in ex.message
     twin = _layer_op(rank_debug, "layers.1.attention.wq", "all_gather_into_tensor.default")
-    assert ex._decisions[gather].recompute and ex._decisions[twin].recompute
+    assert ex.decisions[gather].recompute and ex.decisions[twin].recompute
     assert ex.details["can_flip"] and ex.details["preset_decision"] == "MUST_SAVE"
     _consistent(ex, False)
     edited = ex.policy
@@ -96,7 +96,7 @@ def test_explorer_on_a_rank_keeps_the_fsdp_choice(rank_debug: JointGraph, tmp_pa
     _consistent(ex, expected.policy.fsdp_reshard)
     send(ex, type="undo")
     send(ex, type="undo")  # the all-gather flip
-    assert not ex._decisions[gather].recompute
+    assert not ex.decisions[gather].recompute
     _consistent(ex, False)
     # the budget slider spans both FSDP choices: up to keeping everything
     high = Estimator(rank_debug, ("h100",)).estimate(Policy("none", fsdp_reshard=False))

@@ -26,9 +26,9 @@ from workbench.errors import WorkbenchError
 from workbench.rewrite.remat import remat
 from workbench.show.viz import (
     VIEWS,
+    Element,
     diff,
     expand,
-    node_from_svg_id,
     overview,
     pareto_front,
     parse_view,
@@ -44,6 +44,7 @@ from workbench.show.viz import (
     whole_graph,
 )
 from workbench.show.viz import render as render_module
+from workbench.show.viz.render import op_elements
 from workbench.show.viz.style import DECISION_KINDS, KIND_STYLE, node_kind
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -87,12 +88,13 @@ def fill_of(group: ET.Element) -> str:
 
 def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) -> None:
     decisions = decide(two_layers, mixed_policy())
-    svg = expand(two_layers, decisions, "layer:0").svg()
+    view = expand(two_layers, decisions, "layer:0")
+    svg = view.svg()
     kinds_seen = set()
     for element_id, group in svg_nodes(svg).items():
-        if not element_id.startswith("n-"):
+        if view.elements[element_id].kind != "op":
             continue
-        name = node_from_svg_id(element_id)
+        name = view.elements[element_id].name
         kind = node_kind(two_layers.nodes[name], decisions.get(name))
         kinds_seen.add(kind)
         assert fill_of(group) == KIND_STYLE[kind][0]["fillcolor"].upper(), name
@@ -109,15 +111,17 @@ def test_colours_and_legend_follow_each_decision_kind(two_layers: JointGraph) ->
         assert "peripheries=2" in line and "forced:" in line
 
 
-def test_every_svg_id_maps_back_to_its_node(two_layers: JointGraph) -> None:
-    svg = whole_graph(two_layers, decide(two_layers, Policy("default"))).svg()
-    ids = [i for i in svg_nodes(svg) if i.startswith("n-")]
-    assert sorted(node_from_svg_id(i) for i in ids) == sorted(i.name for i in two_layers.ops())
-    for odd in ("layers.0.attention", "a:b", "x-1.y", "layers.0–3.ffn"):
-        assert node_from_svg_id(svg_id("m", odd), "m") == odd
-        assert ":" not in svg_id("m", odd) and "." not in svg_id("m", odd)
-    with pytest.raises(WorkbenchError, match="'m-'"):
-        node_from_svg_id("m-norm")
+def test_every_svg_id_says_what_it_stands_for(two_layers: JointGraph) -> None:
+    view = whole_graph(two_layers, decide(two_layers, Policy("default")))
+    drawn = svg_nodes(view.svg())
+    assert set(drawn) == set(view.elements)  # every element described, nothing more
+    ops = [view.elements[i] for i in drawn if view.elements[i].kind == "op"]
+    assert sorted(e.name for e in ops) == sorted(i.name for i in two_layers.ops())
+    assert all(e.nodes == (e.name,) for e in ops)
+    odd = ("layers.0.attention", "a:b", "x-1.y", "layers.0–3.ffn", "a-2e-b", "a.b")
+    ids = [svg_id("m", name) for name in odd]
+    assert len(set(ids)) == len(odd)  # distinct names keep distinct ids
+    assert not any(":" in i or "." in i for i in ids)
 
 
 def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
@@ -137,6 +141,48 @@ def test_identical_layers_fold_into_one_box(four_layers: JointGraph) -> None:
     assert len([i for i in svg_nodes(svg) if i.startswith("n-")]) == 0  # no op nodes
 
 
+def test_overview_elements_say_what_each_box_and_frame_opens(four_layers: JointGraph) -> None:
+    view = render_overview(four_layers, decide(four_layers, Policy("default")))
+    drawn = svg_nodes(view.svg())
+    root = ET.fromstring(view.svg())
+    clusters = {g.get("id") for g in root.iter(f"{SVG}g") if g.get("class") == "cluster"}
+    assert set(view.elements) == set(drawn) | clusters  # every box and frame, nothing more
+    frame = view.elements[svg_id("g", "layers.0–3")]
+    assert (frame.kind, frame.name, frame.label, frame.layers) == (
+        "layers", "layers.0", "layers.0–3 ×4", (0, 1, 2, 3)
+    )  # fmt: skip
+    forward = {i.name for i in four_layers.ops() if i.layer is not None and i.phase == "forward"}
+    assert set(frame.nodes) == forward
+    box = view.elements[svg_id("m", "layers.0–3.attention")]
+    assert (box.kind, box.name, box.label, box.layers) == (
+        "module", "layers.0.attention", "attention", (0, 1, 2, 3)
+    )  # fmt: skip
+    assert {four_layers.nodes[n].layer for n in box.nodes} == {0, 1, 2, 3}
+    assert view.elements[svg_id("m", "norm")] == Element(
+        "module", "norm", "norm", (), tuple(view.elements[svg_id("m", "norm")].nodes)
+    )
+    bare = view.svg(legend=False)
+    assert svg_nodes(bare).keys() == drawn.keys() and "identical layers" not in bare
+    assert "identical layers" in html.unescape(view.svg())
+
+
+def test_collectives_are_named_by_the_view(rank_debug: JointGraph) -> None:
+    view = expand(rank_debug, decide(rank_debug, Policy("default")), "layer:0")
+    hexagons = {
+        i
+        for i, g in svg_nodes(view.svg()).items()
+        if [len(p.get("points", "").split()) for p in g.iter(f"{SVG}polygon")][:1] == [7]
+    }
+    assert hexagons and set(view.collectives) == hexagons
+    assert all(view.elements[i].name in rank_debug.nodes for i in hexagons)
+    anywhere = op_elements(rank_debug)
+    assert {i for i, e in anywhere.items() if e.kind == "op"} == {
+        svg_id("n", i.name) for i in rank_debug.ops()
+    }
+    assert set(view.collectives) <= {i for i, e in anywhere.items() if e.collective}
+    assert all(anywhere[i].kind == "backward" for i in view.elements if i.startswith("b-"))
+
+
 def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
     decisions = dict(decide(four_layers, Policy("default")))
     name = next(i.name for i in four_layers.ops() if i.layer == 2 and i.op == "aten.mm.default")
@@ -148,15 +194,13 @@ def test_a_changed_layer_breaks_the_fold(four_layers: JointGraph) -> None:
 def test_layer_view_holds_exactly_that_layers_forward_ops(four_layers: JointGraph) -> None:
     decisions = decide(four_layers, Policy("default"))
     view = expand(four_layers, decisions, "layer:2")
-    shown = {node_from_svg_id(i) for i in svg_nodes(view.svg()) if i.startswith("n-")}
+    shown = {e.name for e in view.elements.values() if e.kind == "op"}
     expected = {i.name for i in four_layers.ops() if i.layer == 2 and i.phase == "forward"}
     assert shown == expected
-    summaries = [i for i in svg_nodes(view.svg()) if i.startswith("b-")]
-    assert summaries and all(
-        node_from_svg_id(i, "b").startswith("layers.2") for i in summaries[:-1]
-    )
+    summaries = [e.name for e in view.elements.values() if e.kind == "backward"]
+    assert summaries and all(module.startswith("layers.2") for module in summaries[:-1])
     module = expand(four_layers, decisions, "module:layers.1.feed_forward")
-    names = {node_from_svg_id(i) for i in svg_nodes(module.svg()) if i.startswith("n-")}
+    names = {e.name for e in module.elements.values() if e.kind == "op"}
     assert names and all(
         four_layers.nodes[n].module.startswith("layers.1.feed_forward") for n in names
     )

@@ -1,10 +1,12 @@
 """Pictures of the joint graph and its decisions: networkx export, Graphviz views (overview,
 layer, diff), and matplotlib plots of memory and trade-offs.
 
-Entry points: `render_view(graph, decisions, "overview" | "layer:N" | ...)`, `diff`, the plots.
+Entry points: `render_view(graph, decisions, "overview" | "layer:N" | ...) -> View` (its
+`elements` say what each drawn id stands for), `diff`, the plots.
 """
 
 from workbench.show.viz.diff import PolicyDiff, diff, remat_diff
+from workbench.show.viz.elements import Element, ElementKind, Elements
 from workbench.show.viz.hierarchy import Overview, expand, overview, render_overview
 from workbench.show.viz.network import DiffRow, to_networkx
 from workbench.show.viz.plots import (
@@ -15,19 +17,21 @@ from workbench.show.viz.plots import (
     save_figure,
 )
 from workbench.show.viz.render import MAX_LAYOUT_NODES, View, op_view, to_svg, whole_graph
-from workbench.show.viz.style import node_from_svg_id, svg_id
+from workbench.show.viz.style import svg_id
 from workbench.show.viz.views import VIEWS, parse_view, render_view
 
 __all__ = [
     "MAX_LAYOUT_NODES",
     "VIEWS",
     "DiffRow",
+    "Element",
+    "ElementKind",
+    "Elements",
     "Overview",
     "PolicyDiff",
     "View",
     "diff",
     "expand",
-    "node_from_svg_id",
     "op_view",
     "overview",
     "pareto_front",

@@ -18,6 +18,13 @@ from workbench.show.viz.render import View
 from workbench.show.viz.style import signed
 from workbench.units import format_bytes, format_flops
 
+__all__ = [
+    "COLUMNS",
+    "PolicyDiff",
+    "diff",
+    "remat_diff",
+]
+
 COLUMNS = (
     "node", "module", "op", "before", "after", "Δ kept bytes", "Δ recompute FLOPs",
     "Δ offloaded bytes",

@@ -2,7 +2,8 @@
 and one layer or module expanded to its ops.
 
 Entry points: `overview(graph, decisions) -> Overview` (the numbers), `render_overview(...)`
-and `expand(graph, decisions, "layer:N" | "module:PATH") -> View`.
+and `expand(graph, decisions, "layer:N" | "module:PATH") -> View`; a view's `elements` say
+which module a box or frame opens and which layers it stands for.
 """
 
 from __future__ import annotations
@@ -17,10 +18,22 @@ from workbench.capture.graph import JointGraph, NodeInfo
 from workbench.cost.replay import saved_bytes_by_node
 from workbench.decide.decider import Decisions
 from workbench.errors import WorkbenchError
+from workbench.show.viz.elements import Element, Elements
 from workbench.show.viz.network import forward_side, is_offload, is_recompute, recompute_flops
 from workbench.show.viz.render import Changes, View, new_digraph, op_view
 from workbench.show.viz.style import FADED, ORANGE, SKY, WHITE, legend_label, signed, svg_id
 from workbench.units import format_bytes, format_flops
+
+__all__ = [
+    "Box",
+    "Group",
+    "Overview",
+    "expand",
+    "layer_nodes",
+    "overview",
+    "render_overview",
+    "split_layer",
+]
 
 Unit = tuple[str, int | None]  # (top-level module or layer container, layer index)
 
@@ -31,6 +44,7 @@ class Box:
 
     path: str  # `layers.0–31.attention`, `norm`, `` (top-level ops)
     title: str
+    module: str  # what a click opens: `layers.0.attention` (the first layer's), `norm`, ``
     nodes: list[str] = field(default_factory=list)
     saved_bytes: int = 0
     recompute_flops: int = 0
@@ -51,7 +65,8 @@ class Group:
     title: str  # `layers.0–31 ×32`, `tok_embeddings`
     layers: tuple[int, ...]
     boxes: dict[str, Box]  # layer-relative key -> box
-    path: str = ""  # `layers.0–31`: the title without the count, as clicks name it
+    path: str = ""  # `layers.0–31`: the title without the count, as its frame's id names it
+    module: str = ""  # what a click on its frame opens: `layers.0` (the first layer)
 
     @property
     def saved_bytes(self) -> int:
@@ -177,13 +192,18 @@ def overview(
         else:
             title = _range(prefix, layers) + (f" ×{len(layers)}" if len(layers) > 1 else "")
         span = _range(prefix, layers) if layers else prefix
-        group = Group(title=title, layers=layers, boxes={}, path=span)
+        opens = _range(prefix, layers[:1]) if layers else prefix
+        group = Group(title=title, layers=layers, boxes={}, path=span, module=opens)
         for unit in run:
             for name in units[unit]:
                 key = box_key[name]
                 if key not in group.boxes:
-                    path = f"{_range(prefix, layers)}.{key}".rstrip(".") if layers else prefix
-                    group.boxes[key] = Box(path=path, title=key or title)
+                    path, module = (
+                        (f"{span}.{key}".rstrip("."), f"{opens}.{key}".rstrip("."))
+                        if layers
+                        else (prefix, prefix)
+                    )
+                    group.boxes[key] = Box(path=path, title=key or title, module=module)
                     if layers and not key:
                         group.boxes[key].title = "(the block's own ops)"
                 group.boxes[key].nodes.append(name)
@@ -313,9 +333,18 @@ def render_overview(
         rows.append((FADED, "unchanged between the two policies"))
     dot = new_digraph("overview", legend_label(heading, lines, rows))
     dot.attr("node", shape="box")
-    nodes = 0
+    elements: Elements = {}
     for index, group in enumerate(data.groups):
         layers = len(group.layers)
+        if group.layers:
+            held = tuple(n for box in group.boxes.values() for n in box.nodes)
+            elements[svg_id("g", group.path)] = Element(
+                "layers", group.module, group.title, group.layers, held
+            )
+        for box in group.boxes.values():
+            elements[box.svg_id] = Element(
+                "module", box.module, box.title, group.layers, tuple(box.nodes)
+            )
         if not group.layers:
             (box,) = group.boxes.values()
             dot.node(
@@ -324,7 +353,6 @@ def render_overview(
                 id=box.svg_id,
                 **_box_attrs(box, bool(decisions), diffing),
             )
-            nodes += 1
             continue
         with dot.subgraph(name=f"cluster_{index}") as cluster:
             per_layer = (
@@ -346,10 +374,10 @@ def render_overview(
                     id=box.svg_id,
                     **_box_attrs(box, bool(decisions), diffing),
                 )
-                nodes += 1
     for u, v in data.edges:
         dot.edge(u, v)
-    return View(dot, nodes=nodes, edges=len(data.edges))
+    boxes = sum(e.kind == "module" for e in elements.values())
+    return View(dot, nodes=boxes, edges=len(data.edges), elements=elements)
 
 
 def layer_nodes(graph: JointGraph, target: str) -> tuple[list[str], str]:

@@ -17,6 +17,17 @@ from workbench.capture.graph import JointGraph, NodeInfo
 from workbench.decide.decider import Decisions
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX
 
+__all__ = [
+    "DiffRow",
+    "forward_side",
+    "is_offload",
+    "is_recompute",
+    "node_facts",
+    "original_of",
+    "recompute_flops",
+    "to_networkx",
+]
+
 
 def forward_side(info: NodeInfo) -> bool:
     """Forward and loss ops: the ones whose outputs are saved or recomputed."""

@@ -20,6 +20,16 @@ from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.show.viz.style import BLUE, ORANGE, PURPLE, SKY, VERMILLION, YELLOW
 
+__all__ = [
+    "PALETTE",
+    "TRADEOFF_KEYS",
+    "pareto_front",
+    "plot_layer_saved_bytes",
+    "plot_memory_timeline",
+    "plot_tradeoff",
+    "save_figure",
+]
+
 PALETTE = [BLUE, ORANGE, "#009E73", VERMILLION, SKY, PURPLE, YELLOW, "#999999"]
 TRADEOFF_KEYS = ("name", "peak_bytes", "step_seconds", "measured")
 

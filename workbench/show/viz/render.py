@@ -2,13 +2,15 @@
 
 Entry points: `op_view(graph, names, decisions) -> View` (a chosen set of nodes, their
 outside inputs and backward readers summarised), `whole_graph(...)`, `to_svg`, `write`.
+Every `View` says what each of its elements stands for (`View.elements`); `op_elements(graph)`
+the same for every op and backward summary any op view may draw.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import graphviz
@@ -19,6 +21,7 @@ from workbench.cost.replay import saved_bytes_by_node
 from workbench.decide.decider import Decisions
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
+from workbench.show.viz.elements import Element, Elements
 from workbench.show.viz.network import (
     DiffRow,
     forward_side,
@@ -49,6 +52,20 @@ from workbench.show.viz.style import (
 )
 from workbench.units import format_bytes, format_flops
 
+__all__ = [
+    "Changes",
+    "FORMATS",
+    "MAX_LAYOUT_NODES",
+    "View",
+    "check_layout_size",
+    "new_digraph",
+    "op_elements",
+    "op_view",
+    "to_svg",
+    "whole_graph",
+    "write",
+]
+
 # dot needs 70-125 s for ~2,000 op nodes: past this, ask for the overview instead.
 MAX_LAYOUT_NODES = 1500
 
@@ -66,15 +83,27 @@ FORMATS = ("svg", "png", "pdf", "dot")
 
 @dataclass
 class View:
-    """A laid-out-on-demand picture: the Graphviz graph and how many nodes and edges it has.
-    Jupyter shows it as SVG."""
+    """A laid-out-on-demand picture: the Graphviz graph, how many nodes and edges it has, and
+    what each element id stands for. Jupyter shows it as SVG."""
 
     dot: graphviz.Digraph
     nodes: int
     edges: int
+    elements: Elements = field(default_factory=dict)
 
-    def svg(self) -> str:
-        return to_svg(self.dot)
+    @property
+    def collectives(self) -> list[str]:
+        """Ids of the communication ops drawn (hexagons)."""
+        return [i for i, element in self.elements.items() if element.collective]
+
+    def svg(self, legend: bool = True) -> str:
+        """The SVG; `legend=False` leaves out the title and legend (a front end that draws
+        its own beside the picture)."""
+        if legend:
+            return to_svg(self.dot)
+        bare = self.dot.copy()
+        bare.graph_attr["label"] = ""
+        return to_svg(bare)
 
     def write(self, path: str | Path, overwrite: bool = False) -> Path:
         return write(self.dot, path, overwrite)
@@ -239,9 +268,18 @@ def op_view(
     dot = new_digraph("ops", legend_label(heading, lines, _legend_rows(kinds, diffing)))
     if len(members) > QUICK_LAYOUT_ABOVE:
         dot.graph_attr.update(QUICK_LAYOUT)
+    elements: Elements = {}
     for name in [*shown, *copies]:
         kind = _kind(graph, name, decisions)
         change = changes.get(name)
+        traced = original_of(name) if name in copies else name
+        assert traced is not None
+        elements[svg_id("n", name)] = Element(
+            "copy" if name in copies else "op",
+            traced,
+            nodes=(traced,),
+            collective=name in collectives,
+        )
         dot.node(
             svg_id("n", name),
             _op_label(graph, name, decisions, kept, change),
@@ -265,6 +303,7 @@ def op_view(
                 module = info.module
                 if module not in outside:
                     outside[module] = None
+                    elements[svg_id("i", module)] = Element("input", module)
                     dot.node(
                         svg_id("i", module),
                         f"from {module or '(top level)'}",
@@ -285,6 +324,7 @@ def op_view(
                 continue  # recomputed chains outside the view
             readers[info.module][name] = None
     for module, values in readers.items():
+        elements[svg_id("b", module)] = Element("backward", module)
         dot.node(
             svg_id("b", module),
             f"backward of {module or '(top level)'}\nreads {len(values)} value(s) from here",
@@ -316,7 +356,20 @@ def op_view(
             tooltip="recomputed copy of this node",
         )
         edges += 1
-    return View(dot, nodes=len(members) + len(outside) + len(readers), edges=edges)
+    return View(dot, len(members) + len(outside) + len(readers), edges, elements)
+
+
+def op_elements(graph: JointGraph) -> Elements:
+    """The element every op view draws for each op of the graph and for each module's
+    backward summary, by id: what a click names when the view it came from is gone."""
+    ops = list(graph.ops())
+    elements: Elements = {
+        svg_id("n", i.name): Element("op", i.name, nodes=(i.name,), collective=is_collective(i))
+        for i in ops
+    }
+    for module in sorted({i.module for i in ops if i.phase == "backward"}):
+        elements[svg_id("b", module)] = Element("backward", module)
+    return elements
 
 
 def whole_graph(

@@ -1,8 +1,7 @@
 """How pictures look: the colour-blind-safe palette, node kinds, legend rows and units.
 
 Entry points: `node_kind(info, decision)`, `KIND_STYLE`, `COLLECTIVE_STYLE`,
-`legend_label(rows)`, `svg_id` /
-`node_from_svg_id`, and the label helpers `format_bytes` and `format_flops`.
+`legend_label(rows)`, `svg_id` and the label helpers `short_shape`, `forced_words`, `signed`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,33 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import COLLECTIVE_OPS, NodeInfo
 from workbench.decide.tags import Tag
-from workbench.errors import WorkbenchError
+
+__all__ = [
+    "BLUE",
+    "COLLECTIVE_STYLE",
+    "COLLECTIVE_WORDS",
+    "DECISION_KINDS",
+    "FADED",
+    "GREEN",
+    "GREY",
+    "KIND_STYLE",
+    "Kind",
+    "ORANGE",
+    "PURPLE",
+    "SKY",
+    "VERMILLION",
+    "WHITE",
+    "YELLOW",
+    "forced_words",
+    "is_collective",
+    "kind_rows",
+    "legend_label",
+    "node_kind",
+    "short_shape",
+    "signed",
+    "svg_id",
+    "swatch",
+]
 
 Kind = Literal[
     "must_save",
@@ -126,21 +151,13 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 
 def svg_id(kind: str, name: str) -> str:
     """A Graphviz- and SVG-safe id: `KIND-` + the name with other characters as `-XX-` hex
-    (`:` would be read as a port, `.` breaks CSS selectors). `node_from_svg_id` reverses it."""
+    (`:` would be read as a port, `.` breaks CSS selectors). What an id stands for is in its
+    view's `elements`, never read back from the id.
+
+    >>> svg_id("n", "mm_4"), svg_id("m", "layers.0–1.ffn")
+    ('n-mm_4', 'm-layers-2e-0-2013-1-2e-ffn')
+    """
     return f"{kind}-" + _UNSAFE.sub(lambda m: f"-{ord(m.group()):02x}-", name)
-
-
-def node_from_svg_id(element_id: str, kind: str = "n") -> str:
-    """The node name (or module path) an SVG `<g id=...>` stands for."""
-    prefix = f"{kind}-"
-    if not element_id.startswith(prefix):
-        raise WorkbenchError(
-            f"SVG id {element_id!r} is not a {kind!r} element; op nodes start with 'n-', "
-            "module boxes with 'm-', backward summaries with 'b-', outside inputs with 'i-'"
-        )
-    return re.sub(
-        r"-([0-9a-f]{2,})-", lambda m: chr(int(m.group(1), 16)), element_id[len(prefix) :]
-    )
 
 
 def swatch(colour: str) -> str:

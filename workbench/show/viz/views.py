@@ -16,6 +16,12 @@ from workbench.show.viz.diff import diff
 from workbench.show.viz.hierarchy import expand, render_overview
 from workbench.show.viz.render import View, whole_graph
 
+__all__ = [
+    "VIEWS",
+    "parse_view",
+    "render_view",
+]
+
 VIEWS = ("overview", "layer:N", "module:PATH", "diff:OTHER_POLICY", "graph")
 
 

@@ -1,5 +1,6 @@
 // Policy explorer front end: draws the Python state and forwards clicks as messages.
 // All decisions, estimates and history live in Python; here only drawing, zoom and pan.
+// Every figure arrives as text from Python (workbench.units): nothing is formatted here.
 
 const h = (tag, attrs = {}, ...children) => {
   const node = document.createElement(tag);
@@ -21,50 +22,26 @@ const s = (tag, attrs = {}, text = null) => {
   return node;
 };
 
-function bytesText(bytes) {
-  if (bytes >= 2 ** 30) return `${(bytes / 2 ** 30).toFixed(2)} GiB`;
-  if (bytes >= 2 ** 20) return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
-  return `${(bytes / 2 ** 10).toFixed(0)} KiB`;
-}
-
-function secondsText(seconds) {
-  if (seconds >= 1) return `${seconds.toFixed(2)} s`;
-  if (seconds >= 1e-3) return `${(seconds * 1e3).toFixed(seconds >= 0.1 ? 0 : 2)} ms`;
-  return `${(seconds * 1e6).toFixed(0)} µs`;
-}
-
-// Three round tick values spanning [lo, hi].
-function ticks(lo, hi) {
-  if (!(hi > lo)) return [lo];
-  const step = 10 ** Math.floor(Math.log10((hi - lo) / 2));
-  const nice = [1, 2, 5, 10].map((m) => m * step).find((d) => (hi - lo) / d <= 4) ?? step * 10;
-  const out = [];
-  for (let v = Math.ceil(lo / nice) * nice; v <= hi + 1e-12; v += nice) out.push(v);
-  return out.length ? out : [lo, hi];
-}
-
-// A scatter of peak memory against step time with labelled axes; marks are circles
-// (estimates) or squares (measured); clicking one restores its policy.
-function scatterPlot(points, title, xLabel, current, onPick) {
+// A scatter of peak memory against step time; `plot` (from Python) gives its title, axis
+// ranges and labelled ticks. Marks are circles (estimates) or squares (measured); clicking
+// one restores its policy.
+function scatterPlot(points, plot, current, onPick) {
   const W = 320, H = 200, L = 58, B = 34, T = 8, R = 10;
   const svg = s("svg", { width: W, height: H, class: "sacwb-scatter" });
-  const xs = points.map((p) => p.step_seconds), ys = points.map((p) => p.peak_bytes);
-  let [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
-  const padX = (x1 - x0) * 0.08 || x0 * 0.05 || 1e-6, padY = (y1 - y0) * 0.08 || y0 * 0.05 || 1;
-  [x0, x1, y0, y1] = [x0 - padX, x1 + padX, y0 - padY, y1 + padY];
-  const X = (v) => L + ((v - x0) / (x1 - x0)) * (W - L - R);
-  const Y = (v) => H - B - ((v - y0) / (y1 - y0)) * (H - B - T);
+  const { x, y } = plot;
+  const X = (v) => L + ((v - x.lo) / (x.hi - x.lo)) * (W - L - R);
+  const Y = (v) => H - B - ((v - y.lo) / (y.hi - y.lo)) * (H - B - T);
   svg.append(s("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "sacwb-axis" }),
     s("line", { x1: L, y1: T, x2: L, y2: H - B, class: "sacwb-axis" }));
-  for (const v of ticks(x0, x1)) {
+  for (const [v, text] of x.ticks) {
     svg.append(s("line", { x1: X(v), y1: H - B, x2: X(v), y2: H - B + 4, class: "sacwb-axis" }),
-      s("text", { x: X(v), y: H - B + 14, "text-anchor": "middle", class: "sacwb-tick-x" }, secondsText(v)));
+      s("text", { x: X(v), y: H - B + 14, "text-anchor": "middle", class: "sacwb-tick-x" }, text));
   }
-  for (const v of ticks(y0, y1)) {
+  for (const [v, text] of y.ticks) {
     svg.append(s("line", { x1: L - 4, y1: Y(v), x2: L, y2: Y(v), class: "sacwb-axis" }),
-      s("text", { x: L - 6, y: Y(v) + 3, "text-anchor": "end", class: "sacwb-tick-y" }, bytesText(v)));
+      s("text", { x: L - 6, y: Y(v) + 3, "text-anchor": "end", class: "sacwb-tick-y" }, text));
   }
-  svg.append(s("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", class: "sacwb-axis-label" }, xLabel),
+  svg.append(s("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", class: "sacwb-axis-label" }, plot.x_label),
     s("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", class: "sacwb-axis-label",
       transform: `rotate(-90 12 ${(T + H - B) / 2})` }, "peak memory"));
   const front = points.filter((p) => p.pareto).sort((a, b) => a.step_seconds - b.step_seconds);
@@ -77,11 +54,11 @@ function scatterPlot(points, title, xLabel, current, onPick) {
     const mark = p.measured
       ? s("rect", { class: cls, x: X(p.step_seconds) - 5, y: Y(p.peak_bytes) - 5, width: 10, height: 10 })
       : s("circle", { class: cls, cx: X(p.step_seconds), cy: Y(p.peak_bytes), r: 5 });
-    mark.append(s("title", {}, `${p.name}: ${bytesText(p.peak_bytes)}, ${secondsText(p.step_seconds)}${p.measured ? ` measured on ${p.profile}` : ""}`));
+    mark.append(s("title", {}, `${p.name}: ${p.peak}, ${p.step}${p.measured ? ` measured on ${p.profile}` : ""}`));
     mark.addEventListener("click", () => onPick(p.index));
     svg.append(mark);
   }
-  return h("div", { class: "sacwb-plot" }, h("div", { class: "sacwb-subtitle" }, title), svg);
+  return h("div", { class: "sacwb-plot" }, h("div", { class: "sacwb-subtitle" }, plot.title), svg);
 }
 
 function render({ model, el }) {
@@ -219,8 +196,13 @@ function render({ model, el }) {
     offloadRow);
   const scatter = h("div", { class: "sacwb-history" });
   const budgetText = h("span", { class: "sacwb-budget-text" });
-  const budget = h("input", { type: "range", class: "sacwb-budget", step: "any",
-    oninput: () => { budget.dataset.touched = "1"; budgetText.textContent = bytesText(Number(budget.value)); } });
+  // the slider walks Python's stops (bytes and their text); Suggest sends the bytes
+  const stop = () => {
+    const range = model.get("budget_range"), i = Number(budget.value);
+    return { bytes: range.stops?.[i], text: range.texts?.[i] ?? "" };
+  };
+  const budget = h("input", { type: "range", class: "sacwb-budget", min: 0, step: 1,
+    oninput: () => { budget.dataset.touched = "1"; budgetText.textContent = stop().text; } });
   const hostBudget = h("input", { type: "number", min: 0, step: 0.25, class: "sacwb-host-budget", style: "width: 5em",
     title: "host memory Suggest and Sweep may offload to, in GiB (0: no offload)",
     onchange: () => send({ type: "host_budget", bytes: Math.round(Math.max(0, Number(hostBudget.value || 0)) * 2 ** 30) }) });
@@ -228,7 +210,7 @@ function render({ model, el }) {
     h("div", { class: "sacwb-title" }, "Suggest a policy for a memory budget"),
     h("div", {}, budget, " ", budgetText, " ",
       h("button", { class: "sacwb-suggest-go", title: "the solver's cheapest policy under this peak",
-        onclick: () => send({ type: "suggest", budget: Math.round(Number(budget.value)) }) }, "Suggest"),
+        onclick: () => send({ type: "suggest", budget: stop().bytes }) }, "Suggest"),
       " ",
       h("button", { class: "sacwb-sweep", title: "add the solver's memory-vs-time front to the history",
         onclick: () => send({ type: "sweep" }) }, "Sweep front")),
@@ -314,14 +296,12 @@ function render({ model, el }) {
       const X = (f) => pad + f * (W - 2 * pad), Y = (v) => H - pad - (v / t.max) * (H - 2 * pad - 10);
       const pts = values.map((v, i) => `${X(i / (values.length - 1))},${Y(v)}`);
       svg.append(s("polygon", { points: `${X(0)},${H - pad} ${pts.join(" ")} ${X(1)},${H - pad}`, class: "sacwb-timeline-area" }));
-      const marks = t.marks ?? {};
-      const mark = (f, cls, label) => {
+      const marks = t.marks ?? {}, labels = t.labels ?? {};
+      for (const [kind, f] of Object.entries(marks)) {
+        const cls = kind === "peak" ? "sacwb-mark-peak" : "sacwb-mark-selected";
         svg.append(s("line", { x1: X(f), x2: X(f), y1: 10, y2: H - pad, class: cls }));
-        svg.append(s("text", { x: Math.min(X(f) + 2, W - 60), y: 9, class: cls }, label));
-      };
-      if (marks.peak !== undefined) mark(marks.peak, "sacwb-mark-peak", `peak ${bytesText(t.max)}`);
-      if (marks.selected !== undefined) mark(marks.selected, "sacwb-mark-selected", model.get("selected"));
-      if (marks.recomputed !== undefined) mark(marks.recomputed, "sacwb-mark-selected", "recomputed");
+        svg.append(s("text", { x: Math.min(X(f) + 2, W - 60), y: 9, class: cls }, labels[kind] ?? kind));
+      }
     }
     timeline.replaceChildren(h("div", { class: "sacwb-subtitle" }, `live memory over the step (${t.steps ?? 0} ops)`), svg);
   };
@@ -356,12 +336,8 @@ function render({ model, el }) {
         h("td", {}, actionSelect("sacwb-row-action", action, (a) => send({ type: "override", key, action: a }))),
         h("td", { class: "sacwb-key" }, key), h("td", {}, remove({ type: "override", key }, "override"))));
     }
-    if (policy.offload) {
-      const o = policy.offload;
-      const budget = o.budget_bytes === null ? "no limit" : `${o.budget_bytes} bytes`;
-      rows.push(h("tr", { class: "sacwb-row-offload" }, h("td", {}, "offload"),
-        h("td", {}, `host budget ${budget}, prefetch ${o.prefetch_layers} layer(s), defer ${o.defer_layers}`), h("td", {})));
-    }
+    const offload = model.get("offload_text");
+    if (offload) rows.push(h("tr", { class: "sacwb-row-offload" }, h("td", {}, "offload"), h("td", {}, offload), h("td", {})));
     const count = (policy.selectors ?? []).length + Object.keys(policy.overrides ?? {}).length;
     policyRows.replaceChildren(
       h("div", { class: "sacwb-title" }, `Policy: preset ${policy.preset}, ${(policy.selectors ?? []).length} selectors, ${Object.keys(policy.overrides ?? {}).length} overrides`),
@@ -373,13 +349,10 @@ function render({ model, el }) {
     const points = model.get("history");
     const current = JSON.stringify(model.get("policy_json"));
     const pick = (index) => send({ type: "restore", index });
-    const estimated = points.filter((p) => !p.measured), measured = points.filter((p) => p.measured);
     const parts = [h("div", { class: "sacwb-title" }, "History: peak memory vs step time"),
       h("div", { class: "sacwb-hint" }, "● estimate  ■ measured  - - Pareto front; click a point to restore it")];
-    if (estimated.length) parts.push(scatterPlot(estimated, `estimated on ${model.get("profile")}`, `step time on ${model.get("profile")} (estimate)`, current, pick));
-    if (measured.length) {
-      const device = measured[0].profile;
-      parts.push(scatterPlot(measured, `measured (Run) on ${device}`, `step time measured on ${device}`, current, pick));
+    for (const plot of model.get("history_plots")) {
+      parts.push(scatterPlot(points.filter((p) => p.measured === plot.measured), plot, current, pick));
     }
     scatter.replaceChildren(...parts);
   };
@@ -404,12 +377,16 @@ function render({ model, el }) {
 
   const drawBudget = () => {
     if (document.activeElement !== hostBudget) hostBudget.value = model.get("suggest_host_budget_bytes") / 2 ** 30;
-    const range = model.get("budget_range");
-    if (range.min === undefined) return;
-    budget.min = range.min;
-    budget.max = range.max;
-    if (!budget.dataset.touched) budget.value = model.get("metrics").peak_bytes ?? range.max;
-    budgetText.textContent = bytesText(Number(budget.value));
+    const stops = model.get("budget_range").stops ?? [];
+    if (!stops.length) return;
+    budget.max = stops.length - 1;
+    if (!budget.dataset.touched) {
+      // the stop nearest the current peak
+      const peak = model.get("metrics").peak_bytes ?? stops[stops.length - 1];
+      const nearest = stops.reduce((best, b, i) => (Math.abs(b - peak) < Math.abs(stops[best] - peak) ? i : best), 0);
+      budget.value = nearest;
+    }
+    budgetText.textContent = stop().text;
   };
 
   const drawAll = () => {
@@ -423,7 +400,10 @@ function render({ model, el }) {
   model.on("change:timeline", drawTimeline);
   model.on("change:details", drawDetails);
   model.on("change:policy_json", () => { drawPolicy(); drawControls(); drawHistory(); });
+  model.on("change:offload_text", drawPolicy);
   model.on("change:history", drawHistory);
+  model.on("change:history_plots", drawHistory);
+  model.on("change:budget_range", drawBudget);
   model.on("change:suggest_host_budget_bytes", drawBudget);
   for (const name of ["message", "status", "running", "can_undo", "can_redo", "export_code", "export_format", "profile", "all_layers", "export_path", "fsdp_reshard", "has_fsdp"]) {
     model.on(`change:${name}`, drawControls);

@@ -1,8 +1,10 @@
 """The explorer's session state in plain Python (no Jupyter): undo/redo, the history of tried
-policies, and the autosave file that never loses a user's policy.
+policies, the autosave file that never loses a user's policy, and the export file.
 
-Entry points: `Edits` (undo/redo), `History` (tried policies, re-timed per profile) and
-`Autosave` (`recover(graph, start)`, `save(policy)`), all testable without a browser.
+Entry points: `Edits` (undo/redo), `History` (tried policies, re-timed per profile),
+`Autosave` (`recover(graph, start)`, `save(policy)`, `default_autosave(model_name)`) and
+`Exports` (the policy as code, saved without replacing anyone's file), all testable without
+a browser.
 """
 
 from __future__ import annotations
@@ -17,9 +19,20 @@ from workbench.decide.decider import restrict
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
+from workbench.interop.export import FORMATS, export
 from workbench.show.viz import pareto_front
+from workbench.units import format_bytes, format_seconds
 
-__all__ = ["Autosave", "Edits", "History", "Point", "policy_label"]
+__all__ = [
+    "EXPORT_NAMES",
+    "Autosave",
+    "Edits",
+    "Exports",
+    "History",
+    "Point",
+    "default_autosave",
+    "policy_label",
+]
 
 
 class Edits:
@@ -110,13 +123,14 @@ class History:
 
     def to_json(self, profile: str) -> list[dict[str, Any]]:
         """Points for the plot: `step_seconds` on `profile` for estimates (the measured time
-        for measured points) and `pareto` within each kind."""
+        for measured points) and `pareto` within each kind; `peak` and `step` as text."""
         rows = []
         for index, p in enumerate(self.points):
             seconds = next(iter(p.seconds.values())) if p.measured else p.seconds[profile]
             rows.append({
                 "index": index, "name": p.name, "policy": p.policy, "peak_bytes": p.peak_bytes,
                 "step_seconds": seconds, "measured": p.measured,
+                "peak": format_bytes(p.peak_bytes), "step": format_seconds(seconds),
                 "profile": next(iter(p.seconds)) if p.measured else profile,
                 **({"solver": p.solver} if p.solver else {}), **p.extra,
             })  # fmt: skip
@@ -226,3 +240,88 @@ class Autosave:
         except (WorkbenchError, OSError) as err:
             reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             return f"NOT autosaved to {self.path}: {reason}. Your edits live only in this explorer"
+
+
+def default_autosave(model_name: str) -> Path:
+    """`MODEL.policy.json` in `$SAC_WORKBENCH_AUTOSAVE_DIR` (tests point it at a temporary
+    folder, so a test run leaves nothing for the next session), else the working folder."""
+    folder = os.environ.get("SAC_WORKBENCH_AUTOSAVE_DIR") or "."
+    return Path(folder) / f"{model_name}.policy.json"
+
+
+# File name endings of each export format: code is `.py`, torchtitan's options are command
+# line flags for its run script, the policy itself is JSON.
+EXPORT_NAMES = {
+    "policy_fn": "_sac_policy_fn.py",
+    "graph_pass": "_sac_graph_pass.py",
+    "torchtitan": "_sac_torchtitan.sh",
+    "json": "_sac_policy.json",
+}
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+class Exports:
+    """The policy as code in one format, and the file it goes to.
+
+    The file is named for the model and the format (`MODEL_sac_policy_fn.py` beside the
+    autosave file); a chosen name keeps its stem when the format changes. `save` replaces
+    only a file this session wrote and nobody changed since.
+    """
+
+    def __init__(self, model_name: str, folder: Path, fmt: str = "policy_fn") -> None:
+        self.model_name = model_name
+        self.format = _checked_format(fmt)
+        self.path = folder / (model_name + EXPORT_NAMES[fmt])
+        self.code = ""
+        self.refusal = ""  # why the format cannot say the policy ("" when it can)
+        self._written: dict[Path, str] = {}
+
+    def show(self, policy: Policy, graph: JointGraph) -> None:
+        """The code for `policy`; a format that cannot say it (policy_fn and offload) shows
+        why instead, and `save` refuses it."""
+        try:
+            self.code = export(policy, self.format, graph=graph)
+            self.refusal = ""
+        except WorkbenchError as err:
+            self.refusal = str(err)
+            self.code = f"# cannot export as {self.format}: {err}\n"
+
+    def set_format(self, fmt: str) -> None:
+        """Change the format (call `show` next); the file's ending follows it."""
+        _checked_format(fmt)
+        old, self.format = self.format, fmt
+        if self.path.name == self.model_name + EXPORT_NAMES[old]:
+            self.path = self.path.with_name(self.model_name + EXPORT_NAMES[fmt])
+        else:
+            self.path = self.path.with_suffix(Path(EXPORT_NAMES[fmt]).suffix)
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the shown code to `path` (default: the current file), which becomes the
+        current file. A file that changed since this session wrote it is kept."""
+        if self.refusal:
+            raise WorkbenchError(self.refusal)
+        target = Path(path or self.path)
+        if target.is_dir():
+            raise WorkbenchError(f"{str(target)!r} is a folder: name a file to export to")
+        ours = self._written.get(target)
+        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours.encode()):
+            raise WorkbenchError(
+                f"{str(target)!r} exists and was not written by this explorer (or was edited "
+                "since): choose another export path"
+            )
+        write_file(target, self.code, overwrite=os.path.lexists(target))
+        self._written[target] = self.code
+        self.path = target
+        return target
+
+
+def _checked_format(fmt: str) -> str:
+    if fmt not in EXPORT_NAMES:
+        raise WorkbenchError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return fmt

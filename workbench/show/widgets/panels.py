@@ -1,0 +1,320 @@
+"""What each panel of the explorer shows, computed in plain Python from the library's answers:
+the front end draws these dicts and formats no figure itself (bytes, FLOPs and seconds come
+as text from `workbench.units`).
+
+Entry points: `metrics_panel`, `timeline_panel`, `details_panel`, `legend_panel`,
+`peak_twins` / `peak_ids` / `peak_words` (what stands for the estimate's peak), `run_status`,
+`offload_line`,
+`budget_slider`, `history_plots`, `search_matches` (what the search box finds) and
+`newly_forced` (the message line after a flip).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from workbench.capture.graph import JointGraph
+from workbench.cost.estimate import Estimate, Estimator
+from workbench.decide.decider import Decisions, decidable, rules_of
+from workbench.decide.offloadable import OffloadOptions, offload_refusal_in
+from workbench.decide.policy import Policy
+from workbench.show.viz import View
+from workbench.show.viz.style import COLLECTIVE_WORDS
+from workbench.show.widgets.session import policy_label
+from workbench.units import format_bytes, format_flops, format_seconds
+
+__all__ = [
+    "BUDGET_STOPS",
+    "NEWLY_FORCED_NAMED",
+    "TIMELINE_POINTS",
+    "budget_slider",
+    "details_panel",
+    "downsample",
+    "history_plots",
+    "legend_panel",
+    "metrics_panel",
+    "offload_line",
+    "newly_forced",
+    "peak_ids",
+    "peak_twins",
+    "peak_words",
+    "run_status",
+    "search_matches",
+    "timeline_panel",
+]
+
+TIMELINE_POINTS = 240  # columns of the small memory timeline under the metrics
+NEWLY_FORCED_NAMED = 3  # nodes a flip's message names when it forces others
+BUDGET_STOPS = 101  # positions of the memory-budget slider, every 1 % of its range
+
+
+def metrics_panel(est: Estimate, profile: str) -> dict[str, Any]:
+    """The estimate's headline figures on `profile`, each as a number and as text."""
+    step = est.step_seconds[profile]
+    return {
+        "peak_bytes": est.peak_bytes,
+        "peak": format_bytes(est.peak_bytes),
+        "peak_node": est.peak_node,
+        "saved_bytes": est.saved_activation_bytes,
+        "saved": format_bytes(est.saved_activation_bytes),
+        "recompute_flops": est.recompute_flops,
+        "recompute": format_flops(est.recompute_flops),
+        "recomputed_nodes": len(est.recomputed_nodes),
+        "profile": profile,
+        "step_seconds": step,
+        "step": format_seconds(step),
+        "tokens_per_second": est.tokens / step if step else 0.0,
+        "tokens_per_second_text": f"{est.tokens / step:,.0f} tokens/s" if step else "-",
+    }
+
+
+def downsample(values: list[int], width: int) -> list[int]:
+    """At most `width` columns, each the largest value of its span (peaks stay visible).
+
+    >>> downsample([1, 5, 2, 2, 9, 0], 3)
+    [5, 2, 9]
+    """
+    if len(values) <= width:
+        return list(values)
+    return [
+        max(values[i * len(values) // width : max((i + 1) * len(values) // width, i + 1)])
+        for i in range(width)
+    ]
+
+
+def timeline_panel(
+    est: Estimate, estimator: Estimator, decisions: Decisions, selected: str = ""
+) -> dict[str, Any]:
+    """Live bytes over the step (downsampled) with the peak marked, and the selected op where
+    it runs and where it runs again (its recomputed copy, or its reload from host memory).
+    Marks are fractions of the step; `labels` their words."""
+    totals = est.totals()
+    last = max(len(totals) - 1, 1)
+    marks = {"peak": est.peak_index / last}
+    labels = {"peak": f"peak {format_bytes(max(totals, default=0))}"}
+    if selected:
+        spots = [p for p, name in enumerate(est.order) if estimator.origin(name) == selected]
+        decision = decisions.get(selected)
+        if spots:
+            marks["selected"], labels["selected"] = spots[0] / last, selected
+        if len(spots) > 1 and decision is not None and (decision.recompute or decision.offload):
+            again = "recomputed" if decision.recompute else "reloaded"
+            marks[again], labels[again] = spots[-1] / last, again
+    return {"values": downsample(totals, TIMELINE_POINTS), "max": max(totals, default=0),
+            "steps": len(totals), "marks": marks, "labels": labels}  # fmt: skip
+
+
+def _offload_words(graph: JointGraph, decisions: Decisions, policy: Policy, name: str) -> str:
+    """Whether the op's output may be offloaded, and why not."""
+    if name not in decisions:
+        return "-"
+    refusal = offload_refusal_in(rules_of(graph).plan, decisions, name, policy.preset)
+    return "possible" if refusal is None else f"not possible: it {refusal}"
+
+
+def details_panel(
+    graph: JointGraph,
+    estimator: Estimator,
+    decisions: Decisions,
+    preset_decisions: Decisions,
+    policy: Policy,
+    name: str,
+) -> dict[str, Any]:
+    """The selected node: what it is, its decision and why, what its preset alone says."""
+    info = graph.nodes[name]
+    decision = decisions.get(name)
+    preset = preset_decisions.get(name)
+    return {
+        "name": name,
+        "op": info.op,
+        "phase": info.phase,
+        "module": info.module,
+        "layer": info.layer,
+        "shape": " · ".join("×".join(map(str, s)) for s in info.shapes) or "-",
+        "dtype": info.dtype or "-",
+        "bytes": format_bytes(info.bytes),
+        "flops": format_flops(info.flops),
+        "backward_consumers": estimator.backward_readers(name),
+        "source": info.source or "-",
+        "decision": "-" if decision is None else decision.policy.name,
+        "action": "-" if decision is None else decision.action,
+        "reason": "-" if decision is None else decision.reason,
+        "preset_decision": "-" if preset is None else preset.policy.name,
+        "can_flip": decision is not None and not decision.forced,
+        "offload": _offload_words(graph, decisions, policy, name),
+    }
+
+
+def legend_panel(
+    model_name: str, view: str, picture: View, est: Estimate, policy: Policy
+) -> dict[str, Any]:
+    """Title and lines beside the picture, read from the picture's elements (folded layers,
+    communication ops), never from its text."""
+    lines = [
+        f"kept for backward (whole step): {format_bytes(est.saved_activation_bytes)} · "
+        f"peak {format_bytes(est.peak_bytes)} at {est.peak_node}"
+    ]
+    if view == "overview":
+        for element in picture.elements.values():
+            if element.kind == "layers" and len(element.layers) > 1:
+                lines.append(
+                    f"'{element.label}': {len(element.layers)} identical layers drawn once; "
+                    "box figures are totals"
+                )
+        lines.append("box colour: share of its ops saved (blue) and recomputed (orange)")
+        if policy.offloads:
+            lines.append("box text: how many of the saved ops are offloaded to host memory")
+        lines.append("click a box to open it; click a layer's frame to open the whole layer")
+    else:
+        lines.append("blue: saved · orange: recomputed · grey note: backward ops reading it")
+        if policy.offloads:
+            lines.append("green: saved in host memory (offloaded), reloaded for backward")
+        lines.append("click an op to flip it; shift-click selects only")
+        if picture.collectives:
+            lines.append(COLLECTIVE_WORDS)
+    title = f"{model_name} · policy {policy_label(policy.to_json())}: {view}"
+    return {"title": title, "lines": lines}
+
+
+def peak_twins(graph: JointGraph, estimator: Estimator, peak_node: str) -> tuple[str, list[str]]:
+    """The traced node the peak happens at (`Estimator.origin`: a recomputed copy, a replayed
+    view or an offload step stands for its original), and the forward ops that stand for it
+    in a picture: itself, or for a backward op the forward ops of its module."""
+    name = estimator.origin(peak_node)
+    info = graph.nodes[name]
+    if decidable(info):
+        return name, [name]
+    return name, [n for n, i in graph.nodes.items() if decidable(i) and i.module == info.module]
+
+
+def peak_ids(graph: JointGraph, estimator: Estimator, peak_node: str, picture: View) -> list[str]:
+    """The drawn elements standing for the peak: its ops, the boxes holding them, and the
+    backward summary of its module."""
+    name, twins = peak_twins(graph, estimator, peak_node)
+    module = graph.nodes[name].module
+    targets = {name, *twins}
+    return [
+        element_id
+        for element_id, element in picture.elements.items()
+        if (element.kind in ("op", "copy", "module") and targets & set(element.nodes))
+        or (element.kind == "backward" and element.name == module)
+    ]
+
+
+def peak_words(graph: JointGraph, decisions: Decisions, name: str, peak_node: str) -> str:
+    """Where a view shows the peak: the op, its recomputed copy or host-memory step, or the
+    forward ops of the module whose backward runs at the peak."""
+    info = graph.nodes[name]
+    if not decidable(info):
+        return f"the backward of {info.module or 'top level'}; its forward ops are marked"
+    if peak_node == name:
+        return "this op"
+    decision = decisions.get(name)
+    if decision is not None and decision.offload:
+        return "a host-memory step of this op (offload or reload)"
+    return "its recomputed copy"
+
+
+def offload_line(options: OffloadOptions) -> str:
+    """A policy's offload options in words (its row under Policy).
+
+    >>> offload_line(OffloadOptions(2**30, 1, 0))
+    'host budget 1.0 GiB, prefetch 1 layer(s), defer 0'
+    """
+    budget = "no limit" if options.budget_bytes is None else format_bytes(options.budget_bytes)
+    return (
+        f"host budget {budget}, prefetch {options.prefetch_layers} layer(s), "
+        f"defer {options.defer_layers}"
+    )
+
+
+def run_status(run_result: dict[str, Any], policy: Policy) -> str:
+    """The last Run's result, said to be stale once the policy has changed since."""
+    r = run_result
+    if not r:
+        return ""
+    line = (
+        f"measured on {r['device']}: peak {format_bytes(r['peak_bytes'])} "
+        f"(estimated {format_bytes(r['estimated_peak_bytes'])}), "
+        f"{format_seconds(r['step_seconds'])}/step, "
+        f"{'bitwise equal to eager' if r['bitwise_equal'] else 'NOT bitwise equal'}"
+    )
+    if r["policy"] == policy.to_json():
+        return line
+    label = policy_label(r["policy"])
+    return f"last Run was for {label} ({line}); Run again to measure this policy"
+
+
+def budget_slider(low: int, high: int) -> dict[str, Any]:
+    """The memory-budget slider: its range and `BUDGET_STOPS` positions, each a byte count
+    and its text (the front end shows the text, Suggest sends the bytes)."""
+    stops = sorted({low + (high - low) * k // (BUDGET_STOPS - 1) for k in range(BUDGET_STOPS)})
+    return {"min": low, "max": high, "stops": stops, "texts": [format_bytes(b) for b in stops]}
+
+
+def _ticks(lo: float, hi: float) -> list[float]:
+    """About three round values spanning [lo, hi].
+
+    >>> _ticks(0.0, 10.0)
+    [0.0, 5.0, 10.0]
+    """
+    if not hi > lo:
+        return [lo]
+    step = 10 ** math.floor(math.log10((hi - lo) / 2))
+    nice = next((m * step for m in (1, 2, 5, 10) if (hi - lo) / (m * step) <= 4), step * 10)
+    first = math.ceil(lo / nice)
+    out = [k * nice for k in range(first, math.floor(hi / nice + 1e-9) + 1)]
+    return [float(v) for v in out] or [lo, hi]
+
+
+def _axis(values: list[float], fmt: Callable[[float], str], least: float) -> dict[str, Any]:
+    """A padded axis around `values` with labelled ticks (`least`: the padding of one value
+    that is 0)."""
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.08 or lo * 0.05 or least
+    lo, hi = lo - pad, hi + pad
+    return {"lo": lo, "hi": hi, "ticks": [[v, fmt(v)] for v in _ticks(lo, hi)]}
+
+
+def history_plots(rows: list[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
+    """One scatter per kind of history point (estimated on `profile`, measured on a device):
+    its title, axis words, and axes with their tick labels."""
+    plots = []
+    for measured in (False, True):
+        points = [r for r in rows if r["measured"] == measured]
+        if not points:
+            continue
+        where = points[0]["profile"] if measured else profile
+        plots.append({
+            "measured": measured,
+            "title": f"measured (Run) on {where}" if measured else f"estimated on {where}",
+            "x_label": f"step time measured on {where}" if measured
+            else f"step time on {where} (estimate)",
+            "x": _axis([r["step_seconds"] for r in points], format_seconds, 1e-6),
+            "y": _axis([r["peak_bytes"] for r in points], format_bytes, 1),
+        })  # fmt: skip
+    return plots
+
+
+def newly_forced(before: Decisions, after: Decisions, flipped: str) -> str:
+    """What a flip forced elsewhere (a save no request can undo), for the message line:
+    `; forced in turn: add_, add__1 saved (written in place (...))`, or nothing."""
+    forced = [n for n, d in after.items() if d.forced and n != flipped and not before[n].forced]
+    if not forced:
+        return ""
+    named, rest = ", ".join(forced[:NEWLY_FORCED_NAMED]), len(forced) - NEWLY_FORCED_NAMED
+    more = f" and {rest} more" if rest > 0 else ""
+    return f"; forced in turn: {named}{more} saved ({after[forced[0]].explanation})"
+
+
+def search_matches(graph: JointGraph, text: str) -> list[str]:
+    """Forward ops by node name (exact first), then op, then module containing `text`
+    (lower case)."""
+    infos = [i for i in graph.nodes.values() if decidable(i)]
+    exact = [i.name for i in infos if i.name.lower() == text]
+    by_name = [i.name for i in infos if text in i.name.lower() and i.name not in exact]
+    by_op = [i.name for i in infos if text in i.op.lower()]
+    by_module = [i.name for i in infos if text in i.module.lower()]
+    return list(dict.fromkeys(exact + by_name + by_op + by_module))
