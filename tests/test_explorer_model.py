@@ -1,6 +1,6 @@
 """The explorer's session without Jupyter: `ExplorerModel` driven by plain calls, the panels
 it shows computed from the library's answers, and the peak outline through
-`Estimator.origin` for every kind of step an estimate names."""
+`Estimator.traced_node` for every kind of step an estimate names."""
 
 from __future__ import annotations
 
@@ -127,14 +127,14 @@ def offloaded_node(graph: JointGraph, estimator: Estimator) -> tuple[str, Estima
 
 def test_every_step_of_an_op_outlines_that_op(small: Fixture) -> None:
     """A peak at a recomputed copy, a replayed view or an offload step (offload, free,
-    reload, wait) names its traced node through `Estimator.origin`: the outline stays."""
+    reload, wait) names its traced node through `Estimator.traced_node`: the outline stays."""
     graph = small[1]
     estimator = Estimator(graph, ["h100"])
     moved, est = offloaded_node(graph, estimator)
     recomputed = next(n for n in est.recomputed_nodes if graph.nodes[n].layer is not None)
     decisions = decide(graph, OFFLOAD)
     for name in (moved, recomputed):
-        steps = [n for n in est.order if estimator.origin(n) == name and n != name]
+        steps = [n for n in est.order if estimator.traced_node(n) == name and n != name]
         assert steps, name
         layer = graph.nodes[name].layer
         for picture in (
@@ -146,7 +146,7 @@ def test_every_step_of_an_op_outlines_that_op(small: Fixture) -> None:
             for step in steps:
                 assert peak_twins(graph, estimator, step) == (name, [name])
                 assert peak_ids(graph, estimator, step, picture) == outline
-    kinds = {n.removeprefix(moved) for n in est.order if estimator.origin(n) == moved}
+    kinds = {n.removeprefix(moved) for n in est.order if estimator.traced_node(n) == moved}
     assert {"_offload", "_reload", "_wait"} <= kinds
 
 

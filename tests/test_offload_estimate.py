@@ -171,21 +171,21 @@ def test_may_offload_names_every_way_to_ask() -> None:
     assert may_offload("full", [], {"layers.*.feed_forward.w1::aten.mm.default#0": "offload"})
 
 
-def test_origin_names_the_traced_node_behind_every_step(
+def test_traced_node_names_the_node_behind_every_step(
     small_graphs_and_rank: dict[str, JointGraph],
 ) -> None:
     graph = small_graphs_and_rank["llama3-debug"]
     estimator = Estimator(graph, PROFILES)
     est = estimator.estimate(Policy("offload", offload=OffloadOptions(defer_layers=1)))
-    origins = {name: estimator.origin(name) for name in est.order}
-    assert set(origins.values()) <= set(graph.nodes)
-    assert all(origins[n] == n for n in est.order if n in graph.nodes)
+    traced = {name: estimator.traced_node(name) for name in est.order}
+    assert set(traced.values()) <= set(graph.nodes)
+    assert all(traced[n] == n for n in est.order if n in graph.nodes)
     assert est.recomputed_nodes
-    assert {origins[f"{n}_recomputed"] for n in est.recomputed_nodes} == set(est.recomputed_nodes)
+    assert {traced[f"{n}_recomputed"] for n in est.recomputed_nodes} == set(est.recomputed_nodes)
     moved = {row["node"] for row in est.transfers}
-    assert moved and all(origins[f"{n}_{step}"] == n for n in moved for step in STEPS)
+    assert moved and all(traced[f"{n}_{step}"] == n for n in moved for step in STEPS)
     with pytest.raises(WorkbenchError, match="'nope' names no node of the estimates"):
-        estimator.origin("nope")
+        estimator.traced_node("nope")
 
 
 def test_a_value_a_collective_reads_is_freed_after_its_wait(

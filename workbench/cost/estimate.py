@@ -183,10 +183,10 @@ class Estimator:
         entry_names += [n + "_replayed" for n in names]
         entry_names += [f"{n}_{step}" for n in names for step in OFFLOAD_STEPS]
         self._entry_names = np.array(entry_names, dtype=object)
-        self._origins: dict[str, str] = {}  # entry name -> its traced node's (first wins)
+        self._traced: dict[str, str] = {}  # entry name -> its traced node's (first wins)
         nodes = self.index.entry_node(np.arange(len(entry_names))).tolist()
         for entry, node in zip(entry_names, nodes, strict=True):
-            self._origins.setdefault(entry, names[node])
+            self._traced.setdefault(entry, names[node])
         # per node: the category of a graph input's storage (-1 for other nodes); in an
         # FSDP unshard chain
         placeholders, n = self.index.placeholder_category, self.index.n
@@ -244,15 +244,15 @@ class Estimator:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
         return self.index.backward_readers(name)
 
-    def origin(self, name: str) -> str:
+    def traced_node(self, name: str) -> str:
         """The traced node a node name of this estimator's figures stands for (`peak_node`,
         `order`): a recomputed copy, a replayed view or an offload step names its
         original's."""
-        if name not in self._origins:
+        if name not in self._traced:
             raise WorkbenchError(
                 f"{name!r} names no node of the estimates of {self.graph.model_name!r}"
             )
-        return self._origins[name]
+        return self._traced[name]
 
     def estimate(self, policy: Policy | Decisions, granularity: int = 1) -> Estimate:
         """The what-if: figures for `policy` as if tagged and rematerialized by torch."""

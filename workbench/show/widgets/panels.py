@@ -95,7 +95,7 @@ def timeline_panel(
     marks = {"peak": est.peak_index / last}
     labels = {"peak": f"peak {format_bytes(max(totals, default=0))}"}
     if selected:
-        spots = [p for p, name in enumerate(est.order) if estimator.origin(name) == selected]
+        spots = [p for p, name in enumerate(est.order) if estimator.traced_node(name) == selected]
         decision = decisions.get(selected)
         if spots:
             marks["selected"], labels["selected"] = spots[0] / last, selected
@@ -179,10 +179,10 @@ def legend_panel(
 
 
 def peak_twins(graph: JointGraph, estimator: Estimator, peak_node: str) -> tuple[str, list[str]]:
-    """The traced node the peak happens at (`Estimator.origin`: a recomputed copy, a replayed
+    """The traced node the peak happens at (`Estimator.traced_node`: a recomputed copy, a replayed
     view or an offload step stands for its original), and the forward ops that stand for it
     in a picture: itself, or for a backward op the forward ops of its module."""
-    name = estimator.origin(peak_node)
+    name = estimator.traced_node(peak_node)
     info = graph.nodes[name]
     if decidable(info):
         return name, [name]
