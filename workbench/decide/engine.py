@@ -15,7 +15,7 @@ from workbench.capture.ops import module_matches
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions, decide_offload, may_offload
 from workbench.decide.plan import REQUEST_MEMO, DecidePlan, decide_plan, replayed_by
-from workbench.decide.presets import PRESETS, TITAN_PRESETS, TITAN_UNTAGGED_MODULES, Rule, _save_all
+from workbench.decide.presets import TITAN_PRESETS, TITAN_UNTAGGED_MODULES, Rule, preset_rule
 from workbench.decide.tags import MUST, SelectorRow, Tag, Why
 
 
@@ -136,7 +136,7 @@ def _requests(
     the FSDP choice and selectors; and those tags once followers took their leader's."""
     memo_key = (preset, tuple(selectors), fsdp_reshard)
     if memo_key not in plan.requested:
-        rule, fsdp = PRESETS[preset](), fsdp_tag(fsdp_reshard)
+        rule, fsdp = preset_rule(preset), fsdp_tag(fsdp_reshard)
         tags: dict[str, Tag] = {}
         for f in facts:
             forced = forced_save(f)
@@ -284,8 +284,8 @@ def decide_titan_ops(
     SDPA). Without `fsdp_reshard` (its `fsdp_reshard_after_forward="never"`), `titan-default`
     saves the unshard chains from their all-gather on (graph trainer saves the chain's last
     non-view node: the same bytes); its `full` and `eager` ignore that option."""
-    rule, overrides = PRESETS[preset](), overrides or {}
-    leave, untagged = _save_all(), Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "")
+    rule, overrides = preset_rule(preset), overrides or {}
+    leave, untagged = preset_rule("none"), Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "")
     keep = not fsdp_reshard and preset == "titan-default"
     gathered: set[str] = set()
     tags: dict[str, Tag] = {}

@@ -193,7 +193,7 @@ def _import_block(statements: Iterable[str]) -> list[str]:
 
 
 _POLICY_FN = '''
-_RULE = PRESETS[PRESET]()
+_RULE = preset_rule(PRESET)
 # The module stack kept by apply_ac's hooks, and one op counter each for the original forward
 # and the recompute (`ctx.is_recompute`). Reset at the start of every layer forward.
 _STACK: list[str] = []
