@@ -20,6 +20,7 @@ from workbench.decide.engine import decide_ops, eager_tag, forced_save, fsdp_tag
 from workbench.decide.facts import OpFacts, op_facts
 from workbench.decide.offloadable import (
     OffloadOptions,
+    Refusal,
     decide_offload,
     kept_for_backward,
     offload_refusal,
@@ -232,7 +233,7 @@ def _plain_offload_refusal(
     by_name = {f.name: f for f in facts}
     refusal = offload_refusal(by_name[name], last_layer(facts, titan), titan)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
-        return "is not kept for backward: nothing to offload"
+        return Refusal.NOT_READ.say()
     return refusal
 
 
