@@ -7,6 +7,9 @@ import importlib
 import inspect
 import random
 import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
@@ -14,9 +17,19 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.capture.ops import module_matches
-from workbench.decide import EMBEDDED
+from workbench.decide import EMBEDDED, engine
 from workbench.decide.decider import decide, flip, rules_of
-from workbench.decide.engine import decide_ops, eager_tag, forced_save, fsdp_tag, requested
+from workbench.decide.engine import (
+    STEPS,
+    TITAN_STEPS,
+    Step,
+    decide_ops,
+    decide_titan_ops,
+    eager_tag,
+    forced_save,
+    fsdp_tag,
+    requested,
+)
 from workbench.decide.facts import OpFacts, op_facts
 from workbench.decide.offloadable import (
     OffloadOptions,
@@ -158,6 +171,33 @@ def test_doctests() -> None:
         assert result.failed == 0, name
         attempted += result.attempted
     assert attempted > 0
+
+
+def _calls(function: Callable[..., Any], inline: dict[str, Callable[..., Any]]) -> list[str]:
+    """The names `function` calls, in the order of its source; a call to one of `inline` is
+    replaced by the calls in that helper's source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    names: list[str] = []
+    for call in sorted(calls, key=lambda n: (n.lineno, n.col_offset)):
+        name = call.func.id  # type: ignore[attr-defined]
+        names += _calls(inline[name], inline) if name in inline else [name]
+    return names
+
+
+@pytest.mark.parametrize(
+    ("decider", "steps"), [(decide_ops, STEPS), (decide_titan_ops, TITAN_STEPS)]
+)
+def test_the_recorded_steps_are_the_ones_the_deciders_take_in_order(
+    decider: Callable[..., Any], steps: tuple[Step, ...]
+) -> None:
+    """`STEPS` / `TITAN_STEPS` (what `policy explain` prints) name the functions the deciders
+    call, in the order their code first calls them, and each says what it does."""
+    calls = _calls(decider, {"_requests": engine._requests})
+    names = [step.function.__name__ for step in steps]
+    first = [name for i, name in enumerate(calls) if name in names and name not in calls[:i]]
+    assert first == names
+    assert all(step.words for step in steps)
 
 
 def _plain_decide(
