@@ -27,14 +27,11 @@ from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy, Selector
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
-from workbench.interop.export import (
-    FORMATS,
+from workbench.interop.export import FORMATS, export, py_str, write_export
+from workbench.interop.torchtitan_options import (
     TORCHTITAN_VERSIONS,
-    export,
     installed_torchtitan,
-    py_str,
     torchtitan_options,
-    write_export,
 )
 
 MODELS = ("llama3-debug", "dsv3-debug")
