@@ -141,7 +141,7 @@ def _requests(
     """The tags without overrides, kept in `plan`: forced saves, then the preset's rule and
     selectors, the FSDP choice; and those tags once followers took their leader's."""
     memo_key = (preset, tuple(selectors), fsdp_reshard)
-    if memo_key not in plan.requested:
+    if memo_key not in plan.request_memo:
         rule = preset_rule(preset)
         tags: dict[str, Tag] = {}
         for f in facts:
@@ -155,10 +155,10 @@ def _requests(
             tags[f.name] = tag
         followed = dict(tags)
         follow_leaders(followed, tags, plan.leaders)
-        if len(plan.requested) >= REQUEST_MEMO:
-            plan.requested.clear()
-        plan.requested[memo_key] = (tags, followed)
-    return plan.requested[memo_key]
+        if len(plan.request_memo) >= REQUEST_MEMO:
+            plan.request_memo.clear()
+        plan.request_memo[memo_key] = (tags, followed)
+    return plan.request_memo[memo_key]
 
 
 def apply_overrides(
