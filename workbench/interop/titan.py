@@ -3,7 +3,7 @@
 Entry points: `graph_trainer_tags(graph, memory_policy)` (torchtitan's tags per forward node),
 `graph_trainer_log(graph, memory_policy)` (its activation-memory log),
 `compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`, and
-`DIFFERENCES` (where the workbench's presets differ, and why) with `explained_by(mismatch)`.
+`DIFFERENCES` (where the workbench's presets differ, and why) with `explained_by(mismatch, preset)`.
 Its offload pass against the workbench's: `workbench.interop.titan_offload`.
 """
 
