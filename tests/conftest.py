@@ -38,7 +38,7 @@ def rank_debug() -> JointGraph:
     from workbench.capture.parallel import Parallel
 
     workload = load_workload("llama3-debug", device="meta", layers=2, seq=128)
-    return trace(workload, "fake", Parallel(2, 2))
+    return trace(workload, "fake", Parallel(fsdp=2, tp=2))
 
 
 @pytest.fixture(scope="session")

@@ -18,15 +18,12 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.cli import main
 from workbench.decide.decider import decide
+from workbench.decide.engine import STEPS, TITAN_STEPS
 from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS, TITAN_PRESETS
 from workbench.interop import titan
-from workbench.interop.titan import (
-    DIFFERENCES,
-    OFFLOAD_PLACEMENT,
-    differences_of,
-    differences_table,
-)
+from workbench.interop.titan import DIFFERENCES, differences_of, differences_table
+from workbench.interop.titan_offload import OFFLOAD_PLACEMENT
 from workbench.show.explain import explain, explain_text
 
 TITAN_DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
@@ -101,6 +98,23 @@ def test_offload_is_compared_with_graph_trainers_sac_and_offload(
     ]
 
 
+@pytest.mark.parametrize("preset", ["default", "offload", "titan-eager"])
+def test_explain_reads_the_steps_from_the_engine(preset: str) -> None:
+    record = TITAN_STEPS if preset in TITAN_PRESETS else STEPS
+    result = explain(preset)
+    assert result["steps"] == [step.words for step in record]
+    text = explain_text(result)
+    assert all(f"  {i}. {step.words}" in text for i, step in enumerate(record, start=1))
+
+
+def test_explain_states_the_fsdp_choice_the_followers_and_the_in_place_rule() -> None:
+    words = " ".join(explain("default")["steps"])
+    for what in ("FSDP choice", "getitem", "wait_tensor", "unshard chain", "written in place"):
+        assert what in words
+    titan = " ".join(explain("titan-default")["steps"])
+    assert "wait_tensor takes its parent's tag" in titan and "unshard chain" in titan
+
+
 def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> None:
     assert "eager outside layers" in {d.key for d in differences_of("eager")}
     assert "eager outside layers" not in {d.key for d in differences_of("default")}
@@ -110,7 +124,7 @@ def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> No
 @pytest.mark.parametrize("preset", sorted(TITAN_PRESETS))
 def test_titan_presets_are_graph_trainers_and_list_no_difference(preset: str) -> None:
     result = explain(preset)
-    assert result["differences"] == [] and result["steps"][0].startswith("nodes of `lm_head*`")
+    assert result["differences"] == [] and result["steps"][1].startswith("nodes of `lm_head*`")
     assert result["graph_trainer_counterpart"] == preset.removeprefix("titan-")
     assert "node for node" in explain_text(result)
     assert any("FSDP unshards" in rule for rule in result["not_reproduced"])

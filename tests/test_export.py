@@ -27,14 +27,13 @@ from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy, Selector
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
-from workbench.interop.export import (
-    FORMATS,
+from workbench.interop.export import FORMATS, export, py_str, rules_source, write_export
+from workbench.interop.graph_notes import comment, forced_notes, parallel_notes
+from workbench.interop.templates import constants
+from workbench.interop.torchtitan_options import (
     TORCHTITAN_VERSIONS,
-    export,
     installed_torchtitan,
-    py_str,
     torchtitan_options,
-    write_export,
 )
 
 MODELS = ("llama3-debug", "dsv3-debug")
@@ -213,6 +212,42 @@ def test_py_str_round_trips_any_string(text: str) -> None:
     literal = py_str(text)
     assert literal.isascii() and "\n" not in literal
     assert ast.literal_eval(literal) == text
+
+
+def test_comment_lines_cannot_be_ended_early() -> None:
+    assert comment("a\nb\\c \u00e9") == "# a\\nb\\\\c \\xe9"
+
+
+def test_graph_notes_on_one_device(small_graphs: dict[str, tuple[Workload, JointGraph]]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    assert parallel_notes(Policy("default"), graph) == []
+    notes = forced_notes(Policy("full"), graph)
+    assert notes[0].startswith("Forced on this graph, whatever the policy asks: ")
+    assert "random op" in notes[0] and "mutates its input" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "template"), [("policy_fn", "eager_sac"), ("graph_pass", "graph_pass")]
+)
+def test_python_exports_are_their_templates_below_the_policy_and_the_rules(
+    fmt: str, template: str
+) -> None:
+    """The template module's docstring heads the export and its code after the imports ends
+    it, verbatim; every constant the templates import from the stub is defined above."""
+    source = Path(__file__).resolve().parents[1] / f"workbench/interop/templates/{template}.py"
+    tree = ast.parse(source.read_text())
+    code = export(Policy("eager"), fmt)
+    docstring = ast.get_docstring(tree, clean=False)
+    assert code.startswith(f'"""{docstring}"""\n')
+    last_import = max(n.end_lineno or 0 for n in tree.body if isinstance(n, ast.ImportFrom))
+    body = "\n".join(source.read_text().splitlines()[last_import:]).strip("\n")
+    assert code.endswith(f"# --- Entry point ---\n\n\n{body}\n")
+    assert rules_source()[1] in code and "from workbench" not in code
+    stub = next(
+        n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == constants.__name__
+    )
+    defined = load(code)
+    assert all(alias.name in defined for alias in stub.names)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -535,7 +535,7 @@ def test_the_full_path_of_an_offloaded_graph_is_the_whatif(
 
 
 def test_per_rank_graphs_offload_activations_not_collectives() -> None:
-    graph = trace(load_workload("llama3-debug", layers=2, seq=32), "fake", Parallel(2, 2))
+    graph = trace(load_workload("llama3-debug", layers=2, seq=32), "fake", Parallel(fsdp=2, tp=2))
     decisions = decide(graph, Policy("offload"))
     moved = [n for n, t in decisions.items() if t.offload]
     assert moved and not any(graph.nodes[n].op.startswith("_c10d") for n in moved)

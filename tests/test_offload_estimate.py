@@ -3,6 +3,7 @@ the two-stream transfer model, and the estimate against CPU measurements."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -16,12 +17,20 @@ from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.measure import measure_graph
 from workbench.cost.profiles import H100
 from workbench.cost.replay import offload_schedule, recompute_flags, replay
-from workbench.decide.decider import decide, flip
-from workbench.decide.offloadable import OffloadOptions, may_offload
+from workbench.decide.decider import decide, flip, rules_of
+from workbench.decide.offloadable import OffloadOptions, Refusal, may_offload
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.rewrite.host_ops import host_usage
-from workbench.rewrite.placement import STEP_KINDS, Place, Step, interleave, interleave_arrays
+from workbench.rewrite.offload import offload_pass
+from workbench.rewrite.placement import (
+    OFFLOAD_META,
+    STEP_KINDS,
+    Place,
+    Step,
+    interleave,
+    interleave_arrays,
+)
 from workbench.rewrite.remat import remat
 from workbench.rewrite.schedule import OFFLOAD_STEPS as STEPS
 
@@ -125,7 +134,43 @@ def test_offload_schedule_skips_what_the_pass_skips(small_graphs: dict[str, Fixt
     assert skipped == remat(graph, decisions).report.offload.skipped  # type: ignore[union-attr]
     assert offload_schedule(estimator.index, flat, [], OffloadOptions()) == (flat, {})
     _, skipped = offload_schedule(estimator.index, flat, ["primals_1"], OffloadOptions())
-    assert skipped == {"primals_1": "is not a forward node of this graph"}
+    assert skipped == {"primals_1": Refusal.NOT_FORWARD.say()}
+
+
+def _refusal(sentence: str) -> Refusal:
+    """The member of the vocabulary that says `sentence` (its `{}` marks filled)."""
+    for refusal in Refusal:
+        if re.fullmatch(re.escape(refusal.value).replace(r"\{\}", ".+"), sentence):
+            return refusal
+    raise AssertionError(f"not in the refusal vocabulary: {sentence!r}")
+
+
+def test_the_three_offload_checks_refuse_in_one_vocabulary(
+    small_graphs: dict[str, Fixture],
+) -> None:
+    """The rules (facts), the offload pass (the rematerialized graph) and its replay (index
+    arrays), asked about every forward node: each refusal is a sentence of `Refusal`, the pass
+    and the replay refuse the same nodes in the same words, and a node the rules refuse for
+    a reason the pass also checks is refused there in the same sentence."""
+    _, graph = small_graphs["llama3-debug"]
+    decisions = decide(graph, Policy("none"))
+    names = list(decisions)
+    rules = {n: rules_of(graph).offload_refusal(n, decisions, "none") for n in names}
+    rules = {n: why for n, why in rules.items() if why is not None}
+    gm = offload_pass(remat(graph, decisions).gm, names, lambda n: None)
+    by_pass = gm.meta[OFFLOAD_META].skipped
+    estimator = Estimator(graph, PROFILES)
+    flat = replay(estimator.index, recompute_flags(estimator.index, decisions))
+    _, by_replay = offload_schedule(estimator.index, flat, names, OffloadOptions())
+    assert by_replay == by_pass
+    said = {_refusal(why) for why in [*rules.values(), *by_pass.values()]}
+    assert {Refusal.NOT_ONE_TENSOR, Refusal.OUTSIDE_LAYERS, Refusal.WRITTEN_BY} <= said
+    shared = {_refusal(why) for why in by_pass.values()}  # what the pass can say
+    both = [n for n in rules if n in by_pass and _refusal(rules[n]) in shared]
+    assert all(rules[n] == by_pass[n] for n in both)
+    assert {_refusal(rules[n]) for n in both} == {
+        Refusal.NOT_ONE_TENSOR, Refusal.ALIAS, Refusal.NOT_READ
+    }  # fmt: skip
 
 
 def test_host_rate_of_the_profiles() -> None:

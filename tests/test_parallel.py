@@ -63,7 +63,7 @@ EXPECTED = {
 def rank_graphs() -> dict[str, JointGraph]:
     """Both reference models, FSDP2 x TP2, traced for rank 0 on fake tensors."""
     return {
-        model: trace(load_workload(model, device="meta", **SMALL), "fake", Parallel(2, 2))
+        model: trace(load_workload(model, device="meta", **SMALL), "fake", Parallel(fsdp=2, tp=2))
         for model in EXPECTED
     }
 
@@ -149,7 +149,7 @@ def test_real_rank_graph_runs_in_a_fake_group_and_matches_its_eager_shapes() -> 
 
 
 def test_fsdp_only_keeps_tp_out_and_user_tp_plan() -> None:
-    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(4, 1))
+    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(fsdp=4))
     assert {c.mesh_dim for c in graph.collectives()} == {"fsdp"}
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
@@ -214,9 +214,9 @@ def test_bad_degrees_and_an_initialised_group_are_refused() -> None:
     with pytest.raises(WorkbenchError, match="param_dtype 'fp8'"):
         Parallel(param_dtype="fp8")  # type: ignore[arg-type]
     workload = load_workload("llama3-debug", device="meta", **SMALL)
-    with fake_process_group(Parallel(2, 1)):
+    with fake_process_group(Parallel(fsdp=2)):
         with pytest.raises(WorkbenchError, match="already initialised .backend fake, world size 2"):
-            trace(workload, "fake", Parallel(2, 2))
+            trace(workload, "fake", Parallel(fsdp=2, tp=2))
     assert not dist.is_initialized()
 
 
@@ -224,7 +224,7 @@ def test_real_mode_that_cannot_fit_is_refused(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(parallel_module, "available_bytes", lambda device: 1024)
     workload = load_workload("llama3-debug", **SMALL)
     with pytest.raises(WorkbenchError, match="one rank of 'llama3-debug' at fsdp 2 x tp 2"):
-        trace(workload, "real", Parallel(2, 2))
+        trace(workload, "real", Parallel(fsdp=2, tp=2))
 
 
 def test_cli_fsdp_tp_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -250,7 +250,7 @@ def test_gloo_ranks_match_eager_bitwise_for_every_preset(tmp_path: Path) -> None
     gloo group, and equals its eager step bitwise."""
     keep = str(Policy("default", fsdp_reshard=False).save(tmp_path / "keep.json"))
     policies = [*PRESETS, keep]
-    checks = check_ranks("llama3-debug", Parallel(2, 2), policies, layers=2, seq=32)
+    checks = check_ranks("llama3-debug", Parallel(fsdp=2, tp=2), policies, layers=2, seq=32)
     assert [(c.rank, c.policy) for c in checks] == [(r, p) for r in range(4) for p in policies]
     assert [c for c in checks if not c.bitwise_equal] == []
     # the same batch on every rank: one loss, near log(vocab) for an untrained model, which
@@ -273,7 +273,9 @@ def test_trace_speedups_leave_the_graph_as_it_was(
     fast = rank_graphs["llama3-debug"]
     monkeypatch.setattr(parallel_module, "backward_without_stack_traces", contextlib.nullcontext)
     monkeypatch.setattr(trace_module, "_collector_paused", contextlib.nullcontext)
-    slow = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(2, 2))
+    slow = trace(
+        load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(fsdp=2, tp=2)
+    )
     assert fast.gm.code == slow.gm.code
     assert len(fast.gm.graph.nodes) == len(slow.gm.graph.nodes)
     assert fast.collectives() == slow.collectives()

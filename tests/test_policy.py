@@ -10,6 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
+from workbench.decide import presets
 from workbench.decide.decider import (
     decidable,
     decide,
@@ -20,7 +21,14 @@ from workbench.decide.decider import (
     validate,
 )
 from workbench.decide.policy import SCHEMA_VERSION, Policy, Selector, parse_policy
-from workbench.decide.presets import COMPUTE_INTENSIVE_OPS, PRESETS
+from workbench.decide.presets import (
+    COMPUTE_INTENSIVE_OPS,
+    OFFLOAD_PRESETS,
+    PRESETS,
+    TITAN_PRESETS,
+    preset_rule,
+    register_preset,
+)
 from workbench.errors import WorkbenchError
 
 Fixture = tuple[Workload, JointGraph]
@@ -222,6 +230,28 @@ def test_unknown_preset_and_missing_file() -> None:
     assert set(PRESETS) == {"none", "full", "default", "eager", "offload"} | {
         f"titan-{name}" for name in ("default", "full", "eager", "sac_and_offload")
     }
+
+
+def test_preset_registry_lists_what_is_available_and_derives_its_traits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match="unknown preset 'x'; available: none, full, default, "):
+        preset_rule("x")
+    assert preset_rule("none")(None) is CheckpointPolicy.PREFER_SAVE  # type: ignore[arg-type]
+    assert list(TITAN_PRESETS) == [p for p in PRESETS if p.startswith("titan-")]
+    assert OFFLOAD_PRESETS == {"offload": "default", "titan-sac_and_offload": "titan-default"}
+    for table in ("PRESETS", "TITAN_PRESETS", "OFFLOAD_PRESETS"):  # a registry of its own
+        monkeypatch.setattr(presets, table, dict(getattr(presets, table)))
+
+    @register_preset("titan-mine", offloads="titan-full")
+    def mine() -> presets.Rule:
+        """Recompute everything (a test preset)."""
+        return lambda facts: CheckpointPolicy.MUST_RECOMPUTE
+
+    assert presets.PRESETS["titan-mine"] is mine and presets.TITAN_PRESETS["titan-mine"] is mine
+    assert presets.OFFLOAD_PRESETS["titan-mine"] == "titan-full"
+    with pytest.raises(ValueError, match="'titan-mine' is registered twice"):
+        register_preset("titan-mine")(mine)
 
 
 @pytest.mark.parametrize(

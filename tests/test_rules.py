@@ -7,6 +7,9 @@ import importlib
 import inspect
 import random
 import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
@@ -14,18 +17,36 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.capture.ops import module_matches
-from workbench.decide import EMBEDDED
+from workbench.decide import EMBEDDED, engine
 from workbench.decide.decider import decide, flip, rules_of
-from workbench.decide.engine import decide_ops, eager_tag, forced_save, fsdp_tag, requested
+from workbench.decide.engine import (
+    STEPS,
+    TITAN_STEPS,
+    UNTAGGED,
+    Step,
+    apply_overrides,
+    decide_ops,
+    decide_titan_ops,
+    eager_tag,
+    follow_leaders,
+    forced_save,
+    fsdp_tag,
+    requested,
+    titan_follows,
+    titan_keep_unsharded,
+    titan_request,
+    titan_untagged,
+)
 from workbench.decide.facts import OpFacts, op_facts
 from workbench.decide.offloadable import (
     OffloadOptions,
+    Refusal,
     decide_offload,
     kept_for_backward,
     offload_refusal,
     offload_refusal_in,
 )
-from workbench.decide.plan import last_layer
+from workbench.decide.plan import decide_plan, last_layer
 from workbench.decide.policy import Policy, Selector
 from workbench.decide.presets import PRESETS, TITAN_PRESETS
 from workbench.decide.tags import SelectorRow, Tag, Why
@@ -103,6 +124,55 @@ def test_forced_saves_and_layer_boundary() -> None:
     assert tags["a"].reason == "forced:layer boundary (recomputed user b is in another layer)"
 
 
+def test_overrides_then_followers_and_forced_saves_stay() -> None:
+    rows = [
+        ("mm", "layers.0.ff", "aten.mm.default", False, False, None, ("g",), None),
+        ("g", "layers.0.ff", "getitem", False, False, "mm", (), None),
+        ("m", "layers.0.ff", "aten.add_.Tensor", False, True, None, (), None),
+    ]
+    facts_ = op_facts(rows)  # type: ignore[arg-type]
+    plan = decide_plan(facts_)
+    asked = {f.name: requested(f, PRESETS["none"](), "none", (), {}) for f in facts_}
+    asked["m"] = Tag(CheckpointPolicy.MUST_SAVE, Why.MUTATION)
+    tags = dict(asked)
+    overrides = {"layers.*.ff::aten.mm.default#0": "recompute", "layers.0.ff::aten.mm.default#0":
+                 "save", "layers.*.ff::aten.add_.Tensor#0": "recompute"}  # fmt: skip
+    assert apply_overrides(tags, asked, plan, overrides) == {"mm"}
+    assert tags["mm"] == Tag(
+        CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "layers.0.ff::aten.mm.default#0"
+    )
+    assert tags["m"].why is Why.MUTATION  # forced saves stay
+    tags["mm"] = Tag(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "k")
+    follow_leaders(tags, asked, plan.leaders, {"mm"})
+    assert tags["g"] == tags["mm"]  # the getitem follows its changed leader
+
+
+def test_graph_trainers_steps_on_one_node() -> None:
+    rows = [
+        ("ag", "layers.0.wq", "_c10d_functional.all_gather_into_tensor.default", False, False,
+         None, ("w",), "ag"),
+        ("w", "layers.0.wq", "_c10d_functional.wait_tensor.default", False, False, "ag", (),
+         "ag"),
+        ("log", "loss", "aten._log_softmax.default", False, False, None, (), None),
+        ("sdpa", "layers.0.attention", "aten.bernoulli.p", True, False, None, ("g",), None),
+        ("g", "layers.0.attention", "getitem", False, False, "sdpa", (), None),
+    ]  # fmt: skip
+    ag, w, log, sdpa, g = op_facts(rows)  # type: ignore[arg-type]
+    assert titan_keep_unsharded(ag, {}) == fsdp_tag(False)
+    assert titan_keep_unsharded(w, {"ag": fsdp_tag(False)}) == fsdp_tag(False)
+    assert titan_keep_unsharded(w, {"ag": UNTAGGED}) is None
+    assert titan_keep_unsharded(log, {}) is None
+    assert titan_untagged(log, "titan-full", (), {}).why is Why.UNTAGGED  # type: ignore[union-attr]
+    selected = titan_untagged(log, "titan-full", [("loss", "*", "recompute")], {})
+    assert selected is not None and selected.why is Why.SELECTOR
+    assert titan_untagged(sdpa, "titan-full", (), {}) is None
+    default = PRESETS["titan-default"]()  # asks to recompute the random op
+    tag = titan_request(sdpa, default, "titan-default", (), {})
+    assert tag == Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
+    assert titan_follows(g, {"sdpa": tag}) == tag and titan_follows(sdpa, {}) is None
+    assert titan_follows(w, {}) is UNTAGGED
+
+
 def test_eager_tag_lets_the_in_place_rule_win_over_random() -> None:
     bernoulli_ = facts("x", "layers.0.dropout", "aten.bernoulli_.float", random=True, mutation=True)
     tag = eager_tag(bernoulli_, PRESETS["none"](), "none", (), {})
@@ -157,6 +227,33 @@ def test_doctests() -> None:
         assert result.failed == 0, name
         attempted += result.attempted
     assert attempted > 0
+
+
+def _calls(function: Callable[..., Any], inline: dict[str, Callable[..., Any]]) -> list[str]:
+    """The names `function` calls, in the order of its source; a call to one of `inline` is
+    replaced by the calls in that helper's source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    names: list[str] = []
+    for call in sorted(calls, key=lambda n: (n.lineno, n.col_offset)):
+        name = call.func.id  # type: ignore[attr-defined]
+        names += _calls(inline[name], inline) if name in inline else [name]
+    return names
+
+
+@pytest.mark.parametrize(
+    ("decider", "steps"), [(decide_ops, STEPS), (decide_titan_ops, TITAN_STEPS)]
+)
+def test_the_recorded_steps_are_the_ones_the_deciders_take_in_order(
+    decider: Callable[..., Any], steps: tuple[Step, ...]
+) -> None:
+    """`STEPS` / `TITAN_STEPS` (what `policy explain` prints) name the functions the deciders
+    call, in the order their code first calls them, and each says what it does."""
+    calls = _calls(decider, {"_requests": engine._requests})
+    names = [step.function.__name__ for step in steps]
+    first = [name for i, name in enumerate(calls) if name in names and name not in calls[:i]]
+    assert first == names
+    assert all(step.words for step in steps)
 
 
 def _plain_decide(
@@ -232,7 +329,7 @@ def _plain_offload_refusal(
     by_name = {f.name: f for f in facts}
     refusal = offload_refusal(by_name[name], last_layer(facts, titan), titan)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
-        return "is not kept for backward: nothing to offload"
+        return Refusal.NOT_READ.say()
     return refusal
 
 

@@ -34,7 +34,9 @@ PRESETS = ["none", "default", "eager", "full", "titan-default"]
 @pytest.fixture(scope="module")
 def rank_graph() -> JointGraph:
     """llama3-debug, 2 layers, seq 32, FSDP2 x TP2, rank 0 on fake tensors."""
-    return trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(2, 2))
+    return trace(
+        load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(fsdp=2, tp=2)
+    )
 
 
 def _fsdp_gathers(graph: JointGraph) -> list[str]:
@@ -60,7 +62,7 @@ def test_unshard_chains_and_waits_in_the_facts(rank_graph: JointGraph) -> None:
 def test_unshard_chains_stop_where_data_comes_in_on_fsdp_only_graphs() -> None:
     # without TP the embedding reads the gathered table and the tokens alone: it and every
     # activation after it are on no chain, so a policy still decides them
-    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(2))
+    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(fsdp=2))
     facts = rules_of(graph).facts
     on_chains = [f for f in facts if f.gather is not None]
     assert {f.op for f in on_chains if f.gather == f.name} == {ALL_GATHER}

@@ -155,7 +155,7 @@ def test_without_the_rule_the_issue_policy_differs(
     the gradients differ (the check can fail)."""
     workload, graph = small_graphs["llama3-debug"]
     monkeypatch.setattr(engine, "save_written_inputs", lambda tags, plan: None)
-    rules_of(graph).plan.requested.clear()
+    rules_of(graph).plan.request_memo.clear()
     decisions = engine.decide_ops(
         op_facts(fx_rows(graph.gm, lambda n: graph.nodes[n.name].module)),
         "titan-default",
@@ -205,7 +205,7 @@ def test_each_case_fails_without_the_rule(
 ) -> None:
     workload, graph = written
     monkeypatch.setattr(engine, "save_written_inputs", lambda tags, plan: None)
-    rules_of(graph).plan.requested.clear()
+    rules_of(graph).plan.request_memo.clear()
     (check,) = check_policies(workload, graph, [Policy(preset)])
     assert not check.bitwise_equal
 
@@ -352,7 +352,7 @@ COLLECTIVE_INPUT_OFFLOAD = Policy(
 def test_random_policies_verify_bitwise_on_every_rank(dtype: str) -> None:
     """One rank's graph names the policies; each of the four gloo ranks (FSDP2 x TP2) runs
     them all against its eager step, after the issue's policy and the collective's input."""
-    parallel = Parallel(2, 2)
+    parallel = Parallel(fsdp=2, tp=2)
     shape = {"layers": 2, "seq": 32, "dtype": dtype}
     workload = load_workload("llama3-debug", device="meta", **shape)  # type: ignore[arg-type]
     graph = trace(workload, "fake", parallel)

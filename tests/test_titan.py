@@ -29,15 +29,13 @@ from workbench.errors import WorkbenchError
 from workbench.interop.activations import activation_log, activation_rows
 from workbench.interop.titan import (
     CPU_FORCED,
-    OFFLOAD_PLACEMENT,
     _tagged_copy,
     compare,
     differences_of,
     graph_trainer_log,
     graph_trainer_tags,
-    offload_mismatches,
-    offload_passes,
 )
+from workbench.interop.titan_offload import OFFLOAD_PLACEMENT, offload_mismatches, offload_passes
 from workbench.rewrite.placement import is_offload_node
 from workbench.rewrite.remat import remat
 from workbench.show.explain import explain
@@ -90,7 +88,7 @@ def test_titan_presets_match_graph_trainer_node_for_node(
     forced = set() if preset == "titan-full" else _cpu_forced(graph)
     assert {m.node for m in mismatches} == forced
     assert all(m.graph_trainer is CheckpointPolicy.PREFER_RECOMPUTE for m in mismatches)
-    assert all(m.reason.startswith("forced:random op") for m in mismatches)
+    assert all(m.tag.why is Why.RANDOM for m in mismatches)
     if spec.endswith("llama3/debugmodel") and preset != "titan-full":
         assert len(mismatches) == 6  # 2 layers x (the op + its output and logsumexp getitems)
     # beyond save vs recompute, the very tags agree (untagged where graph trainer skips)
@@ -113,7 +111,7 @@ def test_workbench_presets_differ_where_documented(
     recomputes the one and leaves the other untagged (saved)."""
     _, graph = titan_graphs["torchtitan:llama3/debugmodel"]
     mismatches = compare(graph, "full")
-    in_place = {m.node for m in mismatches if m.reason.startswith("forced:mutates")}
+    in_place = {m.node for m in mismatches if m.tag.why is Why.MUTATION}
     untagged = {m.node for m in mismatches if m.graph_trainer is None}
     assert in_place and all(graph.nodes[n].op.endswith("_.Scalar") for n in in_place)
     assert {graph.nodes[n].module for n in untagged} == {"lm_head", "loss"}

@@ -60,7 +60,7 @@ def test_llama_node_facts(llama_debug: tuple[Workload, JointGraph]) -> None:
     assert wq.flops == 2 * 256 * 256 * 256  # 2*M*N*K from torch's flop counter
     assert wq.bytes == 256 * 256 * 4
     assert wq.source.startswith("llama3.py:") and "self.wq(x)" in wq.source
-    assert wq.key == "layers.*.attention.wq::aten.mm.default"
+    assert wq.pattern_key == "layers.*.attention.wq::aten.mm.default"
     sdpa = [i for i in graph.ops() if "scaled_dot_product" in i.op and i.phase == "forward"]
     assert len(sdpa) == 6 and all(i.is_random for i in sdpa)  # the CPU flash kernel is seeded
     views = [i for i in graph.ops() if i.op == "aten.view.default"]

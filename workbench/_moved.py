@@ -47,7 +47,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "workbench.distributed_check": ("workbench.cost.ranks",),
     "workbench.solve": ("workbench.search.solve", "workbench.search.pareto"),
     "workbench.export": ("workbench.interop.export",),
-    "workbench.titan": ("workbench.interop.titan",),
+    "workbench.titan": ("workbench.interop.titan", "workbench.interop.titan_offload"),
     "workbench.eager": ("workbench.interop.eager", "workbench.capture.workload"),
     "workbench.activations": ("workbench.interop.activations",),
     "workbench.explain": ("workbench.show.explain",),

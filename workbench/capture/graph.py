@@ -60,8 +60,10 @@ class NodeInfo:
     graph_level: bool = False
 
     @property
-    def key(self) -> str:
-        """Layer-relative key: the same op in every identical layer shares it."""
+    def pattern_key(self) -> str:
+        """`MODULE_PATTERN::OP` (`layers.*.attention.wq::aten.mm.default`): the op in every
+        identical layer, all its occurrences there. Not an override key: those add `#k`
+        (`OpFacts.key`, `node_keys`)."""
         return f"{layer_pattern(self.module)}::{self.op}"
 
 

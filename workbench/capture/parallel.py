@@ -1,6 +1,6 @@
 """One rank of a sharded train step: FSDP x TP on a 2-D device mesh, traced in one process.
 
-Entry points: `Parallel(fsdp, tp)`, `trace_rank(workload, mode, parallel, mesh=None)` (what
+Entry points: `Parallel(fsdp=F, tp=T)`, `trace_rank(workload, mode, parallel, mesh=None)` (what
 `trace(..., parallel=)` calls), and for callers that run ranks: `fake_process_group`,
 `device_mesh`, `shard_workload` -> `RankWorkload`, `trace_sharded`, `eager_rank_step`.
 """
@@ -68,16 +68,25 @@ DtypeName = Literal["bfloat16", "float32"]
 TpPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Parallel:
-    """FSDP x TP degrees and mixed precision as torchtitan runs it: fp32 master shards,
-    cast to `param_dtype` before the all-gather, gradients reduce-scattered in
-    `reduce_dtype`."""
+    """How one job shards a train step, as torchtitan runs it: FSDP x TP degrees on a 2-D
+    ("fsdp", "tp") mesh, fp32 master shards cast to `param_dtype` before the all-gather,
+    gradients reduce-scattered in `reduce_dtype`."""
 
     fsdp: int = 1
+    """FSDP degree: ranks each parameter is sharded over (torchtitan's
+    `parallelism.data_parallel_shard_degree`)."""
+
     tp: int = 1
+    """Tensor-parallel degree (torchtitan's `parallelism.tensor_parallel_degree`)."""
+
     param_dtype: DtypeName = "bfloat16"
+    """The dtype parameters are all-gathered and computed in (FSDP's mixed precision;
+    torchtitan's `training.mixed_precision_param`)."""
+
     reduce_dtype: DtypeName = "float32"
+    """The dtype gradients are reduce-scattered in (`training.mixed_precision_reduce`)."""
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from workbench.capture.graph import JointGraph
-from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.offloadable import OffloadOptions, Refusal
 from workbench.decide.tags import RECOMPUTE, Tag
 from workbench.errors import WorkbenchError
 from workbench.rewrite.index import GraphIndex, graph_index
@@ -172,11 +172,12 @@ def offload_schedule(
     index: GraphIndex, flat: Flat, names: Sequence[str], options: OffloadOptions
 ) -> tuple[Flat, dict[str, str]]:
     """The schedule `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
-    it offloads the nodes `names`: the same skips (not a forward op, not one tensor, sharing
-    an input's storage, returned, written in place, not read in backward), `Offloaded`
-    read off the schedule, then THE placement (`place_offloads_arrays`, `interleave`); each wait
-    for a reload is followed by the forward views backward reads, replayed on it, and
-    backward readers read the reload. Returns the schedule and the skipped names with why."""
+    it offloads the nodes `names`: the same skips in the same words (`Refusal`: not a
+    forward op, not one tensor, an alias, returned, written in place, not read in
+    backward), `Offloaded` read off the schedule, then THE placement
+    (`place_offloads_arrays`, `interleave`); each wait for a reload is followed by the
+    forward views backward reads, replayed on it, and backward readers read the reload.
+    Returns the schedule and the skipped names with why."""
     n, entries = index.n, flat.entries
     if not len(names):
         return flat, {}
@@ -195,13 +196,13 @@ def offload_schedule(
         i = index.index_of.get(name, -1)
         p = int(position[i]) if i >= 0 else -1
         if not 0 <= p < end or not call[i]:
-            skipped[name] = "is not a forward node of this graph"
+            skipped[name] = Refusal.NOT_FORWARD.say()
             continue
         if not single[i]:
-            skipped[name] = "returns no single tensor"
+            skipped[name] = Refusal.NOT_ONE_TENSOR.say()
             continue
         if isinstance(index.slots[i][0], tuple):
-            skipped[name] = "shares its storage with an input: freeing it would free that too"
+            skipped[name] = Refusal.ALIAS.say()
             continue
         found = _examine(index, i, start, readers_at, entries, end)
         if isinstance(found, str):
@@ -243,7 +244,7 @@ def _examine(
         for q in readers_at[start[a] : start[a + 1]].tolist():
             u = int(entries[q])
             if u == index.output:
-                return "is returned by the step"
+                return Refusal.RETURNED.say()
             if q >= end:
                 readers.append(q)
                 if a != i:
@@ -255,12 +256,12 @@ def _examine(
                 last = max([last, *(int(w) for w in waits.tolist() if w < end)])
             if u < n and u not in seen and _aliases(index, u, seen):
                 if writes[u]:
-                    return f"has its storage written in place by {index.names[u]}"
+                    return Refusal.WRITTEN_BY.say(index.names[u])
                 seen.add(u)
                 aliases.append(u)
                 todo.append(u)
     if not readers:
-        return "is not read in backward after remat"
+        return Refusal.NOT_READ.say()
     return last, readers, read_aliases, sorted(aliases)
 
 

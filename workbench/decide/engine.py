@@ -1,13 +1,15 @@
-"""Deciding: every forward node's tag, step by step (`STEPS`), for graph SAC and eager SAC.
+"""Deciding: every forward node's tag, step by step, for graph SAC and eager SAC.
 
 Entry points: `decide_ops(facts, preset, ...)` (the workbench's presets; `decide_titan_ops`
-for graph trainer's) and `eager_tag(facts, ...)` (eager SAC's `policy_fn`).
+for graph trainer's) and `eager_tag(facts, ...)` (eager SAC's `policy_fn`). `STEPS` and
+`TITAN_STEPS` name the functions each takes its steps with, in order, in words.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -15,7 +17,7 @@ from workbench.capture.ops import module_matches
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions, decide_offload, may_offload
 from workbench.decide.plan import REQUEST_MEMO, DecidePlan, decide_plan, replayed_by
-from workbench.decide.presets import PRESETS, TITAN_PRESETS, TITAN_UNTAGGED_MODULES, Rule, _save_all
+from workbench.decide.presets import TITAN_PRESETS, TITAN_UNTAGGED_MODULES, Rule, preset_rule
 from workbench.decide.tags import MUST, SelectorRow, Tag, Why
 
 
@@ -67,6 +69,15 @@ def fsdp_tag(reshard: bool) -> Tag:
     return Tag(CheckpointPolicy.MUST_SAVE, Why.FSDP, "keep unsharded")
 
 
+class Step(NamedTuple):
+    """One step of deciding: the function that takes it and what it does, in words. `STEPS`
+    and `TITAN_STEPS` list them in the order the deciders run them (a test reads the
+    deciders' code for that order); `policy explain` prints the words."""
+
+    function: Callable[..., Any]
+    words: str
+
+
 def decide_ops(
     facts: Sequence[OpFacts],
     preset: str,
@@ -76,26 +87,21 @@ def decide_ops(
     offload: OffloadOptions | None = None,
     plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
-    """The tag of every node in `facts` (graph order): the request (preset, then the FSDP
-    choice on parameter all-gathers, then selectors and overrides), the forced saves, then
-    getitems and waits follow the op they unpack or end and unshard chains their
-    all-gather, then the layer-boundary rule, then the offload step (`decide_offload`). The
-    `titan-*` presets run graph trainer's own variants of these steps (`decide_titan_ops`).
-    Pass the facts' `plan` to decide many policies of one graph: the requests before
-    overrides are then kept per preset and selector list, so a flip costs a pass over the
-    few nodes it can change."""
+    """The tag of every node in `facts` (graph order), by the steps of `STEPS` in order:
+    forced saves, the request (the preset, selectors, the FSDP choice on parameter
+    all-gathers), followers (getitems, waits, unshard chains), overrides, the layer-boundary
+    rule, the in-place rule, then the offload step (`decide_offload`). The `titan-*`
+    presets run graph trainer's own variants of these steps (`decide_titan_ops`). Pass the
+    facts' `plan` to decide many policies of one graph: the requests before overrides are
+    then kept per preset and selector list, so a flip costs a pass over the few nodes it
+    can change."""
     plan = plan or decide_plan(facts)
     if preset in TITAN_PRESETS:
         return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, offload, plan)
-    requested, followed = _requests(facts, plan, preset, selectors, fsdp_reshard)
-    tags, overridden = dict(followed), set()
-    for nodes_of in (plan.by_key, plan.by_layer_key):  # a key naming one layer wins
-        for key, action in (overrides or {}).items():
-            for name in nodes_of.get(key, ()):
-                if not requested[name].forced:
-                    tags[name] = Tag(MUST[action], Why.OVERRIDE, key)
-                    overridden.add(name)
-    _follow(tags, requested, plan.leaders, overridden)
+    asked, followed = _requests(facts, plan, preset, selectors, fsdp_reshard)
+    tags = dict(followed)
+    overridden = apply_overrides(tags, asked, plan, overrides or {})
+    follow_leaders(tags, asked, plan.leaders, overridden)
     save_layer_boundaries(tags, plan.boundaries)
     save_written_inputs(tags, plan)
     if may_offload(preset, selectors, overrides):
@@ -103,7 +109,7 @@ def decide_ops(
     return tags
 
 
-def _follow(
+def follow_leaders(
     tags: dict[str, Tag],
     asked: Mapping[str, Tag],
     leaders: Sequence[tuple[str, str, bool]],
@@ -132,11 +138,11 @@ def _requests(
     selectors: Sequence[SelectorRow],
     fsdp_reshard: bool,
 ) -> tuple[dict[str, Tag], dict[str, Tag]]:
-    """The tags without overrides, kept in `plan`: forced saves, then the preset's rule,
-    the FSDP choice and selectors; and those tags once followers took their leader's."""
+    """The tags without overrides, kept in `plan`: forced saves, then the preset's rule and
+    selectors, the FSDP choice; and those tags once followers took their leader's."""
     memo_key = (preset, tuple(selectors), fsdp_reshard)
-    if memo_key not in plan.requested:
-        rule, fsdp = PRESETS[preset](), fsdp_tag(fsdp_reshard)
+    if memo_key not in plan.request_memo:
+        rule = preset_rule(preset)
         tags: dict[str, Tag] = {}
         for f in facts:
             forced = forced_save(f)
@@ -144,13 +150,31 @@ def _requests(
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, forced)
                 continue
             tag = requested(f, rule, preset, selectors, {})
-            tags[f.name] = fsdp if tag.why is Why.PRESET and f.gather == f.name else tag
+            if tag.why is Why.PRESET and f.gather == f.name:
+                tag = fsdp_tag(fsdp_reshard)
+            tags[f.name] = tag
         followed = dict(tags)
-        _follow(followed, tags, plan.leaders)
-        if len(plan.requested) >= REQUEST_MEMO:
-            plan.requested.clear()
-        plan.requested[memo_key] = (tags, followed)
-    return plan.requested[memo_key]
+        follow_leaders(followed, tags, plan.leaders)
+        if len(plan.request_memo) >= REQUEST_MEMO:
+            plan.request_memo.clear()
+        plan.request_memo[memo_key] = (tags, followed)
+    return plan.request_memo[memo_key]
+
+
+def apply_overrides(
+    tags: dict[str, Tag], asked: Mapping[str, Tag], plan: DecidePlan, overrides: Mapping[str, str]
+) -> set[str]:
+    """Overrides, in place on `tags`: `layers.*` keys, then keys naming one layer, which
+    win; a forced save in `asked` (the tags before this step) stays. Returns the nodes
+    overridden."""
+    overridden: set[str] = set()
+    for nodes_of in (plan.by_key, plan.by_layer_key):  # a key naming one layer wins
+        for key, action in overrides.items():
+            for name in nodes_of.get(key, ()):
+                if not asked[name].forced:
+                    tags[name] = Tag(MUST[action], Why.OVERRIDE, key)
+                    overridden.add(name)
+    return overridden
 
 
 def save_layer_boundaries(
@@ -267,6 +291,52 @@ def _reads_through_recomputed(
     return False
 
 
+_WRITTEN_WORDS = (
+    "a recomputed node whose recompute would not see what forward saw is saved (written in "
+    "place): it writes a storage that is not recomputed, reads one that forward writes in "
+    "place after it, or could be replayed out of order with a recomputed write"
+)
+
+# The steps of `decide_ops`, in order.
+STEPS: tuple[Step, ...] = (
+    Step(
+        forced_save,
+        "random ops are saved, whatever was asked: torch's remat pass cannot replay their "
+        "RNG; so are in-place ops: a recompute would apply the mutation twice",
+    ),
+    Step(requested, "the other nodes: the preset's rule asks, then selectors (later ones win)"),
+    Step(
+        fsdp_tag,
+        "a parameter's FSDP all-gather (per-rank graphs) that no selector names takes the "
+        "policy's FSDP choice: reshard after forward (recomputed in backward) or keep "
+        "unsharded (saved)",
+    ),
+    Step(
+        follow_leaders,
+        "followers take their leader's tag: a getitem the op it unpacks and a wait_tensor "
+        "its collective where the two differ on recompute, every node of a parameter's "
+        "unshard chain (cast, all-gather, wait, views) its all-gather; forced saves stay",
+    ),
+    Step(
+        apply_overrides,
+        "overrides win over the request and the FSDP choice (a key naming one layer wins "
+        "over a `layers.*` key), not over forced saves; the followers of what they changed "
+        "follow again",
+    ),
+    Step(
+        save_layer_boundaries,
+        "a recomputed node with a recomputed user in another layer is saved (layer boundary)",
+    ),
+    Step(save_written_inputs, _WRITTEN_WORDS),
+    Step(
+        decide_offload,
+        "offload: the `offload` preset offloads each saved node that may be offloaded, "
+        "offload requests the rules cannot grant are saved with the reason, then the budget, "
+        "largest first",
+    ),
+)
+
+
 def decide_titan_ops(
     facts: Sequence[OpFacts],
     preset: str,
@@ -276,35 +346,26 @@ def decide_titan_ops(
     offload: OffloadOptions | None = None,
     plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
-    """Graph trainer's `tag_sac_policy` on the facts (graph order): `lm_head*`/`loss*`
-    nodes untagged, getitems and waits take their parent's tag, the rest the request; then,
-    in graph order, a recomputed node with a recomputed user in a higher layer is saved.
-    Random ops are saved whatever was asked, as in every graph SAC preset here: torch's
-    remat pass refuses them (on the CPU, graph trainer's `default` and `eager` recompute
-    SDPA). Without `fsdp_reshard` (its `fsdp_reshard_after_forward="never"`), `titan-default`
-    saves the unshard chains from their all-gather on (graph trainer saves the chain's last
-    non-view node: the same bytes); its `full` and `eager` ignore that option."""
-    rule, overrides = PRESETS[preset](), overrides or {}
-    leave, untagged = _save_all(), Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "")
+    """Graph trainer's `tag_sac_policy` on the facts (graph order), by the steps of
+    `TITAN_STEPS` in order: per node, the first of the FSDP keep (`titan-default` without
+    `fsdp_reshard`, its `fsdp_reshard_after_forward="never"`: graph trainer saves the
+    chain's last non-view node, the same bytes), `lm_head*`/`loss*` nodes untagged,
+    getitems and waits taking their parent's tag, the request; then, in graph order, a
+    recomputed node with a recomputed user in a higher layer is saved, then the in-place
+    rule and the offload step. Random ops are saved whatever was asked, as in every graph
+    SAC preset here: torch's remat pass refuses them (on the CPU, graph trainer's `default`
+    and `eager` recompute SDPA)."""
+    rule, overrides = preset_rule(preset), overrides or {}
     keep = not fsdp_reshard and preset == "titan-default"
-    gathered: set[str] = set()
     tags: dict[str, Tag] = {}
     for f in facts:
-        if keep and (f.gather == f.name or f.gather in gathered):
-            gathered.add(f.name)
-            tags[f.name] = fsdp_tag(False)
-            continue
-        if f.module.startswith(TITAN_UNTAGGED_MODULES):
-            tag = requested(f, leave, preset, selectors, overrides)
-            detail = f"{f.module} (graph trainer never tags lm_head*/loss* modules)"
-            tags[f.name] = untagged._replace(detail=detail) if tag.why is Why.PRESET else tag
-            continue
-        if f.parent is not None:
-            tags[f.name] = tags.get(f.parent, untagged)
-            continue
-        tag = requested(f, rule, preset, selectors, overrides)
-        if f.random and tag.recompute:
-            tag = Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
+        tag = titan_keep_unsharded(f, tags) if keep else None
+        if tag is None:
+            tag = titan_untagged(f, preset, selectors, overrides)
+        if tag is None:
+            tag = titan_follows(f, tags)
+        if tag is None:
+            tag = titan_request(f, rule, preset, selectors, overrides)
         tags[f.name] = tag
     plan = plan or decide_plan(facts)
     save_layer_boundaries(tags, plan.titan_boundaries)
@@ -312,6 +373,98 @@ def decide_titan_ops(
     if may_offload(preset, selectors, overrides):
         decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
     return tags
+
+
+# Graph trainer's steps on one node, in the order `decide_titan_ops` asks them: the first
+# that answers (not None) gives the node its tag.
+
+
+def titan_keep_unsharded(f: OpFacts, tags: Mapping[str, Tag]) -> Tag | None:
+    """`titan-default` without reshard after forward: a parameter's FSDP all-gather and the
+    chain after it (its gather already kept, in `tags`) are saved; None off such chains."""
+    gather = f.gather
+    if gather is not None and (gather == f.name or _kept_unsharded(tags.get(gather))):
+        return fsdp_tag(False)
+    return None
+
+
+def _kept_unsharded(tag: Tag | None) -> bool:
+    return tag is not None and tag.why is Why.FSDP
+
+
+def titan_untagged(
+    f: OpFacts, preset: str, selectors: Sequence[SelectorRow], overrides: Mapping[str, str]
+) -> Tag | None:
+    """Graph trainer never tags `lm_head*` / `loss*` nodes (they stay saved), though a
+    selector or an override still applies; None for the other modules."""
+    if not f.module.startswith(TITAN_UNTAGGED_MODULES):
+        return None
+    tag = requested(f, preset_rule("none"), preset, selectors, overrides)
+    if tag.why is not Why.PRESET:
+        return tag
+    detail = f"{f.module} (graph trainer never tags lm_head*/loss* modules)"
+    return Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, detail)
+
+
+UNTAGGED = Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "")
+
+
+def titan_follows(f: OpFacts, tags: Mapping[str, Tag]) -> Tag | None:
+    """A getitem or a wait_tensor takes its parent's tag, whatever it is (untagged where
+    the parent is not a forward node); None for the other nodes."""
+    if f.parent is None:
+        return None
+    return tags.get(f.parent, UNTAGGED)
+
+
+def titan_request(
+    f: OpFacts,
+    rule: Rule,
+    preset: str,
+    selectors: Sequence[SelectorRow],
+    overrides: Mapping[str, str],
+) -> Tag:
+    """What the policy asks (`requested`), but a random op is saved: torch's remat pass
+    refuses to recompute it."""
+    tag = requested(f, rule, preset, selectors, overrides)
+    if f.random and tag.recompute:
+        return Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
+    return tag
+
+
+# The steps of `decide_titan_ops`, in order.
+TITAN_STEPS: tuple[Step, ...] = (
+    Step(
+        titan_keep_unsharded,
+        "`titan-default` without reshard after forward (`fsdp_reshard_after_forward never`): "
+        "a parameter's unshard chain is saved from its all-gather on",
+    ),
+    Step(
+        titan_untagged,
+        "nodes of `lm_head*` / `loss*` modules are left untagged (saved), unless a selector or "
+        "override names them",
+    ),
+    Step(titan_follows, "a getitem or a wait_tensor takes its parent's tag"),
+    Step(
+        titan_request,
+        "the other nodes: the preset's rule asks, then selectors, then overrides; random ops "
+        "are saved (on the CPU, where graph trainer recomputes the flash-attention op)",
+    ),
+    Step(
+        save_layer_boundaries,
+        "in graph order, a recomputed node with a recomputed user in a *higher* layer is saved "
+        "(nodes outside the layers count as layer -1)",
+    ),
+    Step(
+        save_written_inputs,
+        _WRITTEN_WORDS + " (graph trainer has no such rule: its run would differ from eager there)",
+    ),
+    Step(
+        decide_offload,
+        "`sac_and_offload`: saved contiguous non-view tensors of at least 4 KiB in the layers "
+        "but the last are offloaded, largest first within the budget",
+    ),
+)
 
 
 def eager_tag(

@@ -1,11 +1,14 @@
 """CPU offload at the tag level: what may be offloaded (one refusal vocabulary) and the
 offload step of deciding, with its host budget.
 
-Entry points: `OffloadOptions`, `offload_refusal(facts, last)`, `decide_offload(...)`.
+Entry points: `OffloadOptions`, `Refusal` (every reason a node is not offloaded, which the
+offload pass and its replay on indices say too), `offload_refusal(facts, last)`,
+`decide_offload(...)`.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -37,6 +40,39 @@ class OffloadOptions(NamedTuple):
     defer_layers: int = 0
 
 
+class Refusal(enum.Enum):
+    """Why a node's output is not offloaded, as the end of a sentence that starts with the
+    node's name; `{}` marks are filled by `say`. One vocabulary for the three checks: the
+    rules here (on facts, before remat), `workbench.rewrite.offload.offload_pass` (on the
+    rematerialized graph) and its replay on indices (`workbench.cost.replay.offload_schedule`),
+    so a node refused twice is refused in the same words."""
+
+    NOT_FORWARD = "is not a forward node of this graph"
+    NOT_ONE_TENSOR = "returns no single tensor"
+    FSDP_CHAIN = "is part of a parameter's FSDP all-gather chain"
+    COLLECTIVE = "is a collective or its wait"
+    OUTSIDE_LAYERS = "is outside the layers"
+    LAST_LAYER = "is in the last layer ({}): backward reads it at once"
+    VIEW_OP = "is a view op"
+    RANDOM = "is a random op"
+    WRITTEN = "has its storage written in place in forward"
+    WRITTEN_BY = "has its storage written in place in forward by {}"  # the pass knows who
+    ALIAS = "is a view or alias of another node's storage: offloading it frees nothing"
+    RETURNED = "is returned by the step"
+    NOT_CONTIGUOUS = "is not contiguous"
+    TOO_SMALL = "is {} bytes, under the {}-byte minimum"
+    NOT_READ = "is not read in backward after remat: nothing to offload"
+    OVER_BUDGET = "over the offload budget of {} bytes ({} already offloaded)"
+
+    def say(self, *values: object) -> str:
+        """The sentence, its `{}` marks filled with `values` in order.
+
+        >>> Refusal.LAST_LAYER.say(5)
+        'is in the last layer (5): backward reads it at once'
+        """
+        return self.value.format(*values)
+
+
 # --- CPU offload ------------------------------------------------------------------------
 
 # Graph trainer's view ops (`cpu_offload._VIEW_OPS`, by overload packet): never offloaded.
@@ -55,32 +91,32 @@ def offload_refusal(f: OpFacts, last: int | None, titan: bool = False) -> str | 
     or output rule (the pass still skips what it cannot offload safely)."""
     storage = f.storage
     if storage is None:
-        return "returns no single tensor"
+        return Refusal.NOT_ONE_TENSOR.say()
     if f.gather is not None:
-        return "is part of a parameter's FSDP all-gather chain"
+        return Refusal.FSDP_CHAIN.say()
     if f.op.startswith("_c10d_functional."):
-        return "is a collective or its wait"
+        return Refusal.COLLECTIVE.say()
     layer = titan_layer(f.module) if titan else f.layer
     if layer in (None, TITAN_NOT_IN_LAYERS):
-        return "is outside the layers"
+        return Refusal.OUTSIDE_LAYERS.say()
     if layer == last:
-        return f"is in the last layer ({layer}): backward reads it at once"
+        return Refusal.LAST_LAYER.say(layer)
     if titan:
         if f.op.split(".")[1:2] and f.op.split(".")[1] in TITAN_VIEW_OPS:
-            return "is a view op"
+            return Refusal.VIEW_OP.say()
     else:
         if f.random:
-            return "is a random op"
+            return Refusal.RANDOM.say()
         if f.mutation or storage.mutated:
-            return "has its storage written in place in forward"
+            return Refusal.WRITTEN.say()
         if not storage.fresh:
-            return "is a view or alias of another node's storage: offloading it frees nothing"
+            return Refusal.ALIAS.say()
         if storage.output:
-            return "is returned by the step"
+            return Refusal.RETURNED.say()
     if not storage.contiguous:
-        return "is not contiguous"
+        return Refusal.NOT_CONTIGUOUS.say()
     if storage.bytes < MIN_OFFLOAD_BYTES:
-        return f"is {storage.bytes} bytes, under the {MIN_OFFLOAD_BYTES}-byte minimum"
+        return Refusal.TOO_SMALL.say(storage.bytes, MIN_OFFLOAD_BYTES)
     return None
 
 
@@ -118,7 +154,7 @@ def offload_refusal_in(
     by_name = plan.by_name
     refusal = offload_refusal(by_name[name], plan.last_layers[titan], titan)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
-        return "is not kept for backward: nothing to offload"
+        return Refusal.NOT_READ.say()
     return refusal
 
 
@@ -164,7 +200,7 @@ def decide_offload(
         refusal = offload_refusal(f, last, titan)
         if refusal is None and not kept(f):
             titan_save = titan and tag.policy is CheckpointPolicy.MUST_SAVE
-            refusal = None if titan_save else "is not kept for backward: nothing to offload"
+            refusal = None if titan_save else Refusal.NOT_READ.say()
         if refusal is not None:
             if asked:
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, refusal)
@@ -183,5 +219,5 @@ def decide_offload(
         elif tags[f.name].why is Why.PRESET:
             tags[f.name] = before[f.name]
         else:
-            detail = f"over the offload budget of {budget} bytes ({used} already offloaded)"
+            detail = Refusal.OVER_BUDGET.say(budget, used)
             tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, detail)

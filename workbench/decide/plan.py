@@ -31,7 +31,7 @@ class DecidePlan(NamedTuple):
     writes: WritePlan  # the in-place rule's storages, writes and readers
     # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
     # and those tags once followers took their leader's
-    requested: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
+    request_memo: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
 
 
 REQUEST_MEMO = 8  # request tables a plan remembers (one per preset and selector list)

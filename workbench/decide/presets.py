@@ -1,7 +1,8 @@
 """The named presets: rule factories `name -> () -> rule(facts) -> CheckpointPolicy`, the
 workbench's own and torchtitan graph trainer's (`titan-*`), node for node.
 
-Entry points: `PRESETS` (the registry, filled by `@register_preset`), `preset_rule(name)`.
+Entry points: `@register_preset(name)`, the decorator that fills the registry `PRESETS` (and
+`TITAN_PRESETS`, `OFFLOAD_PRESETS` from the name and its `offloads`), and `preset_rule(name)`.
 """
 
 from __future__ import annotations
@@ -34,16 +35,62 @@ COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
 )
 
 
-# --- presets: rule(facts) -> CheckpointPolicy -------------------------------------------
+# --- the registry: preset name -> rule factory ------------------------------------------
 
 Rule = Callable[[OpFacts], CheckpointPolicy]
+RuleFactory = Callable[[], Rule]
+
+# Every preset, in the order registered (the order every list of presets shows): name ->
+# a factory of fresh rules (a rule may count the nodes it sees, so one per graph or run).
+PRESETS: dict[str, RuleFactory] = {}
+# Graph trainer's presets, node for node: the `titan-` ones.
+TITAN_PRESETS: dict[str, RuleFactory] = {}
+TITAN_PREFIX = "titan-"
+# Presets that offload what their base preset saves -> that base preset.
+OFFLOAD_PRESETS: dict[str, str] = {}
 
 
+def register_preset(name: str, offloads: str | None = None) -> Callable[[RuleFactory], RuleFactory]:
+    """Register a rule factory as preset `name`; its docstring is the rule's description
+    (`policy explain` prints it). `offloads`: the preset whose saves this one offloads.
+    Names starting `titan-` are graph trainer's presets (`TITAN_PRESETS`)."""
+
+    def register(factory: RuleFactory) -> RuleFactory:
+        if name in PRESETS:
+            raise ValueError(f"preset {name!r} is registered twice")
+        PRESETS[name] = factory
+        if name.startswith(TITAN_PREFIX):
+            TITAN_PRESETS[name] = factory
+        if offloads is not None:
+            OFFLOAD_PRESETS[name] = offloads
+        return factory
+
+    return register
+
+
+def preset_rule(name: str) -> Rule:
+    """A fresh rule of the preset `name`; an unknown name raises, listing the presets.
+
+    >>> preset_rule("defualt")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: unknown preset 'defualt'; available: none, full, default, eager, offload, ...
+    """
+    factory = PRESETS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return factory()
+
+
+# --- the workbench's presets --------------------------------------------------------------
+
+
+@register_preset("none")
 def _save_all() -> Rule:
     """Keep every activation (no activation checkpointing)."""
     return lambda facts: CheckpointPolicy.PREFER_SAVE
 
 
+@register_preset("full")
 def _recompute_all() -> Rule:
     """Recompute every activation that may be recomputed."""
     return lambda facts: CheckpointPolicy.PREFER_RECOMPUTE
@@ -58,11 +105,13 @@ def _save_listed(ops: frozenset[str], save: CheckpointPolicy) -> Rule:
     return rule
 
 
+@register_preset("default")
 def _save_compute_intensive() -> Rule:
     """Save the compute-intensive ops (torchtitan's save list), recompute the rest."""
     return _save_listed(COMPUTE_INTENSIVE_OPS, CheckpointPolicy.PREFER_SAVE)
 
 
+@register_preset("eager")
 def _eager_every_other_mm() -> Rule:
     """torchtitan's eager SAC rule: only layers are checkpointed, and within a layer every
     second matmul is recomputed; everything outside the layers is saved as autograd would."""
@@ -76,6 +125,13 @@ def _eager_every_other_mm() -> Rule:
         return compute_intensive(facts)
 
     return rule
+
+
+@register_preset("offload", offloads="default")
+def _default_then_offload() -> Rule:
+    """graph trainer's `sac_and_offload` on the workbench's rules: `default`, then every saved
+    storage that may be offloaded (`offload_refusal`) is, largest first within the budget."""
+    return _save_compute_intensive()
 
 
 # --- torchtitan graph trainer's presets, node for node ---------------------------------
@@ -144,11 +200,13 @@ def titan_layer(module: str) -> int:
     return TITAN_NOT_IN_LAYERS
 
 
+@register_preset("titan-default")
 def _titan_default() -> Rule:
     """graph trainer `default`: MUST_SAVE its save list, PREFER_RECOMPUTE the rest."""
     return _save_listed(TITAN_SAVE_OPS, CheckpointPolicy.MUST_SAVE)
 
 
+@register_preset("titan-full")
 def _titan_full() -> Rule:
     """graph trainer `full`: MUST_RECOMPUTE everything but random ops (MUST_SAVE)."""
 
@@ -160,6 +218,7 @@ def _titan_full() -> Rule:
     return rule
 
 
+@register_preset("titan-eager")
 def _titan_eager() -> Rule:
     """graph trainer `eager`: `default`, but every second matmul of the running count is
     PREFER_RECOMPUTE. Stateful: call it once per tagged node, in graph order."""
@@ -180,36 +239,9 @@ def _titan_eager() -> Rule:
     return rule
 
 
-def _default_then_offload() -> Rule:
-    """graph trainer's `sac_and_offload` on the workbench's rules: `default`, then every saved
-    storage that may be offloaded (`offload_refusal`) is, largest first within the budget."""
-    return _save_compute_intensive()
-
-
+@register_preset("titan-sac_and_offload", offloads="titan-default")
 def _titan_sac_and_offload() -> Rule:
     """graph trainer `sac_and_offload`: its `default`, then MUST_CPU_OFFLOAD on saved,
     contiguous, non-view tensors of at least 4 KiB in the layers but the last, largest first
     within the budget (`tag_all_offloadable_activations`)."""
     return _titan_default()
-
-
-TITAN_PRESETS: dict[str, Callable[[], Rule]] = {
-    "titan-default": _titan_default,
-    "titan-full": _titan_full,
-    "titan-eager": _titan_eager,
-    "titan-sac_and_offload": _titan_sac_and_offload,
-}
-
-
-# Presets that offload what their base preset saves -> that base preset.
-OFFLOAD_PRESETS = {"offload": "default", "titan-sac_and_offload": "titan-default"}
-
-
-PRESETS: dict[str, Callable[[], Rule]] = {
-    "none": _save_all,
-    "full": _recompute_all,
-    "default": _save_compute_intensive,
-    "eager": _eager_every_other_mm,
-    "offload": _default_then_offload,
-    **TITAN_PRESETS,
-}

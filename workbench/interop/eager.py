@@ -23,7 +23,8 @@ from workbench.capture.workload import Workload, eager_step
 from workbench.decide.decider import layer_key, node_keys
 from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
-from workbench.interop.export import WRAPPED_MARKER, export
+from workbench.interop.export import export
+from workbench.interop.templates.constants import WRAPPED_MARKER
 
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 # Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is

@@ -2,9 +2,9 @@
 
 Entry points: `graph_trainer_tags(graph, memory_policy)` (torchtitan's tags per forward node),
 `graph_trainer_log(graph, memory_policy)` (its activation-memory log),
-`compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`,
-`offload_passes(graph, policy)` / `offload_mismatches(passes)` (its offload pass against the
-workbench's), `DIFFERENCES` and `OFFLOAD_PLACEMENT` (where the two differ, and why).
+`compare(graph, policy, memory_policy=None) -> list[Mismatch]` against `decide`, and
+`DIFFERENCES` (where the workbench's presets differ, and why) with `explained_by(mismatch, preset)`.
+Its offload pass against the workbench's: `workbench.interop.titan_offload`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import logging
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.capture.graph import ORIGIN_KEY, JointGraph, NodeInfo
+from workbench.capture.graph import JointGraph
 from workbench.decide.decider import decidable, decide
-from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.decide.presets import (
     COMPUTE_INTENSIVE_OPS,
@@ -33,46 +32,42 @@ from workbench.decide.presets import (
     TITAN_SAVE_OPS,
     titan_layer,
 )
-from workbench.decide.tags import OFFLOAD, RECOMPUTE, Why
+from workbench.decide.tags import OFFLOAD, RECOMPUTE, Tag, Why
 from workbench.errors import WorkbenchError
-from workbench.rewrite.offload import offload_pass
-from workbench.rewrite.placement import OFFLOAD_META, REPLAYED_VIEW, is_offload_node
-from workbench.rewrite.remat import copy_graph_module, remat
+from workbench.rewrite.remat import copy_graph_module
 
 __all__ = [
     "CPU_FORCED",
-    "WRITTEN_FORCED",
     "DIFFERENCES",
     "MEMORY_POLICIES",
+    "MODULE_FQN",
     "NOT_REPRODUCED",
-    "OFFLOAD_PLACEMENT",
-    "STEP_NAMES",
+    "WRITTEN_FORCED",
     "Difference",
     "Mismatch",
-    "OffloadMismatch",
-    "OffloadPasses",
-    "OffloadSteps",
     "compare",
     "counterpart",
     "differences_of",
     "differences_table",
     "explained_by",
     "graph_trainer_log",
+    "graph_trainer_registry",
     "graph_trainer_tags",
-    "offload_mismatches",
-    "offload_passes",
+    "torchtitan_log",
 ]
 
 # Graph trainer's memory policies the harness runs (for `sac_and_offload` its tagging here;
-# its offload pass in `offload_passes`, which rewrites a graph without a stream), and the key
-# its passes read the module path from (`common_utils._MODULE_FQN`).
+# its offload pass in `titan_offload.offload_passes`, which rewrites a graph without a
+# stream), and the key its passes read the module path from (`common_utils._MODULE_FQN`).
 MEMORY_POLICIES = ("default", "full", "eager", "sac_and_offload")
 TITAN_OFFLOAD_BUDGET_GB = 100.0  # graph trainer's default `cpu_offload_budget_gb`
 MODULE_FQN = "module_fqn"
 _POLICY_MODULE = "torchtitan.experiments.graph_trainer.memory_policy"
 
 
-def _registry() -> dict[str, Any]:
+def graph_trainer_registry() -> dict[str, Any]:
+    """Graph trainer's memory-policy passes by name; without torchtitan, a `WorkbenchError`
+    saying how to install it."""
     try:
         importlib.import_module(_POLICY_MODULE)  # registers the policies
         registry = importlib.import_module("torchtitan.experiments.graph_trainer.registry")
@@ -106,21 +101,23 @@ def _tagged_copy(graph: JointGraph, memory_policy: str) -> fx.GraphModule:
             f"unknown graph trainer memory policy {memory_policy!r}; choose one of "
             f"{', '.join(MEMORY_POLICIES)}"
         )
-    registry = _registry()
+    registry = graph_trainer_registry()
     gm = copy_graph_module(graph.gm)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
         custom = dict(node.meta.get("custom") or {})
         custom[MODULE_FQN] = graph.nodes[node.name].module
         node.meta["custom"] = custom
-    with _torchtitan_log(logging.WARNING):  # its per-layer summary is for training logs
+    with torchtitan_log(logging.WARNING):  # its per-layer summary is for training logs
         registry[memory_policy](gm, config=_config(memory_policy))
     return gm
 
 
 @contextlib.contextmanager
-def _torchtitan_log(level: int, handler: logging.Handler | None = None) -> Iterator[None]:
-    logger = logging.getLogger()  # torchtitan logs through the root logger
+def torchtitan_log(level: int, handler: logging.Handler | None = None) -> Iterator[None]:
+    """torchtitan logs through the root logger: `level` there (and `handler` added) while
+    the block runs."""
+    logger = logging.getLogger()
     previous = logger.level
     logger.setLevel(level)
     if handler is not None:
@@ -155,7 +152,7 @@ def graph_trainer_log(graph: JointGraph, memory_policy: str) -> str:
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    with _torchtitan_log(logging.DEBUG, handler):
+    with torchtitan_log(logging.DEBUG, handler):
         log_activation_memory_policy(gm)
     text = stream.getvalue()
     return text[text.index("\n") + 1 :].rstrip("\n")  # without its one-line heading
@@ -163,14 +160,14 @@ def graph_trainer_log(graph: JointGraph, memory_policy: str) -> str:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """A node the workbench saves where graph trainer recomputes it, or the reverse."""
+    """A node the workbench saves where graph trainer recomputes it, or the reverse: graph
+    trainer's tag (None: untagged) and the workbench's `Tag`, with its reason (`Tag.why`)."""
 
     node: str
     op: str
     module: str
     graph_trainer: CheckpointPolicy | None
-    workbench: CheckpointPolicy
-    reason: str  # the workbench's reason for its tag
+    tag: Tag
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -178,8 +175,8 @@ class Mismatch:
             "op": self.op,
             "module": self.module,
             "graph_trainer": self.graph_trainer.name if self.graph_trainer else "untagged",
-            "workbench": self.workbench.name,
-            "reason": self.reason,
+            "workbench": self.tag.policy.name,
+            "reason": self.tag.reason,
         }
 
 
@@ -199,8 +196,7 @@ def compare(
             op=graph.nodes[name].op,
             module=graph.nodes[name].module,
             graph_trainer=theirs.get(name),
-            workbench=tag.policy,
-            reason=tag.reason,
+            tag=tag,
         )
         for name, tag in ours.items()
         if (theirs.get(name) in RECOMPUTE) != tag.recompute
@@ -234,7 +230,7 @@ class Difference:
         }
 
 
-# The one table of differences: the README's table is `differences_table()` verbatim (a
+# The one table of differences: docs/torchtitan.md's table is `differences_table()` verbatim (a
 # test holds them together), `policy explain` prints the rows of a preset, and
 # `explained_by` names the row behind each mismatch `compare` finds.
 DIFFERENCES: tuple[Difference, ...] = (
@@ -331,29 +327,6 @@ WRITTEN_FORCED = Difference(
     "that write a saved activation in place (the workbench's reference models do not)",
 )
 
-# Where graph trainer's offload pass places the steps otherwise than the workbench's
-# `offload_pass` for the same options, on the same graph (`offload_mismatches` names the
-# row behind each step it finds apart; the README shows `differences_table(OFFLOAD_PLACEMENT)`).
-# With defer >= 1 and prefetch 0 the two agree step for step on both Llama3 debug models.
-OFFLOAD_PLACEMENT: tuple[Difference, ...] = (
-    Difference(
-        key="defer 0",
-        rule="`defer_layers` 0 (`cpu_offload_defer_n_layers 0`)",
-        presets=("offload", "titan-sac_and_offload"),
-        workbench="the device original is freed right after its last forward reader, found "
-        "through every alias of its storage",
-        graph_trainer="0.3.0's pass refuses the graph: its free is left right after the copy "
-        "but names that reader as `last_use_of_storage`, and its own lint fails; sorted, the "
-        "free would follow the reader's first getitem, and its alias walk stops at ops "
-        "outside its view list (`unbind`, `split_with_sizes`), so q/k/v views of a matmul "
-        "would still be read after the free",
-        why="torchtitan 0.3.0 cannot run defer 0, so the export asks it for 1 (freed at the "
-        "end of the layer after the producer's: more device memory than the workbench's 0); "
-        "the workbench's rule frees as early as is safe",
-    ),
-)
-
-
 # Graph trainer rules the `titan-*` presets do not reproduce yet (`compare` runs graph
 # trainer with its default config, where the first does not fire).
 NOT_REPRODUCED: tuple[str, ...] = (
@@ -392,8 +365,8 @@ def differences_of(preset: str) -> list[Difference]:
 def differences_table(
     rows: tuple[Difference, ...] = DIFFERENCES, theirs: str = "graph trainer (`titan-*`)"
 ) -> str:
-    """`DIFFERENCES` (or `OFFLOAD_PLACEMENT`, with graph trainer's column named `theirs`) as
-    the Markdown table the README shows."""
+    """`DIFFERENCES` (or `titan_offload.OFFLOAD_PLACEMENT`, with graph trainer's column named
+    `theirs`) as the Markdown table docs/torchtitan.md shows."""
     lines = [
         f"| rule | presets | workbench | {theirs} | why |",
         "|---|---|---|---|---|",
@@ -405,22 +378,23 @@ def differences_table(
 
 
 def explained_by(mismatch: Mismatch, preset: str) -> str:
-    """The key of the `DIFFERENCES` row (or `CPU_FORCED`) behind a mismatch of `preset`'s
-    decisions; `selector` / `override` for a policy's own requests, `unexplained` else."""
-    reason = mismatch.reason
-    if reason.startswith("forced:random op"):
+    """The key of the `DIFFERENCES` row (or `CPU_FORCED`, `WRITTEN_FORCED`) behind a mismatch
+    of `preset`'s decisions, read off the workbench's reason (`Tag.why`); `selector` /
+    `override` for a policy's own requests, `unexplained` else."""
+    why = mismatch.tag.why
+    if why is Why.RANDOM:
         return CPU_FORCED.key
-    if reason.startswith(f"forced:{Why.WRITTEN_INPUT.value}"):
+    if why is Why.WRITTEN_INPUT:
         return WRITTEN_FORCED.key
-    if reason.startswith(("selector:", "override:")):
-        return reason.split(":", 1)[0]
+    if why in (Why.SELECTOR, Why.OVERRIDE):
+        return why.value
     if preset in TITAN_PRESETS:
         return "unexplained"
-    if reason.startswith("forced:mutates"):
+    if why is Why.MUTATION:
         return "in-place"
     if mismatch.graph_trainer is None:
         return "lm_head/loss"
-    if reason.startswith("forced:layer boundary"):
+    if why is Why.LAYER_BOUNDARY:
         return "layer boundary"
     if preset == "eager" and titan_layer(mismatch.module) == TITAN_NOT_IN_LAYERS:
         return "eager outside layers"
@@ -428,185 +402,7 @@ def explained_by(mismatch: Mismatch, preset: str) -> str:
         return "save list"
     offloads = CheckpointPolicy.MUST_CPU_OFFLOAD
     if preset == "offload" and (mismatch.graph_trainer is offloads) != (
-        mismatch.workbench is offloads
+        mismatch.tag.policy is offloads
     ):
         return "offload candidates"
     return "unexplained"
-
-
-# --- offload placement: graph trainer's offload pass against the workbench's ---------------
-
-
-class OffloadSteps(NamedTuple):
-    """Where one offloaded value's four steps land: for each, the name of the node of the
-    rematerialized graph it follows (the other offload steps and the views replayed on
-    reloads are not nodes of that graph, so they do not count)."""
-
-    copy: str
-    free: str
-    reload: str
-    wait: str
-
-
-STEP_NAMES = OffloadSteps._fields
-
-
-@dataclass(frozen=True)
-class OffloadPasses:
-    """One rematerialized graph offloaded by each pass: `workbench` by `offload_pass`,
-    `graph_trainer` by `apply_cpu_offload_pass` (its replayed views marked as ours, so
-    `Estimator.schedule_of` reads both), the values offloaded with the layers of each one's
-    producer and first backward reader, the options, and `refused`: graph trainer's own
-    error when its pass refused the graph (its closing lint), which was then sorted as its
-    bucketing pass would sort it, to show where it meant the steps to go."""
-
-    workbench: fx.GraphModule
-    graph_trainer: fx.GraphModule
-    # offloaded node -> layers of (producer, first backward reader; the producer's where the
-    # reader is outside the layers): what prefetch is counted from and where it is needed
-    layers: dict[str, tuple[int | None, int | None]]
-    options: OffloadOptions
-    refused: str | None = None
-
-    def landings(self) -> tuple[dict[str, OffloadSteps], dict[str, OffloadSteps]]:
-        """Per offloaded node, the nodes its steps follow: the workbench's, graph trainer's."""
-        return _steps(self.workbench, list(self.layers)), _steps(
-            self.graph_trainer, list(self.layers)
-        )
-
-
-@dataclass(frozen=True)
-class OffloadMismatch:
-    """A step of an offloaded value that the two passes put after different nodes, and the
-    key of the `OFFLOAD_PLACEMENT` row that explains it (`unexplained` if none does)."""
-
-    node: str
-    step: str
-    workbench: str
-    graph_trainer: str
-    difference: str
-
-
-def offload_mismatches(passes: OffloadPasses) -> list[OffloadMismatch]:
-    """Every step the two passes place apart, by offloaded node then step, each named by
-    its row of `OFFLOAD_PLACEMENT`. Steps sharing a gap between two nodes may run in another
-    order there: that moves no device memory (only reloads allocate, only in backward)."""
-    ours, theirs = passes.landings()
-    result = []
-    for name in passes.layers:
-        for step, a, b in zip(STEP_NAMES, ours[name], theirs[name], strict=True):
-            if a == b:
-                continue
-            if step == "free" and passes.refused is not None:
-                key = "defer 0"
-            else:
-                key = "unexplained"
-            result.append(OffloadMismatch(name, step, a, b, key))
-    return result
-
-
-def offload_passes(graph: JointGraph, policy: Policy | str) -> OffloadPasses:
-    """Both offload passes, for the policy's prefetch/defer options, on the same graph:
-    torch's remat pass run on the policy's decisions (offloads saved), then each pass on a
-    copy, graph trainer's on the values the workbench's offloaded, tagged MUST_CPU_OFFLOAD
-    again (torch's remat pass rewrites those tags to MUST_SAVE). Graph trainer runs its pass
-    before its own remat pass; one graph keeps placement apart from the remat passes'
-    differences, so the what-if can price each placement rule."""
-    _registry()  # a clear error without torchtitan
-    policy = policy if isinstance(policy, Policy) else Policy(policy)
-    decisions = decide(graph, policy)
-    saved = {
-        name: tag._replace(policy=CheckpointPolicy.MUST_SAVE) if tag.offload else tag
-        for name, tag in decisions.items()
-    }
-    base = remat(graph, saved).gm
-    layer_of = {
-        node.name: getattr(_origin(graph, node), "layer", None) for node in base.graph.nodes
-    }
-    ours = offload_pass(
-        copy_graph_module(base),
-        [name for name, tag in decisions.items() if tag.offload],
-        lambda node: layer_of[node.name],
-        policy.offload,
-    )
-    plan = ours.meta[OFFLOAD_META]
-    offloaded = plan.names
-    nodes = [node.name for node in base.graph.nodes]
-    layers = {}
-    for name, value in zip(offloaded, plan.values, strict=True):
-        producer, reader = (
-            layer_of[nodes[value.producer]],
-            layer_of[nodes[value.first_backward_use]],
-        )
-        layers[name] = (producer, producer if reader is None else reader)
-    theirs = copy_graph_module(base)
-    for node in theirs.graph.nodes:
-        node.meta.pop("recompute", None)
-        module = getattr(_origin(graph, node), "module", "")
-        node.meta["custom"] = {**(node.meta.get("custom") or {}), MODULE_FQN: module}
-        if node.name in offloaded:
-            node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
-    refused = _graph_trainer_offload(theirs, policy.offload)
-    for node in theirs.graph.nodes:
-        if node.name not in layer_of and not is_offload_node(node):
-            node.meta[REPLAYED_VIEW] = True
-    return OffloadPasses(ours, theirs, layers, policy.offload, refused)
-
-
-def _graph_trainer_offload(gm: fx.GraphModule, options: OffloadOptions) -> str | None:
-    """Run `apply_cpu_offload_pass` on `gm`. With defer 0 its forward wait stays right after
-    the copy but names the last forward reader as `last_use_of_storage`, and its closing
-    lint refuses the graph: return that error, the graph sorted as graph trainer's
-    bucketing pass sorts (`_stable_topological_sort`, which puts the wait right after that
-    reader)."""
-    from torch._dynamo.graph_deduplication import _stable_topological_sort
-    from torchtitan.experiments.graph_trainer.cpu_offload import apply_cpu_offload_pass
-
-    try:
-        with _torchtitan_log(logging.WARNING):
-            apply_cpu_offload_pass(
-                gm,
-                prefetch_lookahead=options.prefetch_layers,
-                defer_n_layers=options.defer_layers,
-            )
-    except RuntimeError as err:
-        if "topologically ordered" not in str(err):
-            raise
-        _stable_topological_sort(gm.graph, {})
-        gm.graph.lint()
-        gm.recompile()
-        return str(err).splitlines()[0]
-    return None
-
-
-def _origin(graph: JointGraph, node: fx.Node) -> NodeInfo | None:
-    """The traced node a node of a rematerialized graph comes from (recomputed copies
-    carry their original's `ORIGIN_KEY`; the output node has none)."""
-    origin = node.meta.get(ORIGIN_KEY)
-    return graph.nodes.get(origin[1]) if origin is not None else None
-
-
-def _steps(gm: fx.GraphModule, offloaded: list[str]) -> dict[str, OffloadSteps]:
-    """For each offloaded node, the node of the rematerialized graph each of its steps
-    follows in `gm`: the copy reads the node, the free waits on the copy, the reload reads
-    the free's host tensor and the wait reads the reload."""
-    follows: dict[fx.Node, str] = {}
-    last = ""
-    for node in gm.graph.nodes:
-        if is_offload_node(node) or node.meta.get(REPLAYED_VIEW):
-            follows[node] = last
-        else:
-            last = node.name
-
-    def step(node: fx.Node, op: str) -> fx.Node:
-        return next(u for u in node.users if is_offload_node(u) and u.target._opname == op)  # type: ignore[union-attr]
-
-    by_name = {n.name: n for n in gm.graph.nodes}
-    result = {}
-    for name in offloaded:
-        copy = step(by_name[name], "offload")
-        free = step(copy, "wait_tensor")
-        reload = step(free, "reload")
-        wait = step(reload, "wait_tensor")
-        result[name] = OffloadSteps(*(follows[s] for s in (copy, free, reload, wait)))
-    return result

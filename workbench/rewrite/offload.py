@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from workbench.capture.ops import mutates, reads_until_wait, storage_keys
-from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.offloadable import OffloadOptions, Refusal
 from workbench.rewrite.host_ops import ops_for
 from workbench.rewrite.placement import (
     OFFLOAD_META,
@@ -61,30 +61,31 @@ class _Value(NamedTuple):
 def _examine(
     node: fx.Node, position: dict[fx.Node, int], end: int
 ) -> tuple[_Value | None, str | None]:
-    """The storage facts the pass needs of `node`, or why it cannot be offloaded safely."""
+    """The storage facts the pass needs of `node`, or why it cannot be offloaded safely (a
+    sentence of `Refusal`, the rules' vocabulary)."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
-        return None, "returns no single tensor"
+        return None, Refusal.NOT_ONE_TENSOR.say()
     (key,) = storage_keys(node)
     if any(key in storage_keys(x) for x in node.all_input_nodes):
-        return None, "shares its storage with an input: freeing it would free that too"
+        return None, Refusal.ALIAS.say()
     aliases: list[fx.Node] = []
     readers: list[fx.Node] = []
     todo, seen = [node], {node}
     while todo:
         for user in todo.pop().users:
             if user.op == "output":
-                return None, "is returned by the step"
+                return None, Refusal.RETURNED.say()
             if position[user] >= end:
                 readers.append(user)
             elif user not in seen and key in storage_keys(user):
                 if mutates(user.target):
-                    return None, f"has its storage written in place by {user.name}"
+                    return None, Refusal.WRITTEN_BY.say(user.name)
                 seen.add(user)
                 aliases.append(user)
                 todo.append(user)
     if not readers:
-        return None, "is not read in backward after remat"
+        return None, Refusal.NOT_READ.say()
     aliases.sort(key=position.__getitem__)
     return _Value(node, aliases, readers), None
 
@@ -120,9 +121,10 @@ def offload_pass(
     keepalive=host)` before the first backward reader; backward readers then read the
     reloaded tensor, and forward views they read are replayed on it after the wait. On the
     CPU the ops are `workbench::*` (the host is a separate buffer per copy), elsewhere
-    torch's `ao::*`. Requests it cannot honour safely (an alias of an input, written in
-    place, returned, not read in backward) are skipped. Writes the `OffloadPlan` to
-    `gm.meta[OFFLOAD_META]` and returns `gm`, rewritten in place."""
+    torch's `ao::*`. Requests it cannot honour safely (an alias of another node's storage,
+    written in place, returned, not read in backward) are skipped, saying why in the words
+    of the rules (`Refusal`). Writes the `OffloadPlan` to `gm.meta[OFFLOAD_META]` and
+    returns `gm`, rewritten in place."""
     options = options or OffloadOptions()
     nodes = list(gm.graph.nodes)
     position = {node: p for p, node in enumerate(nodes)}
@@ -134,7 +136,7 @@ def offload_pass(
     for name in names:
         node = by_name.get(name)
         if node is None or position[node] >= end or node.op != "call_function":
-            skipped[name] = "is not a forward node of this graph"
+            skipped[name] = Refusal.NOT_FORWARD.say()
             continue
         found, reason = _examine(node, position, end)
         if found is None:

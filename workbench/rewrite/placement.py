@@ -75,7 +75,7 @@ def place_offloads(
     when there is none that early), never after the first reader, and right before it when
     N = 0 or the producer is outside the layers. Counting from the producer's layer is
     graph trainer's rule (`apply_cpu_offload_pass`), so an exported policy runs where the
-    estimate puts it (`workbench.interop.titan.offload_passes` checks)."""
+    estimate puts it (`workbench.interop.titan_offload.offload_passes` checks)."""
     ids = np.fromiter((NO_LAYER if x is None else x for x in layer), np.int64, len(layer))
     return place_offloads_arrays(np.asarray(backward, bool), ids, values, options)
 

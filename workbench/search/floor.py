@@ -14,7 +14,7 @@ from typing import Any
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import Estimate, Estimator
 from workbench.decide.decider import decide, layer_key, rules_of
-from workbench.decide.offloadable import OffloadOptions, offload_refusal_in
+from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
 from workbench.search.solve import SOLVER_DEFER_LAYERS, Solution, SolveOptions, Solver, fsdp_choices
@@ -36,7 +36,7 @@ def floor_policy(graph: JointGraph, fsdp_reshard: bool = True) -> Policy:
     overrides = {
         layer_key(graph.nodes[name], rules.keys[name]): offload
         for name, tag in tags.items()
-        if not tag.recompute and offload_refusal_in(rules.plan, tags, name, "full") is None
+        if not tag.recompute and rules.offload_refusal(name, tags, "full") is None
     }
     return Policy(
         "full",

@@ -12,6 +12,7 @@ from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.decide.decider import decide
+from workbench.decide.engine import STEPS, TITAN_STEPS
 from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS, TITAN_PRESETS
 from workbench.decide.tags import DECISIONS, Why
@@ -19,49 +20,20 @@ from workbench.errors import WorkbenchError
 from workbench.interop.titan import (
     CPU_FORCED,
     NOT_REPRODUCED,
-    OFFLOAD_PLACEMENT,
     compare,
     counterpart,
     differences_of,
     explained_by,
 )
+from workbench.interop.titan_offload import OFFLOAD_PLACEMENT
 
-__all__ = ["WRITTEN_STEP", "explain", "explain_text", "steps"]
-
-WRITTEN_STEP = (
-    "a recomputed node whose recompute would not see what forward saw is saved (written in "
-    "place): it writes a storage that is not recomputed, reads one that forward writes in "
-    "place after it, or could be replayed out of order with a recomputed write"
-)
-# The steps that follow a preset's own rule, in the order `decide_ops` / `decide_titan_ops`
-# run them (rules.py owns the code; these are its words).
-_WORKBENCH_STEPS = (
-    "the preset's rule asks, then selectors (later ones win), then overrides (a key naming "
-    "one layer wins over a `layers.*` key)",
-    "random ops are saved: torch's remat pass cannot replay their RNG",
-    "in-place ops are saved: a recompute would apply the mutation twice",
-    "a getitem follows the op it unpacks",
-    "a recomputed node with a recomputed user in another layer is saved (layer boundary)",
-    WRITTEN_STEP,
-    "offload: the `offload` preset offloads each saved node that may be offloaded, offload "
-    "requests the rules cannot grant are saved with the reason, then the budget, largest first",
-)
-_TITAN_STEPS = (
-    "nodes of `lm_head*` / `loss*` modules are left untagged (saved)",
-    "a getitem takes its parent's tag",
-    "the other nodes: the preset's rule asks, then selectors, then overrides",
-    "random ops are saved (on the CPU, where graph trainer recomputes the flash-attention op)",
-    "in graph order, a recomputed node with a recomputed user in a *higher* layer is saved "
-    "(nodes outside the layers count as layer -1)",
-    WRITTEN_STEP + " (graph trainer has no such rule: its run would differ from eager there)",
-    "`sac_and_offload`: saved contiguous non-view tensors of at least 4 KiB in the layers but "
-    "the last are offloaded, largest first within the budget",
-)
+__all__ = ["explain", "explain_text", "steps"]
 
 
 def steps(preset: str) -> tuple[str, ...]:
-    """The steps after the preset's rule: graph trainer's for `titan-*`, the workbench's else."""
-    return _TITAN_STEPS if preset in TITAN_PRESETS else _WORKBENCH_STEPS
+    """The deciding steps in words, in the order the engine takes them (`STEPS`; graph
+    trainer's `TITAN_STEPS` for `titan-*`): the engine's own record, next to its code."""
+    return tuple(step.words for step in (TITAN_STEPS if preset in TITAN_PRESETS else STEPS))
 
 
 def _rule_words(preset: str) -> str:

@@ -29,7 +29,7 @@ from workbench.capture.workload import Workload, eager_step
 from workbench.decide.engine import eager_tag
 from workbench.decide.facts import OpCounter
 from workbench.decide.policy import Policy
-from workbench.decide.presets import PRESETS
+from workbench.decide.presets import preset_rule
 from workbench.interop.export import export
 
 PolicyFnFactory = Callable[[], Callable[..., CheckpointPolicy]]
@@ -96,7 +96,7 @@ def every_other_mm_policy() -> Callable[..., CheckpointPolicy]:
     """torchtitan's rule as a plain policy_fn: the `eager` preset of `workbench.decide` with
     no module knowledge (every op counted as if in one layer), so every second mm of the
     forward is recomputed and compute-intensive ops are saved."""
-    rule = PRESETS["eager"]()
+    rule = preset_rule("eager")
     counters = {False: OpCounter(), True: OpCounter()}
 
     def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -18,7 +18,7 @@ from typing import Any
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import Estimate, Estimator
 from workbench.decide.decider import Decisions, decidable, rules_of
-from workbench.decide.offloadable import OffloadOptions, offload_refusal_in
+from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.show.viz import View
 from workbench.show.viz.style import COLLECTIVE_WORDS
@@ -110,7 +110,7 @@ def _offload_words(graph: JointGraph, decisions: Decisions, policy: Policy, name
     """Whether the op's output may be offloaded, and why not."""
     if name not in decisions:
         return "-"
-    refusal = offload_refusal_in(rules_of(graph).plan, decisions, name, policy.preset)
+    refusal = rules_of(graph).offload_refusal(name, decisions, policy.preset)
     return "possible" if refusal is None else f"not possible: it {refusal}"
 
 
