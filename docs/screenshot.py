@@ -3,7 +3,7 @@
 Run by hand from the repository root (not part of the test suite):
 `.venv/bin/python docs/screenshot.py [--out docs/explorer.png]`. Needs what the browser test
 needs (Debian's `/usr/bin/chromium`, the playwright package; no browser download) and
-follows its recipe (`tests/test_browser.py`): a JupyterLab server of its own on 127.0.0.1,
+runs its JupyterLab (`tests/jupyter_lab.py`): a JupyterLab server of its own on 127.0.0.1,
 a notebook with the explorer (llama3-debug, 4 layers, 128 tokens, preset `default`), Run All,
 open the folded layers, flip an op and find it, and a picture of the widget alone. Everything
 it starts is stopped; its files go to a temporary folder.
@@ -13,93 +13,16 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
-import os
-import secrets
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]  # fmt: skip
-CELLS = [
-    "from workbench.capture.models import load_workload\n"
-    "from workbench.show.widgets import PolicyExplorer",
-    'explorer = PolicyExplorer(load_workload("llama3-debug", layers=4, seq=128), "default",\n'
-    '                          autosave="explorer.policy.json")\n'
-    "explorer",
-]
+sys.path.insert(0, str(ROOT / "tests"))  # the browser test's JupyterLab recipe
+
+from jupyter_lab import CHROMIUM, CHROMIUM_FLAGS, LabDidNotStart, explorer_lab  # noqa: E402
+
 MAX_BYTES = 400_000  # keep the picture small enough for a README
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _write_notebook(path: Path) -> None:
-    cells = [
-        {"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": None}
-        for src in CELLS
-    ]
-    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook = {"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4,
-                "nbformat_minor": 5}  # fmt: skip
-    path.write_text(json.dumps(notebook))
-
-
-def _start_lab(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A JupyterLab server serving the notebook; the server and the notebook's URL."""
-    settings = tmp / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    root = tmp / "root"
-    root.mkdir()
-    _write_notebook(root / "explorer.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
-        "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
-        "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
-    }
-    lab_bin = Path(sys.executable).with_name("jupyter-lab")
-    server = subprocess.Popen(
-        [str(lab_bin), "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--allow-root"],
-        env=env, stdout=(tmp / "lab.log").open("w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-            return server, f"{base}/lab/tree/explorer.ipynb?token={token}"
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise SystemExit(f"JupyterLab did not start; see {tmp / 'lab.log'}") from None
-            time.sleep(0.5)
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    server.terminate()
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
 
 
 def _shrink(png: bytes) -> bytes:
@@ -171,11 +94,11 @@ def main() -> None:
     if not Path(CHROMIUM).exists():
         raise SystemExit(f"{CHROMIUM} is missing: sudo apt-get install -y chromium")
     with tempfile.TemporaryDirectory(prefix="sac-screenshot-") as tmp:
-        server, url = _start_lab(Path(tmp))
         try:
-            png = _shrink(capture(url))
-        finally:
-            _stop(server)
+            with explorer_lab(Path(tmp)) as (url, _):
+                png = _shrink(capture(url))
+        except LabDidNotStart as err:
+            raise SystemExit(str(err)) from None
     Path(args.out).write_bytes(png)
     print(f"wrote {args.out} ({len(png):,} bytes)")
 

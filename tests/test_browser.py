@@ -6,14 +6,6 @@ download). Screenshots go to `out/browser/`. Every server started here is stoppe
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,42 +15,13 @@ import pytest
 if TYPE_CHECKING:
     from playwright.sync_api import Page
 
+from jupyter_lab import CHROMIUM, CHROMIUM_FLAGS, LabDidNotStart, explorer_lab
+
 from workbench.show.viz import svg_id
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 SHOTS = Path(__file__).resolve().parents[1] / "out" / "browser"
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-# Four layers fold into one `layers.0–3 ×4` frame; 128 tokens leave room for Suggest.
-NOTEBOOK_CELLS = [
-    "from workbench.capture.models import load_workload\n"
-    "from workbench.show.widgets import PolicyExplorer",
-    'explorer = PolicyExplorer(load_workload("llama3-debug", layers=4, seq=128), "default",\n'
-    '                          autosave="explorer.policy.json")\n'
-    "explorer",
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _notebook(path: Path) -> None:
-    cells = [
-        {"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": None}
-        for src in NOTEBOOK_CELLS
-    ]
-    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    path.write_text(json.dumps(
-        {"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5}
-    ))  # fmt: skip
 
 
 @pytest.fixture
@@ -71,45 +34,11 @@ def lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             "(or: sudo apt-get install -y chromium)"
         )
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (no download)")
-    lab_bin = Path(sys.executable).with_name("jupyter-lab")
-    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    root = tmp_path / "root"
-    root.mkdir()
-    _notebook(root / "explorer.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {
-        **os.environ,
-        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-    }
-    server = subprocess.Popen(
-        [str(lab_bin), "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--allow-root"],
-        env=env, stdout=(tmp_path / "lab.log").open("w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("JupyterLab did not start on 127.0.0.1 within 60 s")
-                time.sleep(0.5)
-        yield f"{base}/lab/tree/explorer.ipynb?token={token}", root
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        with explorer_lab(tmp_path) as served:
+            yield served
+    except LabDidNotStart as err:
+        pytest.fail(str(err))
 
 
 def _spread(page: Page, plot: int) -> float:
