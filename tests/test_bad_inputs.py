@@ -361,6 +361,47 @@ def test_solver_commands_refuse_a_bad_flag_before_tracing(
         assert "choose one of" in message
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--random", "0"], "--random must be a positive integer, got 0"),
+        (["--random", "-3"], "--random must be a positive integer, got -3"),
+        (["--random", "3", "--policy", "full"], "give --policy or --random N, not both"),
+        (["--random", "3", "--fsdp", "2", "--tp", "2", "--policy", "full"], "not both"),
+        (["--random", "3", "--mode", "fake"], "verify runs the graph: use --mode real"),
+    ],
+)
+def test_verify_random_refuses_a_bad_flag_before_tracing(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    message: str,
+) -> None:
+    """`verify --random N [--seed S]`: each bad value ends in one line before any trace."""
+
+    def no_trace(*args: object) -> None:
+        raise AssertionError("traced before checking the flags")
+
+    monkeypatch.setattr(commands, "timed_trace", no_trace)
+    fails(capsys, ["verify", *MLP, *flags], re.escape(message))
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag", "value"),
+    [(["--random", "many"], "--random", "many"), (["--random", "3", "--seed", "x"], "--seed", "x")],
+)
+def test_verify_random_flags_take_whole_numbers(
+    capsys: pytest.CaptureFixture[str], flags: list[str], flag: str, value: str
+) -> None:
+    """argparse's own refusal, in its one-line form (`PROG: error: ...`, exit 2)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", *MLP, *flags, "--json"])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.rstrip().endswith(f"argument {flag}: invalid int value: '{value}'")
+
+
 # --- output files: never clobbered, never through a dangling link ------------------------
 
 

@@ -371,7 +371,4 @@ def test_verify_random_cli(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["policies"] == 3 and out["bitwise_equal"] and out["seed"] == 5
     assert out["failures"] == [] and "random op" in out["forced_by_reason"]
-    assert main([*args, "--random", "3", "--policy", "full"]) == 2
-    assert "give --policy or --random N, not both" in capsys.readouterr().err
-    assert main([*args, "--random", "0"]) == 2
-    assert "--random must be a positive integer" in capsys.readouterr().err
+    # bad values of --random and --seed: tests/test_bad_inputs.py
