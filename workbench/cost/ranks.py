@@ -28,8 +28,9 @@ from workbench.capture.parallel import (
     eager_rank_step,
     shard_workload,
 )
+from workbench.cost.measure import bitwise_equal
 from workbench.decide.policy import Policy, parse_policy
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.rewrite.remat import remat
 
 __all__ = ["RankCheck", "check_rank", "check_ranks"]
@@ -75,11 +76,10 @@ def check_rank(rank: RankWorkload, policies: Sequence[str | Policy]) -> list[Ran
         try:
             traced = remat(graph, policy).run(graph.example_inputs)  # its offload options too
         except (WorkbenchError, RuntimeError) as err:
-            error = str(err).splitlines()[0] if str(err) else type(err).__name__
-            checks.append(RankCheck(dist.get_rank(), index, _label(spec), (), 0.0, error))
+            checks.append(RankCheck(dist.get_rank(), index, _label(spec), (), 0.0, describe(err)))
             continue
         mismatched = tuple(
-            name for name, a, b in zip(names, traced, eager, strict=True) if not torch.equal(a, b)
+            name for name, a, b in zip(names, traced, eager, strict=True) if not bitwise_equal(a, b)
         )
         checks.append(RankCheck(dist.get_rank(), index, _label(spec), mismatched, float(traced[0])))
     return checks

@@ -20,12 +20,15 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.capture.ops import layer_pattern
 from workbench.capture.parallel import Parallel
-from workbench.decide.decider import rules_of
+from workbench.cost.measure import bitwise_mismatches
+from workbench.cost.ranks import check_ranks
+from workbench.decide.decider import Decisions, decide, rules_of
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import ACTIONS, Policy, Selector
 from workbench.decide.presets import PRESETS
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
+from workbench.rewrite.remat import remat
 
 __all__ = [
     "PolicyCheck",
@@ -151,11 +154,10 @@ class SoundnessReport:
         }
 
 
-def _forced(graph: JointGraph, policy: Policy) -> dict[str, int]:
-    from workbench.decide.decider import decide
-
+def _forced(decisions: Decisions) -> dict[str, int]:
+    """How many decisions no request can change, by reason."""
     counts: dict[str, int] = {}
-    for tag in decide(graph, policy).values():
+    for tag in decisions.values():
         if tag.forced:
             counts[tag.why.value] = counts.get(tag.why.value, 0) + 1
     return counts
@@ -167,21 +169,16 @@ def check_policies(
     """Remat `graph` (traced in real mode from `workload`) with each policy, run it and
     compare loss and gradients bitwise with eager (`measure.bitwise_mismatches`). A policy
     the remat pass refuses or that fails to run is a failure with its error."""
-    from workbench.cost.measure import bitwise_mismatches
-    from workbench.rewrite.remat import remat
-
     if graph.example_inputs is None:
         raise WorkbenchError("check_policies runs the graph: trace it in real mode")
     checks = []
     for index, policy in enumerate(policies):
         try:
-            forced = _forced(graph, policy)
             result = remat(graph, policy)
             mismatched = tuple(bitwise_mismatches(graph, result.gm, workload))
-            checks.append(PolicyCheck(index, policy, mismatched, forced=forced))
+            checks.append(PolicyCheck(index, policy, mismatched, forced=_forced(result.decisions)))
         except (WorkbenchError, RuntimeError) as err:
-            line = str(err).splitlines()[0] if str(err) else type(err).__name__
-            checks.append(PolicyCheck(index, policy, error=line))
+            checks.append(PolicyCheck(index, policy, error=describe(err)))
     return checks
 
 
@@ -195,10 +192,8 @@ def check_rank_policies(
     batch: int | None = None,
     dtype: str = "float32",
 ) -> list[PolicyCheck]:
-    """Each policy on every rank of `parallel` (real gloo processes, `distributed_check`),
-    every rank's loss and gradients against its eager step."""
-    from workbench.cost.ranks import check_ranks
-
+    """Each policy on every rank of `parallel` (real gloo processes, `cost.ranks`), every
+    rank's loss and gradients against its eager step."""
     ranks = check_ranks(
         spec, parallel, list(policies), layers=layers, seq=seq, batch=batch, dtype=dtype
     )
@@ -223,7 +218,7 @@ def run_soundness(
         checks = check_policies(workload, graph, policies)
     else:
         checks = check_rank_policies(graph.model_name, parallel, policies, **(shape or {}))
-        forced = [_forced(graph, policy) for policy in policies]
+        forced = [_forced(decide(graph, policy)) for policy in policies]
         checks = [dataclasses.replace(c, forced=forced[c.index]) for c in checks]
     config = {k: graph.config.get(k) for k in ("layers", "seq", "batch", "dtype")}
     if parallel is not None:
