@@ -27,7 +27,7 @@ from workbench.capture.workload import eager_step
 from workbench.cli import main
 from workbench.cost.measure import bitwise_equal, bitwise_mismatches
 from workbench.decide import engine
-from workbench.decide.decider import decide, rules_of
+from workbench.decide.decider import decide, forced_by_reason, rules_of
 from workbench.decide.facts import alias_input, fx_rows, op_facts, written_inputs
 from workbench.decide.plan import decide_plan, replayed_by
 from workbench.decide.policy import Policy
@@ -137,6 +137,10 @@ def test_issue_policy_verifies_bitwise_and_says_what_it_forced(
     # written mean, it would add eps twice
     assert sorted(forced) == ["add_", "add__1", "add__2", "add__3"]
     assert forced["add_"].startswith("add_ writes mean, which is not recomputed")
+    by_reason = forced_by_reason(decide(graph, policy))
+    assert by_reason["written in place"] == 4 and list(by_reason) == [
+        why.value for why in Why if why.value in by_reason
+    ]
     result = remat(graph, policy)
     assert bitwise_mismatches(graph, result.gm, workload) == []
     path = tmp_path / "issue22.json"

@@ -8,6 +8,7 @@ Entry points: `rules_of(graph) -> GraphRules` (facts, `DecidePlan`, node keys; `
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import weakref
@@ -21,7 +22,7 @@ from workbench.decide.facts import OpFacts, fx_rows, op_facts
 from workbench.decide.offloadable import offload_refusal_in
 from workbench.decide.plan import DecidePlan, decide_plan
 from workbench.decide.policy import Action, Policy
-from workbench.decide.tags import Tag
+from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "decidable",
     "decide",
     "flip",
+    "forced_by_reason",
     "layer_key",
     "next_action",
     "node_keys",
@@ -40,6 +42,12 @@ __all__ = [
 
 # A node's tag and why, by node name, in graph order.
 Decisions = dict[str, Tag]
+
+
+def forced_by_reason(decisions: Decisions) -> dict[str, int]:
+    """How many decisions no request can change, by reason (`Why.value`), in `Why` order."""
+    counts = collections.Counter(tag.why for tag in decisions.values() if tag.forced)
+    return {why.value: counts[why] for why in Why if counts[why]}
 
 
 def decidable(info: NodeInfo) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from workbench.capture.graph import JointGraph
-from workbench.decide.decider import decide
+from workbench.decide.decider import decide, forced_by_reason
 from workbench.decide.policy import Policy
 from workbench.decide.tags import Why
 
@@ -62,7 +62,7 @@ def forced_notes(policy: Policy, graph: JointGraph) -> list[str]:
     each save of the in-place rule (`Why.WRITTEN_INPUT`) with why: the comments of a
     `graph_pass` export, whose `tag_graph` forces the same in the training job."""
     decisions = decide(graph, policy)
-    counts = Counter(d.why.value for d in decisions.values() if d.forced)
+    counts = forced_by_reason(decisions)
     if not counts:
         return []
     lines = [

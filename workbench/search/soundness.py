@@ -22,7 +22,7 @@ from workbench.capture.ops import layer_pattern
 from workbench.capture.parallel import Parallel
 from workbench.cost.measure import bitwise_mismatches
 from workbench.cost.ranks import check_ranks
-from workbench.decide.decider import Decisions, decide, rules_of
+from workbench.decide.decider import decide, forced_by_reason, rules_of
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import ACTIONS, Policy, Selector
@@ -154,15 +154,6 @@ class SoundnessReport:
         }
 
 
-def _forced(decisions: Decisions) -> dict[str, int]:
-    """How many decisions no request can change, by reason."""
-    counts: dict[str, int] = {}
-    for tag in decisions.values():
-        if tag.forced:
-            counts[tag.why.value] = counts.get(tag.why.value, 0) + 1
-    return counts
-
-
 def check_policies(
     workload: Workload, graph: JointGraph, policies: Sequence[Policy]
 ) -> list[PolicyCheck]:
@@ -176,7 +167,9 @@ def check_policies(
         try:
             result = remat(graph, policy)
             mismatched = tuple(bitwise_mismatches(graph, result.gm, workload))
-            checks.append(PolicyCheck(index, policy, mismatched, forced=_forced(result.decisions)))
+            checks.append(
+                PolicyCheck(index, policy, mismatched, forced=forced_by_reason(result.decisions))
+            )
         except (WorkbenchError, RuntimeError) as err:
             checks.append(PolicyCheck(index, policy, error=describe(err)))
     return checks
@@ -218,7 +211,7 @@ def run_soundness(
         checks = check_policies(workload, graph, policies)
     else:
         checks = check_rank_policies(graph.model_name, parallel, policies, **(shape or {}))
-        forced = [_forced(decide(graph, policy)) for policy in policies]
+        forced = [forced_by_reason(decide(graph, policy)) for policy in policies]
         checks = [dataclasses.replace(c, forced=forced[c.index]) for c in checks]
     config = {k: graph.config.get(k) for k in ("layers", "seq", "batch", "dtype")}
     if parallel is not None:

@@ -11,7 +11,7 @@ import inspect
 from typing import Any
 
 from workbench.capture.graph import JointGraph
-from workbench.decide.decider import decide
+from workbench.decide.decider import Decisions, decide
 from workbench.decide.engine import STEPS, TITAN_STEPS
 from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS, TITAN_PRESETS
@@ -41,18 +41,17 @@ def _rule_words(preset: str) -> str:
     return " ".join(inspect.cleandoc(PRESETS[preset].__doc__ or "").split())
 
 
-def _decisions_by_reason(graph: JointGraph, policy: Policy) -> dict[str, dict[str, int]]:
+def _decisions_by_reason(decisions: Decisions) -> dict[str, dict[str, int]]:
     """Per `Why` (preset, random op, layer boundary, ...): how many nodes saved / recomputed /
     offloaded (saved in host memory)."""
     counts: dict[Why, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for tag in decide(graph, policy).values():
+    for tag in decisions.values():
         counts[tag.why][tag.action] += 1
     return {why.value: {k: counts[why][k] for k in DECISIONS} for why in Why if why in counts}
 
 
-def _written_in_place(graph: JointGraph, policy: Policy) -> list[dict[str, str]]:
+def _written_in_place(graph: JointGraph, decisions: Decisions) -> list[dict[str, str]]:
     """The nodes the in-place rule saved (`Why.WRITTEN_INPUT`), each with why."""
-    decisions = decide(graph, policy)
     return [
         {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail}
         for n, t in decisions.items()
@@ -111,8 +110,9 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
     }
     if graph is not None:
         result["model"] = graph.model_name
-        result["decisions_by_reason"] = _decisions_by_reason(graph, policy)
-        result["written_in_place"] = _written_in_place(graph, policy)
+        decisions = decide(graph, policy)
+        result["decisions_by_reason"] = _decisions_by_reason(decisions)
+        result["written_in_place"] = _written_in_place(graph, decisions)
         if memory_policy is not None:
             result["graph_trainer"] = _against_graph_trainer(graph, policy, memory_policy)
     return result
