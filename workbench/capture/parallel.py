@@ -42,8 +42,8 @@ from workbench.capture.tracing import (
     Mode,
     backward_without_stack_traces,
     check_grads,
-    check_loss,
     trace_step,
+    traced_loss,
 )
 from workbench.errors import WorkbenchError
 
@@ -425,7 +425,6 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
     shards (re-wrapped as DTensors inside the step), buffers, inputs and target."""
     workload, shards, parallel = rank.workload, rank.shards, rank.parallel
     assert workload.loss_fn is not None
-    loss_fn = workload.loss_fn
     buffers = dict(workload.model.named_buffers())
     n_params, n_buffers, n_inputs = len(shards), len(buffers), len(workload.inputs)
 
@@ -442,7 +441,7 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
         with _loss_context(rank):
             output = torch.func.functional_call(workload.model, state, inputs)
             with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-                loss = check_loss(workload, loss_fn(output, flat[-1]))
+                loss = traced_loss(workload, output, flat[-1])
             with backward_without_stack_traces():
                 grads = torch.autograd.grad(loss, local, allow_unused=True)
         check_grads(workload, [s.fqn for s in shards], grads)

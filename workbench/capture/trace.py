@@ -17,8 +17,8 @@ from workbench.capture.tracing import (
     Mode,
     backward_without_stack_traces,
     check_grads,
-    check_loss,
     trace_step,
+    traced_loss,
 )
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -47,8 +47,7 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
     buffers = dict(model.named_buffers())
     real = [*params.values(), *buffers.values(), *workload.inputs, workload.target]
     n_params, n_buffers, n_inputs = len(params), len(buffers), len(workload.inputs)
-    loss_fn = workload.loss_fn
-    assert loss_fn is not None
+    assert workload.loss_fn is not None
 
     def step(*flat: Any) -> list[torch.Tensor]:
         p = flat[:n_params]
@@ -57,7 +56,7 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
         output = torch.func.functional_call(model, state, inputs)
         with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-            loss = check_loss(workload, loss_fn(output, flat[-1]))
+            loss = traced_loss(workload, output, flat[-1])
         with backward_without_stack_traces():
             grads = torch.autograd.grad(loss, p, allow_unused=True)
         check_grads(workload, list(params), grads)
