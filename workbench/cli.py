@@ -98,6 +98,16 @@ def _add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "defa
     )
 
 
+def _add_passes_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--passes",
+        default="workbench",
+        help="pass pipeline the graph goes through: workbench (torch's remat pass, the "
+        "workbench's offload pass; default) or graph-trainer (torchtitan graph trainer's "
+        "compile-time passes in its order: cleanup, tagging, its offload and remat passes)",
+    )
+
+
 def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
@@ -260,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(activations)
     _add_policy_arg(activations)
+    _add_passes_arg(activations)
     activations.set_defaults(run=cmd_activations)
 
     policy = commands.add_parser("policy", help="what a policy does")
@@ -281,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--timeline", action="store_true", help="include the memory timeline")
     _add_optimizer_arg(estimate)
+    _add_passes_arg(estimate)
     estimate.set_defaults(run=cmd_estimate)
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
@@ -300,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget = solve.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-bytes", type=int, help="estimated peak must fit this")
     budget.add_argument("--budget-frac", type=float, help="fraction of the no-AC peak")
+    _add_passes_arg(solve)
     solve.set_defaults(run=cmd_solve)
 
     pareto = commands.add_parser("pareto", help="memory-vs-recompute front and the presets")
@@ -335,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--out", required=True, help="file to write: .svg, .png, .pdf or .dot")
     render.add_argument("--force", action="store_true", help="lay out huge views anyway")
     render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _add_passes_arg(render)
     render.set_defaults(run=cmd_render)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")

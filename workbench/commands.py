@@ -60,6 +60,33 @@ def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
 
 
+def _check_passes(args: argparse.Namespace) -> None:
+    """Before tracing: `--passes` names a pipeline (and graph trainer's is importable)."""
+    from workbench.rewrite.graph_trainer import check_pipeline
+
+    with _flag("--passes"):
+        check_pipeline(args.passes)
+
+
+def _pipeline_json(args: argparse.Namespace, graph: JointGraph, policy: Policy) -> dict[str, Any]:
+    """What the chosen pipeline did for `policy`: for graph-trainer each of its passes, run,
+    replaced or skipped (and why); `graph` is the prepared graph (`prepare`)."""
+    if args.passes == "workbench":
+        return {"passes": {"pipeline": "workbench"}}
+    from workbench.rewrite.graph_trainer import run_pipeline
+
+    return {"passes": run_pipeline(graph, policy).to_json()}
+
+
+def _prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
+    """The traced graph as the chosen pipeline analyses it (`rewrite.graph_trainer.prepare`)."""
+    from workbench.rewrite.graph_trainer import prepare
+
+    _check_passes(args)
+    graph, seconds = _trace_from_args(args)
+    return prepare(graph, args.passes), seconds
+
+
 def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
     graph, seconds = _trace_from_args(args)
     return {**graph.summary(), "seconds": round(seconds, 3)}
@@ -163,13 +190,17 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
     """graph trainer's activation-memory table for the policy: rows, totals and the log text."""
     from workbench.interop.activations import activation_log, activation_rows, totals
+    from workbench.rewrite.graph_trainer import prepare
 
     policy = parse_policy(args.policy)
+    _check_passes(args)
     graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
+    graph = prepare(graph, args.passes)
     rows = activation_rows(graph, policy)
     return {
         "model": graph.model_name,
         "policy": policy.to_json(),
+        **_pipeline_json(args, graph, policy),
         "total": totals(rows),
         "rows": [row.to_json() for row in rows],
         "table": activation_log(rows),
@@ -199,16 +230,17 @@ def _profiles_from_args(args: argparse.Namespace) -> list[str]:
 
 def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
     """Memory peak, saved activations, recompute FLOPs and step time without running."""
-    from workbench.cost.estimate import Estimator
+    from workbench.cost.pipelines import estimator_for
 
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
-    graph, seconds = _trace_from_args(args)
-    est = Estimator(graph, profiles, args.optimizer).estimate(policy)
+    graph, seconds = _prepared_from_args(args)
+    est = estimator_for(graph, args.passes, profiles, args.optimizer).estimate(policy)
     return {
         "model": graph.model_name,
         "mode": graph.mode,
         "policy": policy.to_json(),
+        **_pipeline_json(args, graph, policy),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
     }
@@ -277,12 +309,14 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
 
     parse_view(args.view)  # fail before tracing
     check_writable(args.out, overwrite=args.overwrite)
-    graph, _ = _trace_from_args(args)
+    policy = parse_policy(args.policy)
+    graph, _ = _prepared_from_args(args)
     start = time.perf_counter()
-    decisions = decide(graph, parse_policy(args.policy))
+    decisions = decide(graph, policy)
     view = render_view(graph, decisions, args.view, policy_name=args.policy, force=args.force)
     path = view.write(args.out, overwrite=args.overwrite)
     return {
+        **_pipeline_json(args, graph, policy),
         "path": str(path),
         "view": args.view,
         "nodes": view.nodes,
@@ -388,18 +422,19 @@ def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
-    from workbench.cost.estimate import Estimator
+    from workbench.cost.pipelines import estimator_for
     from workbench.search.solve import solve
 
     options = _solve_options_from_args(args)
-    graph, trace_seconds = _trace_from_args(args)
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    graph, trace_seconds = _prepared_from_args(args)
+    estimator = estimator_for(graph, args.passes, (args.profile,), args.optimizer)
     budget = _budget_from_args(args, estimator)
     solution = solve(graph, budget, options, estimator=estimator)
     return {
         "model": graph.model_name,
         "trace_seconds": round(trace_seconds, 3),
         **solution.to_json(),
+        **_pipeline_json(args, graph, solution.policy),
     }
 
 

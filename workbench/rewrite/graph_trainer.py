@@ -169,6 +169,8 @@ def _run(name: str, fn: Callable[..., Any], gm: fx.GraphModule) -> fx.GraphModul
 
 
 _CLEANED: weakref.WeakKeyDictionary[JointGraph, JointGraph] = weakref.WeakKeyDictionary()
+# each cleaned graph -> what its cleanup passes did
+_CLEANUP_STEPS: weakref.WeakKeyDictionary[JointGraph, list[PassStep]] = weakref.WeakKeyDictionary()
 
 
 def cleanup(graph: JointGraph) -> JointGraph:
@@ -186,8 +188,10 @@ def cleanup(graph: JointGraph) -> JointGraph:
         custom[MODULE_FQN] = info.module if info is not None else ""
         node.meta["custom"] = custom
     traced = {node: graph.traced_info(node) for node in gm.graph.nodes}
+    steps = []
     for module, name in CLEANUP:
         gm = _run(name, _pass(module, name), gm)
+        steps.append(PassStep(name, "ran", nodes=len(gm.graph.nodes)))
     infos = describe_nodes(gm)  # a new trace token: the cleaned graph is its own origin
     for node in gm.graph.nodes:
         before = traced.get(node)
@@ -201,6 +205,7 @@ def cleanup(graph: JointGraph) -> JointGraph:
             )
     cleaned = dataclasses.replace(graph, gm=gm, nodes=infos)
     _CLEANED[graph] = cleaned
+    _CLEANUP_STEPS[cleaned] = steps
     return cleaned
 
 
@@ -297,8 +302,8 @@ def run_pipeline(
     policy = Policy(policy) if isinstance(policy, str) else policy
     if offload is None:
         offload = policy.offload if isinstance(policy, Policy) else OffloadOptions()
-    cleaned = graph if graph in _CLEANED.values() else cleanup(graph)
-    steps = [PassStep(name, "ran", nodes=len(cleaned.gm.graph.nodes)) for _, name in CLEANUP]
+    cleaned = graph if graph in _CLEANUP_STEPS else cleanup(graph)
+    steps = list(_CLEANUP_STEPS[cleaned])
     gm = fx.GraphModule(cleaned.gm, _copy(cleaned.gm.graph))
     decisions, step, retagged = _tag(gm, cleaned, policy)
     steps.append(step)
@@ -317,7 +322,8 @@ def run_pipeline(
     for node in gm.graph.nodes:
         if node not in before and not is_offload_node(node):
             node.meta[REPLAYED_VIEW] = True  # a forward view replayed on a reload
-    note = DEFER_0 if defer != offload.defer_layers else ""
+    offloads = any(tag.offload for tag in decisions.values())
+    note = DEFER_0 if offloads and defer != offload.defer_layers else ""
     steps.append(PassStep(name, "ran", note, nodes=len(gm.graph.nodes)))
     name = "selective_activation_remat_pass"
     gm = _run(name, _pass("selective_activation_remat", name), gm)
