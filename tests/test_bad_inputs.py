@@ -579,3 +579,57 @@ def test_policy_file_of_double_stars_through_the_cli(
         json.dumps({**Policy().to_json(), "selectors": [{"select": select, "action": "save"}]})
     )
     fails(capsys, ["estimate", *MLP, "--policy", str(path)], "no module matches")
+
+
+# `--passes`: an unknown pipeline, graph trainer's without torchtitan (both before tracing),
+# and a pass failing inside graph trainer (named).
+PASSES_ARGV = ["--model", "llama3-debug", "--layers", "1", "--seq", "8"]
+
+
+@pytest.mark.parametrize(
+    "command", [["activations"], ["estimate"], ["solve", "--budget-frac", "0.5"]], ids=str
+)
+def test_unknown_pass_pipeline(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    fails(
+        capsys,
+        [*command, *PASSES_ARGV, "--passes", "inductor"],
+        "--passes: unknown pass pipeline 'inductor'; choose one of workbench, graph-trainer",
+    )
+
+
+def test_graph_trainer_passes_without_torchtitan(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchtitan.experiments.graph_trainer.memory_policy", None)
+    fails(
+        capsys,
+        ["estimate", *PASSES_ARGV, "--passes", "graph-trainer"],
+        r"--passes: --passes graph-trainer runs torchtitan's graph trainer passes .* "
+        r"pip install -e '\.\[torchtitan\]'",
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None, reason="torchtitan not installed"
+)
+def test_a_pass_failing_inside_graph_trainer_is_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graph trainer's remat pass raising (as it does on a random op tagged for recompute):
+    one line naming the pass and its first line."""
+    remat = importlib.import_module(
+        "torchtitan.experiments.graph_trainer.selective_activation_remat"
+    )
+
+    def refuses(gm: Any, example_inputs: Any = None) -> Any:
+        raise RuntimeError("Activation checkpoint rematerialization does not support RNG ops\nmore")
+
+    monkeypatch.setattr(remat, "selective_activation_remat_pass", refuses)
+    fails(
+        capsys,
+        ["activations", *PASSES_ARGV, "--passes", "graph-trainer"],
+        "graph trainer's selective_activation_remat_pass failed: Activation checkpoint "
+        "rematerialization does not support RNG ops$",
+    )
