@@ -221,3 +221,33 @@ def test_pipeline_graph_computes_what_eager_does(preset: str) -> None:
     expected = graph.run()
     assert len(ours) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
+
+
+def test_explorer_flip_reruns_graph_trainers_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PolicyExplorer(..., passes="graph-trainer")` shows the cleaned graph; a flip runs
+    graph trainer's passes again, and the figures are those of the graph they make."""
+    from workbench.cost import pipelines
+    from workbench.show.widgets.explorer import PolicyExplorer
+
+    graph = traced(MODELS[0])
+    runs: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        runs.append(1)
+        return run_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipelines, "run_pipeline", counted)
+    explorer = PolicyExplorer(
+        graph, "titan-default", passes="graph-trainer", autosave=tmp_path / "p.json"
+    )
+    assert explorer.graph is cleanup(graph)
+    before = len(runs)
+    name = next(n for n, tag in explorer.model.decisions.items() if tag.recompute)
+    explorer.flip(name)
+    assert len(runs) > before
+    assert not explorer.model.decisions[name].recompute
+    result = run_pipeline(explorer.graph, explorer.model.decisions, explorer.model.policy.offload)
+    full = estimate_remat(explorer.graph, result.gm, explorer.estimator)
+    assert explorer.model.estimate.totals() == full.totals()

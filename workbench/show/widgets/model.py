@@ -18,7 +18,8 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.ops import layer_pattern
 from workbench.capture.trace import trace
-from workbench.cost.estimate import Estimate, Estimator
+from workbench.cost.estimate import Estimate
+from workbench.cost.pipelines import estimator_for
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
 from workbench.decide.offloadable import OffloadOptions
@@ -107,14 +108,19 @@ class ExplorerModel:
         profile: str = "h100",
         autosave: str | Path | None = None,
         workload: Workload | None = None,
+        passes: str = "workbench",
     ) -> None:
-        self.graph, loaded = load_source(source)
+        traced, loaded = load_source(source)
         self.workload = workload or loaded
         if profile not in PROFILES:
             raise WorkbenchError(
                 f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}"
             )
-        self.estimator = Estimator(self.graph, list(PROFILES))
+        # the pass pipeline's graph and what-if (`cost.pipelines`): with graph-trainer each
+        # flip re-runs graph trainer's passes on its cleaned graph
+        self.passes = passes
+        self.estimator = estimator_for(traced, passes, list(PROFILES))
+        self.graph = self.estimator.graph
         self.autosave = Autosave(autosave or default_autosave(self.graph.model_name))
         self.exports = Exports(self.graph.model_name, self.autosave.path.parent)
         self.on_change: Callable[[], None] = lambda: None
