@@ -251,3 +251,28 @@ def test_explorer_flip_reruns_graph_trainers_pipeline(
     result = run_pipeline(explorer.graph, explorer.model.decisions, explorer.model.policy.offload)
     full = estimate_remat(explorer.graph, result.gm, explorer.estimator)
     assert explorer.model.estimate.totals() == full.totals()
+
+
+@pytest.mark.parametrize("command", [["estimate"], ["solve", "--budget-frac", "1"]], ids=str)
+def test_commands_estimate_graph_trainers_output(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """`estimate` and `solve --passes graph-trainer` report the figures of the graph graph
+    trainer's passes make for the policy, and name each pass's fate."""
+    argv = [*command, "--model", MODELS[0], "--layers", "2", "--seq", "32", "--profile", "h100"]
+    if command[0] == "estimate":
+        argv += ["--policy", "titan-sac_and_offload", "--optimizer", "none"]
+    assert main([*argv, "--passes", "graph-trainer", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    steps = {step["name"]: step["status"] for step in result["passes"]["passes"]}
+    assert (
+        set(result["passes"]["skipped"]) == set(SKIPPED)
+        and steps["apply_cpu_offload_pass"] == "ran"
+    )
+    policy = Policy.from_json(result["policy"])
+    cleaned = cleanup(traced(MODELS[0]))
+    optimizer = "none" if command[0] == "estimate" else "adamw"
+    estimator = Estimator(cleaned, ("h100",), optimizer)  # type: ignore[arg-type]
+    full = estimate_remat(cleaned, run_pipeline(cleaned, policy).gm, estimator)
+    assert result["peak_bytes"] == full.peak_bytes
+    assert result["saved_activation_bytes"] == full.saved_activation_bytes

@@ -41,8 +41,9 @@ def estimator_for(
     profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES,
     optimizer: OptimizerName = "adamw",
 ) -> Estimator:
-    """The Estimator of the graph a pass pipeline analyses (`prepare(graph, passes)`)."""
+    """The Estimator of the graph a pass pipeline analyses (`prepare(graph, passes)`; a
+    prepared graph is taken as it is)."""
     prepared = prepare(graph, passes)
-    if prepared is graph:
-        return Estimator(graph, profiles, optimizer)
+    if passes == "workbench":
+        return Estimator(prepared, profiles, optimizer)
     return PipelineEstimator(prepared, profiles, optimizer)

@@ -177,7 +177,9 @@ def cleanup(graph: JointGraph) -> JointGraph:
     """`graph` after graph trainer's cleanup passes (`CLEANUP`: DCE, `canonicalize_graph_pass`
     dropping `detach` and back-to-back `t` and retargeting views to `reshape`, FSDP
     unshard-chain dedup), as a JointGraph of its own whose surviving nodes keep the traced
-    graph's facts (module, phase). Built once per graph."""
+    graph's facts (module, phase). Built once per graph; a cleaned graph is its own."""
+    if graph in _CLEANUP_STEPS:
+        return graph
     if graph in _CLEANED:
         return _CLEANED[graph]
     gm = fx.GraphModule(graph.gm, _copy(graph.gm.graph))
@@ -302,7 +304,7 @@ def run_pipeline(
     policy = Policy(policy) if isinstance(policy, str) else policy
     if offload is None:
         offload = policy.offload if isinstance(policy, Policy) else OffloadOptions()
-    cleaned = graph if graph in _CLEANUP_STEPS else cleanup(graph)
+    cleaned = cleanup(graph)
     steps = list(_CLEANUP_STEPS[cleaned])
     gm = fx.GraphModule(cleaned.gm, _copy(cleaned.gm.graph))
     decisions, step, retagged = _tag(gm, cleaned, policy)
