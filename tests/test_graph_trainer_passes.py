@@ -276,3 +276,21 @@ def test_commands_estimate_graph_trainers_output(
     full = estimate_remat(cleaned, run_pipeline(cleaned, policy).gm, estimator)
     assert result["peak_bytes"] == full.peak_bytes
     assert result["saved_activation_bytes"] == full.saved_activation_bytes
+
+
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
+def test_a_per_rank_graph_through_graph_trainers_pipeline(
+    rank_debug: JointGraph, preset: str
+) -> None:
+    """One FSDP2 x TP2 rank on fake tensors: graph trainer's cleanup drops nodes (its
+    back-to-back transposes of gathered weights among them), its tagging differs from the
+    decisions only on random ops, and the what-if is exact against its output."""
+    estimator = estimator_for(rank_debug, "graph-trainer", ("h100",))
+    cleaned = estimator.graph
+    assert len(cleaned.gm.graph.nodes) < len(rank_debug.gm.graph.nodes)
+    result = run_pipeline(cleaned, preset)
+    nodes = {n.name: n for n in cleaned.gm.graph.nodes}
+    assert all(_random(nodes[name]) for name in result.retagged)
+    full = estimate_remat(cleaned, result.gm, estimator)
+    assert estimator.estimate(Policy(preset)).totals() == full.totals()
+    assert cleaned.collective_counts() == rank_debug.collective_counts()

@@ -235,7 +235,8 @@ def graph_trainer_config(policy: Policy) -> Any:
         parallelism=ParallelismConfig(),
         compile=types.SimpleNamespace(
             memory_policy=memory_policy,
-            cpu_offload_budget_gb=100.0 if budget is None else budget / 1e9,
+            # its "GB" are GiB (`budget_gb * 1024**3`); None: its default, 100
+            cpu_offload_budget_gb=100.0 if budget is None else budget / 2**30,
         ),
     )
 
@@ -273,7 +274,7 @@ def _tag(
     for node in gm.graph.nodes:
         theirs = node.meta.pop("recompute", None)
         tag = decisions.get(node.name)
-        if tag is None:
+        if tag is None or node.op != "call_function":  # its passes read call nodes' tags only
             continue
         node.meta["recompute"] = tag.policy
         offloads = theirs is CheckpointPolicy.MUST_CPU_OFFLOAD
