@@ -248,10 +248,6 @@ def _is_titan(policy: Policy) -> bool:
     )
 
 
-def _short(tag: CheckpointPolicy | None) -> str:
-    return tag.name if tag is not None else "untagged"
-
-
 def _tag(
     gm: fx.GraphModule, graph: JointGraph, policy: Policy | Decisions
 ) -> tuple[Decisions, PassStep, dict[str, str]]:
