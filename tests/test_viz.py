@@ -367,7 +367,8 @@ def test_render_cli_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     argv = ["render", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
     assert main([*argv, "--view", "layer:1", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"path", "view", "nodes", "edges", "seconds"}
+    assert set(result) == {"path", "view", "nodes", "edges", "seconds", "passes"}
+    assert result["passes"] == {"pipeline": "workbench"}
     assert result["path"] == str(out) and result["view"] == "layer:1"
     assert result["nodes"] > 50 and result["edges"] > result["nodes"] / 2
     assert out.read_text().startswith("<?xml")
