@@ -376,7 +376,7 @@ function render({ model, el }) {
     exportPath.value = model.get("export_path");
     code.textContent = model.get("export_code");
     message.textContent = model.get("message");
-    // busy: a pulsing dot (a glyph DejaVu Sans has; tests/test_explorer_model.py checks)
+    // busy: a pulsing dot (a glyph DejaVu Sans has; tests/test_explorer_panel.py checks)
     status.classList.toggle("sacwb-busy", busy);
     status.textContent = busy ? `● ${model.get("status")}` : model.get("status");
   };

@@ -57,8 +57,6 @@ from workbench.show.widgets.session import (
     Exports,
     History,
     Point,
-    default_autosave,
-    legacy_autosave,
     policy_label,
 )
 from workbench.show.widgets.suggest import suggestion
@@ -116,11 +114,7 @@ class ExplorerModel:
                 f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}"
             )
         self.estimator = Estimator(self.graph, list(PROFILES))
-        self.autosave = (
-            Autosave(autosave)
-            if autosave
-            else Autosave(default_autosave(self.graph), legacy_autosave(self.graph.model_name))
-        )
+        self.autosave = Autosave.of(self.graph, autosave)
         self.exports = Exports(self.graph.model_name, self.autosave.path.parent)
         self.on_change: Callable[[], None] = lambda: None
         self.profile, self.view, self.all_layers = profile, "overview", True
@@ -428,11 +422,7 @@ class ExplorerModel:
         """Show the policy in another export format; the export file's ending follows."""
         self.exports.set_format(fmt)
         self.exports.show(self.policy, self.graph)
-        self.message = (
-            f"export format {fmt}: {self.exports.refusal}"
-            if self.exports.refusal
-            else f"export format {fmt}: not saved yet; Save writes {self.exports.path}"
-        )
+        self.message = self.exports.format_words()
 
     def set_host_budget(self, budget_bytes: int) -> None:
         """The host bytes Suggest and Sweep may offload to (0: they do not offload)."""

@@ -185,6 +185,14 @@ class Autosave:
         self.legacy = legacy  # an earlier version's file for the same model (`legacy_autosave`)
         self._last: bytes | None = None  # what this session last read or wrote there
 
+    @classmethod
+    def of(cls, graph: JointGraph, path: str | os.PathLike[str] | None) -> Autosave:
+        """The autosave at `path`, or by default the graph's own file (`default_autosave`),
+        which may take over an earlier version's file for the model (`legacy_autosave`)."""
+        if path:
+            return cls(path)
+        return cls(default_autosave(graph), legacy_autosave(graph.model_name))
+
     def _read(self) -> bytes | None:
         try:
             return self.path.read_bytes()
@@ -371,6 +379,13 @@ class Exports:
             self.path = self.path.with_name(self.model_name + EXPORT_NAMES[fmt])
         else:
             self.path = self.path.with_suffix(Path(EXPORT_NAMES[fmt]).suffix)
+
+    def format_words(self) -> str:
+        """The message line after a change of format: why it cannot say the policy, or that
+        nothing is saved yet and where Save will write."""
+        if self.refusal:
+            return f"export format {self.format}: {self.refusal}"
+        return f"export format {self.format}: not saved yet; Save writes {self.path}"
 
     def saved_words(self, target: Path) -> str:
         """What the last `save` to `target` did, for the message line: the format, and when
