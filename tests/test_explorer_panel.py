@@ -7,6 +7,7 @@ what happened, and glyphs the browser's font has."""
 from __future__ import annotations
 
 import doctest
+import os
 import re
 from pathlib import Path
 
@@ -103,6 +104,10 @@ def test_an_earlier_versions_autosave_is_taken_over_only_where_it_applies(
     assert not legacy.exists() and Policy.load(taken.autosave.path) == mine
     rank = ExplorerModel(rank_debug, "default")  # taken once: no other graph gets it
     assert rank.policy == Policy("default")
+    taken.autosave.path.unlink()
+    os.mkfifo(legacy)  # not a file: never read (a read would block)
+    fifo = ExplorerModel(graph, "full", workload=workload)
+    assert fifo.policy == Policy("full") and fifo.message == "" and legacy.is_fifo()
 
 
 # --- 2. like with like ----------------------------------------------------------------------

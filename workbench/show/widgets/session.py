@@ -20,7 +20,7 @@ from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.decide.decider import restrict
-from workbench.decide.policy import Policy
+from workbench.decide.policy import MAX_POLICY_FILE_BYTES, Policy
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.interop.export import FORMATS, export
@@ -233,8 +233,10 @@ class Autosave:
         when all of it applies to `graph`, moved to this graph's file so that no other graph
         takes it too; else left as it is, for the graph it was made for."""
         legacy = self.legacy
-        data = _read_bytes(legacy) if legacy is not None else None
-        if legacy is None or data is None:
+        if legacy is None or not legacy.is_file():  # a FIFO or device is no earlier autosave
+            return start, ""
+        data = _read_bytes(legacy, MAX_POLICY_FILE_BYTES + 1)
+        if data is None:
             return start, ""
         older = f"{legacy.name} (autosaved by an earlier version, named for the model alone)"
         try:
@@ -336,9 +338,11 @@ EXPORT_NAMES = {
 }
 
 
-def _read_bytes(path: Path) -> bytes | None:
+def _read_bytes(path: Path, limit: int = -1) -> bytes | None:
+    """The file's bytes (at most `limit`), or None when it cannot be read."""
     try:
-        return path.read_bytes()
+        with path.open("rb") as handle:
+            return handle.read(limit)
     except OSError:
         return None
 
