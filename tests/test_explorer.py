@@ -18,7 +18,7 @@ from workbench.errors import WorkbenchError
 from workbench.show.viz import render_overview, svg_id
 from workbench.show.widgets import PolicyExplorer
 from workbench.show.widgets.model import STATE
-from workbench.show.widgets.session import Autosave, Edits, History, Point
+from workbench.show.widgets.session import Autosave, Edits, History, Point, graph_key
 from workbench.units import format_bytes
 
 Fixture = tuple[Workload, JointGraph]
@@ -460,7 +460,7 @@ def test_default_autosave_folder_comes_from_the_environment(
     monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
     workload, graph = small_graphs["llama3-debug"]
     ex = PolicyExplorer(graph, workload=workload)
-    assert ex.autosave_path == tmp_path / f"{graph.model_name}.policy.json"
+    assert ex.autosave_path == tmp_path / f"{graph_key(graph)}.policy.json"
     assert ex.autosave_path.exists()
 
 
