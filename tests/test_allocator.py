@@ -4,6 +4,8 @@ model against the rules as read, not against torch's allocator itself."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -143,3 +145,28 @@ def test_replay_allocates_then_frees_per_step_and_never_returns() -> None:
     assert got.allocated_peak_bytes == MiB + 24 * MiB
     reused = replay_allocator(sizes, born, np.array([0, 3, 3]), steps=3)
     assert reused.reserved_peak_bytes == 12 * MiB  # freed after step 0, reused at step 1
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+    from workbench.cli import main
+
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_and_solve_report_reserved_beside_allocated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = ["--model", "llama3-debug", "--layers", "1", "--seq", "32"]
+    est = _run(capsys, ["estimate", *model, "--profile", "h100", "--timeline"])
+    for key in ("peak_bytes", "reserved_peak_bytes", "exposed_comm_seconds",
+                "est_compute_seconds", "est_comm_seconds", "outside_allocator_bytes"):  # fmt: skip
+        assert key in est
+    assert est["reserved_peak_bytes"] >= est["peak_bytes"]  # type: ignore[operator]
+    assert max(est["reserved_timeline"]) == est["reserved_peak_bytes"]  # type: ignore[call-overload]
+    budget = int(est["reserved_peak_bytes"])  # type: ignore[call-overload]
+    solved = _run(
+        capsys, ["solve", *model, "--budget-bytes", str(budget), "--budget-kind", "reserved"]
+    )
+    assert solved["budget_kind"] == "reserved"
+    assert solved["reserved_peak_bytes"] <= budget  # type: ignore[operator]

@@ -203,15 +203,62 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
 
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
+    options = _cost_options_from_args(args)
     graph, seconds = _trace_from_args(args)
-    est = Estimator(graph, profiles, args.optimizer).estimate(policy)
+    estimator = Estimator(graph, profiles, args.optimizer, **options)
+    est = estimator.estimate(policy)
+    calibration = {"calibration": estimator.calibration} if estimator.calibration else {}
     return {
         "model": graph.model_name,
         "mode": graph.mode,
         "policy": policy.to_json(),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
+        **calibration,
     }
+
+
+def _cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The allocator, stream and calibration flags as `Estimator` keywords, each checked
+    before anything is traced, the error naming the flag."""
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.cost.calibrate import load_calibration
+    from workbench.cost.overlap import OverlapOptions
+
+    split = args.max_split_size_mb
+    with _flag("--max-split-size-mb"):
+        allocator = AllocatorConfig(
+            expandable_segments=args.expandable_segments,
+            max_split_size=None if split is None else split * 2**20,
+        )
+    with _flag("--prefetch"):
+        OverlapOptions(prefetch=args.prefetch)
+    with _flag("--max-copies-in-flight"):
+        OverlapOptions(max_copies_in_flight=args.max_copies_in_flight)
+    overlap = OverlapOptions(
+        prefetch=args.prefetch,
+        bucket_layers=args.bucket_layers,
+        sink_waits=args.sink_waits,
+        max_copies_in_flight=args.max_copies_in_flight,
+    )
+    path = getattr(args, "calibrate", None)
+    calibration = load_calibration(path) if path else None
+    return {"allocator": allocator, "overlap": overlap, "calibration": calibration}
+
+
+def _profile_with_host_link(name: str, link: str) -> Any:
+    """`floor --host-link`: the profile's host link as measured in a step (its own), as
+    benchmarked (no in-step derating), or with fresh pinned allocations per copy."""
+    from dataclasses import replace
+
+    from workbench.cost.profiles import get_profile
+
+    profile = get_profile(name)
+    if link == "benchmark":
+        return replace(profile, host_in_step_factor=1.0)
+    if link == "fresh-pinned":
+        return replace(profile, host_pinned_reused=False)
+    return profile
 
 
 def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None:
@@ -309,12 +356,17 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
 
     options = _solve_options_from_args(args)
     _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    cost = _cost_options_from_args(args)
+    profile = _profile_with_host_link(args.profile, args.host_link)
+    options = dataclasses.replace(options, profile=profile)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (profile,), args.optimizer, **cost)
     result = floor_search(graph, estimator, options, tolerance_bytes=args.tolerance_bytes)
     return {
         **result,
+        "host_link": args.host_link,
+        "host_bytes_per_s": profile.host_rate(),
         "seconds": round(time.perf_counter() - start, 3),
         "trace_seconds": round(trace_seconds, 3),
         "cpu_count": os.cpu_count(),
@@ -362,6 +414,7 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
         profile=args.profile,
         fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
         host_budget_bytes=args.host_budget_bytes,
+        budget_kind=args.budget_kind,
     )
 
 
@@ -383,7 +436,7 @@ def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
         return int(args.budget_bytes)
     if not 0 < args.budget_frac <= 1:
         raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
-    return int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes)
+    return int(args.budget_frac * estimator.estimate(Policy("none")).budget_bytes(args.budget_kind))
 
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
@@ -392,8 +445,9 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.solve import solve
 
     options = _solve_options_from_args(args)
+    cost = _cost_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (args.profile,), args.optimizer, **cost)
     budget = _budget_from_args(args, estimator)
     solution = solve(graph, budget, options, estimator=estimator)
     return {
@@ -411,6 +465,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.solve import Solution, fsdp_choices, preset_points
 
     options = _solve_options_from_args(args)
+    cost = _cost_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 
@@ -425,7 +480,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
 
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (args.profile,), args.optimizer, **cost)
 
     def front(host_budget: int) -> list[Solution]:
         with_host = dataclasses.replace(options, host_budget_bytes=host_budget)

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from workbench.capture.graph import JointGraph
 from workbench.cost.allocator import AllocatorConfig, AllocatorReplay, replay_allocator
+from workbench.cost.calibrate import Calibration
 from workbench.cost.overlap import OverlapOptions, Streams, StreamTimes
 from workbench.cost.profiles import DeviceProfile, get_profile
 from workbench.cost.replay import offload_schedule, recompute_flags, replay
@@ -132,8 +133,10 @@ class Estimate:
         return [sum(step) for step in zip(*self.timeline.values(), strict=True)]
 
     def to_json(self, timeline: bool = False) -> dict[str, Any]:
+        replayed = self.allocator() if self.allocator_input is not None else None
         result: dict[str, Any] = {
             "peak_bytes": self.peak_bytes,
+            **({"reserved_peak_bytes": replayed.reserved_peak_bytes} if replayed else {}),
             "peak_node": self.peak_node,
             "peak_breakdown": self.peak_breakdown,
             "saved_activation_bytes": self.saved_activation_bytes,
@@ -154,9 +157,7 @@ class Estimate:
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "outside_allocator_bytes": self.outside_allocator_bytes,
         }
-        if self.allocator_input is not None:
-            replayed = self.allocator()
-            result["reserved_peak_bytes"] = replayed.reserved_peak_bytes
+        if replayed is not None and self.allocator_input is not None:
             result["allocator"] = {
                 "allocated_peak_bytes": replayed.allocated_peak_bytes,
                 "segments": replayed.segments,
@@ -167,8 +168,8 @@ class Estimate:
             result["order"] = self.order
             result["timeline"] = self.timeline
             result["host_timeline"] = self.host_timeline
-            if self.allocator_input is not None:
-                result["reserved_timeline"] = self.allocator().reserved_timeline
+            if replayed is not None:
+                result["reserved_timeline"] = replayed.reserved_timeline
         return result
 
 
@@ -201,6 +202,7 @@ class _Walk(NamedTuple):
     host_live: np.ndarray
     offloaded: dict[int, int]
     allocations: _AllocatorInput
+    reads: tuple[np.ndarray, np.ndarray]
 
 
 class Estimator:
@@ -218,6 +220,7 @@ class Estimator:
         optimizer: OptimizerName = "adamw",
         allocator: AllocatorConfig | None = None,
         overlap: OverlapOptions | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         self.graph = graph
         self.index = graph_index(graph)
@@ -237,6 +240,15 @@ class Estimator:
         ]
         self.profiles = [get_profile(p) for p in profiles]
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
+        # measured op times replace the first profile's roofline where they match
+        self.calibration: dict[str, Any] | None = None
+        if calibration is not None and self.profiles:
+            name = self.profiles[0].name
+            roofline = dict(zip(self.index.names, self.seconds[name], strict=True))
+            measured = calibration.node_seconds(graph)
+            self.seconds[name] = [measured.get(n, s) if s > 0 else s for n, s in roofline.items()]
+            coverage = calibration.coverage(roofline, measured)
+            self.calibration = {"profile": name, "source": calibration.source, **coverage}
         # compute-stream seconds of every schedule entry (`index.Schedule`): the offload
         # steps take none there, their copies run on the transfer stream
         self._seconds = {
@@ -397,6 +409,7 @@ class Estimator:
                 freed=freed,
                 host_live=np.cumsum(host_deltas[:steps]),
                 offloaded=offloaded,
+                reads=(flat.reader, flat.read),
                 allocations=_AllocatorInput(
                     table.sizes[device],
                     born[device],
@@ -465,7 +478,9 @@ class Estimator:
         copies = copy_array.tolist()
         names = self._entry_names
         times = {
-            p.name: self.streams.run(walk.entries, self._seconds[p.name], p, walk.offloaded)
+            p.name: self.streams.run(
+                walk.entries, self._seconds[p.name], p, walk.offloaded, walk.reads
+            )
             for p in self.profiles
         }
         offloaded = sum(walk.offloaded.values())

@@ -69,6 +69,10 @@ class OverlapOptions:
     one latency instead of one per parameter; a reduce-scatter bucket goes out with its
     last gradient."""
 
+    sink_waits: bool = False
+    """Move each collective's wait to the first op reading its result (what the compiler's
+    reordering does): a reduce-scatter then overlaps the rest of backward."""
+
     max_copies_in_flight: int | None = None
     """Host copies queued at most at once; issuing one more stalls compute until the oldest
     ends (None: no cap)."""
@@ -169,6 +173,10 @@ class Streams:
             ("all_gather", "reduce_scatter")
         }  # fmt: skip
         n = index.n
+        self._alias = np.array(
+            [graph.nodes[name].is_view for name in index.names], dtype=bool
+        ) | np.asarray(index.is_getitem, dtype=bool)
+        self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
         self._issue = np.zeros(7 * n, dtype=bool)
         self._wait = np.zeros(7 * n, dtype=bool)
         for i in self.kind:
@@ -179,12 +187,13 @@ class Streams:
     def _buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
         """Per issued collective (or FSDP bucket): the positions of its members and of the
         waits on them, in issue order."""
-        n, index = self.index.n, self.index
+        n, index, opts = self.index.n, self.index, self.options
         at = np.flatnonzero(self._issue[entries] | self._wait[entries]).tolist()
         nodes = index.entry_node(entries[at]).tolist()
         groups: list[tuple[list[int], list[int]]] = []
         owner: dict[int, int] = {}  # node -> its latest issued group
         last_key: tuple[Any, ...] | None = None
+        last_group = -1
         for p, node in zip(at, nodes, strict=True):
             if node in self.waits:
                 g = owner.get(self.waits[node])
@@ -192,13 +201,16 @@ class Streams:
                     groups[g][1].append(p)
                 continue
             key = (self.kind[node], index.layer[node], bool(entries[p] >= n))
-            bucket = self.options.bucket_layers and node in self.fsdp
-            if bucket and key == last_key and index.layer[node] is not None:
-                groups[-1][0].append(p)
+            bucket = opts.bucket_layers and node in self.fsdp and index.layer[node] is not None
+            if bucket and key == last_key:
+                g = last_group
+                groups[g][0].append(p)
             else:
                 groups.append(([p], []))
-            last_key = key if bucket else None
-            owner[node] = len(groups) - 1
+                g = len(groups) - 1
+            if node in self.fsdp:  # other collectives between a layer's do not end its bucket
+                last_key, last_group = (key if bucket else None), g
+            owner[node] = g
         return groups
 
     def issue_positions(self, entries: np.ndarray) -> dict[int, int]:
@@ -216,6 +228,27 @@ class Streams:
                     moved[p] = issue
         return moved
 
+    def _first_use(self, at: int, entries: np.ndarray, reads: tuple[np.ndarray, np.ndarray]) -> int:
+        """Position of the first op that computes with the value at `at`, through views."""
+        reader, read = reads
+        if self._readers is None or self._readers[0] is not reader:
+            table: dict[int, list[int]] = {}
+            for r, e in zip(reader.tolist(), read.tolist(), strict=True):
+                table.setdefault(e, []).append(r)
+            self._readers = (reader, table)
+        table = self._readers[1]
+        first, todo = len(entries), [at]
+        while todo:
+            p = todo.pop()
+            for r in table.get(int(entries[p]), []):
+                if r >= first:
+                    continue
+                if self._alias[int(self.index.entry_node(entries[r]))]:
+                    todo.append(r)
+                else:
+                    first = r
+        return first if first < len(entries) else at
+
     def _kind_at(self, entries: np.ndarray, group: tuple[list[int], list[int]]) -> str:
         return self.kind[int(self.index.entry_node(entries[group[0][0]]))]
 
@@ -225,9 +258,11 @@ class Streams:
         seconds: np.ndarray,
         profile: DeviceProfile,
         offloaded: dict[int, int],
+        reads: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StreamTimes:
         """Time the schedule: `seconds` is the compute seconds of every entry; collectives
-        and host copies take their streams' time (`walk_streams`)."""
+        and host copies take their streams' time (`walk_streams`). `reads`: the schedule's
+        (reader position, entry read) pairs, for `sink_waits`."""
         n, index, opts = self.index.n, self.index, self.options
         clock = np.concatenate(([0.0], np.cumsum(seconds[entries])))  # compute before p
         moved = self.issue_positions(entries) if opts.prefetch else {}
@@ -243,7 +278,9 @@ class Streams:
             comm += duration
             issue = members[-1] if kind == "reduce_scatter" else members[0]
             events.append(Event(moved.get(issue, issue), "comm", ("c", b), duration))
-            events.extend(Event(w, "wait", ("c", b)) for w in waits)
+            if opts.sink_waits and reads is not None:
+                waits = [self._first_use(w, entries, reads) for w in waits]
+            events.extend(Event(max(w, issue), "wait", ("c", b)) for w in waits)
         at = np.flatnonzero(entries >= 3 * n).tolist()
         steps = offload_step(n, entries[at]).tolist()
         rate, copied = profile.host_rate(), 0

@@ -93,8 +93,8 @@ class DeviceProfile:
         """What a rank holds beside the allocator's segments: the CUDA context and
         `communicators` NCCL communicators' buffers."""
         return {
-            "cuda_context": self.cuda_context_bytes,
-            "nccl_buffers": self.nccl_buffer_bytes * communicators,
+            "cuda_context_bytes": self.cuda_context_bytes,
+            "nccl_buffer_bytes": self.nccl_buffer_bytes * communicators,
         }
 
     def link_rate(self, spans_nodes: bool) -> float:
