@@ -20,7 +20,7 @@ import traitlets
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
-from workbench.cost.estimate import Estimator
+from workbench.cost.estimate import BudgetKind, Estimator
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions
 from workbench.decide.policy import Policy
@@ -112,11 +112,17 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         profile: str = "h100",
         autosave: str | Path | None = None,
         workload: Workload | None = None,
+        budget_kind: BudgetKind = "allocated",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.model = ExplorerModel(
-            source, policy, profile=profile, autosave=autosave, workload=workload
+            source,
+            policy,
+            profile=profile,
+            autosave=autosave,
+            workload=workload,
+            budget_kind=budget_kind,
         )
         self.model.on_change = self._sync
         self._sync()

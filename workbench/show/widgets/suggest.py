@@ -8,7 +8,7 @@ Entry points: `suggestion(graph, current, budget_bytes, ...) -> (policy, message
 from __future__ import annotations
 
 from workbench.capture.graph import JointGraph
-from workbench.cost.estimate import Estimator
+from workbench.cost.estimate import BudgetKind, Estimator
 from workbench.decide.decider import decide, layer_key, node_keys
 from workbench.decide.policy import Action, Policy
 from workbench.search.solve import SolveOptions, solve
@@ -60,11 +60,16 @@ def suggestion(
     estimator: Estimator,
     host_budget_bytes: int,
     has_fsdp: bool,
+    budget_kind: BudgetKind = "allocated",
 ) -> tuple[Policy, str]:
     """The solver's policy for `budget_bytes` (on `current`'s preset unless that takes far
     more rows than the solver's own base) and the message line that says what it is."""
-    options = SolveOptions(method=method, profile=profile,  # type: ignore[arg-type]
-                           host_budget_bytes=host_budget_bytes)  # fmt: skip
+    options = SolveOptions(
+        method=method,  # type: ignore[arg-type]
+        profile=profile,
+        host_budget_bytes=host_budget_bytes,
+        budget_kind=budget_kind,
+    )
     solution = solve(graph, int(budget_bytes), options, estimator=estimator)
     rebase = rebased(graph, solution.policy, current)
     own = len(solution.policy.overrides) + len(solution.policy.selectors)
@@ -82,8 +87,9 @@ def suggestion(
         else ", no offload (host budget 0)"
     )
     message = (
-        f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)}: "
-        f"peak {format_bytes(solution.estimate.peak_bytes)}, recompute "
+        f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)} "
+        f"({budget_kind}): peak {format_bytes(solution.estimate.peak_bytes)} (reserved "
+        f"{format_bytes(solution.estimate.reserved_peak_bytes)}), recompute "
         f"{format_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
         f"preset {policy.preset!r}{note} with "
         f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
