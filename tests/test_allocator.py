@@ -170,3 +170,19 @@ def test_estimate_and_solve_report_reserved_beside_allocated(
     )
     assert solved["budget_kind"] == "reserved"
     assert solved["reserved_peak_bytes"] <= budget  # type: ignore[operator]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the skip without CUDA")
+def test_bench_gpu_says_it_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _run(capsys, ["bench", "gpu", "--model", "llama3-1b", "--dtype", "bfloat16"])
+    assert result == {"skipped": "no CUDA device here: bench gpu measures on one", "presets": []}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_bench_gpu_estimates_beside_torchs_counters(capsys: pytest.CaptureFixture[str]) -> None:
+    model = ["--model", "llama3-debug", "--layers", "2", "--seq", "64", "--dtype", "bfloat16"]
+    result = _run(capsys, ["bench", "gpu", *model, "--presets", "none,full", "--repeat", "1"])
+    for row in result["presets"]:  # type: ignore[attr-defined]
+        assert row["bitwise_equal"]
+        assert row["max_memory_reserved"] >= row["max_memory_allocated"]

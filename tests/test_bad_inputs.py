@@ -315,6 +315,7 @@ SIZES: list[tuple[list[str], str]] = [
     (["estimate", *MLP, "--calibrate", "/nonexistent/trace.json"], "--calibrate .*: no such"),
     (["estimate", *MLP, "--prefetch", "-2"], "--prefetch: prefetch must be 0 or more"),
     (["estimate", *MLP, "--max-split-size-mb", "20"], "--max-split-size-mb: .* above"),
+    (["bench", "gpu", *MLP, "--presets", "fast"], "--presets 'fast': unknown fast; choose"),
 ]
 
 

@@ -19,6 +19,7 @@ from workbench.capture.models import DTYPES
 from workbench.commands import (
     FSDP_CHOICES,
     cmd_activations,
+    cmd_bench_gpu,
     cmd_bench_offload,
     cmd_bench_render,
     cmd_bench_trace,
@@ -389,6 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--force", action="store_true", help="lay out huge views anyway")
     render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     render.set_defaults(run=cmd_render)
+
+    bench_gpu = benches.add_parser(
+        "gpu", help="estimate vs max_memory_allocated/max_memory_reserved per preset on CUDA"
+    )
+    _add_model_args(bench_gpu)
+    bench_gpu.add_argument(
+        "--presets", default="none,default,eager,full,offload", help="presets, comma-separated"
+    )
+    bench_gpu.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
+    bench_gpu.add_argument("--warmup", type=int, default=1)
+    bench_gpu.set_defaults(run=cmd_bench_gpu)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")
     _add_model_args(bench_render)

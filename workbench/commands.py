@@ -303,6 +303,32 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """Estimate vs measured allocated and reserved memory per preset on CUDA (see
+    `workbench.bench.bench_gpu`); without CUDA it says so and exits 0."""
+    from workbench.bench import bench_gpu
+    from workbench.decide.presets import PRESETS
+
+    _check_positive("--repeat", args.repeat)
+    if args.warmup < 0:
+        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise WorkbenchError(
+            f"--presets {args.presets!r}: unknown {', '.join(unknown) or 'none given'}; "
+            f"choose from {', '.join(PRESETS)}"
+        )
+    if _parallel_from_args(args) is not None:
+        raise WorkbenchError("bench gpu runs one unsharded process: drop --fsdp/--tp")
+    return bench_gpu(
+        lambda: _workload_from_args(args, "real", device="cuda"),
+        presets,
+        warmup=args.warmup,
+        repeats=args.repeat,
+    )
+
+
 def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
     from workbench.bench import bench_whatif
