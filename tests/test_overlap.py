@@ -101,3 +101,17 @@ def test_per_rank_streams(rank_debug: JointGraph) -> None:
     # waits at the first real reader: reduce-scatters overlap the rest of backward
     _, _, exposed_s, _ = run(sink_waits=True)
     assert exposed_s < exposed
+
+
+def test_prefetch_moves_only_fsdp_all_gathers(rank_debug: JointGraph) -> None:
+    from workbench.decide.decider import decide
+
+    estimator = Estimator(rank_debug, ("h100",), overlap=OverlapOptions(prefetch=2))
+    flat = estimator.schedule_for(decide(rank_debug, Policy("default")))
+    moved = estimator.streams.issue_positions(flat.entries)
+    nodes = estimator.index.entry_node(flat.entries[list(moved)]).tolist()
+    streams = estimator.streams
+    assert moved and all(streams.kind[i] == "all_gather" and i in streams.fsdp for i in nodes)
+    tp = [i for i, (_, dim) in streams.group.items() if dim == "tp"]
+    assert tp and not set(tp) & set(nodes)  # TP's gathers read activations: never moved
+    assert all(q < p for p, q in moved.items())

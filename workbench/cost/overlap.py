@@ -60,9 +60,10 @@ class OverlapOptions:
     just before its wait)."""
 
     prefetch: int = 0
-    """All-gather buckets issued ahead of the one compute waits for: bucket b goes out when
-    compute reaches the wait of bucket b - prefetch (0: where the graph has it). An early
-    all-gather holds its output from its issue on, so prefetch raises the peak."""
+    """FSDP all-gather buckets issued ahead of the one compute waits for: bucket b goes out
+    when compute reaches the wait of bucket b - prefetch (0: where the graph has it). An
+    early all-gather holds its output from its issue on, so prefetch raises the peak. TP's
+    all-gathers read activations and stay where they are."""
 
     bucket_layers: bool = False
     """Send a layer's consecutive FSDP all-gathers (and reduce-scatters) as one collective:
@@ -217,7 +218,12 @@ class Streams:
         """Position each all-gather member is issued at, where prefetch or bucketing moves it
         earlier than its own (the memory walk counts its output from there)."""
         moved: dict[int, int] = {}
-        gathers = [g for g in self._buckets(entries) if self._kind_at(entries, g) == "all_gather"]
+        gathers = [  # FSDP's: a parameter's all-gather waits on no activation
+            g
+            for g in self._buckets(entries)
+            if self._node_at(entries, g) in self.fsdp
+            and self.kind[self._node_at(entries, g)] == "all_gather"
+        ]
         for b, (members, _) in enumerate(gathers):
             issue = members[0]
             ahead = b - self.options.prefetch
@@ -249,8 +255,8 @@ class Streams:
                     first = r
         return first if first < len(entries) else at
 
-    def _kind_at(self, entries: np.ndarray, group: tuple[list[int], list[int]]) -> str:
-        return self.kind[int(self.index.entry_node(entries[group[0][0]]))]
+    def _node_at(self, entries: np.ndarray, group: tuple[list[int], list[int]]) -> int:
+        return int(self.index.entry_node(entries[group[0][0]]))
 
     def run(
         self,
