@@ -269,3 +269,23 @@ def test_a_value_a_collective_reads_is_freed_after_its_wait(
     assert at[free.name] > at[wait.name]
     estimator = Estimator(graph, PROFILES)
     assert estimator.estimate(policy) == estimate_remat(graph, result, estimator)
+
+
+def test_floor_takes_the_host_link_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from workbench.cli import main
+
+    rates, floor_steps = {}, {}
+    for link in ("in-step", "benchmark", "fresh-pinned"):
+        argv = ["floor", "--model", "llama3-debug", "--layers", "2", "--seq", "64"]
+        assert main([*argv, "--host-link", link, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["host_link"] == link
+        rates[link] = result["host_bytes_per_s"]
+        floor_steps[link] = result["floor"]["est_step_seconds"]
+    # the floor offloads everything it still saves: its step slows as the link does
+    assert floor_steps["benchmark"] < floor_steps["in-step"] < floor_steps["fresh-pinned"]
+    assert rates["in-step"] == pytest.approx(H100.host_rate())
+    assert rates["benchmark"] == pytest.approx(53.1e9)
+    assert rates["fresh-pinned"] == pytest.approx(11.2e9 * 32.3 / 52)
