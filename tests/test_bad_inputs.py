@@ -312,6 +312,10 @@ SIZES: list[tuple[list[str], str]] = [
     (["measure", *MLP, "--repeat", "0"], "--repeat must be a positive integer, got 0"),
     (["measure", *MLP, "--warmup", "-1"], "--warmup must be 0 or more runs, got -1"),
     (["estimate", *MLP, "--profile", ","], "--profile ',' names no device profile"),
+    (["estimate", *MLP, "--calibrate", "/nonexistent/trace.json"], "--calibrate .*: no such"),
+    (["estimate", *MLP, "--prefetch", "-2"], "--prefetch: prefetch must be 0 or more"),
+    (["estimate", *MLP, "--max-split-size-mb", "20"], "--max-split-size-mb: .* above"),
+    (["bench", "gpu", *MLP, "--presets", "fast"], "--presets 'fast': unknown fast; choose"),
 ]
 
 
@@ -328,6 +332,9 @@ SOLVER_FLAGS = [
     ("--host-budget-bytes", "-1"),
     ("--profile", "h900"),
     ("--method", "simplex"),
+    ("--prefetch", "-1"),
+    ("--max-split-size-mb", "10"),
+    ("--max-copies-in-flight", "0"),
 ]
 
 

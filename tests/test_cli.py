@@ -12,6 +12,7 @@ import pytest
 
 from workbench.cli import main
 from workbench.cost.measure import PEAK_COUNTS
+from workbench.cost.profiles import get_profile
 
 TRACE_KEYS = {"model", "nodes", "forward_nodes", "backward_nodes", "seconds"}
 
@@ -239,7 +240,8 @@ def test_estimate_json_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
         "--policy", "offload", "--profile", "h100", "--json",
     )  # fmt: skip
     assert result["host_peak_bytes"] > 0 and result["offloaded_bytes"] >= result["host_peak_bytes"]
-    assert result["transfer_seconds"]["h100"] == pytest.approx(2 * result["offloaded_bytes"] / 55e9)
+    rate = get_profile("h100").host_rate()  # the host link as measured in a step
+    assert result["transfer_seconds"]["h100"] == pytest.approx(2 * result["offloaded_bytes"] / rate)
     assert 0 <= result["exposed_transfer_seconds"]["h100"] <= result["transfer_seconds"]["h100"]
 
 

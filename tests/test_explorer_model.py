@@ -378,3 +378,18 @@ def test_policy_edits_keep_what_they_do_not_edit(small: Fixture) -> None:
         with_override(overridden, "nope", "save")
     moved = with_offload(start, 2**30, 1, 1)
     assert moved.offload == OffloadOptions(2**30, 1, 1) and moved.fsdp_reshard is False
+
+
+def test_the_budget_can_hold_reserved_bytes(small: Fixture, tmp_path: Path) -> None:
+    workload, graph = small
+    model = ExplorerModel(graph, "default", workload=workload, autosave=tmp_path / "p.json",
+                          budget_kind="reserved")  # fmt: skip
+    ends = [model.estimator.estimate(Policy(p)) for p in ("full", "none")]
+    assert model.budget_range["min"] == min(e.reserved_peak_bytes for e in ends)
+    assert model.budget_range["max"] == max(e.reserved_peak_bytes for e in ends)
+    assert all(e.reserved_peak_bytes > e.peak_bytes for e in ends)
+    model.suggest(model.budget_range["max"])
+    assert "(reserved)" in model.message
+    assert model.estimate.reserved_peak_bytes <= model.budget_range["max"]
+    with pytest.raises(WorkbenchError, match="unknown budget kind 'free'"):
+        ExplorerModel(graph, budget_kind="free", autosave=tmp_path / "q.json")  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from workbench.capture.models import DTYPES
 from workbench.commands import (
     FSDP_CHOICES,
     cmd_activations,
+    cmd_bench_gpu,
     cmd_bench_offload,
     cmd_bench_render,
     cmd_bench_trace,
@@ -118,8 +119,50 @@ def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> None:
+    """What the GPU will see: the caching allocator's settings and the streams' options."""
+    group = parser.add_argument_group("allocator and streams")
+    group.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    group.add_argument(
+        "--max-split-size-mb", type=int, help="model max_split_size_mb (above 20; default none)"
+    )
+    group.add_argument(
+        "--prefetch", type=int, default=0, help="FSDP all-gather buckets issued ahead (default 0)"
+    )
+    group.add_argument(
+        "--bucket-layers", action="store_true", help="one FSDP collective per layer and kind"
+    )
+    group.add_argument(
+        "--sink-waits", action="store_true", help="collective waits at their first real reader"
+    )
+    group.add_argument("--max-copies-in-flight", type=int, help="cap on host copies queued")
+    if calibrate:
+        group.add_argument(
+            "--calibrate",
+            metavar="TRACE.json",
+            help="measured op times (torch.profiler Chrome trace or table) replace the first "
+            "profile's roofline where op and shapes match",
+        )
+
+
+def _add_budget_kind_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget-kind",
+        choices=("allocated", "reserved"),
+        default="allocated",
+        help="hold the budget against allocated bytes (default) or the caching allocator's "
+        "reserved bytes",
+    )
+
+
 def _add_solve_args(parser: argparse.ArgumentParser) -> None:
     _add_optimizer_arg(parser)
+    _add_cost_args(parser)
+    _add_budget_kind_arg(parser)
     parser.add_argument(
         "--host-budget-bytes",
         type=int,
@@ -158,8 +201,18 @@ def _add_floor_args(parser: argparse.ArgumentParser) -> None:
         help="bisection over the device budget stops within this many bytes (default 1 MiB)",
     )
     parser.add_argument("--method", default="greedy", help="solve's: greedy, knapsack or exact")
+    parser.add_argument(
+        "--host-link",
+        choices=("in-step", "benchmark", "fresh-pinned"),
+        default="in-step",
+        help="host link rate: as measured in a step from a reused pinned pool (default), as "
+        "benchmarked, or with fresh pinned allocations",
+    )
+    _add_cost_args(parser)
     # what the solver's other flags would say: step time decides, both FSDP settings tried
-    parser.set_defaults(mode="fake", objective="recompute_time", fsdp_choice="search")
+    parser.set_defaults(
+        mode="fake", objective="recompute_time", fsdp_choice="search", budget_kind="allocated"
+    )
 
 
 _LONG_TEXT = 100  # characters: longer values print as their start and a note
@@ -293,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--timeline", action="store_true", help="include the memory timeline")
     _add_optimizer_arg(estimate)
     _add_passes_arg(estimate)
+    _add_cost_args(estimate, calibrate=True)
     estimate.set_defaults(run=cmd_estimate)
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
@@ -350,6 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _add_passes_arg(render)
     render.set_defaults(run=cmd_render)
+
+    bench_gpu = benches.add_parser(
+        "gpu", help="estimate vs max_memory_allocated/max_memory_reserved per preset on CUDA"
+    )
+    _add_model_args(bench_gpu)
+    bench_gpu.add_argument(
+        "--presets", default="none,default,eager,full,offload", help="presets, comma-separated"
+    )
+    bench_gpu.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
+    bench_gpu.add_argument("--warmup", type=int, default=1)
+    bench_gpu.set_defaults(run=cmd_bench_gpu)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")
     _add_model_args(bench_render)

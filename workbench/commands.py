@@ -234,8 +234,11 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
 
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
+    options = _cost_options_from_args(args)
     graph, seconds = _prepared_from_args(args)
-    est = estimator_for(graph, args.passes, profiles, args.optimizer).estimate(policy)
+    estimator = estimator_for(graph, args.passes, profiles, args.optimizer, **options)
+    est = estimator.estimate(policy)
+    calibration = {"calibration": estimator.calibration} if estimator.calibration else {}
     return {
         "model": graph.model_name,
         "mode": graph.mode,
@@ -243,7 +246,51 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
         **_pipeline_json(args, graph, policy),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
+        **calibration,
     }
+
+
+def _cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The allocator, stream and calibration flags as `Estimator` keywords, each checked
+    before anything is traced, the error naming the flag."""
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.cost.calibrate import load_calibration
+    from workbench.cost.overlap import OverlapOptions
+
+    split = args.max_split_size_mb
+    with _flag("--max-split-size-mb"):
+        allocator = AllocatorConfig(
+            expandable_segments=args.expandable_segments,
+            max_split_size=None if split is None else split * 2**20,
+        )
+    with _flag("--prefetch"):
+        OverlapOptions(prefetch=args.prefetch)
+    with _flag("--max-copies-in-flight"):
+        OverlapOptions(max_copies_in_flight=args.max_copies_in_flight)
+    overlap = OverlapOptions(
+        prefetch=args.prefetch,
+        bucket_layers=args.bucket_layers,
+        sink_waits=args.sink_waits,
+        max_copies_in_flight=args.max_copies_in_flight,
+    )
+    path = getattr(args, "calibrate", None)
+    calibration = load_calibration(path) if path else None
+    return {"allocator": allocator, "overlap": overlap, "calibration": calibration}
+
+
+def _profile_with_host_link(name: str, link: str) -> Any:
+    """`floor --host-link`: the profile's host link as measured in a step (its own), as
+    benchmarked (no in-step derating), or with fresh pinned allocations per copy."""
+    from dataclasses import replace
+
+    from workbench.cost.profiles import get_profile
+
+    profile = get_profile(name)
+    if link == "benchmark":
+        return replace(profile, host_in_step_factor=1.0)
+    if link == "fresh-pinned":
+        return replace(profile, host_pinned_reused=False)
+    return profile
 
 
 def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None:
@@ -286,6 +333,32 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
         workload, policy, baselines=args.baselines, warmup=args.warmup, repeats=args.repeat
     )
     return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
+
+
+def cmd_bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """Estimate vs measured allocated and reserved memory per preset on CUDA (see
+    `workbench.bench.bench_gpu`); without CUDA it says so and exits 0."""
+    from workbench.bench import bench_gpu
+    from workbench.decide.presets import PRESETS
+
+    _check_positive("--repeat", args.repeat)
+    if args.warmup < 0:
+        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise WorkbenchError(
+            f"--presets {args.presets!r}: unknown {', '.join(unknown) or 'none given'}; "
+            f"choose from {', '.join(PRESETS)}"
+        )
+    if _parallel_from_args(args) is not None:
+        raise WorkbenchError("bench gpu runs one unsharded process: drop --fsdp/--tp")
+    return bench_gpu(
+        lambda: _workload_from_args(args, "real", device="cuda"),
+        presets,
+        warmup=args.warmup,
+        repeats=args.repeat,
+    )
 
 
 def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
@@ -343,12 +416,17 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
 
     options = _solve_options_from_args(args)
     _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    cost = _cost_options_from_args(args)
+    profile = _profile_with_host_link(args.profile, args.host_link)
+    options = dataclasses.replace(options, profile=profile)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (profile,), args.optimizer, **cost)
     result = floor_search(graph, estimator, options, tolerance_bytes=args.tolerance_bytes)
     return {
         **result,
+        "host_link": args.host_link,
+        "host_bytes_per_s": profile.host_rate(),
         "seconds": round(time.perf_counter() - start, 3),
         "trace_seconds": round(trace_seconds, 3),
         "cpu_count": os.cpu_count(),
@@ -396,6 +474,7 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
         profile=args.profile,
         fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
         host_budget_bytes=args.host_budget_bytes,
+        budget_kind=args.budget_kind,
     )
 
 
@@ -417,7 +496,7 @@ def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
         return int(args.budget_bytes)
     if not 0 < args.budget_frac <= 1:
         raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
-    return int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes)
+    return int(args.budget_frac * estimator.estimate(Policy("none")).budget_bytes(args.budget_kind))
 
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
@@ -426,8 +505,9 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.solve import solve
 
     options = _solve_options_from_args(args)
+    cost = _cost_options_from_args(args)
     graph, trace_seconds = _prepared_from_args(args)
-    estimator = estimator_for(graph, args.passes, (args.profile,), args.optimizer)
+    estimator = estimator_for(graph, args.passes, (args.profile,), args.optimizer, **cost)
     budget = _budget_from_args(args, estimator)
     solution = solve(graph, budget, options, estimator=estimator)
     return {
@@ -446,6 +526,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.solve import Solution, fsdp_choices, preset_points
 
     options = _solve_options_from_args(args)
+    cost = _cost_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 
@@ -460,7 +541,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
 
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (args.profile,), args.optimizer, **cost)
 
     def front(host_budget: int) -> list[Solution]:
         with_host = dataclasses.replace(options, host_budget_bytes=host_budget)

@@ -10,6 +10,7 @@ against them by construction, at the cost of running them on each estimate.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import DEFAULT_PROFILES, Estimator, OptimizerName
@@ -40,10 +41,12 @@ def estimator_for(
     passes: str = "workbench",
     profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES,
     optimizer: OptimizerName = "adamw",
+    **options: Any,
 ) -> Estimator:
     """The Estimator of the graph a pass pipeline analyses (`prepare(graph, passes)`; a
-    prepared graph is taken as it is)."""
+    prepared graph is taken as it is); `options` are Estimator's allocator, overlap and
+    calibration settings."""
     prepared = prepare(graph, passes)
     if passes == "workbench":
-        return Estimator(prepared, profiles, optimizer)
-    return PipelineEstimator(prepared, profiles, optimizer)
+        return Estimator(prepared, profiles, optimizer, **options)
+    return PipelineEstimator(prepared, profiles, optimizer, **options)

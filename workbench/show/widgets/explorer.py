@@ -20,7 +20,7 @@ import traitlets
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
-from workbench.cost.estimate import Estimator
+from workbench.cost.estimate import BudgetKind, Estimator
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions
 from workbench.decide.policy import Policy
@@ -115,11 +115,18 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         autosave: str | Path | None = None,
         workload: Workload | None = None,
         passes: str = "workbench",
+        budget_kind: BudgetKind = "allocated",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.model = ExplorerModel(
-            source, policy, profile=profile, autosave=autosave, workload=workload, passes=passes
+            source,
+            policy,
+            profile=profile,
+            autosave=autosave,
+            workload=workload,
+            passes=passes,
+            budget_kind=budget_kind,
         )
         self.model.on_change = self._sync
         self._sync()

@@ -18,7 +18,7 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.ops import layer_pattern
 from workbench.capture.trace import trace
-from workbench.cost.estimate import Estimate
+from workbench.cost.estimate import BUDGET_KINDS, BudgetKind, Estimate
 from workbench.cost.pipelines import estimator_for
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
@@ -108,8 +108,14 @@ class ExplorerModel:
         autosave: str | Path | None = None,
         workload: Workload | None = None,
         passes: str = "workbench",
+        budget_kind: BudgetKind = "allocated",
     ) -> None:
         traced, loaded = load_source(source)
+        if budget_kind not in BUDGET_KINDS:
+            raise WorkbenchError(
+                f"unknown budget kind {budget_kind!r}; choose one of {', '.join(BUDGET_KINDS)}"
+            )
+        self.budget_kind = budget_kind  # what Suggest's and Sweep's budgets hold
         self.workload = workload or loaded
         if profile not in PROFILES:
             raise WorkbenchError(
@@ -147,7 +153,7 @@ class ExplorerModel:
         choices = fsdp_choices(self.graph)
         self.has_fsdp = len(choices) > 1
         peaks = [
-            self.estimator.estimate(Policy(p, fsdp_reshard=r)).peak_bytes
+            self.estimator.estimate(Policy(p, fsdp_reshard=r)).budget_bytes(budget_kind)
             for p in ("full", "none")
             for r in choices
         ]
@@ -454,6 +460,7 @@ class ExplorerModel:
                 self.graph, self.policy, budget_bytes, method=method or self.suggest_method,
                 profile=self.profile, estimator=self.estimator, has_fsdp=self.has_fsdp,
                 host_budget_bytes=self.suggest_host_budget_bytes,
+                budget_kind=self.budget_kind,
             )  # fmt: skip
         self._change(policy)
         self.message = message
@@ -469,7 +476,8 @@ class ExplorerModel:
             self.on_change()
 
         options = SolveOptions(method=self.suggest_method, profile=self.profile,  # type: ignore[arg-type]
-                               host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
+                               host_budget_bytes=self.suggest_host_budget_bytes,
+                               budget_kind=self.budget_kind)  # fmt: skip
         with self._busy(f"Sweep: solving {points} budgets…"):
             solutions = pareto(self.graph, points=points, options=options, progress=progress,
                                estimator=self.estimator)  # fmt: skip

@@ -11,7 +11,7 @@ import collections
 import re
 
 from workbench.capture.graph import JointGraph
-from workbench.cost.estimate import Estimate, Estimator
+from workbench.cost.estimate import BudgetKind, Estimate, Estimator
 from workbench.decide.decider import decide, layer_key, node_keys, rules_of
 from workbench.decide.facts import MIN_OFFLOAD_BYTES
 from workbench.decide.offloadable import OffloadOptions, Refusal
@@ -144,11 +144,16 @@ def suggestion(
     estimator: Estimator,
     host_budget_bytes: int,
     has_fsdp: bool,
+    budget_kind: BudgetKind = "allocated",
 ) -> tuple[Policy, str]:
     """The solver's policy for `budget_bytes` (on `current`'s preset unless that takes far
     more rows than the solver's own base) and the message line that says what it is."""
-    options = SolveOptions(method=method, profile=profile,  # type: ignore[arg-type]
-                           host_budget_bytes=host_budget_bytes)  # fmt: skip
+    options = SolveOptions(
+        method=method,  # type: ignore[arg-type]
+        profile=profile,
+        host_budget_bytes=host_budget_bytes,
+        budget_kind=budget_kind,
+    )
     solution = solve(graph, int(budget_bytes), options, estimator=estimator)
     rebase = rebased(graph, solution.policy, current)
     own = len(solution.policy.overrides) + len(solution.policy.selectors)
@@ -170,8 +175,9 @@ def suggestion(
                                profile, estimator)  # fmt: skip
         offloaded += f": {why}"
     message = (
-        f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)}: "
-        f"peak {format_bytes(solution.estimate.peak_bytes)}, recompute "
+        f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)} "
+        f"({budget_kind}): peak {format_bytes(solution.estimate.peak_bytes)} (reserved "
+        f"{format_bytes(solution.estimate.reserved_peak_bytes)}), recompute "
         f"{format_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
         f"preset {policy.preset!r}{note} with "
         f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
