@@ -30,6 +30,7 @@ from workbench.show.widgets.panels import (
     details_panel,
     history_plots,
     legend_panel,
+    match_words,
     metrics_panel,
     newly_forced,
     offload_line,
@@ -280,6 +281,14 @@ def test_message_helpers(small: Fixture) -> None:
     found = search_matches(graph, "wo")
     assert found and all("wo" in n or "wo" in graph.nodes[n].op or "wo" in graph.nodes[n].module
                          for n in found)  # fmt: skip
+    info = graph.nodes[found[0]]
+    assert (
+        match_words(info, 0, 1, "wo")
+        == f"{info.name} ({info.op} in {info.module}): match 1 of 1 for 'wo'"
+    )
+    assert match_words(info, 1, 3, "wo").endswith(
+        "match 2 of 3 for 'wo'; search again for the next"
+    )
 
 
 def test_doctests_of_the_panels_and_session() -> None:

@@ -49,6 +49,15 @@ BUDGET_KINDS: tuple[str, ...] = ("allocated", "reserved")
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "sgd": 4, "none": 0}
 
 
+def check_budget_kind(kind: object) -> BudgetKind:
+    """`kind` if it names what a budget may hold (`BUDGET_KINDS`), else a WorkbenchError."""
+    if kind not in BUDGET_KINDS:
+        raise WorkbenchError(
+            f"unknown budget kind {kind!r}; choose one of {', '.join(BUDGET_KINDS)}"
+        )
+    return kind  # type: ignore[return-value]
+
+
 def optimizer_bytes(graph: JointGraph, optimizer: str) -> int:
     """State the optimizer holds for this rank's parameter shards (fp32 per element)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:

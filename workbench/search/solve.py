@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from workbench.capture.graph import JointGraph
-from workbench.cost.estimate import BUDGET_KINDS, BudgetKind, Estimate, Estimator
+from workbench.cost.estimate import BudgetKind, Estimate, Estimator, check_budget_kind
 from workbench.cost.profiles import DeviceProfile, get_profile
 from workbench.decide.decider import rules_of
 from workbench.decide.offloadable import OffloadOptions
@@ -93,10 +93,7 @@ class SolveOptions:
     `max_memory_reserved`)."""
 
     def __post_init__(self) -> None:
-        if self.budget_kind not in BUDGET_KINDS:
-            raise WorkbenchError(
-                f"unknown budget kind {self.budget_kind!r}; choose one of {', '.join(BUDGET_KINDS)}"
-            )
+        check_budget_kind(self.budget_kind)
         if self.method not in METHODS:
             raise WorkbenchError(
                 f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}"

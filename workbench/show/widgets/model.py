@@ -18,7 +18,7 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.ops import layer_pattern
 from workbench.capture.trace import trace
-from workbench.cost.estimate import BUDGET_KINDS, BudgetKind, Estimate
+from workbench.cost.estimate import BudgetKind, Estimate, check_budget_kind
 from workbench.cost.pipelines import estimator_for
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
@@ -33,6 +33,7 @@ from workbench.show.widgets.panels import (
     details_panel,
     history_plots,
     legend_panel,
+    match_words,
     metrics_panel,
     newly_forced,
     offload_line,
@@ -111,11 +112,7 @@ class ExplorerModel:
         budget_kind: BudgetKind = "allocated",
     ) -> None:
         traced, loaded = load_source(source)
-        if budget_kind not in BUDGET_KINDS:
-            raise WorkbenchError(
-                f"unknown budget kind {budget_kind!r}; choose one of {', '.join(BUDGET_KINDS)}"
-            )
-        self.budget_kind = budget_kind  # what Suggest's and Sweep's budgets hold
+        self.budget_kind = check_budget_kind(budget_kind)  # what Suggest's and Sweep's hold
         self.workload = workload or loaded
         if profile not in PROFILES:
             raise WorkbenchError(
@@ -313,12 +310,7 @@ class ExplorerModel:
         self._search = (text, index)
         name = matches[index]
         self.reveal(name)
-        info = self.graph.nodes[name]
-        self.message = (
-            f"{name} ({info.op} in {info.module or 'top level'}): "
-            f"match {index + 1} of {len(matches)} for {query.strip()!r}"
-            + ("; search again for the next" if len(matches) > 1 else "")
-        )
+        self.message = match_words(self.graph.nodes[name], index, len(matches), query.strip())
         return name
 
     def reveal(self, name: str) -> None:

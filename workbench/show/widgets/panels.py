@@ -34,6 +34,7 @@ __all__ = [
     "downsample",
     "history_plots",
     "legend_panel",
+    "match_words",
     "metrics_panel",
     "offload_line",
     "newly_forced",
@@ -368,3 +369,12 @@ def search_matches(graph: JointGraph, text: str) -> list[str]:
     )
     ranked = exact + by_name + [i.name for i in by_op] + [i.name for i in by_module]
     return list(dict.fromkeys(ranked))
+
+
+def match_words(info: NodeInfo, index: int, count: int, query: str) -> str:
+    """Find's message: which op it opened, and where it stands among the matches."""
+    return (
+        f"{info.name} ({info.op} in {info.module or 'top level'}): "
+        f"match {index + 1} of {count} for {query!r}"
+        + ("; search again for the next" if count > 1 else "")
+    )
