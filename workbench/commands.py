@@ -50,10 +50,17 @@ def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu"
 
 
 def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
-    """None unless --fsdp or --tp asks for more than one rank."""
-    if args.fsdp == 1 and args.tp == 1:
+    """None unless --fsdp, --tp, --ep or --cp asks for more than one rank."""
+    degrees: dict[str, int] = {k: getattr(args, k, 1) for k in ("fsdp", "tp", "ep", "cp")}
+    if set(degrees.values()) == {1}:
         return None
-    return Parallel(fsdp=args.fsdp, tp=args.tp)
+    return Parallel(
+        fsdp=degrees["fsdp"],
+        tp=degrees["tp"],
+        ep=degrees["ep"],
+        cp=degrees["cp"],
+        ep_imbalance=getattr(args, "ep_imbalance", 1.0),
+    )
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:

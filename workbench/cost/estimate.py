@@ -222,13 +222,20 @@ class Estimator:
 
     def _collective_seconds(self, profile: DeviceProfile) -> dict[str, float]:
         """Ring cost of each collective: factor(W) x buffer bytes / link rate, where W is
-        its mesh dimension's size. The mesh is ("fsdp", "tp") with tp innermost: a tp group
-        spans nodes when tp exceeds the ranks per node, an fsdp group when the world does."""
+        its mesh dimension's size. The mesh is ("fsdp", "cp", "tp") with tp innermost, and
+        ("efsdp", "ep") over the same ranks for experts: a group spans nodes when the ranks
+        it strides over exceed the ranks per node (a group of the whole world, `fsdp+ep`,
+        takes the world's size)."""
         graph = self.graph
-        sizes = {"fsdp": int(graph.config.get("fsdp", 1)), "tp": int(graph.config.get("tp", 1))}
+        degree = {k: int(graph.config.get(k, 1)) for k in ("fsdp", "cp", "tp", "ep")}
+        sizes = {**degree, "efsdp": graph.world_size // degree["ep"]}
+        node = profile.ranks_per_node
         spans = {
-            "tp": sizes["tp"] > profile.ranks_per_node,
-            "fsdp": graph.world_size > profile.ranks_per_node,
+            "tp": degree["tp"] > node,
+            "cp": degree["cp"] * degree["tp"] > node,
+            "ep": degree["ep"] > node,
+            "fsdp": graph.world_size > node,
+            "efsdp": graph.world_size > node,
         }
         result: dict[str, float] = {}
         for c in graph.collectives():

@@ -7,6 +7,7 @@ Entry point: `load_torchtitan(spec, layers=, seq=, batch=, dtype=, device=, seed
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import pkgutil
 from types import ModuleType
@@ -17,7 +18,16 @@ from torch import nn
 
 from workbench.errors import WorkbenchError
 
-__all__ = ["PREFIX", "SDPA_NOTE", "families", "flavors", "load_torchtitan"]
+__all__ = [
+    "PREFIX",
+    "SDPA_NOTE",
+    "adapt_config",
+    "check_flavor",
+    "families",
+    "flavors",
+    "load_torchtitan",
+    "parse_spec",
+]
 
 PREFIX = "torchtitan:"
 INSTALL_HINT = "pip install -e '.[torchtitan]'"
@@ -69,7 +79,7 @@ def flavors(family: str) -> list[str]:
     return [flavor for registry in registries for flavor in registry]
 
 
-def _parse(spec: str) -> tuple[str, str]:
+def parse_spec(spec: str) -> tuple[str, str]:
     family, slash, flavor = spec.removeprefix(PREFIX).partition("/")
     if not slash or not family or not flavor:
         raise WorkbenchError(
@@ -79,29 +89,49 @@ def _parse(spec: str) -> tuple[str, str]:
     return family, flavor
 
 
-def _model_config(family: str, flavor: str, layers: int | None) -> Any:
-    """The flavor's decoder config, cut to `layers` blocks, with SDPA inner attention."""
+def check_flavor(family: str, flavor: str) -> None:
     known = flavors(family)
     if flavor not in known:
         raise WorkbenchError(
             f"unknown torchtitan {family} flavor {flavor!r}; choose one of {', '.join(known)}"
         )
+
+
+def _model_config(family: str, flavor: str, layers: int | None, seq: int) -> Any:
+    """The flavor's decoder config, cut to `layers` blocks, with SDPA inner attention."""
+    check_flavor(family, flavor)
     config = copy.deepcopy(_family(family).model_registry(flavor).model)
+    adapt_config(config, f"torchtitan:{family}/{flavor}", layers, seq)
+    return config
+
+
+def adapt_config(config: Any, spec: str, layers: int | None, seq: int) -> None:
+    """What the workbench changes in a decoder config, in place: `layers` blocks, SDPA inner
+    attention, RoPE caches sized to the traced sequence (as torchtitan's trainer sizes them
+    to `training.seq_len`)."""
+    family_flavor = spec.removeprefix(PREFIX)
     blocks = getattr(config, "layers", None)
     if not isinstance(blocks, list) or not hasattr(config, "vocab_size"):
         raise WorkbenchError(
-            f"torchtitan:{family}/{flavor} is not a token decoder (no layers list and "
+            f"torchtitan:{family_flavor} is not a token decoder (no layers list and "
             "vocab_size): only language models can be traced here"
         )
     if layers is not None:
         if layers > len(blocks):
             raise WorkbenchError(
-                f"torchtitan:{family}/{flavor} has {len(blocks)} layers; --layers must be at "
+                f"torchtitan:{family_flavor} has {len(blocks)} layers; --layers must be at "
                 f"most {len(blocks)}"
             )
         config.layers = blocks[:layers]
     _use_sdpa(config)
-    return config
+    _size_rope(config, seq)
+
+
+def _size_rope(config: Any, seq: int) -> None:
+    for block in config.layers:
+        rope = getattr(getattr(block, "attention", None), "rope", None)
+        if rope is not None and getattr(rope, "max_seq_len", 0) > seq:
+            block.attention.rope = dataclasses.replace(rope, max_seq_len=seq)
 
 
 def _use_sdpa(config: Any) -> None:
@@ -145,10 +175,10 @@ def load_torchtitan(
     from workbench.capture.fits import check_build_fits
     from workbench.capture.workload import token_workload
 
-    family, flavor = _parse(spec)
-    config = _model_config(family, flavor, layers)
+    family, flavor = parse_spec(spec)
     default_batch, default_seq = _default_shape(flavor)
     batch, seq = batch or default_batch, seq or default_seq
+    config = _model_config(family, flavor, layers, seq)
     if str(device) != "meta":
         meta = _build(config, dtype, "meta")
         check_build_fits(spec, meta, torch.device(device))
