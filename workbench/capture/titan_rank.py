@@ -44,7 +44,7 @@ __all__ = [
 
 # torchtitan 0.3.0's graph trainer ships a `parallelize` for these families (muse_glimmer's
 # needs the spmd_types backend graph trainer does not trace with: see `check_titan_parallel`).
-GRAPH_TRAINER_FAMILIES = ("llama3", "qwen3", "deepseek_v3")
+GRAPH_TRAINER_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "muse_glimmer")
 _GRAPH_TRAINER = "torchtitan.experiments.graph_trainer"
 # graph trainer's annotation of the EP token exchange (`common_utils._EP_TOKEN_EXCHANGE`)
 _EP_TOKEN_EXCHANGE = "EP_token_exchange"
@@ -197,9 +197,7 @@ def _build_rank_model(workload: Workload, parallel: Parallel, mode: Mode) -> tup
     and RoPE length), its config updated for `parallel` as the trainer does; real mode
     copies the workload's weights, fake mode builds on fake CPU tensors. Returns (spec, model)."""
     family, flavor = parse_spec(workload.name)
-    spec = importlib.import_module(f"{_GRAPH_TRAINER}.{family}").model_registry(
-        flavor, attn_backend="sdpa"
-    )
+    spec = importlib.import_module(f"{_GRAPH_TRAINER}.{family}").model_registry(flavor)
     config = spec.model
     adapt_config(config, workload.name, int(workload.config["layers"]), int(workload.config["seq"]))
     _, parallelism, _ = _configs(workload, parallel)

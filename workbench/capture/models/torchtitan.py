@@ -20,7 +20,9 @@ from workbench.errors import WorkbenchError
 
 __all__ = [
     "PREFIX",
+    "REFUSED",
     "SDPA_NOTE",
+    "VISION_NOTE",
     "adapt_config",
     "check_flavor",
     "families",
@@ -35,6 +37,24 @@ SDPA_NOTE = (
     "attention: torchtitan's ScaledDotProductAttention replaces FlexAttention in every layer "
     "(flex attention has no CPU backward and its block mask cannot be built on meta); "
     "is_causal SDPA, no document masking"
+)
+
+
+# torchtitan 0.3.0 families that cannot be traced on a CPU, and why (checked before import).
+REFUSED: dict[str, str] = {
+    "flux": "an image diffusion model (latents and text encodings, not token ids; its "
+    "package also imports `datasets`, a training-only requirement): only token decoders "
+    "can be traced here",
+    "qwen3_5": "its linear-attention layers (Gated DeltaNet) run flash-linear-attention's "
+    "Triton GPU kernels (the `fla` package), which have no CPU path",
+    "gpt_oss": "its attention sinks rescale by the attention's log-sum-exp, which only its "
+    "varlen (CUDA flash) and flex attention give, and neither has a CPU backward; SDPA "
+    "gives none, so the sinks would get no gradient",
+}
+# Notes on what the workbench leaves out of a family's model, and why.
+VISION_NOTE = (
+    "vision encoder left out: the traced step is text-only (token ids, no pixels), so its "
+    "parameters would get no gradient"
 )
 
 
@@ -57,11 +77,14 @@ def _family(name: str) -> ModuleType:
         raise WorkbenchError(
             f"unknown torchtitan model family {name!r}; choose one of {', '.join(known)}"
         )
+    if name in REFUSED:
+        raise WorkbenchError(f"torchtitan:{name} cannot be traced here: {REFUSED[name]}")
     try:
         module = importlib.import_module(f"torchtitan.models.{name}")
     except ImportError as err:
         raise WorkbenchError(
-            f"cannot import torchtitan.models.{name} ({err}): {INSTALL_HINT}"
+            f"cannot import torchtitan.models.{name} ({err}): install the missing package "
+            f"or {INSTALL_HINT}"
         ) from None
     if not hasattr(module, "model_registry"):
         raise WorkbenchError(f"torchtitan.models.{name} has no model_registry")
@@ -97,18 +120,19 @@ def check_flavor(family: str, flavor: str) -> None:
         )
 
 
-def _model_config(family: str, flavor: str, layers: int | None, seq: int) -> Any:
-    """The flavor's decoder config, cut to `layers` blocks, with SDPA inner attention."""
+def _model_config(family: str, flavor: str, layers: int | None, seq: int) -> tuple[Any, list[str]]:
+    """The flavor's decoder config as `adapt_config` leaves it, and its notes."""
     check_flavor(family, flavor)
     config = copy.deepcopy(_family(family).model_registry(flavor).model)
-    adapt_config(config, f"torchtitan:{family}/{flavor}", layers, seq)
-    return config
+    notes = adapt_config(config, f"torchtitan:{family}/{flavor}", layers, seq)
+    return config, notes
 
 
-def adapt_config(config: Any, spec: str, layers: int | None, seq: int) -> None:
+def adapt_config(config: Any, spec: str, layers: int | None, seq: int) -> list[str]:
     """What the workbench changes in a decoder config, in place: `layers` blocks, SDPA inner
     attention, RoPE caches sized to the traced sequence (as torchtitan's trainer sizes them
-    to `training.seq_len`)."""
+    to `training.seq_len`), no vision encoder (a text-only step). Returns the notes saying
+    what differs from the model as shipped."""
     family_flavor = spec.removeprefix(PREFIX)
     blocks = getattr(config, "layers", None)
     if not isinstance(blocks, list) or not hasattr(config, "vocab_size"):
@@ -125,6 +149,11 @@ def adapt_config(config: Any, spec: str, layers: int | None, seq: int) -> None:
         config.layers = blocks[:layers]
     _use_sdpa(config)
     _size_rope(config, seq)
+    notes = [SDPA_NOTE]
+    if getattr(config, "vision_encoder", None) is not None:
+        config.vision_encoder = None
+        notes.append(VISION_NOTE)
+    return notes
 
 
 def _size_rope(config: Any, seq: int) -> None:
@@ -178,7 +207,7 @@ def load_torchtitan(
     family, flavor = parse_spec(spec)
     default_batch, default_seq = _default_shape(flavor)
     batch, seq = batch or default_batch, seq or default_seq
-    config = _model_config(family, flavor, layers, seq)
+    config, notes = _model_config(family, flavor, layers, seq)
     if str(device) != "meta":
         meta = _build(config, dtype, "meta")
         check_build_fits(spec, meta, torch.device(device))
@@ -200,5 +229,15 @@ def load_torchtitan(
             "attention": "sdpa",
         },
     )
-    workload.notes.append(SDPA_NOTE)
+    workload.notes.extend(notes)
+    _use_graph_trainer_backend()
     return workload
+
+
+def _use_graph_trainer_backend() -> None:
+    """torchtitan's SPMD backend as graph trainer runs it (`partial_dtensor`, its
+    `to_graph_trainer_config`): the default `spmd_types` type-checks muse_glimmer against a
+    device mesh that a single-device step has none of. Process-wide, as torchtitan sets it."""
+    from torchtitan.distributed import utils as dist_utils
+
+    dist_utils.set_spmd_backend("partial_dtensor")
