@@ -218,6 +218,7 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
         "policy": policy.to_json(),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
+        **({"notes": graph.notes} if graph.notes else {}),
     }
 
 

@@ -134,9 +134,9 @@ class Parallel:
         return self.fsdp * self.cp * self.tp
 
     def describe(self) -> str:
-        """`fsdp 2 x tp 2` (degrees above one; ep and cp named only when used)."""
+        """`fsdp 2 x tp 2`, `fsdp 8 x ep 8`: fsdp and every degree above one."""
         degrees = {"fsdp": self.fsdp, "cp": self.cp, "tp": self.tp, "ep": self.ep}
-        used = [f"{k} {v}" for k, v in degrees.items() if v > 1 or k in ("fsdp", "tp")]
+        used = [f"{k} {v}" for k, v in degrees.items() if v > 1 or k == "fsdp"]
         return " x ".join(used)
 
     def to_json(self) -> dict[str, Any]:
@@ -543,12 +543,8 @@ def trace_rank(
     """Shard a copy of `workload` for rank 0 of `parallel` and trace its step. Without
     `mesh`, a fake process group lives for the duration of the trace: a real-mode graph
     traced that way can run only inside such a group (trace and run inside
-    `fake_process_group`, or a real one, and pass its mesh). A torchtitan model is sharded
-    by graph trainer's own `parallelize` instead (`workbench.capture.titan_rank`)."""
-    from workbench.capture.titan_rank import is_titan_workload, trace_titan_rank
-
-    if is_titan_workload(workload) and mesh is None:
-        return trace_titan_rank(workload, mode, parallel)
+    `fake_process_group`, or a real one, and pass its mesh). `trace` shards torchtitan
+    models with graph trainer's own `parallelize` instead (`workbench.capture.titan_rank`)."""
     if parallel.ep > 1 or parallel.cp > 1:
         raise WorkbenchError(
             f"--ep/--cp on {workload.name!r}: expert and context parallelism run through "
