@@ -3,7 +3,7 @@
 `minimal_fx_tracer` with its module annotations.
 
 Entry points: `trace_titan_rank(workload, mode, parallel) -> JointGraph` (what
-`workbench.capture.parallel.trace_rank` calls for `torchtitan:` workloads),
+`workbench.capture.trace.trace` calls for `torchtitan:` workloads with a `Parallel`),
 `GRAPH_TRAINER_FAMILIES`, `check_titan_parallel`, and `bind_token_counts` (the expert token
 counts fake tensors cannot route).
 """
@@ -43,8 +43,7 @@ __all__ = [
     "trace_titan_rank",
 ]
 
-# torchtitan 0.3.0's graph trainer ships a `parallelize` for these families (muse_glimmer's
-# needs the spmd_types backend graph trainer does not trace with: see `check_titan_parallel`).
+# The families torchtitan 0.3.0's graph trainer ships a `parallelize` (and model class) for.
 GRAPH_TRAINER_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "muse_glimmer")
 _GRAPH_TRAINER = "torchtitan.experiments.graph_trainer"
 # graph trainer's annotation of the EP token exchange (`common_utils._EP_TOKEN_EXCHANGE`)
@@ -54,10 +53,6 @@ _A2A = "_c10d_functional.all_to_all_single.default"
 
 def is_titan_workload(workload: Workload) -> bool:
     return workload.name.startswith("torchtitan:")
-
-
-def _moe_layers(config: Any) -> int:
-    return sum(getattr(block, "moe", None) is not None for block in config.layers)
 
 
 def _experts(config: Any) -> int:
