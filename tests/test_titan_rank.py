@@ -37,6 +37,9 @@ CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 @pytest.fixture(scope="module")
 def llama_rank() -> JointGraph:
+    # a wider world first: the rank traced after it must gather on its own groups
+    wider = load_workload("torchtitan:llama3/debugmodel", layers=1, seq=32, device="meta")
+    trace(wider, "fake", Parallel(fsdp=4, tp=4))
     workload = load_workload("torchtitan:llama3/debugmodel", layers=2, seq=32)
     return trace(workload, "real", Parallel(fsdp=2, tp=2))
 
@@ -72,6 +75,7 @@ def test_llama_rank_is_graph_trainers_own_graph(llama_rank: JointGraph) -> None:
     counts = llama_rank.collective_counts()
     assert counts["all_gather"] and counts["reduce_scatter"] and counts["all_reduce"]
     assert set(llama_rank.mesh_dims.values()) == {"fsdp", "tp"}
+    assert all(c.mesh_dim for c in llama_rank.collectives() if c.kind != "wait")
     assert llama_rank.config["parallelize"] == "graph trainer"
     assert llama_rank.world_size == 4
 
@@ -101,6 +105,7 @@ def test_expert_parallel_rank_has_its_all_to_alls(dsv3_rank: JointGraph) -> None
     assert {c.phase for c in a2a} == {"forward", "backward"}
     assert any("expert routing" in note for note in dsv3_rank.notes)
     assert dsv3_rank.summary()["ep"] == 2
+    assert {c.mesh_dim for c in a2a} == {"fsdp+ep"}  # both span the world of 2
     for preset in TITAN_PRESETS:
         assert compare(dsv3_rank, preset) == []
     assert Estimator(dsv3_rank).estimate(Policy("default")).peak_bytes > 0

@@ -232,6 +232,15 @@ def _parallel_dims(parallel: Parallel) -> Any:
     return dims
 
 
+def _forget_simple_fsdp_classes() -> None:
+    """Graph trainer's SimpleFSDP caches one wrapper class per module class, whose parameter
+    properties call the parametrization of the first module it wrapped, mesh included: a
+    later trace (another world, its own groups) would gather on the first one's mesh."""
+    from torchtitan.experiments.graph_trainer import simple_fsdp
+
+    simple_fsdp._wrap_class_cache.clear()
+
+
 def _mesh_dims(dims: Any) -> dict[str, str]:
     """Process-group name -> mesh dimension, for the dimensions with more than one rank.
     Dimensions spanning the whole world share its group: `fsdp+ep` names both."""
@@ -273,6 +282,7 @@ def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> Join
         try:
             spec, model = _build_rank_model(workload, parallel, mode)
             dims = _parallel_dims(parallel)
+            _forget_simple_fsdp_classes()
             training, parallelism, compile_config = _configs(workload, parallel)
             model = spec.parallelize_fn(
                 model,
