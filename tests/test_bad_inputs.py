@@ -284,6 +284,14 @@ def test_bad_titan_parallel_flags(
     fails(capsys, ["trace", *TITAN, *flags], message)
 
 
+@pytest.mark.parametrize("extra", [["--policy", "full"], ["--random", "2"]])
+def test_verify_refuses_graph_trainer_ranks(
+    capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    argv = ["verify", "--model", "torchtitan:llama3/debugmodel", "--mode", "real", "--fsdp", "2"]
+    fails(capsys, [*argv, *extra], "the gloo ranks of verify do not run yet")
+
+
 @pytest.mark.parametrize(("flags", "message"), FLAGS, ids=[" ".join(f) for f, _ in FLAGS])
 def test_bad_parallel_flags(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str

@@ -63,6 +63,17 @@ def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
     )
 
 
+def _refuse_titan_ranks(args: argparse.Namespace, parallel: Parallel | None) -> None:
+    """verify's ranks run on gloo with the workbench's own sharding; a torchtitan model's
+    rank is graph trainer's (`titan_rank`), which no gloo run reproduces yet."""
+    if parallel is not None and args.model.startswith("torchtitan:"):
+        raise WorkbenchError(
+            f"verify with --fsdp/--tp/--ep: {args.model}'s rank is sharded by graph trainer's "
+            "parallelize, which the gloo ranks of verify do not run yet; verify it on one "
+            "device (no --fsdp/--tp/--ep) or estimate the rank"
+        )
+
+
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
 
@@ -92,6 +103,7 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     args.policy = args.policy or "default"
     policy = parse_policy(args.policy)
     parallel = _parallel_from_args(args)
+    _refuse_titan_ranks(args, parallel)
     if parallel is not None:
         return _verify_ranks(args, parallel)
     _refuse_unfit(args, policy, "cpu")
@@ -119,6 +131,7 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy is not None:
         raise WorkbenchError("verify: give --policy or --random N, not both")
     parallel = _parallel_from_args(args)
+    _refuse_titan_ranks(args, parallel)
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     if parallel is None:
         _refuse_unfit(args, Policy("none"), "cpu")
