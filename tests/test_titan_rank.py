@@ -37,7 +37,10 @@ CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 @pytest.fixture(scope="module")
 def llama_rank() -> JointGraph:
-    # a wider world first: the rank traced after it must gather on its own groups
+    # other worlds first (the workbench's own sharding on a mesh of the same shape, a wider
+    # one): the rank traced after them must gather on its own groups
+    own = load_workload("llama3-debug", layers=1, seq=32, device="meta")
+    trace(own, "fake", Parallel(fsdp=2, tp=2))
     wider = load_workload("torchtitan:llama3/debugmodel", layers=1, seq=32, device="meta")
     trace(wider, "fake", Parallel(fsdp=4, tp=4))
     workload = load_workload("torchtitan:llama3/debugmodel", layers=2, seq=32)

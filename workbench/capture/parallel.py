@@ -158,19 +158,33 @@ class Parallel:
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """torch's built-in `fake` process group (rank 0 of `world_size`, collectives do
-    nothing), destroyed on exit. The group is process-global, so one that someone else
-    initialised is refused rather than replaced."""
+    nothing), destroyed on exit with DTensor's plans for it. The group is process-global, so
+    one that someone else initialised is refused rather than replaced."""
     if dist.is_initialized():
         raise WorkbenchError(
             f"a torch.distributed process group is already initialised (backend "
             f"{dist.get_backend()}, world size {dist.get_world_size()}): destroy it first, or "
             "pass its mesh to workbench.capture.parallel.trace_rank(workload, mode, parallel, mesh)"
         )
+    _forget_dtensor_plans()
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_dtensor_plans()
+
+
+def _forget_dtensor_plans() -> None:
+    """DTensor caches redistribution plans and sharding decisions by spec, and device
+    meshes compare equal by shape and dimension names, not by process group: a later
+    world's mesh would reuse plans naming this world's groups (a flattened mesh's, for one),
+    which no longer exist or are other groups."""
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute._gen_transform_infos.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
 
 
 @contextlib.contextmanager
