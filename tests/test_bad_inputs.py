@@ -187,6 +187,16 @@ MODEL_SPECS: list[Any] = [
     ("bad_models:data_dependent_shape", "data-dependent shapes: aten.index.Tensor .*bad_models"),
     ("user_models:data_dependent", "control flow depends on tensor values"),
     ("torchtitan:nope", "must be torchtitan:FAMILY/FLAVOR"),
+    *(
+        pytest.param(
+            f"torchtitan:{family}/debugmodel",
+            f"torchtitan:{family} cannot be traced here: ",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("torchtitan") is None, reason="torchtitan not installed"
+            ),
+        )
+        for family in ("gpt_oss", "flux", "qwen3_5")
+    ),
     pytest.param(
         "torchtitan:llama3/nope",
         "unknown torchtitan llama3 flavor 'nope'; choose one of",
@@ -226,6 +236,60 @@ FLAGS: list[tuple[list[str], str]] = [
     (["--tp", "-2"], "parallel tp must be a positive integer, got -2"),
     (["--tp", "3"], "--tp 3 does not divide the heads"),
 ]
+
+
+# Sharding a torchtitan model through graph trainer's parallelize (issue 24): refused before
+# anything is parallelized or traced.
+TITAN = ["--mode", "fake", "--layers", "2", "--seq", "32"]
+TITAN_FLAGS: list[tuple[list[str], str]] = [
+    (["--model", "torchtitan:llama3/debugmodel", "--fsdp", "2", "--ep", "2"], "is a dense model"),
+    (
+        ["--model", "torchtitan:deepseek_v3/debugmodel", "--fsdp", "3", "--ep", "3"],
+        "--ep 3 does not divide the 8 experts",
+    ),
+    (["--model", "torchtitan:qwen3/debugmodel_moe", "--ep", "2"], r"--ep 2 must divide fsdp x cp"),
+    (
+        ["--model", "torchtitan:llama3/debugmodel", "--tp", "3"],
+        "--tp 3 does not divide the 16 heads",
+    ),
+    (["--model", "torchtitan:llama3/debugmodel", "--cp", "2"], "ring attention"),
+    (
+        ["--model", "torchtitan:kimi_k2_7/debugmodel", "--fsdp", "2"],
+        "torchtitan kimi_k2_7 has no graph trainer parallelize",
+    ),
+    (
+        [
+            "--model",
+            "torchtitan:qwen3/debugmodel_moe",
+            "--fsdp",
+            "2",
+            "--ep",
+            "2",
+            "--ep-imbalance",
+            "0.5",
+        ],
+        "--ep-imbalance must be a number from 1",
+    ),  # fmt: skip
+    (["--model", "llama3-debug", "--fsdp", "2", "--ep", "2"], "run through graph trainer's"),
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")
+@pytest.mark.parametrize(
+    ("flags", "message"), TITAN_FLAGS, ids=[" ".join(f[1:]) for f, _ in TITAN_FLAGS]
+)
+def test_bad_titan_parallel_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    fails(capsys, ["trace", *TITAN, *flags], message)
+
+
+@pytest.mark.parametrize("extra", [["--policy", "full"], ["--random", "2"]])
+def test_verify_refuses_graph_trainer_ranks(
+    capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    argv = ["verify", "--model", "torchtitan:llama3/debugmodel", "--mode", "real", "--fsdp", "2"]
+    fails(capsys, [*argv, *extra], "the gloo ranks of verify do not run yet")
 
 
 @pytest.mark.parametrize(("flags", "message"), FLAGS, ids=[" ".join(f) for f, _ in FLAGS])

@@ -88,6 +88,19 @@ def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP degree: trace one rank")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree (torchtitan MoE models)"
+    )
+    parser.add_argument(
+        "--cp", type=int, default=1, help="context-parallel degree (torchtitan models)"
+    )
+    parser.add_argument(
+        "--ep-imbalance",
+        type=float,
+        default=1.0,
+        help="tokens this rank's experts receive, as a multiple of the balanced count "
+        "(fake tensors cannot route; default 1: balanced)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -50,10 +50,28 @@ def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu"
 
 
 def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
-    """None unless --fsdp or --tp asks for more than one rank."""
-    if args.fsdp == 1 and args.tp == 1:
+    """None unless --fsdp, --tp, --ep or --cp asks for more than one rank."""
+    degrees: dict[str, int] = {k: getattr(args, k, 1) for k in ("fsdp", "tp", "ep", "cp")}
+    if set(degrees.values()) == {1}:
         return None
-    return Parallel(fsdp=args.fsdp, tp=args.tp)
+    return Parallel(
+        fsdp=degrees["fsdp"],
+        tp=degrees["tp"],
+        ep=degrees["ep"],
+        cp=degrees["cp"],
+        ep_imbalance=getattr(args, "ep_imbalance", 1.0),
+    )
+
+
+def _refuse_titan_ranks(args: argparse.Namespace, parallel: Parallel | None) -> None:
+    """verify's ranks run on gloo with the workbench's own sharding; a torchtitan model's
+    rank is graph trainer's (`titan_rank`), which no gloo run reproduces yet."""
+    if parallel is not None and args.model.startswith("torchtitan:"):
+        raise WorkbenchError(
+            f"verify with --fsdp/--tp/--ep: {args.model}'s rank is sharded by graph trainer's "
+            "parallelize, which the gloo ranks of verify do not run yet; verify it on one "
+            "device (no --fsdp/--tp/--ep) or estimate the rank"
+        )
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
@@ -112,6 +130,7 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     args.policy = args.policy or "default"
     policy = parse_policy(args.policy)
     parallel = _parallel_from_args(args)
+    _refuse_titan_ranks(args, parallel)
     if parallel is not None:
         return _verify_ranks(args, parallel)
     _refuse_unfit(args, policy, "cpu")
@@ -139,6 +158,7 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy is not None:
         raise WorkbenchError("verify: give --policy or --random N, not both")
     parallel = _parallel_from_args(args)
+    _refuse_titan_ranks(args, parallel)
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     if parallel is None:
         _refuse_unfit(args, Policy("none"), "cpu")
@@ -247,6 +267,7 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
         **calibration,
+        **({"notes": graph.notes} if graph.notes else {}),
     }
 
 

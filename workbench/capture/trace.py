@@ -34,13 +34,17 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
     way in both modes. `real` keeps the workload's tensors on the graph so it can run;
     `fake` keeps none (a model built on the meta device is traced as if on the CPU).
     With `parallel`, the graph is one rank's step of the sharded model
-    (`workbench.capture.parallel.trace_rank`).
+    (`workbench.capture.parallel.trace_rank`; for torchtitan models graph trainer's own
+    `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`).
     """
     if mode not in ("real", "fake"):
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
     if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
         from workbench.capture.parallel import trace_rank
+        from workbench.capture.titan_rank import is_titan_workload, trace_titan_rank
 
+        if is_titan_workload(workload):  # sharded by graph trainer's own parallelize
+            return trace_titan_rank(workload, mode, parallel)
         return trace_rank(workload, mode, parallel)
     model = workload.model
     params = dict(model.named_parameters())

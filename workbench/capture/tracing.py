@@ -194,6 +194,7 @@ def trace_step(
         tokens=workload.tokens,
         config=dict(workload.config),
         example_inputs=args if mode == "real" else None,
+        notes=list(workload.notes),
     )
 
 

@@ -310,7 +310,7 @@ class Estimator:
         dimension of more than one rank (none on one device)."""
         if self.graph.world_size <= 1:
             return 0
-        dims = [d for d in ("fsdp", "tp") if int(self.graph.config.get(d, 1)) > 1]
+        dims = [d for d in ("fsdp", "cp", "tp", "ep") if int(self.graph.config.get(d, 1)) > 1]
         return 1 + len(dims)
 
     def backward_readers(self, name: str) -> list[str]:

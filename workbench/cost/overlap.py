@@ -152,7 +152,9 @@ class Streams:
     def __init__(self, graph: JointGraph, index: GraphIndex, options: OverlapOptions) -> None:
         self.index, self.options = index, options
         position = {name: i for i, name in enumerate(index.names)}
-        sizes = {"fsdp": int(graph.config.get("fsdp", 1)), "tp": int(graph.config.get("tp", 1))}
+        self.degrees = {k: int(graph.config.get(k, 1)) for k in ("fsdp", "cp", "tp", "ep")}
+        # experts' FSDP ("efsdp") spans the ranks EP leaves (torchtitan's expert mesh)
+        sizes = {**self.degrees, "efsdp": graph.world_size // self.degrees["ep"]}
         self.kind: dict[int, str] = {}  # node -> collective kind (waits excluded)
         self.nbytes: dict[int, int] = {}
         self.group: dict[int, tuple[int, str | None]] = {}
@@ -278,7 +280,7 @@ class Streams:
             nodes = index.entry_node(entries[members]).tolist()
             kind = self.kind[nodes[0]]
             world, dim = self.group[nodes[0]]
-            spans = profile.spans_nodes(dim, world, self.world)
+            spans = profile.spans_nodes(dim, self.degrees, self.world)
             nbytes = sum(self.nbytes[i] for i in nodes)
             duration = collective_time(profile, kind, nbytes, world, spans)
             comm += duration
