@@ -348,9 +348,9 @@ def decide_titan_ops(
     plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order), by the steps of
-    `TITAN_STEPS` in order: per node, the first of the FSDP keep (`titan-default` and
-    `titan-sac_and_offload` without `fsdp_reshard`, its
-    `fsdp_reshard_after_forward="never"`), `lm_head*`/`loss*` nodes untagged,
+    `TITAN_STEPS` in order: per node, the first of `lm_head*`/`loss*` nodes untagged, the
+    FSDP keep (`titan-default` and `titan-sac_and_offload` without `fsdp_reshard`, its
+    `fsdp_reshard_after_forward="never"`),
     getitems and waits taking their parent's tag, the request; then, in graph order, a
     recomputed node with a recomputed user in a higher layer is saved, then the in-place
     rule and the offload step. Random ops are saved whatever was asked, as in every graph
@@ -360,9 +360,9 @@ def decide_titan_ops(
     keep = not fsdp_reshard and preset in TITAN_KEEPS_UNSHARDED
     tags: dict[str, Tag] = {}
     for f in facts:
-        tag = titan_keep_unsharded(f) if keep else None
-        if tag is None:
-            tag = titan_untagged(f, preset, selectors, overrides)
+        tag = titan_untagged(f, preset, selectors, overrides)
+        if tag is None and keep:
+            tag = titan_keep_unsharded(f)
         if tag is None:
             tag = titan_follows(f, tags)
         if tag is None:
@@ -440,15 +440,15 @@ def titan_request(
 # The steps of `decide_titan_ops`, in order.
 TITAN_STEPS: tuple[Step, ...] = (
     Step(
+        titan_untagged,
+        "nodes of `lm_head*` / `loss*` modules are left untagged (saved), unless a selector or "
+        "override names them",
+    ),
+    Step(
         titan_keep_unsharded,
         "`titan-default` and `titan-sac_and_offload` without reshard after forward "
         "(`fsdp_reshard_after_forward never`): the node holding a parameter's unsharded "
         "value (its all-gather's wait) is saved; the rest of its chain is tagged as any node",
-    ),
-    Step(
-        titan_untagged,
-        "nodes of `lm_head*` / `loss*` modules are left untagged (saved), unless a selector or "
-        "override names them",
     ),
     Step(titan_follows, "a getitem or a wait_tensor takes its parent's tag"),
     Step(

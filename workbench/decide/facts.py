@@ -1,7 +1,8 @@
 """What the rules see of one forward or loss node of a joint graph: `OpFacts`.
 
 Entry points: `fx_rows(gm, module_of)` (rows read off an FX graph: ops, storages, aliases,
-in-place writes, FSDP unshard chains) and `op_facts(rows)` (counted in graph order).
+in-place writes, FSDP unshard chains and the unsharded values, `unshard_chains` and
+`unshard_outputs`) and `op_facts(rows)` (counted in graph order).
 """
 
 from __future__ import annotations
