@@ -68,6 +68,15 @@ CPU_FORCED_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 @pytest.fixture(scope="module")
 def titan_graphs() -> dict[str, tuple[Workload, JointGraph]]:
+    graphs = {}
+    for spec in TITAN_MODELS:
+        workload = load_workload(spec, layers=2, seq=32)
+        graphs[spec] = (workload, trace(workload, mode="real"))
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def annotated_graphs() -> dict[str, tuple[Workload, JointGraph]]:
     """One device, traced with graph trainer's own module annotations too (its
     `annotate_module_fqns` and annotated loss): the parity harness reads those."""
     if importlib.util.find_spec("torchtitan") is None:
@@ -77,12 +86,16 @@ def titan_graphs() -> dict[str, tuple[Workload, JointGraph]]:
         annotate_module_fqns,
     )
 
+    anchors = set(torch.fx.proxy._STACK_TRACE_ANCHORS)
     graphs = {}
     for spec in MATRIX_MODELS:
         workload = load_workload(spec, layers=2, seq=32)
         annotate_module_fqns(workload.model)
         workload.loss_fn = annotate_fn({_MODULE_FQN: "loss"})(workload.loss_fn)
         graphs[spec] = (workload, trace(workload, mode="real"))
+    # `annotate_fn` registers the loss function as a stack-trace anchor, process-wide: later
+    # traces would record the loss's frames (the Source column of loss rows)
+    torch.fx.proxy._STACK_TRACE_ANCHORS.intersection_update(anchors)
     return graphs
 
 
@@ -111,7 +124,7 @@ def _cpu_forced(graph: JointGraph) -> set[str]:
 @pytest.mark.parametrize("spec", MATRIX_MODELS)
 @pytest.mark.parametrize("fsdp", ["one device", "fsdp 2 reshard default", "fsdp 2 reshard never"])
 def test_titan_presets_match_graph_trainer_node_for_node(
-    titan_graphs: dict[str, tuple[Workload, JointGraph]],
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]],
     fsdp_graphs: dict[str, JointGraph],
     spec: str,
     fsdp: str,
@@ -119,7 +132,7 @@ def test_titan_presets_match_graph_trainer_node_for_node(
     """Every titan preset against graph trainer's own tagging of the same graph, with
     `fsdp_reshard_after_forward` default or never: they differ on the CPU-forced flash op
     (and its getitems) alone."""
-    graph = titan_graphs[spec][1] if fsdp == "one device" else fsdp_graphs[spec]
+    graph = annotated_graphs[spec][1] if fsdp == "one device" else fsdp_graphs[spec]
     reshard = not fsdp.endswith("never")
     for preset in TITAN_PRESET_NAMES:
         policy = Policy(preset, fsdp_reshard=reshard)
@@ -153,7 +166,7 @@ def test_titan_presets_match_graph_trainer_node_for_node(
 @needs_torchtitan
 @pytest.mark.parametrize("spec", MATRIX_MODELS)
 def test_unsharded_values_are_the_nodes_graph_trainer_saves(
-    titan_graphs: dict[str, tuple[Workload, JointGraph]],
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]],
     fsdp_graphs: dict[str, JointGraph],
     spec: str,
 ) -> None:
@@ -176,13 +189,13 @@ def test_unsharded_values_are_the_nodes_graph_trainer_saves(
     decisions = decide(graph, Policy("default", fsdp_reshard=False))
     chain_saves = {n for n, t in decisions.items() if t.why is Why.FSDP}
     assert chain_saves == set(unshard_chains(graph.gm)) > kept
-    assert unshard_outputs(titan_graphs[spec][1].gm) == frozenset()  # one device: none
+    assert unshard_outputs(annotated_graphs[spec][1].gm) == frozenset()  # one device: none
 
 
 @needs_torchtitan
 @pytest.mark.parametrize("spec", MATRIX_MODELS)
 def test_modules_are_graph_trainers(
-    titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]], spec: str
 ) -> None:
     """Every forward and loss node has the module graph trainer's own annotations give it
     (`annotate_module_fqns`, its annotated loss, its tracer's copy to backward nodes); the
@@ -192,7 +205,7 @@ def test_modules_are_graph_trainers(
         _copy_fwd_metadata_to_bw_nodes,
     )
 
-    _, graph = titan_graphs[spec]
+    _, graph = annotated_graphs[spec]
     gm = copy_graph_module(graph.gm)
     _copy_fwd_metadata_to_bw_nodes(gm)
     forward = [n for n in gm.graph.nodes if graph.nodes[n.name].phase in ("forward", "loss")]
@@ -206,12 +219,12 @@ def test_modules_are_graph_trainers(
 
 @needs_torchtitan
 def test_top_k_indices_are_offloaded_as_graph_trainer_tags_them(
-    titan_graphs: dict[str, tuple[Workload, JointGraph]],
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]],
 ) -> None:
     """On Qwen3 MoE, graph trainer offloads the router's top-k index getitem (int64, its own
     storage: `topk` makes both outputs); the workbench's pass offloads exactly its tagged
     set, places each step where its pass does, and the estimate prices that graph."""
-    _, graph = titan_graphs["torchtitan:qwen3/debugmodel_moe"]
+    _, graph = annotated_graphs["torchtitan:qwen3/debugmodel_moe"]
     policy = Policy(
         "titan-sac_and_offload", offload=OffloadOptions(prefetch_layers=1, defer_layers=1)
     )
