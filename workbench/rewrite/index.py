@@ -201,22 +201,18 @@ class GraphIndex:
 
     @functools.cached_property
     def value_slots(self) -> np.ndarray:
-        """Per node, the key of the fresh slot holding its output's storage, or -1: its own
-        first slot when fresh, for a getitem its tuple's slot when that is fresh (a getitem
-        of a multi-output op owns the storage the op made for it), else -1 (a view or
-        alias of another node's storage). What an offload moves and how many bytes."""
-        t = self._tables
-        keys = np.full(self.n, -1, np.int64)
+        """Per node, the key of the fresh slot holding its output's storage: its own first
+        slot when fresh, for a getitem its tuple's slot when that is fresh (a getitem of a
+        multi-output op owns the storage the op made for it), else -1 (a view or alias of
+        another node's storage). What an offload moves and how many bytes."""
+        start, keys = self._tables.slot_start, np.full(self.n, -1, np.int64)
         for i, slots in enumerate(self.slots):
-            if not slots:
-                continue
-            slot = slots[0]
+            slot = slots[0] if slots else None
             if isinstance(slot, int):
-                keys[i] = t.slot_start[i]
-            elif self.is_getitem[i] and slot[0] == 0 and self.args[i]:
-                parent = self.args[i][0]
-                if isinstance(self.slots[parent][slot[1]], int):
-                    keys[i] = t.slot_start[parent] + slot[1]
+                keys[i] = start[i]
+            elif slot is not None and self.is_getitem[i]:
+                tuple_slot = self.slots[self.args[i][0]][slot[1]]  # a getitem reads its tuple
+                keys[i] = start[self.args[i][0]] + slot[1] if isinstance(tuple_slot, int) else -1
         return keys
 
     @functools.cached_property
