@@ -236,10 +236,27 @@ def test_history_plots_label_their_ticks() -> None:
     estimated, measured = history_plots(rows, "h100")
     assert estimated["title"] == "estimated on h100" and not estimated["measured"]
     assert measured["x_label"] == "step time measured on cpu" and measured["measured"]
-    for axis, fmt in ((estimated["x"], format_seconds), (estimated["y"], format_bytes)):
-        assert axis["lo"] < axis["hi"] and axis["ticks"]
-        assert all(axis["lo"] <= v <= axis["hi"] and text == fmt(v) for v, text in axis["ticks"])
+    x, y = estimated["x"], estimated["y"]
+    for axis in (x, y):
+        assert axis["lo"] < axis["hi"] and len(axis["ticks"]) >= 2
+        assert all(axis["lo"] <= v <= axis["hi"] for v, _ in axis["ticks"])
+    assert all(text == format_seconds(v) for v, text in x["ticks"])
+    # peak ticks at round MiB (1.0, 1.5, ... not round bytes read as odd MiB), one unit
+    for v, text in y["ticks"]:
+        number, unit = text.split()
+        assert unit == "MiB" and v == round(float(number) * 2**20) and float(number) * 2 % 1 == 0
     assert measured["y"]["lo"] < 5 * 2**20 < measured["y"]["hi"]  # one point: padded around it
+
+
+def test_history_ticks_sit_at_round_values_of_the_shown_unit() -> None:
+    """The ticks that read 95.4 / 100.1 / 143.1 MiB: round values of the shown unit now."""
+    rows = [
+        {"measured": False, "profile": "h100", "step_seconds": s, "peak_bytes": b}
+        for s, b in ((1e-3, 98.4 * 2**20), (2e-3, 140.0 * 2**20), (3e-3, 64.3 * 2**20))
+    ]
+    (plot,) = history_plots(rows, "h100")
+    assert plot["y"]["ticks"] == [[75 * 2**20, "75 MiB"], [100 * 2**20, "100 MiB"],
+                                  [125 * 2**20, "125 MiB"]]  # fmt: skip
 
 
 def test_run_status_says_when_it_is_stale() -> None:

@@ -377,7 +377,7 @@ def render_overview(
     for u, v in data.edges:
         dot.edge(u, v)
     boxes = sum(e.kind == "module" for e in elements.values())
-    return View(dot, nodes=boxes, edges=len(data.edges), elements=elements)
+    return View(dot, boxes, len(data.edges), elements, legend_rows=rows, links=list(data.edges))
 
 
 def layer_nodes(graph: JointGraph, target: str) -> tuple[list[str], str]:
