@@ -21,10 +21,12 @@ from workbench.decide.policy import Policy
 from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
 from workbench.show.viz import Element, View, expand, render_view, svg_id
+from workbench.show.viz.style import KIND_STYLE, ORANGE, SKY
 from workbench.show.widgets import ExplorerModel, panels, policy_edits, session
 from workbench.show.widgets.model import STATE, load_source
 from workbench.show.widgets.panels import (
     BUDGET_STOPS,
+    LABEL_CHAR_PX,
     budget_slider,
     details_panel,
     history_plots,
@@ -383,3 +385,73 @@ def test_policy_edits_keep_what_they_do_not_edit(small: Fixture) -> None:
         with_override(overridden, "nope", "save")
     moved = with_offload(start, 2**30, 1, 1)
     assert moved.offload == OffloadOptions(2**30, 1, 1) and moved.fsdp_reshard is False
+
+
+# --- pictures that fill the panel and stay legible (issue 27, items 5-8) --------------------
+
+
+def test_views_are_arranged_to_the_panel_the_front_end_reports(
+    small: Fixture, tmp_path: Path
+) -> None:
+    model = model_of(small, tmp_path)
+    model.show("module:layers.0.attention")
+    wide = model.picture.arrangement
+    assert wide.startswith("TB/")  # a tall chain in a 1.6:1 panel wraps into columns
+    model.set_graph_aspect(0.5)  # a tall, narrow panel: drawn top to bottom again
+    assert model.graph_aspect == 0.5 and model.picture.arrangement == "TB"
+    model.set_graph_aspect(1.6)
+    assert model.picture.arrangement == wide
+    assert model._arranged[("module:layers.0.attention", 1.6)] == wide  # laid out once per panel
+    for bad, said in ((0.0, "must lie in 0.1–10.0"), (float("inf"), "must lie in"),
+                      (float("nan"), "must lie in"), ("wide", "must be a number, not str"),
+                      (True, "must be a number, not bool")):  # fmt: skip
+        with pytest.raises(WorkbenchError, match=said):
+            model.set_graph_aspect(bad)  # type: ignore[arg-type]
+    assert model.graph_aspect == 1.6
+
+
+def test_go_to_peak_focuses_the_peak_op_with_its_neighbours(small: Fixture, tmp_path: Path) -> None:
+    model = model_of(small, tmp_path)
+    model.go_to_peak()
+    focus = model.focus
+    assert focus["id"] in focus["ids"] and focus["ids"] == model.picture.around(focus["id"])
+    neighbours = set(focus["ids"]) - {focus["id"]}
+    assert neighbours and all(
+        (focus["id"], n) in model.picture.links or (n, focus["id"]) in model.picture.links
+        for n in neighbours
+    )
+    serial = focus["serial"]
+    model.go_to_peak()
+    assert model.focus["serial"] == serial + 1  # the front end focuses again
+
+
+def test_the_legend_lists_every_shade_the_view_can_show(small: Fixture, tmp_path: Path) -> None:
+    model = model_of(small, tmp_path)
+    model.show("layer:0")
+    rows = [tuple(row) for row in model.legend["rows"]]
+    assert rows == model.picture.legend_rows  # the static render's rows, one source
+    for kind in ("must_recompute", "must_save", "forced_save", "prefer_save", "backward"):
+        assert (KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]) in rows
+    model.show("overview")
+    assert [row[0] for row in model.legend["rows"]] == [SKY, ORANGE]
+
+
+def test_timeline_labels_never_overlap(small: Fixture) -> None:
+    graph = small[1]
+    estimator = Estimator(graph, ["h100"])
+    decisions = decide(graph, Policy("default"))
+    est = estimator.estimate(decisions)
+    peak_op = estimator.traced_node(est.peak_node)
+    timeline = timeline_panel(est, estimator, decisions, peak_op)  # selected where the peak is
+    placed, width = timeline["placed"], timeline["width"]
+    assert set(placed) == set(timeline["marks"])
+    spans = []
+    for kind, spot in placed.items():
+        x = timeline["marks"][kind] * width
+        text = len(timeline["labels"][kind]) * LABEL_CHAR_PX
+        left = x + 2 if spot["anchor"] == "start" else x - 2 - text
+        assert 0 <= left and left + text <= width  # inside the plot
+        spans.append((spot["row"], left, left + text))
+    for i, (row, a, b) in enumerate(spans):
+        assert all(row != r or b < c or d < a for r, c, d in spans[i + 1 :])
+    assert len({row for row, _, _ in spans}) > 1  # the peak's and the op's labels: two rows

@@ -144,9 +144,10 @@ class View:
         """`element_id` and the elements within `hops` drawn edges of it, in drawing order:
         what must be in view to see an element with its neighbourhood.
 
-        >>> View(graphviz.Digraph(), 3, 2, {"a": 1, "b": 2, "c": 3}, links=[("a", "b"),
-        ...      ("b", "c")]).around("c")
-        ['b', 'c']
+        >>> ops = {name: Element("op", name) for name in "abc"}
+        >>> view = View(graphviz.Digraph(), 3, 2, ops, links=[("a", "b"), ("b", "c")])
+        >>> view.around("c"), view.around("c", hops=2)
+        (['b', 'c'], ['a', 'b', 'c'])
         """
         near = {element_id}
         for _ in range(hops):
