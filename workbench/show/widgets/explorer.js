@@ -303,11 +303,14 @@ function render({ model, el }) {
   };
 
   const drawGraph = () => {
-    const sameView = view.name === model.get("view");
+    let sameView = view.name === model.get("view");
     graph.innerHTML = model.get("svg");
     const svg = graph.querySelector("svg");
     if (svg) {
       const vb = (svg.getAttribute("viewBox") || "0 0 100 100").split(/[\s,]+/).map(Number);
+      // the same view arranged anew (another panel aspect) is fitted again
+      const shape = (b) => b[2] / b[3];
+      if (view.full && Math.abs(Math.log(shape(vb) / shape(view.full))) > 0.1) sameView = false;
       view.full = vb;
       svg.removeAttribute("width"); svg.removeAttribute("height");
       svg.setAttribute("preserveAspectRatio", "xMidYMid meet");
