@@ -16,13 +16,40 @@ import networkx as nx
 from workbench.errors import WorkbenchError
 from workbench.show.viz.render import Drawing, View
 
-__all__ = ["ARRANGEMENTS", "MAX_COLUMNS", "arrange", "drawn_size", "fit_scale", "laid_out"]
+__all__ = [
+    "ARRANGEMENTS",
+    "ASPECTS",
+    "MAX_COLUMNS",
+    "PANEL_ASPECT",
+    "arrange",
+    "drawn_size",
+    "fit_scale",
+    "laid_out",
+    "panel_aspect",
+]
 
 MAX_COLUMNS = 4  # a long chain wraps into at most this many columns
 ARRANGEMENTS = ("TB", "LR", *(f"TB/{k}" for k in range(2, MAX_COLUMNS + 1)))
 # A candidate replaces the plain top-to-bottom drawing only when it is this much larger on
 # screen: a view does not jump between arrangements for a few points.
 GAIN = 1.1
+PANEL_ASPECT = 1.6  # the explorer's picture panel, width / height, until its front end says
+ASPECTS = (0.1, 10.0)  # the panel aspects a picture is arranged for
+
+
+def panel_aspect(aspect: object) -> float:
+    """A panel's width / height, checked: a number within `ASPECTS`.
+
+    >>> panel_aspect(2)
+    2.0
+    """
+    if isinstance(aspect, bool) or not isinstance(aspect, int | float):
+        raise WorkbenchError(f"panel aspect must be a number, not {type(aspect).__name__}")
+    if not ASPECTS[0] <= aspect <= ASPECTS[1]:
+        raise WorkbenchError(
+            f"panel aspect (width / height) must lie in {ASPECTS[0]}–{ASPECTS[1]}, got {aspect!r}"
+        )
+    return float(aspect)
 
 
 def fit_scale(size: tuple[float, float], panel: tuple[float, float]) -> float:
@@ -120,9 +147,7 @@ def arrange(view: View, aspect: float) -> View:
     """`view` arranged to fill a panel `aspect` times as wide as high: left to right when
     the plain drawing is wider than the panel, wrapped into columns (op views) when it is
     taller, whichever fits at the largest scale (at least `GAIN` times the plain one's)."""
-    if not aspect > 0:
-        raise WorkbenchError(f"panel aspect must be a positive width / height, not {aspect!r}")
-    panel = (aspect, 1.0)
+    panel = (panel_aspect(aspect), 1.0)
     plain = dataclasses.replace(view, arrangement="TB")
     size = drawn_size(plain.dot)
     best, best_scale = plain, fit_scale(size, panel) * GAIN

@@ -27,7 +27,8 @@ from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.export import FORMATS
-from workbench.show.widgets.model import GRAPH_ASPECT, STATE, ExplorerModel
+from workbench.show.viz.arrange import PANEL_ASPECT
+from workbench.show.widgets.model import STATE, ExplorerModel
 from workbench.show.widgets.session import policy_label
 
 __all__ = ["PolicyExplorer"]
@@ -104,7 +105,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     has_fsdp = traitlets.Bool(False).tag(sync=True)
     fsdp_reshard = traitlets.Bool(True).tag(sync=True)
     # the picture panel's width / height, set by the front end: views are arranged to fill it
-    graph_aspect = traitlets.Float(GRAPH_ASPECT).tag(sync=True)
+    graph_aspect = traitlets.Float(PANEL_ASPECT).tag(sync=True)
 
     def __init__(
         self,

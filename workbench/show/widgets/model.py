@@ -26,6 +26,7 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import Elements, View, render_view, svg_id
+from workbench.show.viz.arrange import PANEL_ASPECT, panel_aspect
 from workbench.show.viz.render import op_elements
 from workbench.show.widgets.panels import (
     budget_slider,
@@ -73,8 +74,6 @@ STATE: tuple[str, ...] = (
     "export_path", "running", "status", "run_result", "budget_range", "suggest_method",
     "suggest_host_budget_bytes", "has_fsdp", "fsdp_reshard", "offload_text", "graph_aspect",
 )  # fmt: skip
-GRAPH_ASPECT = 1.6  # the panel's width / height until the front end says otherwise
-ASPECTS = (0.1, 10.0)  # the panel aspects a front end may send
 _WORDS = {"save": "saved", "recompute": "recomputed", "offload": "offloaded"}
 
 
@@ -124,7 +123,7 @@ class ExplorerModel:
         self.message = self.status = self.selected = self.selected_id = ""
         self.focus: dict[str, Any] = {}
         # the picture panel's width / height: views are arranged to fill it
-        self.graph_aspect = GRAPH_ASPECT
+        self.graph_aspect = PANEL_ASPECT
         self._arranged: dict[tuple[str, float], str] = {}  # (view, aspect) -> arrangement
         self.details: dict[str, Any] = {}
         self.run_result: dict[str, Any] = {}
@@ -428,15 +427,8 @@ class ExplorerModel:
     def set_graph_aspect(self, aspect: float) -> None:
         """The picture panel's width / height (the front end says it): the view is arranged
         again to fill it."""
-        if isinstance(aspect, bool) or not isinstance(aspect, int | float):
-            raise WorkbenchError(f"panel aspect must be a number, not {type(aspect).__name__}")
-        if not ASPECTS[0] <= aspect <= ASPECTS[1]:
-            raise WorkbenchError(
-                f"panel aspect (width / height) must lie in {ASPECTS[0]}–{ASPECTS[1]}, "
-                f"got {aspect!r}"
-            )
-        if aspect != self.graph_aspect:
-            self.graph_aspect = float(aspect)
+        if panel_aspect(aspect) != self.graph_aspect:
+            self.graph_aspect = panel_aspect(aspect)
             self._draw()
 
     def set_export_format(self, fmt: str) -> None:

@@ -127,19 +127,16 @@ def place_labels(
         x, text = fraction * width, len(labels.get(kind, kind)) * LABEL_CHAR_PX
         anchor = "start" if x + 2 + text <= width else "end"
         span = (x + 2, x + 2 + text) if anchor == "start" else (x - 2 - text, x - 2)
-        row = next(
-            (
-                k
-                for k, taken in enumerate(rows)
-                if all(span[1] < a or b < span[0] for a, b in taken)
-            ),
-            len(rows),
-        )
+        row = next((k for k, taken in enumerate(rows) if _clear(span, taken)), len(rows))
         if row == len(rows):
             rows.append([])
         rows[row].append((span[0] - 3, span[1] + 3))
         placed[kind] = {"row": row, "anchor": anchor}
     return placed
+
+
+def _clear(span: tuple[float, float], taken: list[tuple[float, float]]) -> bool:
+    return all(span[1] < a or b < span[0] for a, b in taken)
 
 
 def _offload_words(graph: JointGraph, decisions: Decisions, policy: Policy, name: str) -> str:
