@@ -225,7 +225,7 @@ def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None
             assert "MUST_RECOMPUTE" in legend.inner_text() and "forced" in legend.inner_text()
 
             # 2. Go to peak: the peak op whole in the panel, legible, not zoomed past 1.5x
-            page.locator(".sacwb-peak").click()
+            page.locator("button.sacwb-peak").click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-message').innerText.startsWith('peak ')",
                 timeout=60_000,
@@ -250,7 +250,7 @@ def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None
             assert page.evaluate(OVERLAPS, ".sacwb-timeline-plot text") == 0
             assert page.evaluate(OVERLAPS, ".sacwb-scatter text.sacwb-axis-label-y, "
                                  ".sacwb-scatter text.sacwb-tick-y") == 0  # fmt: skip
-            ticks = page.locator(".sacwb-scatter text.sacwb-tick-y").all_inner_texts()
+            ticks = page.locator(".sacwb-scatter text.sacwb-tick-y").all_text_contents()
             assert ticks and all(t.split()[-1] in ("B", "KiB", "MiB", "GiB") for t in ticks)
         finally:
             browser.close()
