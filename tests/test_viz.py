@@ -335,6 +335,10 @@ def test_plots_return_figures_with_their_artists() -> None:
         "measured",
     ]
     assert any("peak" in t.get_text() for t in ax.texts)
+    spike = {"params": [2**20] * 400, "temporaries": [0] * 200 + [2**20] + [0] * 199}
+    marked = plot_memory_timeline(spike).axes[0]  # a one-op peak, marked at its height
+    assert [(tuple(line.get_xdata()), tuple(line.get_ydata())) for line in marked.lines
+            if line.get_marker() == "v"] == [((200,), (2.0,))]  # fmt: skip
     with pytest.raises(WorkbenchError, match="differ in length"):
         plot_memory_timeline({"a": [1, 2], "b": [1]})
     bars = plot_layer_saved_bytes({0: 2**30, 1: 2**31, 2: 2**30}).axes[0]

@@ -76,6 +76,8 @@ def plot_memory_timeline(
         ax.plot(x, [v / scale for v in measured], color="black", lw=1.2, label="measured")
     peak = totals[peak_index] / scale
     ax.axvline(peak_index, color="black", ls="--", lw=0.8)
+    # the peak's own height: a spike one op wide is narrower than a pixel of the stack
+    ax.plot([peak_index], [peak], marker="v", ms=6, color="black", ls="", label="_peak")
     ax.annotate(
         f"estimated peak {peak:.2f} {unit}\nat op {peak_index}",
         (peak_index, peak),
