@@ -172,6 +172,33 @@ def test_library_errors_blame_the_right_field() -> None:
         Policy(overrides={1: "save"})  # type: ignore[dict-item]
 
 
+def test_picture_arguments_name_the_bad_value(small_graphs: dict[str, Any], tmp_path: Path) -> None:
+    """How a picture is arranged or cropped (issue 27): each bad value a one-line error."""
+    from workbench.decide.decider import decide
+    from workbench.show.viz import diff, render_view
+    from workbench.show.widgets import ExplorerModel
+
+    graph = small_graphs["llama3-debug"][1]
+    cases: list[tuple[Any, str]] = [
+        (lambda: render_view(graph, None, "overview", aspect=0), "panel aspect .* must lie in"),
+        (lambda: render_view(graph, None, "overview", aspect=float("nan")), "must lie in"),
+        (lambda: render_view(graph, None, "layer:0", arrangement="up"), "unknown arrangement"),
+        (lambda: render_view(graph, None, "overview", arrangement="TB/2"), "the overview is"),
+    ]
+    changed = diff(graph, decide(graph, Policy("default")), {}, ("a", "b"))
+    cases += [
+        (lambda: changed.render(graph, "layer:0", context=-1), "context must be 0 or more"),
+        (lambda: changed.render(graph, "overview", context=1), "crops a layer or module"),
+    ]
+    for call, message in cases:
+        with pytest.raises(WorkbenchError, match=message):
+            call()
+    model = ExplorerModel(graph, "default", autosave=tmp_path / "policy.json")
+    for aspect in (-1, 1e308, float("nan"), "1.6", None):
+        with pytest.raises(WorkbenchError, match="panel aspect"):
+            model.set_graph_aspect(aspect)  # type: ignore[arg-type]
+
+
 # --- model specs and models --------------------------------------------------------------
 
 MODEL_SPECS: list[Any] = [

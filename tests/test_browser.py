@@ -291,3 +291,88 @@ def test_offload_host_row_then_a_per_rank_explorer_and_a_busy_suggest(
             assert "sacwb-busy" not in (rank.locator(".sacwb-status").get_attribute("class") or "")
         finally:
             browser.close()
+
+
+# --- pictures stay legible: Fit, Go to peak, labels apart (issue 27, items 5-8) --------------
+
+LEGIBLE_PX = 9  # explorer.js' LEGIBLE_PX: the smallest label Fit and focus shrink to
+LABEL_PX = (
+    "() => { const svg = document.querySelector('.sacwb-graph svg');"
+    " const k = svg.getScreenCTM().a; return Math.min(...[...svg.querySelectorAll('g.node text')]"
+    ".map(t => Number(t.getAttribute('font-size')) * k)); }"
+)
+OVERLAPS = (
+    "(sel) => { const r = [...document.querySelectorAll(sel)].map(t => t.getBoundingClientRect());"
+    " let n = 0; for (let i = 0; i < r.length; i++) for (let j = i + 1; j < r.length; j++)"
+    " if (r[i].left < r[j].right && r[j].left < r[i].right && r[i].top < r[j].bottom"
+    " && r[j].top < r[i].bottom) n++; return n; }"
+)
+
+
+def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None:
+    """A fitted attention module keeps its labels legible; Go to peak shows the peak op
+    whole, legible and not blown up; the timeline's and history plot's labels never overlap;
+    the legend shows every shade the view can."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(url)
+            page.wait_for_function(
+                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
+                "?.status === 'idle'", timeout=120_000,
+            )  # fmt: skip
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
+            page.locator(".sacwb").scroll_into_view_if_needed()
+            legend = page.locator(".sacwb-legend")
+
+            # 1. the attention module (60 ops), fitted: labels at a legible size
+            page.locator(f'[id="{svg_id("m", "layers.0–3.attention")}"]').click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-legend').innerText"
+                ".includes('module:layers.0.attention')", timeout=60_000,
+            )  # fmt: skip
+            page.locator(".sacwb-fit").click()
+            fitted = page.evaluate(LABEL_PX)
+            print(f"fitted attention module: smallest label {fitted:.1f} px")
+            assert fitted >= LEGIBLE_PX - 0.5
+            page.screenshot(path=str(SHOTS / "explorer-attention-fitted.png"))
+            # every shade the view can show, MUST_RECOMPUTE's vermillion among them
+            assert page.locator(".sacwb-legend-row").count() >= 7
+            assert "MUST_RECOMPUTE" in legend.inner_text() and "forced" in legend.inner_text()
+
+            # 2. Go to peak: the peak op whole in the panel, legible, not zoomed past 1.5x
+            page.locator("button.sacwb-peak").click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText.startsWith('peak ')",
+                timeout=60_000,
+            )
+            page.wait_for_selector(".sacwb-graph g.sacwb-selected", timeout=30_000)
+            page.wait_for_timeout(500)
+            inside = page.evaluate(
+                "() => { const g = document.querySelector('.sacwb-graph')"
+                ".getBoundingClientRect(); const n = document.querySelector("
+                "'.sacwb-graph g.sacwb-selected').getBoundingClientRect(); return n.width > 0"
+                " && n.left >= g.left && n.right <= g.right && n.top >= g.top"
+                " && n.bottom <= g.bottom; }"
+            )
+            peak = page.evaluate(LABEL_PX)
+            print(f"Go to peak: smallest label {peak:.1f} px")
+            page.screenshot(path=str(SHOTS / "explorer-go-to-peak.png"))
+            assert inside and LEGIBLE_PX - 0.5 <= peak <= 1.5 * 10 + 0.5
+
+            # 3. labels apart: the timeline's peak and selected marks (the same op now), and
+            # the history plot's y title and its ticks
+            assert page.locator(".sacwb-timeline-plot text").count() >= 2
+            assert page.evaluate(OVERLAPS, ".sacwb-timeline-plot text") == 0
+            assert page.evaluate(OVERLAPS, ".sacwb-scatter text.sacwb-axis-label-y, "
+                                 ".sacwb-scatter text.sacwb-tick-y") == 0  # fmt: skip
+            ticks = page.locator(".sacwb-scatter text.sacwb-tick-y").all_text_contents()
+            assert ticks and all(t.split()[-1] in ("B", "KiB", "MiB", "GiB") for t in ticks)
+        finally:
+            browser.close()

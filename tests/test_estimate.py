@@ -87,6 +87,10 @@ def test_categories_account_for_every_byte(llama_debug: Fixture) -> None:
     # at the end every gradient (same shapes as the parameters) and the loss are held
     assert est.timeline["gradients"][-1] == params + 4
     assert est.timeline["activations"][-1] == 0
+    # parameters and the batch exist before the step: held in full from its first op, as
+    # the optimizer state is (no ramp over the placeholders' steps)
+    assert set(est.timeline["parameters"]) == {params}
+    assert set(est.timeline["inputs"]) == {inputs}
     assert sum(r["bytes"] for r in est.saved_at_peak) == est.peak_breakdown["activations"]
     assert sum(est.saved_by_layer.values()) == est.saved_activation_bytes
 

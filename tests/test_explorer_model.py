@@ -22,10 +22,12 @@ from workbench.decide.policy import Policy
 from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
 from workbench.show.viz import Element, View, expand, render_view, svg_id
+from workbench.show.viz.style import KIND_STYLE, ORANGE, SKY
 from workbench.show.widgets import ExplorerModel, panels, policy_edits, session
 from workbench.show.widgets.model import STATE, load_source
 from workbench.show.widgets.panels import (
     BUDGET_STOPS,
+    LABEL_CHAR_PX,
     budget_slider,
     details_panel,
     history_plots,
@@ -245,10 +247,27 @@ def test_history_plots_label_their_ticks() -> None:
     estimated, measured = history_plots(rows, "h100")
     assert estimated["title"] == "estimated on h100" and not estimated["measured"]
     assert measured["x_label"] == "step time measured on cpu" and measured["measured"]
-    for axis, fmt in ((estimated["x"], format_seconds), (estimated["y"], format_bytes)):
-        assert axis["lo"] < axis["hi"] and axis["ticks"]
-        assert all(axis["lo"] <= v <= axis["hi"] and text == fmt(v) for v, text in axis["ticks"])
+    x, y = estimated["x"], estimated["y"]
+    for axis in (x, y):
+        assert axis["lo"] < axis["hi"] and len(axis["ticks"]) >= 2
+        assert all(axis["lo"] <= v <= axis["hi"] for v, _ in axis["ticks"])
+    assert all(text == format_seconds(v) for v, text in x["ticks"])
+    # peak ticks at round MiB (1.0, 1.5, ... not round bytes read as odd MiB), one unit
+    for v, text in y["ticks"]:
+        number, unit = text.split()
+        assert unit == "MiB" and v == round(float(number) * 2**20) and float(number) * 2 % 1 == 0
     assert measured["y"]["lo"] < 5 * 2**20 < measured["y"]["hi"]  # one point: padded around it
+
+
+def test_history_ticks_sit_at_round_values_of_the_shown_unit() -> None:
+    """The ticks that read 95.4 / 100.1 / 143.1 MiB: round values of the shown unit now."""
+    rows = [
+        {"measured": False, "profile": "h100", "step_seconds": s, "peak_bytes": b}
+        for s, b in ((1e-3, 98.4 * 2**20), (2e-3, 140.0 * 2**20), (3e-3, 64.3 * 2**20))
+    ]
+    (plot,) = history_plots(rows, "h100")
+    assert plot["y"]["ticks"] == [[75 * 2**20, "75 MiB"], [100 * 2**20, "100 MiB"],
+                                  [125 * 2**20, "125 MiB"]]  # fmt: skip
 
 
 def test_run_status_says_when_it_is_stale() -> None:
@@ -402,3 +421,73 @@ def test_the_budget_can_hold_reserved_bytes(small: Fixture, tmp_path: Path) -> N
     assert model.estimate.reserved_peak_bytes <= model.budget_range["max"]
     with pytest.raises(WorkbenchError, match="unknown budget kind 'free'"):
         ExplorerModel(graph, budget_kind="free", autosave=tmp_path / "q.json")  # type: ignore[arg-type]
+
+
+# --- pictures that fill the panel and stay legible (issue 27, items 5-8) --------------------
+
+
+def test_views_are_arranged_to_the_panel_the_front_end_reports(
+    small: Fixture, tmp_path: Path
+) -> None:
+    model = model_of(small, tmp_path)
+    model.show("module:layers.0.attention")
+    wide = model.picture.arrangement
+    assert wide.startswith("TB/")  # a tall chain in a 1.6:1 panel wraps into columns
+    model.set_graph_aspect(0.5)  # a tall, narrow panel: drawn top to bottom again
+    assert model.graph_aspect == 0.5 and model.picture.arrangement == "TB"
+    model.set_graph_aspect(1.6)
+    assert model.picture.arrangement == wide
+    assert model._arranged[("module:layers.0.attention", 1.6)] == wide  # laid out once per panel
+    for bad, said in ((0.0, "must lie in 0.1–10.0"), (float("inf"), "must lie in"),
+                      (float("nan"), "must lie in"), ("wide", "must be a number, not str"),
+                      (True, "must be a number, not bool")):  # fmt: skip
+        with pytest.raises(WorkbenchError, match=said):
+            model.set_graph_aspect(bad)  # type: ignore[arg-type]
+    assert model.graph_aspect == 1.6
+
+
+def test_go_to_peak_focuses_the_peak_op_with_its_neighbours(small: Fixture, tmp_path: Path) -> None:
+    model = model_of(small, tmp_path)
+    model.go_to_peak()
+    focus = model.focus
+    assert focus["id"] in focus["ids"] and focus["ids"] == model.picture.around(focus["id"])
+    neighbours = set(focus["ids"]) - {focus["id"]}
+    assert neighbours and all(
+        (focus["id"], n) in model.picture.links or (n, focus["id"]) in model.picture.links
+        for n in neighbours
+    )
+    serial = focus["serial"]
+    model.go_to_peak()
+    assert model.focus["serial"] == serial + 1  # the front end focuses again
+
+
+def test_the_legend_lists_every_shade_the_view_can_show(small: Fixture, tmp_path: Path) -> None:
+    model = model_of(small, tmp_path)
+    model.show("layer:0")
+    rows = [tuple(row) for row in model.legend["rows"]]
+    assert rows == model.picture.legend_rows  # the static render's rows, one source
+    for kind in ("must_recompute", "must_save", "forced_save", "prefer_save", "backward"):
+        assert (KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]) in rows
+    model.show("overview")
+    assert [row[0] for row in model.legend["rows"]] == [SKY, ORANGE]
+
+
+def test_timeline_labels_never_overlap(small: Fixture) -> None:
+    graph = small[1]
+    estimator = Estimator(graph, ["h100"])
+    decisions = decide(graph, Policy("default"))
+    est = estimator.estimate(decisions)
+    peak_op = estimator.traced_node(est.peak_node)
+    timeline = timeline_panel(est, estimator, decisions, peak_op)  # selected where the peak is
+    placed, width = timeline["placed"], timeline["width"]
+    assert set(placed) == set(timeline["marks"])
+    spans = []
+    for kind, spot in placed.items():
+        x = timeline["marks"][kind] * width
+        text = len(timeline["labels"][kind]) * LABEL_CHAR_PX
+        left = x + 2 if spot["anchor"] == "start" else x - 2 - text
+        assert 0 <= left and left + text <= width  # inside the plot
+        spans.append((spot["row"], left, left + text))
+    for i, (row, a, b) in enumerate(spans):
+        assert all(row != r or b < c or d < a for r, c, d in spans[i + 1 :])
+    assert len({row for row, _, _ in spans}) > 1  # the peak's and the op's labels: two rows

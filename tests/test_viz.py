@@ -29,6 +29,7 @@ from workbench.show.viz import (
     Element,
     diff,
     expand,
+    near_changes,
     overview,
     pareto_front,
     parse_view,
@@ -44,8 +45,18 @@ from workbench.show.viz import (
     whole_graph,
 )
 from workbench.show.viz import render as render_module
+from workbench.show.viz.arrange import GAIN, arrange, drawn_size, fit_scale, laid_out
 from workbench.show.viz.render import op_elements
-from workbench.show.viz.style import DECISION_KINDS, KIND_STYLE, node_kind
+from workbench.show.viz.style import (
+    BLUE,
+    DECISION_KINDS,
+    KIND_STYLE,
+    ORANGE,
+    PURPLE,
+    SKY,
+    VERMILLION,
+    node_kind,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -324,6 +335,10 @@ def test_plots_return_figures_with_their_artists() -> None:
         "measured",
     ]
     assert any("peak" in t.get_text() for t in ax.texts)
+    spike = {"params": [2**20] * 400, "temporaries": [0] * 200 + [2**20] + [0] * 199}
+    marked = plot_memory_timeline(spike).axes[0]  # a one-op peak, marked at its height
+    assert [(tuple(line.get_xdata()), tuple(line.get_ydata())) for line in marked.lines
+            if line.get_marker() == "v"] == [((200,), (2.0,))]  # fmt: skip
     with pytest.raises(WorkbenchError, match="differ in length"):
         plot_memory_timeline({"a": [1, 2], "b": [1]})
     with pytest.raises(WorkbenchError, match="reserved 1"):
@@ -381,3 +396,124 @@ def test_render_cli_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert main([*argv, "--view", "diff:eager", "--out", str(diff_out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["view"] == "diff:eager"
     assert "default → eager" in diff_out.read_text()
+
+
+# --- pictures that fill their panel, legends from one table, diffs cropped (issue 27) -------
+
+
+def svg_edges(svg: str) -> list[str]:
+    """The titles (`tail->head`) of the drawn edges."""
+    root = ET.fromstring(svg)
+    return [
+        html.unescape(g.findtext(f"{SVG}title") or "")
+        for g in root.iter(f"{SVG}g")
+        if g.get("class") == "edge"
+    ]
+
+
+def node_x(svg: str) -> dict[str, float]:
+    """Each node's centre, left to right, in picture units (its first label line's x)."""
+    return {i: float(next(g.iter(f"{SVG}text")).get("x", "")) for i, g in svg_nodes(svg).items()}
+
+
+def test_views_are_arranged_to_fill_the_panel(
+    four_layers: JointGraph, rank_debug: JointGraph
+) -> None:
+    """A module of 60 ops drawn top to bottom is a tall strip; in a 1.6:1 panel its chain
+    wraps into columns, read left to right, and fits at a larger scale."""
+    decisions = decide(four_layers, Policy("default"))
+    view = "module:layers.0.attention"
+    plain = render_view(four_layers, decisions, view)
+    arranged = render_view(four_layers, decisions, view, aspect=1.6)
+    assert plain.arrangement == "TB" and arranged.arrangement.startswith("TB/")
+    panel = (1.6, 1.0)
+    gain = fit_scale(drawn_size(arranged.dot), panel) / fit_scale(drawn_size(plain.dot), panel)
+    assert gain >= GAIN
+    svg = arranged.svg(legend=False)
+    assert svg_nodes(svg).keys() == plain.elements.keys()  # the same elements, once each
+    drawn = [e for e in svg_edges(svg) if "column-" not in e]
+    assert sorted(drawn) == sorted(f"{u}->{v}" for u, v in plain.links)
+    ops = [i for i, e in plain.elements.items() if e.kind == "op"]
+    x = node_x(svg)
+    assert x[ops[0]] < x[ops[-1]]  # the first op in the left column, the last in the right
+    # a wide per-rank overview turns left to right; a layer keeps its arrangement on demand
+    rank = render_view(rank_debug, decide(rank_debug, Policy("default")), "overview")
+    turned = arrange(rank, 1.6)
+    assert turned.arrangement == "LR"
+    assert fit_scale(drawn_size(turned.dot), panel) > GAIN * fit_scale(drawn_size(rank.dot), panel)
+    assert render_view(four_layers, decisions, "layer:1", arrangement="TB/3").arrangement == "TB/3"
+    fitting = render_view(four_layers, decisions, "overview", aspect=1.6)
+    assert fitting.arrangement == "TB"  # already fills the panel: left as it is
+
+
+def test_arrangements_refuse_what_they_cannot_draw(four_layers: JointGraph) -> None:
+    overview_view = render_view(four_layers, None, "overview")
+    with pytest.raises(WorkbenchError, match="wraps an op view's ranks; the overview is"):
+        laid_out(overview_view, "TB/2")
+    with pytest.raises(WorkbenchError, match="unknown arrangement 'BT'; choose one of TB, LR"):
+        laid_out(overview_view, "BT")
+    for aspect in (0.0, -1.0, float("nan")):
+        with pytest.raises(WorkbenchError, match="panel aspect "):
+            arrange(overview_view, aspect)
+
+
+def test_around_names_an_element_and_its_drawn_neighbours(two_layers: JointGraph) -> None:
+    view = expand(two_layers, decide(two_layers, Policy("default")), "layer:0")
+    mm = next(
+        n for n in two_layers.gm.graph.nodes
+        if n.op == "call_function" and two_layers.nodes[n.name].layer == 0
+        and two_layers.nodes[n.name].op == "aten.mm.default"
+    )  # fmt: skip
+    near = set(view.around(svg_id("n", mm.name)))
+    drawn = {svg_id("n", n.name) for n in (*mm.all_input_nodes, *mm.users)} & set(view.elements)
+    assert drawn and drawn | {svg_id("n", mm.name)} <= near
+    assert all(
+        (a, b) in view.links or (b, a) in view.links
+        for a in near - {svg_id("n", mm.name)}
+        for b in [svg_id("n", mm.name)]
+    )
+
+
+def test_legend_rows_come_from_the_renders_colour_table(two_layers: JointGraph) -> None:
+    """Every shade a view can show is a legend row, as the static render explains it."""
+    decisions = decide(two_layers, mixed_policy())
+    view = expand(two_layers, decisions, "layer:0")
+    colours = {colour.upper() for colour, _ in view.legend_rows}
+    for kind in (*DECISION_KINDS, "offload", "backward"):
+        colour, words = KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]
+        assert (colour, words) in view.legend_rows
+        assert f"{words}" in html.unescape(view.svg())  # the static legend says the same
+    assert {VERMILLION, BLUE, PURPLE} <= colours  # MUST_RECOMPUTE, MUST_SAVE, forced
+    fills = {fill_of(g) for i, g in svg_nodes(view.svg()).items() if i.startswith("n-")}
+    assert fills <= colours  # nothing drawn in a shade the legend leaves out
+    boxes = render_overview(two_layers, decisions)
+    assert [c for c, _ in boxes.legend_rows] == [SKY, ORANGE]
+
+
+def test_a_diff_is_cropped_to_its_changed_ops_and_their_neighbours(
+    two_layers: JointGraph,
+) -> None:
+    before = decide(two_layers, Policy("default"))
+    after = decide(two_layers, mixed_policy())
+    changed = diff(two_layers, before, after, ("default", "mixed"))
+    whole = changed.render(two_layers, "layer:0")
+    cropped = changed.render(two_layers, "layer:0", context=1)
+    layer = {e.name for e in whole.elements.values() if e.kind == "op"}
+    shown = {e.name for e in cropped.elements.values() if e.kind == "op"}
+    rows = {r.node for r in changed.rows} & layer
+    assert rows and rows <= shown < layer
+    nodes = {n.name: n for n in two_layers.gm.graph.nodes}
+    for name in shown - rows:  # every other op drawn is one edge from a changed one
+        assert {m.name for m in (*nodes[name].all_input_nodes, *nodes[name].users)} & rows
+    for name in layer - shown:  # and every op one edge from a changed one is drawn
+        assert not {m.name for m in (*nodes[name].all_input_nodes, *nodes[name].users)} & rows
+    assert near_changes(two_layers, sorted(layer), rows, 0) == sorted(rows)
+    assert cropped.svg().count("changed: ") == whole.svg().count("changed: ")
+    title = html.unescape(cropped.dot.graph_attr["label"])
+    assert f"{len(shown)} of {len(layer)} drawn" in title
+    with pytest.raises(WorkbenchError, match="crops a layer or module view, not the overview"):
+        changed.render(two_layers, context=1)
+    with pytest.raises(WorkbenchError, match="context must be 0 or more hops"):
+        changed.render(two_layers, "layer:0", context=-1)
+    with pytest.raises(WorkbenchError, match="no op changed in module norm; changes are in"):
+        changed.render(two_layers, "module:norm", context=1)

@@ -8,10 +8,12 @@ explorer and graph trainer's activation log all call.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 __all__ = [
     "Unit",
+    "byte_ticks",
     "format_bytes",
     "format_flops",
     "format_seconds",
@@ -46,6 +48,35 @@ def format_bytes(n: float, digits: int = 1) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.{digits}f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def byte_ticks(lo: float, hi: float, most: int = 4) -> list[tuple[int, str]]:
+    """Axis ticks spanning [lo, hi] at round values of one binary unit (the one
+    `format_bytes` gives `hi`), each with its text in that unit: 100, 120, 140 MiB rather
+    than round byte counts that read 95.4, 114.4, 133.5 MiB. At most `most` ticks.
+
+    >>> [text for _, text in byte_ticks(95.4 * 2**20, 143.1 * 2**20)]
+    ['100 MiB', '120 MiB', '140 MiB']
+    >>> byte_ticks(2**30, 2.2 * 2**30)
+    [(1073741824, '1.0 GiB'), (1610612736, '1.5 GiB'), (2147483648, '2.0 GiB')]
+    """
+    unit = format_bytes(max(abs(lo), abs(hi))).split()[-1]
+    scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
+    low, high = lo / scale, hi / scale
+    if not high > low:
+        return [(round(lo), f"{low:g} {unit}")]
+
+    def count(step: float) -> int:
+        return math.floor(high / step + 1e-9) - math.ceil(low / step - 1e-9) + 1
+
+    magnitude = 10 ** math.floor(math.log10((high - low) / most))
+    steps = [m * magnitude * 10**e for e in (0, 1, 2) for m in (1, 2, 2.5, 5)]
+    step = next(s for s in steps if count(s) <= most and (unit != "B" or s >= 1))
+    first = math.ceil(low / step - 1e-9)
+    values = [k * step for k in range(first, first + count(step))]
+    # as few decimals as show every tick exactly, the same for all
+    digits = next(d for d in range(4) if all(abs(round(v, d) - v) < 1e-9 for v in values))
+    return [(round(v * scale), f"{v:.{digits}f} {unit}") for v in values]
 
 
 def format_flops(n: float) -> str:

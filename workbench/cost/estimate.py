@@ -388,6 +388,9 @@ class Estimator:
         host = (table.owner >= 3 * n) & (offload_step(n, table.owner) == 0)
         device = ~host
         category = self._categories(flat, table)
+        # graph inputs (parameters, batch) exist before the step starts: live from its first
+        # step, not from the placeholder step that names them
+        born = np.where(np.isin(table.owner, self._held_forever), 0, table.born)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
         np.add.at(deltas, (category[device], born[device]), sizes[device])
         np.add.at(deltas, (category[device], freed[device] + 1), -sizes[device])

@@ -12,6 +12,7 @@ from typing import Any
 from workbench.capture.graph import JointGraph
 from workbench.cost.replay import saved_bytes_by_node
 from workbench.decide.decider import Decisions
+from workbench.errors import WorkbenchError
 from workbench.rewrite.remat import RematResult
 from workbench.show.viz.network import DiffRow, original_of
 from workbench.show.viz.render import View
@@ -99,8 +100,12 @@ class PolicyDiff:
     def changes(self) -> dict[str, DiffRow]:
         return {r.node: r for r in self.rows}
 
-    def render(self, graph: JointGraph, view: str = "overview", title: str = "") -> View:
-        """The overview (or `layer:N` / `module:PATH`) with changed boxes or ops outlined."""
+    def render(
+        self, graph: JointGraph, view: str = "overview", title: str = "", context: int | None = None
+    ) -> View:
+        """The overview (or `layer:N` / `module:PATH`) with changed boxes or ops outlined;
+        with `context`, a layer or module cropped to its changed ops and the ops within
+        `context` edges of them (a picture of what changed, not of the whole layer)."""
         from workbench.show.viz.hierarchy import expand, render_overview
 
         heading = title or (
@@ -108,8 +113,12 @@ class PolicyDiff:
             f"{len(self.rows)} activations changed"
         )
         if view == "overview":
+            if context is not None:
+                raise WorkbenchError("context crops a layer or module view, not the overview")
             return render_overview(graph, self.decisions, changes=self.changes(), title=heading)
-        return expand(graph, self.decisions, view, changes=self.changes(), title=heading)
+        return expand(
+            graph, self.decisions, view, changes=self.changes(), title=heading, context=context
+        )
 
 
 def _delta(

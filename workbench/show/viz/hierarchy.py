@@ -9,7 +9,7 @@ which module a box or frame opens and which layers it stands for.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -30,6 +30,7 @@ __all__ = [
     "Overview",
     "expand",
     "layer_nodes",
+    "near_changes",
     "overview",
     "render_overview",
     "split_layer",
@@ -377,7 +378,7 @@ def render_overview(
     for u, v in data.edges:
         dot.edge(u, v)
     boxes = sum(e.kind == "module" for e in elements.values())
-    return View(dot, nodes=boxes, edges=len(data.edges), elements=elements)
+    return View(dot, boxes, len(data.edges), elements, legend_rows=rows, links=list(data.edges))
 
 
 def layer_nodes(graph: JointGraph, target: str) -> tuple[list[str], str]:
@@ -404,6 +405,25 @@ def layer_nodes(graph: JointGraph, target: str) -> tuple[list[str], str]:
     raise WorkbenchError(f"cannot expand {target!r}: use 'layer:N' or 'module:PATH'")
 
 
+def near_changes(
+    graph: JointGraph, names: list[str], changed: Iterable[str], hops: int
+) -> list[str]:
+    """Of `names` (graph order kept), the `changed` ones and those within `hops` data-flow
+    edges of one (either direction, through `names` only): a changed region with context."""
+    members = set(names)
+    region = {n for n in changed if n in members}
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    frontier = set(region)
+    for _ in range(hops):
+        step = set()
+        for name in frontier:
+            node = nodes[name]
+            step |= {m.name for m in (*node.all_input_nodes, *node.users) if m.name in members}
+        frontier = step - region
+        region |= step
+    return [n for n in names if n in region]
+
+
 def expand(
     graph: JointGraph,
     decisions: Decisions | None,
@@ -413,9 +433,32 @@ def expand(
     changes: Changes | None = None,
     title: str = "",
     force: bool = False,
+    context: int | None = None,
 ) -> View:
     """One layer (`layer:N`) or module (`module:PATH`) at op level, with the backward ops
-    that read its activations summarised per backward module."""
+    that read its activations summarised per backward module. With `changes` and `context`,
+    only the changed ops and those within `context` edges of one (`near_changes`): a diff
+    cropped to what changed."""
     names, what = layer_nodes(graph, target)
     heading = title or f"{graph.model_name}: {what}, {len(names)} forward ops"
+    if context is not None:
+        if context < 0:
+            raise WorkbenchError(f"context must be 0 or more hops, not {context}")
+        shown = near_changes(graph, names, changes or {}, context)
+        if not shown:
+            where = sorted({_where(graph.nodes[n]) for n in changes or {}})
+            raise WorkbenchError(
+                f"no op changed in {what}; changes are in {', '.join(where) or 'no view'}"
+            )
+        changed = sum(n in (changes or {}) for n in shown)
+        heading += (
+            f" · cropped: {_ops(changed)} changed here and the ops up to {context} edge(s) "
+            f"from them, {len(shown)} of {len(names)} drawn"
+        )
+        names = shown
     return op_view(graph, names, decisions, gm=gm, changes=changes, title=heading, force=force)
+
+
+def _where(info: NodeInfo) -> str:
+    """The view that draws an op: `layer:N`, or `module:PATH` outside the layers."""
+    return f"layer:{info.layer}" if info.layer is not None else f"module:{info.module}"

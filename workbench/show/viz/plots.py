@@ -84,6 +84,8 @@ def plot_memory_timeline(
         ax.plot(x, [v / scale for v in reserved], color="black", lw=1.2, ls=":", label=label)
     peak = totals[peak_index] / scale
     ax.axvline(peak_index, color="black", ls="--", lw=0.8)
+    # the peak's own height: a spike one op wide is narrower than a pixel of the stack
+    ax.plot([peak_index], [peak], marker="v", ms=6, color="black", ls="", label="_peak")
     ax.annotate(
         f"estimated peak {peak:.2f} {unit}\nat op {peak_index}",
         (peak_index, peak),

@@ -54,8 +54,11 @@ from workbench.units import format_bytes, format_flops
 
 __all__ = [
     "Changes",
+    "Drawing",
+    "EDGE_WORDS",
     "FORMATS",
     "MAX_LAYOUT_NODES",
+    "OFFLOAD_EDGE_WORDS",
     "View",
     "check_layout_size",
     "new_digraph",
@@ -74,6 +77,13 @@ MAX_LAYOUT_NODES = 1500
 QUICK_LAYOUT_ABOVE = 200
 QUICK_LAYOUT = {"nslimit": "2", "mclimit": "0.3"}
 
+# What the edges into a backward note mean (the static legend's and the explorer's words).
+EDGE_WORDS = (
+    "blue edge into a note: value kept in memory until backward reads it",
+    "orange dashed edge: backward needs it, but it is recomputed instead of kept",
+)
+OFFLOAD_EDGE_WORDS = "green edge: kept in host memory (offloaded), reloaded before backward"
+
 # node name -> its diff row: what a diff picture highlights.
 Changes = Mapping[str, DiffRow]
 
@@ -82,14 +92,69 @@ FORMATS = ("svg", "png", "pdf", "dot")
 
 
 @dataclass
+class Drawing:
+    """What an op view draws before it is arranged: nodes (id -> Graphviz attributes, label
+    included) and edges (tail, head, attributes) in drawing order, so that the same picture
+    can be laid out again in another arrangement (`workbench.show.viz.arrange`)."""
+
+    nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+    edges: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    order: list[str | int] = field(default_factory=list)  # node ids and edge indices as drawn
+
+    def node(self, node_id: str, label: str, **attrs: str) -> None:
+        self.nodes[node_id] = {"label": label, "id": node_id, **attrs}
+        self.order.append(node_id)
+
+    def edge(self, tail: str, head: str, **attrs: str) -> None:
+        self.order.append(len(self.edges))
+        self.edges.append((tail, head, attrs))
+
+    def digraph(self, dot: graphviz.Digraph) -> graphviz.Digraph:
+        """`dot` (a graph with its attributes and no body) holding the drawing as drawn."""
+        for item in self.order:
+            if isinstance(item, str):
+                dot.node(item, **self.nodes[item])
+            else:
+                tail, head, attrs = self.edges[item]
+                dot.edge(tail, head, **attrs)
+        return dot
+
+
+@dataclass
 class View:
     """A laid-out-on-demand picture: the Graphviz graph, how many nodes and edges it has, and
-    what each element id stands for. Jupyter shows it as SVG."""
+    what each element id stands for. Jupyter shows it as SVG.
+
+    `legend_rows` are the colour samples its legend explains, (colour, words) from
+    `style.KIND_STYLE`, for a front end that draws its own legend; `links` the drawn edges
+    between element ids; `drawing` what an op view was drawn from (None for the overview);
+    `arrangement` how it is laid out (`workbench.show.viz.arrange`).
+    """
 
     dot: graphviz.Digraph
     nodes: int
     edges: int
     elements: Elements = field(default_factory=dict)
+    legend_rows: list[tuple[str, str]] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)
+    drawing: Drawing | None = None
+    arrangement: str = "TB"
+
+    def around(self, element_id: str, hops: int = 1) -> list[str]:
+        """`element_id` and the elements within `hops` drawn edges of it, in drawing order:
+        what must be in view to see an element with its neighbourhood.
+
+        >>> ops = {name: Element("op", name) for name in "abc"}
+        >>> view = View(graphviz.Digraph(), 3, 2, ops, links=[("a", "b"), ("b", "c")])
+        >>> view.around("c"), view.around("c", hops=2)
+        (['b', 'c'], ['a', 'b', 'c'])
+        """
+        near = {element_id}
+        for _ in range(hops):
+            near |= {v for u, v in self.links if u in near} | {
+                u for u, v in self.links if v in near
+            }
+        return [i for i in self.elements if i in near]
 
     @property
     def collectives(self) -> list[str]:
@@ -252,12 +317,11 @@ def op_view(
         f" · recomputed here: {format_flops(recompute_flops(graph, fwd, decisions))}"
         f" (of forward ops tagged recompute)",
         "box: op · output shape and dtype · output size; hover for node name and reason",
-        "blue edge into a note: value kept in memory until backward reads it",
-        "orange dashed edge: backward needs it, but it is recomputed instead of kept",
+        *EDGE_WORDS,
     ]
     kinds: list[Kind] = [*DECISION_KINDS, "backward"]
     if any(is_offload(decisions, n) for n in fwd):  # only then: pictures without stay as were
-        lines.append("green edge: kept in host memory (offloaded), reloaded before backward")
+        lines.append(OFFLOAD_EDGE_WORDS)
         kinds.insert(len(DECISION_KINDS), "offload")
     if copies:
         kinds.append("recomputed_copy")
@@ -265,9 +329,8 @@ def op_view(
     collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
     if collectives:
         lines.append(COLLECTIVE_WORDS)
-    dot = new_digraph("ops", legend_label(heading, lines, _legend_rows(kinds, diffing)))
-    if len(members) > QUICK_LAYOUT_ABOVE:
-        dot.graph_attr.update(QUICK_LAYOUT)
+    rows = _legend_rows(kinds, diffing)
+    drawing = Drawing()
     elements: Elements = {}
     for name in [*shown, *copies]:
         kind = _kind(graph, name, decisions)
@@ -280,23 +343,20 @@ def op_view(
             nodes=(traced,),
             collective=name in collectives,
         )
-        dot.node(
+        drawing.node(
             svg_id("n", name),
             _op_label(graph, name, decisions, kept, change),
-            id=svg_id("n", name),
             tooltip=_tooltip(graph, name, decisions),
             **_attrs(kind, change, diffing),
             **(COLLECTIVE_STYLE if name in collectives else {}),
         )
     outside: dict[str, None] = {}
     readers: dict[str, dict[str, None]] = collections.defaultdict(dict)
-    edges = 0
     for name in [*shown, *copies]:
         node = source.get(name) or joint[name]
         for arg in node.all_input_nodes:
             if arg.name in members:
-                dot.edge(svg_id("n", arg.name), svg_id("n", name))
-                edges += 1
+                drawing.edge(svg_id("n", arg.name), svg_id("n", name))
                 continue
             info = node_facts(graph, arg.name)
             if info is not None and forward_side(info) and original_of(arg.name) is None:
@@ -304,16 +364,14 @@ def op_view(
                 if module not in outside:
                     outside[module] = None
                     elements[svg_id("i", module)] = Element("input", module)
-                    dot.node(
+                    drawing.node(
                         svg_id("i", module),
                         f"from {module or '(top level)'}",
-                        id=svg_id("i", module),
                         shape="plaintext",
                         style="",
                         fontcolor="#555555",
                     )
-                dot.edge(svg_id("i", module), svg_id("n", name), color="#999999")
-                edges += 1
+                drawing.edge(svg_id("i", module), svg_id("n", name), color="#999999")
         if name not in source:
             continue
         for user in source[name].users:
@@ -325,10 +383,9 @@ def op_view(
             readers[info.module][name] = None
     for module, values in readers.items():
         elements[svg_id("b", module)] = Element("backward", module)
-        dot.node(
+        drawing.node(
             svg_id("b", module),
             f"backward of {module or '(top level)'}\nreads {len(values)} value(s) from here",
-            id=svg_id("b", module),
             shape="note",
             style="filled",
             fillcolor=GREY,
@@ -336,18 +393,17 @@ def op_view(
         for name in values:
             recomputed = is_recompute(decisions, name) or name in copies
             offloaded = not recomputed and is_offload(decisions, name)
-            dot.edge(
+            drawing.edge(
                 svg_id("n", name),
                 svg_id("b", module),
                 color=ORANGE if recomputed else GREEN if offloaded else BLUE,
                 style="dashed" if recomputed else "solid",
                 penwidth="1.2" if recomputed else "2",
             )
-            edges += 1
     for copy in copies:
         original = original_of(copy)
         assert original is not None
-        dot.edge(
+        drawing.edge(
             svg_id("n", original),
             svg_id("n", copy),
             style="dashed",
@@ -355,8 +411,13 @@ def op_view(
             constraint="false",
             tooltip="recomputed copy of this node",
         )
-        edges += 1
-    return View(dot, len(members) + len(outside) + len(readers), edges, elements)
+    dot = new_digraph("ops", legend_label(heading, lines, rows))
+    if len(members) > QUICK_LAYOUT_ABOVE:
+        dot.graph_attr.update(QUICK_LAYOUT)
+    drawing.digraph(dot)
+    links = [(tail, head) for tail, head, _ in drawing.edges]
+    count = len(members) + len(outside) + len(readers)
+    return View(dot, count, len(links), elements, rows, links, drawing)
 
 
 def op_elements(graph: JointGraph) -> Elements:

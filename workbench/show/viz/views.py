@@ -12,6 +12,7 @@ from workbench.capture.graph import JointGraph
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.policy import parse_policy
 from workbench.errors import WorkbenchError
+from workbench.show.viz.arrange import arrange, laid_out
 from workbench.show.viz.diff import diff
 from workbench.show.viz.hierarchy import expand, render_overview
 from workbench.show.viz.render import View, whole_graph
@@ -46,9 +47,27 @@ def render_view(
     policy_name: str = "",
     gm: fx.GraphModule | None = None,
     force: bool = False,
+    aspect: float | None = None,
+    arrangement: str | None = None,
 ) -> View:
     """Build the named view. `diff:OTHER` compares `decisions` (named `policy_name`) with
-    the preset or policy file OTHER, drawn on the overview."""
+    the preset or policy file OTHER, drawn on the overview. `arrangement` lays it out as
+    named (`arrange.ARRANGEMENTS`); else `aspect` (a panel's width / height) picks the one
+    that fills such a panel best; else it is drawn top to bottom."""
+    picture = _view(graph, decisions, view, policy_name, gm, force)
+    if arrangement is not None:
+        return laid_out(picture, arrangement)
+    return picture if aspect is None else arrange(picture, aspect)
+
+
+def _view(
+    graph: JointGraph,
+    decisions: Decisions | None,
+    view: str,
+    policy_name: str,
+    gm: fx.GraphModule | None,
+    force: bool,
+) -> View:
     kind, arg = parse_view(view)
     label = f" · policy {policy_name}" if policy_name else ""
     if kind == "overview":

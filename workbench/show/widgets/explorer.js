@@ -26,7 +26,7 @@ const s = (tag, attrs = {}, text = null) => {
 // ranges and labelled ticks. Marks are circles (estimates) or squares (measured); clicking
 // one restores its policy.
 function scatterPlot(points, plot, current, onPick) {
-  const W = 320, H = 200, L = 58, B = 34, T = 8, R = 10;
+  const W = 320, H = 206, L = 58, B = 34, T = 22, R = 10;
   const svg = s("svg", { width: W, height: H, class: "sacwb-scatter" });
   const { x, y } = plot;
   const X = (v) => L + ((v - x.lo) / (x.hi - x.lo)) * (W - L - R);
@@ -41,9 +41,9 @@ function scatterPlot(points, plot, current, onPick) {
     svg.append(s("line", { x1: L - 4, y1: Y(v), x2: L, y2: Y(v), class: "sacwb-axis" }),
       s("text", { x: L - 6, y: Y(v) + 3, "text-anchor": "end", class: "sacwb-tick-y" }, text));
   }
+  // the y axis' title sits above it, where no tick label reaches
   svg.append(s("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", class: "sacwb-axis-label" }, plot.x_label),
-    s("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", class: "sacwb-axis-label",
-      transform: `rotate(-90 12 ${(T + H - B) / 2})` }, "peak memory"));
+    s("text", { x: 4, y: 10, "text-anchor": "start", class: "sacwb-axis-label sacwb-axis-label-y" }, "peak memory ↑"));
   const front = points.filter((p) => p.pareto).sort((a, b) => a.step_seconds - b.step_seconds);
   if (front.length > 1) {
     svg.append(s("polyline", { points: front.map((p) => `${X(p.step_seconds)},${Y(p.peak_bytes)}`).join(" "),
@@ -109,30 +109,79 @@ function render({ model, el }) {
   };
   const zoomIn = h("button", { class: "sacwb-zoom-in", title: "zoom in (or scroll over the graph)", onclick: () => zoomBy(0.7) }, "+");
   const zoomOut = h("button", { class: "sacwb-zoom-out", title: "zoom out", onclick: () => zoomBy(1 / 0.7) }, "−");
-  const fit = h("button", { class: "sacwb-fit", title: "fit the whole picture", onclick: () => fitView() }, "Fit");
+  const fit = h("button", { class: "sacwb-fit", title: "fit the whole picture, as far as its labels stay legible", onclick: () => fitView() }, "Fit");
   const graphTools = h("div", { class: "sacwb-graph-tools" }, zoomIn, zoomOut, fit,
     h("span", { class: "sacwb-hint" }, " drag to pan · scroll to zoom · click a box to open it, an op to flip it (shift-click selects)"));
-  const view = { full: null, box: null, name: null };
+  const view = { full: null, box: null, name: null, focused: 0 };
   const setBox = (box) => {
     view.box = box;
     graph.querySelector("svg")?.setAttribute("viewBox", box.join(" "));
   };
-  const fitView = () => { if (view.full) setBox([...view.full]); };
-  const centreOn = (id) => {
-    const svg = graph.querySelector("svg");
-    const target = id && svg?.querySelector(`#${CSS.escape(id)}`);
-    if (!target || !view.full) return;
-    const b = target.getBBox();
-    // graphviz puts one translate on its root group; node boxes are inside it
-    const root = svg.querySelector("g.graph");
-    const m = root?.transform?.baseVal?.consolidate()?.matrix;
-    const x = b.x + (m ? m.e : 0), y = b.y + (m ? m.f : 0);
-    const w = Math.max(view.full[2] * 0.35, b.width * 3), hgt = Math.max(view.full[3] * 0.35, b.height * 6);
-    const gw = graph.clientWidth || 800, gh = graph.clientHeight || 600;
-    const aspect = gw / gh;
-    const [bw, bh] = w / hgt > aspect ? [w, w / aspect] : [hgt * aspect, hgt];
-    setBox([x + b.width / 2 - bw / 2, y + b.height / 2 - bh / 2, bw, bh]);
+  // Labels never shrink below LEGIBLE_PX when the view is fitted or focused (the picture
+  // is panned instead), nor grow past MAX_SCALE times their size.
+  const LEGIBLE_PX = 9, MAX_SCALE = 1.5;
+  const panel = () => [graph.clientWidth || 800, graph.clientHeight || 600];
+  const minScale = () => {
+    const sizes = [...graph.querySelectorAll("g.node text")].map((t) => Number(t.getAttribute("font-size")) || 0).filter((f) => f > 0);
+    return LEGIBLE_PX / (sizes.length ? Math.min(...sizes) : 10);
   };
+  // pixels per picture unit that show the box [x, y, w, h] whole
+  const fitting = (b) => { const [gw, gh] = panel(); return Math.min(gw / b[2], gh / b[3]); };
+  // show the picture at `scale` around the point (cx, cy), never past its edges where it fits
+  const showAt = (scale, cx, cy) => {
+    const [gw, gh] = panel(), [x, y, w, h] = view.full;
+    const bw = gw / scale, bh = gh / scale;
+    const along = (c, lo, size, span) => (span >= size ? lo + (size - span) / 2 : Math.min(Math.max(c - span / 2, lo), lo + size - span));
+    setBox([along(cx, x, w, bw), along(cy, y, h, bh), bw, bh]);
+  };
+  // Fit: the whole picture, or where it is too big to read whole, its top left at a
+  // legible scale (drag to see the rest)
+  const fitView = () => {
+    if (!view.full) return;
+    const [x, y, w, h] = view.full, whole = fitting(view.full);
+    const scale = Math.max(Math.min(whole, MAX_SCALE), minScale());
+    const [gw, gh] = panel();
+    showAt(scale, x + Math.min(w, gw / scale) / 2, y + Math.min(h, gh / scale) / 2);
+  };
+  // the box of drawn elements, in picture units
+  const boxOf = (ids) => {
+    const svg = graph.querySelector("svg"), ctm = svg?.getScreenCTM();
+    if (!ctm) return null;
+    const inverse = ctm.inverse();
+    let box = null;
+    for (const id of ids) {
+      const r = svg.querySelector(`#${CSS.escape(id)}`)?.getBoundingClientRect();
+      if (!r || (!r.width && !r.height)) continue;
+      const a = new DOMPoint(r.left, r.top).matrixTransform(inverse), b = new DOMPoint(r.right, r.bottom).matrixTransform(inverse);
+      box = box ? [Math.min(box[0], a.x), Math.min(box[1], a.y), Math.max(box[2], b.x), Math.max(box[3], b.y)] : [a.x, a.y, b.x, b.y];
+    }
+    return box && [box[0], box[1], box[2] - box[0], box[3] - box[1]];
+  };
+  // Focus (search, Go to peak): the element and its neighbours (`focus.ids`) whole and
+  // legible; the whole picture when it is legible whole
+  const applyFocus = () => {
+    const focus = model.get("focus");
+    if (!focus?.id || focus.serial === view.focused || view.name !== model.get("view") || !view.full) return;
+    const target = boxOf([focus.id]);
+    if (!target) return;
+    view.focused = focus.serial;
+    if (fitting(view.full) >= minScale()) { fitView(); return; }
+    const near = boxOf(focus.ids?.length ? focus.ids : [focus.id]) || target;
+    const scale = Math.min(Math.max(fitting(near), minScale()), MAX_SCALE);
+    const [gw, gh] = panel();
+    const fits = near[2] <= gw / scale && near[3] <= gh / scale;
+    const c = fits ? near : target;
+    showAt(scale, c[0] + c[2] / 2, c[1] + c[3] / 2);
+  };
+  // the panel's width / height goes to Python, which arranges views to fill it
+  const sendAspect = () => {
+    const [gw, gh] = [graph.clientWidth, graph.clientHeight];
+    if (!gw || !gh) return;
+    const aspect = Math.round((gw / gh) * 10) / 10;
+    if (Math.abs(aspect - model.get("graph_aspect")) > 0.05) { model.set("graph_aspect", aspect); model.save_changes(); }
+  };
+  let resizing = null;
+  new ResizeObserver(() => { clearTimeout(resizing); resizing = setTimeout(sendAspect, 200); }).observe(graph);
   let drag = null, dragged = false;
   graph.addEventListener("mousedown", (e) => { if (view.box) { drag = { x: e.clientX, y: e.clientY, box: [...view.box] }; dragged = false; } });
   window.addEventListener("mouseup", () => { drag = null; });
@@ -255,24 +304,30 @@ function render({ model, el }) {
   };
 
   const drawGraph = () => {
-    const sameView = view.name === model.get("view");
+    let sameView = view.name === model.get("view");
     graph.innerHTML = model.get("svg");
     const svg = graph.querySelector("svg");
     if (svg) {
       const vb = (svg.getAttribute("viewBox") || "0 0 100 100").split(/[\s,]+/).map(Number);
+      // the same view arranged anew (another panel aspect) is fitted again
+      const shape = (b) => b[2] / b[3];
+      if (view.full && Math.abs(Math.log(shape(vb) / shape(view.full))) > 0.1) sameView = false;
       view.full = vb;
       svg.removeAttribute("width"); svg.removeAttribute("height");
       svg.setAttribute("preserveAspectRatio", "xMidYMid meet");
-      if (sameView && view.box) setBox(view.box); else setBox([...vb]);
+      if (sameView && view.box) setBox(view.box); else fitView();
     }
     view.name = model.get("view");
     markGraph();
+    applyFocus();
   };
 
   const drawLegend = () => {
     const lg = model.get("legend");
     legend.replaceChildren(h("div", { class: "sacwb-title" }, lg.title ?? ""),
-      ...(lg.lines ?? []).map((line) => h("div", { class: "sacwb-legend-line" }, line)));
+      ...(lg.lines ?? []).map((line) => h("div", { class: "sacwb-legend-line" }, line)),
+      h("div", { class: "sacwb-legend-rows" }, ...(lg.rows ?? []).map(([colour, words]) =>
+        h("span", { class: "sacwb-legend-row" }, h("span", { class: "sacwb-swatch", style: `background: ${colour}` }), words))));
   };
 
   const drawMetrics = () => {
@@ -293,17 +348,21 @@ function render({ model, el }) {
   const drawTimeline = () => {
     const t = model.get("timeline");
     const values = t.values ?? [];
-    const W = 320, H = 70, pad = 2;
+    const placed = t.placed ?? {};
+    const rows = Math.max(1, ...Object.values(placed).map((p) => p.row + 1));
+    const W = t.width ?? 320, top = 10 * rows, H = 60 + top, pad = 2;
     const svg = s("svg", { width: W, height: H, class: "sacwb-timeline-plot" });
     if (values.length > 1 && t.max > 0) {
-      const X = (f) => pad + f * (W - 2 * pad), Y = (v) => H - pad - (v / t.max) * (H - 2 * pad - 10);
+      const X = (f) => pad + f * (W - 2 * pad), Y = (v) => H - pad - (v / t.max) * (H - 2 * pad - top);
       const pts = values.map((v, i) => `${X(i / (values.length - 1))},${Y(v)}`);
       svg.append(s("polygon", { points: `${X(0)},${H - pad} ${pts.join(" ")} ${X(1)},${H - pad}`, class: "sacwb-timeline-area" }));
       const marks = t.marks ?? {}, labels = t.labels ?? {};
       for (const [kind, f] of Object.entries(marks)) {
         const cls = kind === "peak" ? "sacwb-mark-peak" : "sacwb-mark-selected";
-        svg.append(s("line", { x1: X(f), x2: X(f), y1: 10, y2: H - pad, class: cls }));
-        svg.append(s("text", { x: Math.min(X(f) + 2, W - 60), y: 9, class: cls }, labels[kind] ?? kind));
+        const { row = 0, anchor = "start" } = placed[kind] ?? {};
+        svg.append(s("line", { x1: X(f), x2: X(f), y1: 10 * row + 1, y2: H - pad, class: cls }));
+        svg.append(s("text", { x: X(f) + (anchor === "start" ? 2 : -2), y: 10 * row + 9, "text-anchor": anchor,
+          class: `${cls} sacwb-mark-label` }, labels[kind] ?? kind));
       }
     }
     timeline.replaceChildren(h("div", { class: "sacwb-subtitle" }, `live memory over the step (${t.steps ?? 0} ops)`), svg);
@@ -401,7 +460,7 @@ function render({ model, el }) {
   drawAll();
   model.on("change:svg", drawGraph);
   for (const name of ["selected_id", "peak_ids"]) model.on(`change:${name}`, markGraph);
-  model.on("change:focus", () => centreOn(model.get("focus").id));
+  model.on("change:focus", applyFocus);
   model.on("change:legend", drawLegend);
   model.on("change:metrics", () => { drawMetrics(); drawBudget(); });
   model.on("change:timeline", drawTimeline);

@@ -27,6 +27,7 @@ from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.export import FORMATS
+from workbench.show.viz.arrange import PANEL_ASPECT
 from workbench.show.widgets.model import STATE, ExplorerModel
 from workbench.show.widgets.session import policy_label
 
@@ -105,6 +106,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     # the FSDP choice of per-rank graphs: shown (and toggled) only where `has_fsdp`
     has_fsdp = traitlets.Bool(False).tag(sync=True)
     fsdp_reshard = traitlets.Bool(True).tag(sync=True)
+    # the picture panel's width / height, set by the front end: views are arranged to fill it
+    graph_aspect = traitlets.Float(PANEL_ASPECT).tag(sync=True)
 
     def __init__(
         self,
@@ -138,6 +141,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "export_path": lambda path: setattr(self.model.exports, "path", Path(path)),
             "suggest_method": lambda method: setattr(self.model, "suggest_method", method),
             "suggest_host_budget_bytes": self.model.set_host_budget,
+            "graph_aspect": self.model.set_graph_aspect,
         }
         self.observe(self._on_set, names=list(self._setters))
         self.on_msg(self._on_msg)

@@ -27,6 +27,7 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import Elements, View, render_view, svg_id
+from workbench.show.viz.arrange import PANEL_ASPECT, panel_aspect
 from workbench.show.viz.render import op_elements
 from workbench.show.widgets.panels import (
     budget_slider,
@@ -72,7 +73,7 @@ STATE: tuple[str, ...] = (
     "metrics", "timeline", "history", "history_plots", "message", "profile", "all_layers",
     "policy_json", "modules", "ops", "can_undo", "can_redo", "export_format", "export_code",
     "export_path", "running", "status", "run_result", "budget_range", "suggest_method",
-    "suggest_host_budget_bytes", "has_fsdp", "fsdp_reshard", "offload_text",
+    "suggest_host_budget_bytes", "has_fsdp", "fsdp_reshard", "offload_text", "graph_aspect",
 )  # fmt: skip
 _WORDS = {"save": "saved", "recompute": "recomputed", "offload": "offloaded"}
 
@@ -129,6 +130,9 @@ class ExplorerModel:
         self.profile, self.view, self.all_layers = profile, "overview", True
         self.message = self.status = self.selected = self.selected_id = ""
         self.focus: dict[str, Any] = {}
+        # the picture panel's width / height: views are arranged to fill it
+        self.graph_aspect = PANEL_ASPECT
+        self._arranged: dict[tuple[str, float], str] = {}  # (view, aspect) -> arrangement
         self.details: dict[str, Any] = {}
         self.run_result: dict[str, Any] = {}
         self.running = False
@@ -326,7 +330,8 @@ class ExplorerModel:
             raise WorkbenchError(f"{name} lies outside every module; it is not drawn alone")
         self.select(name)
         target = svg_id("n", name) if decidable(info) else svg_id("b", info.module)
-        self.focus = {"id": target, "serial": self.focus.get("serial", 0) + 1}
+        self.focus = {"id": target, "ids": self.picture.around(target),
+                      "serial": self.focus.get("serial", 0) + 1}  # fmt: skip
 
     def go_to_peak(self) -> None:
         """Open the view where the estimated peak happens, centred on the op that stands for
@@ -421,6 +426,13 @@ class ExplorerModel:
             )
         self.profile = profile
         self.metrics = metrics_panel(self.estimate, profile)
+
+    def set_graph_aspect(self, aspect: float) -> None:
+        """The picture panel's width / height (the front end says it): the view is arranged
+        again to fill it."""
+        if panel_aspect(aspect) != self.graph_aspect:
+            self.graph_aspect = panel_aspect(aspect)
+            self._draw()
 
     def set_export_format(self, fmt: str) -> None:
         """Show the policy in another export format; the export file's ending follows."""
@@ -577,9 +589,12 @@ class ExplorerModel:
 
     def _draw(self) -> None:
         """The picture of the current view, and what the library says its elements are."""
+        known = (self.view, self.graph_aspect)
         self.picture: View = render_view(
-            self.graph, self.decisions, self.view, policy_name=self.policy.preset
-        )
+            self.graph, self.decisions, self.view, policy_name=self.policy.preset,
+            aspect=self.graph_aspect, arrangement=self._arranged.get(known),
+        )  # fmt: skip
+        self._arranged[known] = self.picture.arrangement
         self.svg = self.picture.svg(legend=False)  # the widget draws its legend beside it
         est = self.estimate
         self.legend = legend_panel(self.graph.model_name, self.view, self.picture, est,

@@ -21,9 +21,10 @@ from workbench.decide.decider import Decisions, decidable, rules_of
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.show.viz import View
+from workbench.show.viz.render import EDGE_WORDS, OFFLOAD_EDGE_WORDS
 from workbench.show.viz.style import COLLECTIVE_WORDS
 from workbench.show.widgets.session import policy_label
-from workbench.units import format_bytes, format_flops, format_seconds
+from workbench.units import byte_ticks, format_bytes, format_flops, format_seconds
 
 __all__ = [
     "BUDGET_STOPS",
@@ -39,6 +40,7 @@ __all__ = [
     "offload_line",
     "newly_forced",
     "peak_counts",
+    "place_labels",
     "peak_ids",
     "peak_twins",
     "peak_words",
@@ -48,6 +50,8 @@ __all__ = [
 ]
 
 TIMELINE_POINTS = 240  # columns of the small memory timeline under the metrics
+TIMELINE_WIDTH = 320  # its width in pixels; its labels are 9 px Helvetica
+LABEL_CHAR_PX = 5.5  # the widest average character of such a label, digits and capitals
 NEWLY_FORCED_NAMED = 3  # nodes a flip's message names when it forces others
 BUDGET_STOPS = 101  # positions of the memory-budget slider, every 1 % of its range
 
@@ -124,7 +128,36 @@ def timeline_panel(
             again = "recomputed" if decision.recompute else "reloaded"
             marks[again], labels[again] = spots[-1] / last, again
     return {"values": downsample(totals, TIMELINE_POINTS), "max": max(totals, default=0),
-            "steps": len(totals), "marks": marks, "labels": labels}  # fmt: skip
+            "steps": len(totals), "marks": marks, "labels": labels, "width": TIMELINE_WIDTH,
+            "placed": place_labels(marks, labels, TIMELINE_WIDTH)}  # fmt: skip
+
+
+def place_labels(
+    marks: dict[str, float], labels: dict[str, str], width: int
+) -> dict[str, dict[str, Any]]:
+    """Where each mark's label goes on a plot `width` pixels wide: right of its line, or
+    left of it near the right edge (`anchor` start / end), on the first text row (`row` 0,
+    1, ...) where it overlaps no label placed before it, marks from left to right.
+
+    >>> place_labels({"peak": 0.5, "selected": 0.52}, {"peak": "peak 1 MiB", "selected": "mm"}, 320)
+    {'peak': {'row': 0, 'anchor': 'start'}, 'selected': {'row': 1, 'anchor': 'start'}}
+    """
+    rows: list[list[tuple[float, float]]] = []
+    placed: dict[str, dict[str, Any]] = {}
+    for kind, fraction in sorted(marks.items(), key=lambda item: item[1]):
+        x, text = fraction * width, len(labels.get(kind, kind)) * LABEL_CHAR_PX
+        anchor = "start" if x + 2 + text <= width else "end"
+        span = (x + 2, x + 2 + text) if anchor == "start" else (x - 2 - text, x - 2)
+        row = next((k for k, taken in enumerate(rows) if _clear(span, taken)), len(rows))
+        if row == len(rows):
+            rows.append([])
+        rows[row].append((span[0] - 3, span[1] + 3))
+        placed[kind] = {"row": row, "anchor": anchor}
+    return placed
+
+
+def _clear(span: tuple[float, float], taken: list[tuple[float, float]]) -> bool:
+    return all(span[1] < a or b < span[0] for a, b in taken)
 
 
 def _offload_words(graph: JointGraph, decisions: Decisions, policy: Policy, name: str) -> str:
@@ -171,8 +204,9 @@ def details_panel(
 def legend_panel(
     model_name: str, view: str, picture: View, est: Estimate, policy: Policy
 ) -> dict[str, Any]:
-    """Title and lines beside the picture, read from the picture's elements (folded layers,
-    communication ops), never from its text."""
+    """Title, lines and colour samples beside the picture, read from the picture (its
+    elements: folded layers, communication ops; its legend rows: every shade it can show,
+    as the static render explains them), never from its text."""
     lines = [
         f"kept for backward (whole step): {format_bytes(est.saved_activation_bytes)} · "
         f"peak {format_bytes(est.peak_bytes)} at {est.peak_node}"
@@ -184,19 +218,19 @@ def legend_panel(
                     f"'{element.label}': {len(element.layers)} identical layers drawn once; "
                     "box figures are totals"
                 )
-        lines.append("box colour: share of its ops saved (blue) and recomputed (orange)")
         if policy.offloads:
             lines.append("box text: how many of the saved ops are offloaded to host memory")
         lines.append("click a box to open it; click a layer's frame to open the whole layer")
     else:
-        lines.append("blue: saved · orange: recomputed · grey note: backward ops reading it")
+        lines += EDGE_WORDS
         if policy.offloads:
-            lines.append("green: saved in host memory (offloaded), reloaded for backward")
+            lines.append(OFFLOAD_EDGE_WORDS)
         lines.append("click an op to flip it; shift-click selects only")
         if picture.collectives:
             lines.append(COLLECTIVE_WORDS)
     title = f"{model_name} · policy {policy_label(policy.to_json())}: {view}"
-    return {"title": title, "lines": lines}
+    rows = [[colour, words] for colour, words in picture.legend_rows]
+    return {"title": title, "lines": lines, "rows": rows}
 
 
 def peak_twins(graph: JointGraph, estimator: Estimator, peak_node: str) -> tuple[str, list[str]]:
@@ -306,13 +340,23 @@ def _ticks(lo: float, hi: float) -> list[float]:
     return [float(v) for v in out] or [lo, hi]
 
 
-def _axis(values: list[float], fmt: Callable[[float], str], least: float) -> dict[str, Any]:
+def _axis(
+    values: list[float], ticks: Callable[[float, float], list[tuple[float, str]]], least: float
+) -> dict[str, Any]:
     """A padded axis around `values` with labelled ticks (`least`: the padding of one value
     that is 0)."""
     lo, hi = min(values), max(values)
     pad = (hi - lo) * 0.08 or lo * 0.05 or least
     lo, hi = lo - pad, hi + pad
-    return {"lo": lo, "hi": hi, "ticks": [[v, fmt(v)] for v in _ticks(lo, hi)]}
+    return {"lo": lo, "hi": hi, "ticks": [[v, text] for v, text in ticks(lo, hi)]}
+
+
+def _second_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    return [(v, format_seconds(v)) for v in _ticks(lo, hi)]
+
+
+def _byte_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    return [(float(v), text) for v, text in byte_ticks(lo, hi)]
 
 
 def history_plots(rows: list[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
@@ -329,8 +373,8 @@ def history_plots(rows: list[dict[str, Any]], profile: str) -> list[dict[str, An
             "title": f"measured (Run) on {where}" if measured else f"estimated on {where}",
             "x_label": f"step time measured on {where}" if measured
             else f"step time on {where} (estimate)",
-            "x": _axis([r["step_seconds"] for r in points], format_seconds, 1e-6),
-            "y": _axis([r["peak_bytes"] for r in points], format_bytes, 1),
+            "x": _axis([r["step_seconds"] for r in points], _second_ticks, 1e-6),
+            "y": _axis([r["peak_bytes"] for r in points], _byte_ticks, 1),
         })  # fmt: skip
     return plots
 
