@@ -20,7 +20,7 @@ from workbench.capture.models import Workload, is_user_factory, load_workload
 from workbench.capture.parallel import Parallel
 from workbench.capture.trace import timed_trace
 from workbench.decide.policy import Policy, parse_policy
-from workbench.errors import WorkbenchError
+from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.files import check_writable
 
 if TYPE_CHECKING:
@@ -28,12 +28,17 @@ if TYPE_CHECKING:
     from workbench.search.solve import SolveOptions
 
 
-INT64_MAX = 2**63 - 1
+# Bounds on counts of work a flag asks for, each far above what a study needs and low enough
+# that a typo cannot ask for days of work (the reason is said in the error).
+MAX_RUNS = 1000  # --repeat, --warmup: each is a whole train step
+MAX_FLIPS = 100_000  # bench whatif --flips: each flip is one what-if
+MAX_FULL_PATH = 1000  # each runs torch's remat pass and a full estimate
+MAX_RANDOM = 10_000  # verify --random: each policy is a remat and a real run
+SEED_MAX = 2**64 - 1  # what torch.manual_seed takes
 
 
-def _check_positive(flag: str, value: int) -> None:
-    if value < 1:
-        raise WorkbenchError(f"{flag} must be a positive integer, got {value}")
+def _check_positive(flag: str, value: int, high: int = MAX_RUNS, why: str = "") -> None:
+    check_int(flag, value, 1, high, why or "each one is a run of the whole step")
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
@@ -108,7 +113,8 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
     checked bitwise; the failures are listed with their policies, to reproduce one."""
     from workbench.search.soundness import run_soundness
 
-    _check_positive("--random", args.random)
+    _check_positive("--random", args.random, MAX_RANDOM, "each policy is a remat and a real run")
+    check_int("--seed", args.seed, 0, SEED_MAX)
     if args.policy is not None:
         raise WorkbenchError("verify: give --policy or --random N, not both")
     parallel = _parallel_from_args(args)
@@ -128,8 +134,13 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
     """One gloo process per rank: each rank's remat'd graph against its eager step."""
     from workbench.cost.ranks import check_ranks
 
+    policy = parse_policy(args.policy)
+    _refuse_unfit_ranks(args, parallel, policy)
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     checks = check_ranks(args.model, parallel, [args.policy], **shape)
+    errors = sorted({c.error for c in checks if c.error})
+    if errors and all(c.error for c in checks):  # nothing was compared: say why in one line
+        raise WorkbenchError(f"every rank failed: {errors[0]}")
     return {
         "model": args.model,
         "policy": parse_policy(args.policy).to_json(),
@@ -137,6 +148,24 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
         "bitwise_equal": all(c.bitwise_equal for c in checks),
         "mismatched": {str(c.rank): list(c.mismatched) for c in checks if c.mismatched},
     }
+
+
+def _refuse_unfit_ranks(args: argparse.Namespace, parallel: Parallel, policy: Policy) -> None:
+    """Before spawning: as many ranks as this machine can run (`check_rank_count`), then one
+    rank traced in fake mode (the checks `trace` makes: degrees that divide the model, the
+    factory's TP plan), its estimated peak times the ranks against free memory."""
+    import torch
+
+    from workbench.cost.estimate import Estimator
+    from workbench.cost.measure import check_fits
+    from workbench.cost.ranks import check_rank_count
+
+    check_rank_count(parallel)
+    rank, _ = timed_trace(_workload_from_args(args, "fake"), "fake", parallel)
+    estimator = Estimator(rank, profiles=(), optimizer="none")
+    peak = max(estimator.estimate(p).peak_bytes for p in (policy, Policy("none")))
+    what = f"{rank.model_name!r} on {parallel.world_size} ranks (each its own process)"
+    check_fits(peak * parallel.world_size, 0, torch.device("cpu"), what)
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
@@ -147,7 +176,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     if args.torchtitan_version is not None and args.format != "torchtitan":
         raise WorkbenchError("--torchtitan-version goes with --format torchtitan only")
     policy = parse_policy(args.policy)
-    if args.out:
+    if args.out is not None:
         check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
     graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
     if args.format == "torchtitan":
@@ -155,7 +184,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     else:
         text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
-    if args.out:
+    if args.out is not None:
         result["path"] = str(write_export(text, args.out, overwrite=args.overwrite))
     return result
 
@@ -165,7 +194,7 @@ def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.interop.activations import activation_log, activation_rows, totals
 
     policy = parse_policy(args.policy)
-    graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
+    graph, _ = _trace_from_args(args)  # one rank's graph under --fsdp/--tp
     rows = activation_rows(graph, policy)
     return {
         "model": graph.model_name,
@@ -182,6 +211,16 @@ def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.show.explain import explain
 
     policy = parse_policy(args.policy)
+    if args.model is None:
+        given = [f"--{n}" for n in ("layers", "seq", "batch") if getattr(args, n) is not None]
+        given += [f"--{name}" for name in ("fsdp", "tp") if getattr(args, name) != 1]
+        given += ["--mode"] if args.mode != "real" else []
+        given += ["--dtype"] if args.dtype != "float32" else []
+        if given:
+            raise WorkbenchError(
+                f"policy explain: {', '.join(given)} describe a model's graph: give --model "
+                "too, or leave them out for the policy's rules alone"
+            )
     graph = _trace_from_args(args)[0] if args.model is not None else None
     return explain(policy, graph)
 
@@ -238,8 +277,7 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.interop.baselines import measure_policy
 
     _check_positive("--repeat", args.repeat)
-    if args.warmup < 0:
-        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
+    check_int("--warmup", args.warmup, 0, MAX_RUNS, "each one is a run of the whole step")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     if _parallel_from_args(args) is not None:
@@ -260,9 +298,9 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
     from workbench.bench import bench_whatif
 
-    _check_positive("--flips", args.flips)
-    if args.full_path < 0:
-        raise WorkbenchError(f"--full-path must be 0 or more flips, got {args.full_path}")
+    _check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one what-if")
+    check_int("--full-path", args.full_path, 0, MAX_FULL_PATH, "each runs torch's remat pass")
+    check_int("--seed", args.seed, 0, SEED_MAX)
     graph, trace_seconds = _trace_from_args(args)
     result = bench_whatif(
         graph, parse_policy(args.policy), flips=args.flips, full_path=args.full_path, seed=args.seed
@@ -308,7 +346,7 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.floor import floor_search
 
     options = _solve_options_from_args(args)
-    _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    check_int("--tolerance-bytes", args.tolerance_bytes, 1, INT64_MAX, "int64")
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
     estimator = Estimator(graph, (args.profile,), args.optimizer)
@@ -367,23 +405,21 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
 
 def _check_host_budget(args: argparse.Namespace) -> None:
     """Before tracing: a bad host budget is refused at once, not after a whole front."""
-    if not 0 <= args.host_budget_bytes <= INT64_MAX:
-        raise WorkbenchError(
-            f"--host-budget-bytes must be from 0 (no offload) to {INT64_MAX} (int64), "
-            f"got {args.host_budget_bytes}"
-        )
+    check_int("--host-budget-bytes", args.host_budget_bytes, 0, INT64_MAX, "0: no offload; int64")
+
+
+def _check_budget(args: argparse.Namespace) -> None:
+    """Before tracing: --budget-bytes or --budget-frac in range."""
+    if args.budget_bytes is not None:
+        check_int("--budget-bytes", args.budget_bytes, 1, INT64_MAX, "int64")
+    elif not 0 < args.budget_frac <= 1:
+        raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
 
 
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
     if args.budget_bytes is not None:
-        if not 0 < args.budget_bytes <= INT64_MAX:
-            raise WorkbenchError(
-                f"--budget-bytes must be from 1 to {INT64_MAX} (int64), got {args.budget_bytes}"
-            )
         return int(args.budget_bytes)
-    if not 0 < args.budget_frac <= 1:
-        raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
-    return int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes)
+    return max(1, int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes))
 
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
@@ -392,6 +428,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.solve import solve
 
     options = _solve_options_from_args(args)
+    _check_budget(args)
     graph, trace_seconds = _trace_from_args(args)
     estimator = Estimator(graph, (args.profile,), args.optimizer)
     budget = _budget_from_args(args, estimator)
@@ -407,10 +444,11 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
     from workbench.cost.estimate import Estimator
-    from workbench.search.pareto import pareto
+    from workbench.search.pareto import MAX_POINTS, pareto
     from workbench.search.solve import Solution, fsdp_choices, preset_points
 
     options = _solve_options_from_args(args)
+    check_int("--points", args.points, 2, MAX_POINTS, "each point is a solve")
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 

@@ -45,7 +45,7 @@ from workbench.capture.tracing import (
     check_loss,
     trace_step,
 )
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, check_int
 
 __all__ = [
     "MESH_DIMS",
@@ -62,6 +62,9 @@ __all__ = [
 ]
 
 MESH_DIMS = ("fsdp", "tp")
+# torch's process groups count ranks in a C int; the largest jobs run ~10^5 GPUs.
+MAX_WORLD_SIZE = 2**20
+WORLD_WHY = "ranks in one job"
 DtypeName = Literal["bfloat16", "float32"]
 # A TP plan: {module path: ParallelStyle} for `parallelize_module`, or a callable that
 # parallelizes the model on the "tp" mesh itself.
@@ -90,9 +93,8 @@ class Parallel:
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise WorkbenchError(f"parallel {name} must be a positive integer, got {value!r}")
+            check_int(f"parallel {name}", getattr(self, name), 1, MAX_WORLD_SIZE, WORLD_WHY)
+        check_int("parallel world size (fsdp x tp)", self.world_size, 1, MAX_WORLD_SIZE, WORLD_WHY)
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise WorkbenchError(

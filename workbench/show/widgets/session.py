@@ -16,9 +16,9 @@ from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.decide.decider import restrict
-from workbench.decide.policy import Policy
+from workbench.decide.policy import MAX_POLICY_FILE_BYTES, Policy
 from workbench.errors import WorkbenchError
-from workbench.files import write_file
+from workbench.files import MAX_MARKED_BYTES, read_file, write_file
 from workbench.interop.export import FORMATS, export
 from workbench.show.viz import pareto_front
 from workbench.units import format_bytes, format_seconds
@@ -149,7 +149,7 @@ def _claim(path: Path, suffix: str, data: bytes) -> Path:
         if os.path.lexists(candidate):
             continue
         try:
-            return write_file(candidate, data)
+            return write_file(candidate, data, only_new=True, mark=False)
         except WorkbenchError:
             if not os.path.lexists(candidate):
                 raise
@@ -179,21 +179,20 @@ class Autosave:
         self._last: bytes | None = None  # what this session last read or wrote there
 
     def _read(self) -> bytes | None:
-        try:
-            return self.path.read_bytes()
-        except FileNotFoundError:
+        if not os.path.lexists(self.path):
             return None
+        return read_file(self.path, f"autosave {str(self.path)!r}", MAX_POLICY_FILE_BYTES)
 
     def recover(self, graph: JointGraph, start: Policy) -> tuple[Policy, str]:
         """The autosaved policy when there is one (what still applies to `graph`), else
         `start`; and the line that tells the user what happened."""
         try:
             data = self._read()
-        except OSError as err:
-            old, self.path = self.path, _relocated(self.path)
-            return start, (
-                f"cannot read {old.name} ({err.strerror}); it is left as it is and this "
-                f"explorer autosaves to {self.path.name}"
+        except WorkbenchError as err:
+            self.path = _relocated(self.path)
+            return (
+                start,
+                f"{err}; it is left as it is and this explorer autosaves to {self.path.name}",
             )
         if data is None:
             return start, ""
@@ -261,8 +260,8 @@ EXPORT_NAMES = {
 
 def _read_bytes(path: Path) -> bytes | None:
     try:
-        return path.read_bytes()
-    except OSError:
+        return read_file(path, repr(str(path)), MAX_MARKED_BYTES)
+    except WorkbenchError:
         return None
 
 
@@ -280,7 +279,7 @@ class Exports:
         self.path = folder / (model_name + EXPORT_NAMES[fmt])
         self.code = ""
         self.refusal = ""  # why the format cannot say the policy ("" when it can)
-        self._written: dict[Path, str] = {}
+        self._written: dict[Path, bytes | None] = {}
 
     def show(self, policy: Policy, graph: JointGraph) -> None:
         """The code for `policy`; a format that cannot say it (policy_fn and offload) shows
@@ -310,13 +309,13 @@ class Exports:
         if target.is_dir():
             raise WorkbenchError(f"{str(target)!r} is a folder: name a file to export to")
         ours = self._written.get(target)
-        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours.encode()):
+        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours):
             raise WorkbenchError(
                 f"{str(target)!r} exists and was not written by this explorer (or was edited "
                 "since): choose another export path"
             )
         write_file(target, self.code, overwrite=os.path.lexists(target))
-        self._written[target] = self.code
+        self._written[target] = _read_bytes(target)  # as written: with the workbench's mark
         self.path = target
         return target
 
