@@ -38,7 +38,7 @@ SEED_MAX = 2**64 - 1  # what torch.manual_seed takes
 
 
 def _check_positive(flag: str, value: int, high: int = MAX_RUNS, why: str = "") -> None:
-    check_int(flag, value, 1, high, why or "each one is a run of the whole step")
+    check_int(flag, value, 1, high, why or "each one is a timed run")
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
@@ -277,7 +277,7 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.interop.baselines import measure_policy
 
     _check_positive("--repeat", args.repeat)
-    check_int("--warmup", args.warmup, 0, MAX_RUNS, "each one is a run of the whole step")
+    check_int("--warmup", args.warmup, 0, MAX_RUNS, "each one is a run of the step")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     if _parallel_from_args(args) is not None:

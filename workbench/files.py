@@ -25,7 +25,15 @@ from pathlib import Path
 
 from workbench.errors import WorkbenchError
 
-__all__ = ["MARK_KEY", "check_writable", "is_ours", "marked", "read_file", "write_file"]
+__all__ = [
+    "MARK_KEY",
+    "check_writable",
+    "file_stem",
+    "is_ours",
+    "marked",
+    "read_file",
+    "write_file",
+]
 
 MARK_KEY = "written_by"  # the key a JSON file's mark sits under (readers skip it)
 _TAG = "sac-workbench-mark:"
@@ -130,6 +138,17 @@ def read_file(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
     if size > limit:
         raise WorkbenchError(f"{what} is larger than {_size(limit)}: it cannot be what is meant")
     return b"".join(chunks)
+
+
+def file_stem(name: str) -> str:
+    """`name` (a model's, e.g. `torchtitan:llama3/8B`) as one file name: characters that
+    separate folders or end strings become `_`, so a name never points elsewhere.
+
+    >>> file_stem("torchtitan:llama3/8B"), file_stem("../x")
+    ('torchtitan:llama3_8B', '.._x')
+    """
+    stem = re.sub(r"[/\\\0]", "_", name)
+    return "_" if stem in ("", ".", "..") else stem
 
 
 def marked(data: bytes, name: str = "") -> bytes:

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from workbench.capture.graph import NodeInfo
+from workbench.capture.models import MAX_LAYERS
 from workbench.decide.engine import selector_matches
 from workbench.decide.offloadable import OffloadOptions, may_offload
 from workbench.decide.presets import OFFLOAD_PRESETS, PRESETS
 from workbench.decide.tags import SelectorRow
-from workbench.errors import WorkbenchError
+from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.files import MARK_KEY, read_file, write_file
 
 SCHEMA = "sac-workbench/policy"
@@ -320,10 +321,13 @@ def offload_options(value: Any) -> OffloadOptions:
             f"offload budget_bytes {budget} would offload nothing: give a positive byte count, "
             "null for no limit, or a policy that does not offload"
         )
+    if budget is not None:
+        check_int("offload budget_bytes", budget, 1, INT64_MAX, "int64; null for no limit")
     for name in ("prefetch_layers", "defer_layers"):
         layers = getattr(value, name)
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
             raise WorkbenchError(f"offload {name} {layers!r} must be a whole number of layers >= 0")
+        check_int(f"offload {name}", layers, 0, MAX_LAYERS, "a model has at most that many")
     return value
 
 

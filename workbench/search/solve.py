@@ -404,7 +404,12 @@ class Solver:
         options: SolveOptions | None = None,
         estimator: Estimator | None = None,
     ) -> None:
-        options = options or SolveOptions()
+        options = SolveOptions() if options is None else options
+        if not isinstance(options, SolveOptions):
+            raise TypeError(
+                f"options must be a SolveOptions (e.g. SolveOptions(method='greedy')), "
+                f"got {options!r}"
+            )
         self.graph, self.options = graph, options
         if options.method == "exact":
             size = len(set(rules_of(graph).keys.values()))

@@ -18,7 +18,7 @@ from workbench.capture.graph import JointGraph
 from workbench.decide.decider import restrict
 from workbench.decide.policy import MAX_POLICY_FILE_BYTES, Policy
 from workbench.errors import WorkbenchError
-from workbench.files import MAX_MARKED_BYTES, read_file, write_file
+from workbench.files import MAX_MARKED_BYTES, file_stem, read_file, write_file
 from workbench.interop.export import FORMATS, export
 from workbench.show.viz import pareto_front
 from workbench.units import format_bytes, format_seconds
@@ -175,7 +175,18 @@ class Autosave:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"autosave must be a file path (str or os.PathLike), got {path!r}")
         self.path = Path(path)
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            raise WorkbenchError(
+                f"autosave {str(self.path)!r} is not a regular file (a folder, device or pipe): "
+                "name a .json file"
+            )
+        if not self.path.parent.is_dir():
+            raise WorkbenchError(
+                f"autosave {str(self.path)!r}: folder {str(self.path.parent)!r} is missing"
+            )
         self._last: bytes | None = None  # what this session last read or wrote there
 
     def _read(self) -> bytes | None:
@@ -245,7 +256,7 @@ def default_autosave(model_name: str) -> Path:
     """`MODEL.policy.json` in `$SAC_WORKBENCH_AUTOSAVE_DIR` (tests point it at a temporary
     folder, so a test run leaves nothing for the next session), else the working folder."""
     folder = os.environ.get("SAC_WORKBENCH_AUTOSAVE_DIR") or "."
-    return Path(folder) / f"{model_name}.policy.json"
+    return Path(folder) / f"{file_stem(model_name)}.policy.json"
 
 
 # File name endings of each export format: code is `.py`, torchtitan's options are command
@@ -274,9 +285,9 @@ class Exports:
     """
 
     def __init__(self, model_name: str, folder: Path, fmt: str = "policy_fn") -> None:
-        self.model_name = model_name
+        self.model_name = file_stem(model_name)
         self.format = _checked_format(fmt)
-        self.path = folder / (model_name + EXPORT_NAMES[fmt])
+        self.path = folder / (self.model_name + EXPORT_NAMES[fmt])
         self.code = ""
         self.refusal = ""  # why the format cannot say the policy ("" when it can)
         self._written: dict[Path, bytes | None] = {}

@@ -11,6 +11,7 @@ from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import Estimator
 from workbench.decide.decider import decide, layer_key, node_keys
 from workbench.decide.policy import Action, Policy
+from workbench.errors import INT64_MAX, check_int
 from workbench.search.solve import SolveOptions, solve
 from workbench.units import format_bytes, format_flops
 
@@ -65,7 +66,11 @@ def suggestion(
     more rows than the solver's own base) and the message line that says what it is."""
     options = SolveOptions(method=method, profile=profile,  # type: ignore[arg-type]
                            host_budget_bytes=host_budget_bytes)  # fmt: skip
-    solution = solve(graph, int(budget_bytes), options, estimator=estimator)
+    given: object = budget_bytes
+    if isinstance(given, float) and given.is_integer():  # a slider's number
+        given = int(given)
+    budget = check_int("Suggest's budget_bytes", given, 1, INT64_MAX, "int64")
+    solution = solve(graph, budget, options, estimator=estimator)
     rebase = rebased(graph, solution.policy, current)
     own = len(solution.policy.overrides) + len(solution.policy.selectors)
     if rebase is not None and len(rebase.overrides) <= 2 * own + 8:
