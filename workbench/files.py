@@ -63,6 +63,7 @@ def write_file(
         device or pipe (replacing `/dev/null` would break the system), a missing or unwritable
         folder with a one-line error.
     """
+    _refuse_empty(path)
     target = Path(path)
     replace = _checked(target, overwrite)
     if only_new and os.path.lexists(target):
@@ -94,13 +95,19 @@ def write_file(
 def check_writable(path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
     """Refuse what `write_file` must never create or replace; commands call it before
     their slow part, so a bad `--out` fails in a second, not after tracing."""
+    _refuse_empty(path)
     _checked(Path(path), overwrite)
+
+
+def _refuse_empty(path: str | os.PathLike[str]) -> None:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {path!r}")
+    if os.fspath(path) == "":
+        raise WorkbenchError("the output path is empty: name a file to write")
 
 
 def _checked(target: Path, overwrite: bool) -> bool:
     """Whether an existing `target` may be replaced; raises for what may not be written."""
-    if str(target) in ("", "."):
-        raise WorkbenchError(f"cannot write {str(target)!r}: the path names no file")
     try:
         return _check_target(target, overwrite)
     except OSError as err:  # a name too long, a loop of links: stat itself fails
