@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from workbench.capture.tracing import (
     check_loss,
     trace_step,
 )
-from workbench.errors import WorkbenchError, check_int
+from workbench.errors import WorkbenchError, check_int, describe
 
 __all__ = [
     "MESH_DIMS",
@@ -294,16 +295,54 @@ def shard_workload(
                 "ParallelStyle} for parallelize_module or a callable(model, tp_mesh); or use --tp 1"
             )
         tied = _tied_parameters(model)
-        if callable(plan):
-            plan(model, mesh["tp"])
-        else:
-            parallelize_module(model, mesh["tp"], plan)
+        _check_tp_plan(plan, model, workload.name)
+        try:
+            if callable(plan):
+                plan(model, mesh["tp"])
+            else:
+                parallelize_module(model, mesh["tp"], plan)
+        except (WorkbenchError, KeyboardInterrupt):
+            raise
+        except Exception as err:
+            raise WorkbenchError(
+                f"the tensor-parallel plan of {workload.name!r} failed: {describe(err)}"
+            ) from None
         _retie(tied, workload.name)
     shards = _shard_parameters(model, workload.name, parallel, mesh)
     sharded = copy.copy(workload)
     sharded.model = model
     sharded.config = {**workload.config, **parallel.to_json()}
     return RankWorkload(sharded, parallel, mesh, shards)
+
+
+def _check_tp_plan(plan: Any, model: nn.Module, name: str) -> None:
+    """A dict {module path: ParallelStyle} whose every path (fnmatch patterns per component,
+    as `parallelize_module` reads them) names a module, or a callable: torch only warns
+    about a path that names nothing, and the rank then runs without collectives."""
+    if callable(plan):
+        return
+    if not isinstance(plan, dict):
+        raise WorkbenchError(
+            f"the tensor-parallel plan of {name!r} is a {type(plan).__name__}: give a dict "
+            "{module path: ParallelStyle} or a callable(model, tp_mesh)"
+        )
+    paths = [path for path, _ in model.named_modules() if path]
+    for key, style in plan.items():
+        if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+            raise WorkbenchError(
+                f"the tensor-parallel plan of {name!r} maps {key!r} to {style!r}: each entry "
+                "is a module path (str) and a ParallelStyle such as ColwiseParallel()"
+            )
+        parts = key.split(".")
+        if not any(
+            len(p) == len(parts) and all(map(fnmatch.fnmatchcase, p, parts))
+            for p in (path.split(".") for path in paths)
+        ):
+            shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
+            raise WorkbenchError(
+                f"the tensor-parallel plan of {name!r} names {key!r}, which is no module of "
+                f"the model (its modules: {shown})"
+            )
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
