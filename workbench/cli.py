@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from workbench.capture.models import DTYPES
 from workbench.commands import (
     FSDP_CHOICES,
+    check_common_args,
     cmd_activations,
     cmd_bench_offload,
     cmd_bench_render,
@@ -382,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
     try:
         with _stdout_to_stderr() if args.json else contextlib.nullcontext(), torch_logs_held():
+            check_common_args(args)
             result = run(args)
     except WorkbenchError as err:
         print(f"error: {err}", file=sys.stderr)

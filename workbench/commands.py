@@ -1,7 +1,8 @@
 """What each command does with the library: `cmd_NAME(args) -> dict`, the one JSON object
 the command prints (`workbench.cli` parses the arguments and prints the result).
 
-Entry points: the `cmd_*` functions; `workload_from_args`, `parallel_from_args`.
+Entry points: the `cmd_*` functions; `check_common_args`, `workload_from_args`,
+`parallel_from_args`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
     if args.fsdp == 1 and args.tp == 1:
         return None
     return Parallel(fsdp=args.fsdp, tp=args.tp)
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Flags every model command shares, checked before any command starts its work: the
+    parallel degrees (`Parallel`'s own checks)."""
+    if hasattr(args, "fsdp"):
+        _parallel_from_args(args)
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:

@@ -40,6 +40,9 @@ _TAG = "sac-workbench-mark:"
 _ZERO = "0" * 16
 _MARK_RE = re.compile(rb"sac-workbench-mark:([0-9a-f]{16})")
 _PNG = b"\x89PNG\r\n\x1a\n"
+# Text files whose comments start with `#` (exported code, torchtitan's options): a file of
+# another kind is left unmarked, so it is never replaced without `overwrite`.
+HASH_COMMENTS = (".py", ".sh", ".txt", ".toml", ".yaml", ".yml", ".cfg")
 # Files the workbench writes are far smaller; a larger one is not checked for a mark.
 MAX_MARKED_BYTES = 256 * 2**20
 
@@ -160,7 +163,7 @@ def file_stem(name: str) -> str:
 
 def marked(data: bytes, name: str = "") -> bytes:
     """`data` with the workbench's mark in the place its format keeps comments or metadata:
-    an XML comment (SVG), `//` (DOT), `#` (Python, shell, text), a `written_by` key (JSON),
+    an XML comment (SVG), `//` (DOT), `#` (`HASH_COMMENTS`), a `written_by` key (JSON),
     a tEXt chunk (PNG), the document's Creator (PDF). The mark holds the first 16 hex
     digits of the SHA-256 of the marked file with those digits zeroed, so any later edit
     shows. Data of another kind comes back unmarked.
@@ -199,6 +202,8 @@ def _carrier(data: bytes, name: str) -> bytes | None:
         return _after_declaration(text, f"<!--{_note('')} -->\n")
     if name.endswith((".dot", ".gv")):
         return (_note("//") + "\n" + text).encode()
+    if not name.endswith(HASH_COMMENTS):
+        return None
     if text.startswith("#!"):  # keep the interpreter line first
         first, _, rest = text.partition("\n")
         return (first + "\n" + _note("#") + "\n" + rest).encode()
