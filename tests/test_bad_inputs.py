@@ -1135,3 +1135,24 @@ def test_verify_names_a_parameter_the_model_writes(capsys: pytest.CaptureFixture
         ["verify", "--model", "bad_models:mutates_parameter"],
         "writes into lin.weight during the step .* cannot judge the policy",
     )
+
+
+@pytest.mark.timeout(60)
+def test_workload_name_with_a_slash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A model's name (`torchtitan:llama3/8B`, a user's `team/mlp`) names files in one folder:
+    the autosave and export files stay beside each other, never in a missing sub-folder."""
+    import torch
+
+    from workbench.capture.models import Workload
+    from workbench.capture.trace import trace
+    from workbench.show.widgets.model import ExplorerModel
+
+    monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
+    workload = Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), torch.randint(0, 2, (3,)),
+                        name="team/../mlp")  # fmt: skip
+    model = ExplorerModel(trace(workload, "fake"), "full")
+    assert model.autosave.path.parent == tmp_path == model.exports.path.parent
+    assert model.autosave.path.name == "team_.._mlp.policy.json"
+    assert model.save_export(None).parent == tmp_path
+    with pytest.raises(WorkbenchError, match="workload name must be a non-empty string"):
+        Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), name="")
