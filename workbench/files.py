@@ -218,16 +218,21 @@ def _after_declaration(text: str, comment: str) -> bytes:
 
 
 def _json_with_key(text: str) -> bytes | None:
+    """The mark as the object's first key, inserted into the text: the rest stays as it was."""
     try:
         data = json.loads(text)
     except ValueError:
         return None
     if not isinstance(data, dict):
         return None
-    mark = f"sac-workbench (replaced when run again); {_TAG}{_ZERO}"
-    data = {MARK_KEY: mark, **{k: v for k, v in data.items() if k != MARK_KEY}}
-    indent = 2 if "\n" in text.strip() else None
-    return (json.dumps(data, indent=indent) + ("\n" if text.endswith("\n") else "")).encode()
+    if MARK_KEY in data:  # a copy of a marked file: its old mark goes
+        data.pop(MARK_KEY)
+        text = json.dumps(data, indent=2) + "\n"
+    start = text.index("{") + 1
+    gap = text[start : len(text) - len(text[start:].lstrip())]
+    entry = json.dumps({MARK_KEY: f"sac-workbench (replaced when run again); {_TAG}{_ZERO}"})
+    entry = entry[1:-1] + ("," + (gap or " ") if data else "")
+    return (text[:start] + gap + entry + text[start + len(gap) :]).encode()
 
 
 def _png_with_text(data: bytes, text: bytes) -> bytes:

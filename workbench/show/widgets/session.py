@@ -183,10 +183,6 @@ class Autosave:
                 f"autosave {str(self.path)!r} is not a regular file (a folder, device or pipe): "
                 "name a .json file"
             )
-        if not self.path.parent.is_dir():
-            raise WorkbenchError(
-                f"autosave {str(self.path)!r}: folder {str(self.path.parent)!r} is missing"
-            )
         self._last: bytes | None = None  # what this session last read or wrote there
 
     def _read(self) -> bytes | None:
