@@ -143,3 +143,13 @@ def mutates_parameter():
 
     model, x, y = _mlp_parts()
     return Mutating(), (x, y)
+
+
+def fails_in_ranks():
+    """Builds outside a process group (the checks before spawning), fails inside a rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        raise RuntimeError("only in a rank")
+    model, x, y = _mlp_parts()
+    return model, (x, y)

@@ -1159,3 +1159,14 @@ def test_workload_name_with_a_slash(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert model.save_export(None).parent == tmp_path
     with pytest.raises(WorkbenchError, match="workload name must be a non-empty string"):
         Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), name="")
+
+
+@pytest.mark.timeout(180)
+def test_an_error_inside_the_ranks_is_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    """Past the checks before spawning, a rank fails: one line on file descriptor 2 (no
+    traceback, no torch "Terminating process" lines, from the parent or the ranks)."""
+    assert main(["verify", "--model", "bad_models:fails_in_ranks", "--fsdp", "2", "--json"]) == 2
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    one_line = r"error: rank \d failed: model factory .* failed: RuntimeError: only in a rank\n"
+    assert re.fullmatch(one_line, captured.err), captured.err
