@@ -46,10 +46,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _write_notebook(path: Path) -> None:
+def _write_notebook(path: Path, sources: list[str]) -> None:
     cells = [
         {"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": None}
-        for src in EXPLORER_CELLS
+        for src in sources
     ]
     kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path.write_text(json.dumps(
@@ -58,15 +58,16 @@ def _write_notebook(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def explorer_lab(folder: Path) -> Iterator[tuple[str, Path]]:
-    """Serve `folder/root/explorer.ipynb` (written here) on 127.0.0.1; yield its URL and the
-    folder it serves (the kernel's working folder); stop the server on the way out."""
+def explorer_lab(folder: Path, cells: list[str] | None = None) -> Iterator[tuple[str, Path]]:
+    """Serve `folder/root/explorer.ipynb` (written here, of `cells`: `EXPLORER_CELLS` by
+    default) on 127.0.0.1; yield its URL and the folder it serves (the kernel's working
+    folder); stop the server on the way out."""
     settings = folder / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     root = folder / "root"
     root.mkdir()
-    _write_notebook(root / "explorer.ipynb")
+    _write_notebook(root / "explorer.ipynb", cells or EXPLORER_CELLS)
     port, token = _free_port(), secrets.token_hex(16)
     env = {
         **os.environ,

@@ -187,6 +187,16 @@ MODEL_SPECS: list[Any] = [
     ("bad_models:data_dependent_shape", "data-dependent shapes: aten.index.Tensor .*bad_models"),
     ("user_models:data_dependent", "control flow depends on tensor values"),
     ("torchtitan:nope", "must be torchtitan:FAMILY/FLAVOR"),
+    *(
+        pytest.param(
+            f"torchtitan:{family}/debugmodel",
+            f"torchtitan:{family} cannot be traced here: ",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("torchtitan") is None, reason="torchtitan not installed"
+            ),
+        )
+        for family in ("gpt_oss", "flux", "qwen3_5")
+    ),
     pytest.param(
         "torchtitan:llama3/nope",
         "unknown torchtitan llama3 flavor 'nope'; choose one of",
@@ -226,6 +236,60 @@ FLAGS: list[tuple[list[str], str]] = [
     (["--tp", "-2"], r"parallel tp must be a whole number from 1 .*, got -2 \(int\)"),
     (["--tp", "3"], "--tp 3 does not divide the heads"),
 ]
+
+
+# Sharding a torchtitan model through graph trainer's parallelize (issue 24): refused before
+# anything is parallelized or traced.
+TITAN = ["--mode", "fake", "--layers", "2", "--seq", "32"]
+TITAN_FLAGS: list[tuple[list[str], str]] = [
+    (["--model", "torchtitan:llama3/debugmodel", "--fsdp", "2", "--ep", "2"], "is a dense model"),
+    (
+        ["--model", "torchtitan:deepseek_v3/debugmodel", "--fsdp", "3", "--ep", "3"],
+        "--ep 3 does not divide the 8 experts",
+    ),
+    (["--model", "torchtitan:qwen3/debugmodel_moe", "--ep", "2"], r"--ep 2 must divide fsdp x cp"),
+    (
+        ["--model", "torchtitan:llama3/debugmodel", "--tp", "3"],
+        "--tp 3 does not divide the 16 heads",
+    ),
+    (["--model", "torchtitan:llama3/debugmodel", "--cp", "2"], "ring attention"),
+    (
+        ["--model", "torchtitan:kimi_k2_7/debugmodel", "--fsdp", "2"],
+        "torchtitan kimi_k2_7 has no graph trainer parallelize",
+    ),
+    (
+        [
+            "--model",
+            "torchtitan:qwen3/debugmodel_moe",
+            "--fsdp",
+            "2",
+            "--ep",
+            "2",
+            "--ep-imbalance",
+            "0.5",
+        ],
+        "--ep-imbalance must be a number from 1",
+    ),  # fmt: skip
+    (["--model", "llama3-debug", "--fsdp", "2", "--ep", "2"], "run through graph trainer's"),
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")
+@pytest.mark.parametrize(
+    ("flags", "message"), TITAN_FLAGS, ids=[" ".join(f[1:]) for f, _ in TITAN_FLAGS]
+)
+def test_bad_titan_parallel_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    fails(capsys, ["trace", *TITAN, *flags], message)
+
+
+@pytest.mark.parametrize("extra", [["--policy", "full"], ["--random", "2"]])
+def test_verify_refuses_graph_trainer_ranks(
+    capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    argv = ["verify", "--model", "torchtitan:llama3/debugmodel", "--mode", "real", "--fsdp", "2"]
+    fails(capsys, [*argv, *extra], "the gloo ranks of verify do not run yet")
 
 
 @pytest.mark.parametrize(("flags", "message"), FLAGS, ids=[" ".join(f) for f, _ in FLAGS])
@@ -315,6 +379,10 @@ SIZES: list[tuple[list[str], str]] = [
     ),
     (["measure", *MLP, "--warmup", "-1"], "--warmup must be a whole number from 0 to 1,000"),
     (["estimate", *MLP, "--profile", ","], "--profile ',' names no device profile"),
+    (["estimate", *MLP, "--calibrate", "/nonexistent/trace.json"], "--calibrate .*: no such"),
+    (["estimate", *MLP, "--prefetch", "-2"], "--prefetch: prefetch must be 0 or more"),
+    (["estimate", *MLP, "--max-split-size-mb", "20"], "--max-split-size-mb: .* above"),
+    (["bench", "gpu", *MLP, "--presets", "fast"], "--presets 'fast': unknown fast; choose"),
 ]
 
 
@@ -331,6 +399,9 @@ SOLVER_FLAGS = [
     ("--host-budget-bytes", "-1"),
     ("--profile", "h900"),
     ("--method", "simplex"),
+    ("--prefetch", "-1"),
+    ("--max-split-size-mb", "10"),
+    ("--max-copies-in-flight", "0"),
 ]
 
 
@@ -662,7 +733,7 @@ EXTREME_FLAGS: list[tuple[list[str], str]] = [
     (["verify", *MLP, "--random", "1", "--seed", BIG[1]], "--seed must be a whole number"),
     (["trace", *MLP, "--fsdp", BIG[0]], r"parallel fsdp must be a whole number from 1 to"),
     (["trace", *MLP, "--tp", BIG[1]], "parallel tp must be a whole number"),
-    (["trace", *MLP, "--fsdp", "1024", "--tp", "2048"], r"world size \(fsdp x tp\) must be"),
+    (["trace", *MLP, "--fsdp", "1024", "--tp", "2048"], r"world size \(fsdp x cp x tp\) must be"),
     (["estimate", *MLP, "--fsdp", "0"], "parallel fsdp must be a whole number from 1"),
 ]
 
@@ -1155,7 +1226,7 @@ def test_workload_name_with_a_slash(monkeypatch: pytest.MonkeyPatch, tmp_path: P
                         name="team/../mlp")  # fmt: skip
     model = ExplorerModel(trace(workload, "fake"), "full")
     assert model.autosave.path.parent == tmp_path == model.exports.path.parent
-    assert model.autosave.path.name == "team_.._mlp.policy.json"
+    assert "/" not in model.autosave.path.name and "/" not in model.exports.path.name
     assert model.save_export(None).parent == tmp_path
     with pytest.raises(WorkbenchError, match="workload name must be a non-empty string"):
         Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), name="")
@@ -1170,3 +1241,57 @@ def test_an_error_inside_the_ranks_is_one_line(capfd: pytest.CaptureFixture[str]
     assert captured.out == ""
     one_line = r"error: rank \d failed: model factory .* failed: RuntimeError: only in a rank\n"
     assert re.fullmatch(one_line, captured.err), captured.err
+
+
+# `--passes`: an unknown pipeline, graph trainer's without torchtitan (both before tracing),
+# and a pass failing inside graph trainer (named).
+PASSES_ARGV = ["--model", "llama3-debug", "--layers", "1", "--seq", "8"]
+
+
+@pytest.mark.parametrize(
+    "command", [["activations"], ["estimate"], ["solve", "--budget-frac", "0.5"]], ids=str
+)
+def test_unknown_pass_pipeline(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    fails(
+        capsys,
+        [*command, *PASSES_ARGV, "--passes", "inductor"],
+        "--passes: unknown pass pipeline 'inductor'; choose one of workbench, graph-trainer",
+    )
+
+
+def test_graph_trainer_passes_without_torchtitan(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchtitan.experiments.graph_trainer.memory_policy", None)
+    fails(
+        capsys,
+        ["estimate", *PASSES_ARGV, "--passes", "graph-trainer"],
+        r"--passes: --passes graph-trainer runs torchtitan's graph trainer passes .* "
+        r"pip install -e '\.\[torchtitan\]'",
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None, reason="torchtitan not installed"
+)
+def test_a_pass_failing_inside_graph_trainer_is_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graph trainer's remat pass raising (as it does on a random op tagged for recompute):
+    one line naming the pass and its first line."""
+    remat = importlib.import_module(
+        "torchtitan.experiments.graph_trainer.selective_activation_remat"
+    )
+
+    def refuses(gm: Any, example_inputs: Any = None) -> Any:
+        raise RuntimeError("Activation checkpoint rematerialization does not support RNG ops\nmore")
+
+    monkeypatch.setattr(remat, "selective_activation_remat_pass", refuses)
+    fails(
+        capsys,
+        ["activations", *PASSES_ARGV, "--passes", "graph-trainer"],
+        "graph trainer's selective_activation_remat_pass failed: Activation checkpoint "
+        "rematerialization does not support RNG ops$",
+    )

@@ -24,10 +24,24 @@ SHOTS = Path(__file__).resolve().parents[1] / "out" / "browser"
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A JupyterLab server on 127.0.0.1 serving a notebook with the explorer; its URL and
-    the folder it serves (the kernel's working folder)."""
+# The main explorer on the default autosave (in the served folder), then a per-rank one of
+# the same model: opened after the first has edits, it must start from its own preset.
+TWO_EXPLORERS = [
+    "import os\n"
+    'os.environ["SAC_WORKBENCH_AUTOSAVE_DIR"] = "."\n'
+    "from workbench.capture.models import load_workload\n"
+    "from workbench.capture.parallel import Parallel\n"
+    "from workbench.capture.trace import trace\n"
+    "from workbench.show.widgets import PolicyExplorer",
+    'explorer = PolicyExplorer(load_workload("llama3-debug", layers=4, seq=128), "default")\n'
+    "explorer",
+    'sharded = load_workload("llama3-debug", layers=2, seq=128, device="meta")\n'
+    'rank = PolicyExplorer(trace(sharded, "fake", Parallel(fsdp=2, tp=2)), "default")\n'
+    "rank",
+]
+
+
+def _served(tmp_path: Path, cells: list[str] | None = None) -> Iterator[tuple[str, Path]]:
     if not Path(CHROMIUM).exists():
         pytest.skip(
             "Debian's chromium is not installed: `make test` installs it when run as root "
@@ -35,10 +49,23 @@ def lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         )
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (no download)")
     try:
-        with explorer_lab(tmp_path) as served:
+        with explorer_lab(tmp_path, cells) as served:
             yield served
     except LabDidNotStart as err:
         pytest.fail(str(err))
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A JupyterLab server on 127.0.0.1 serving a notebook with the explorer; its URL and
+    the folder it serves (the kernel's working folder)."""
+    yield from _served(tmp_path)
+
+
+@pytest.fixture
+def two_explorers_lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The same, serving `TWO_EXPLORERS`."""
+    yield from _served(tmp_path, TWO_EXPLORERS)
 
 
 def _spread(page: Page, plot: int) -> float:
@@ -152,7 +179,8 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             )
             page.locator(".sacwb-save").click()
             page.wait_for_function(
-                "document.querySelector('.sacwb-message').innerText.includes('saved torchtitan')",
+                "document.querySelector('.sacwb-message').innerText"
+                ".includes('saved the torchtitan export')",
                 timeout=60_000,
             )
             saved = root / "llama3-debug_sac_torchtitan.sh"
@@ -167,5 +195,99 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             )
             page.locator(".sacwb-export").scroll_into_view_if_needed()
             page.screenshot(path=str(SHOTS / "explorer-export.png"))
+        finally:
+            browser.close()
+
+
+def _run_cells(page: Page, action: str, index: int) -> None:
+    """A notebook command (`notebook:run-all-above`, `notebook:run-cell`) at cell `index`."""
+    page.evaluate(
+        "([command, index]) => { const nb = window.jupyterapp.shell.currentWidget;"
+        " nb.content.activeCellIndex = index; window.jupyterapp.commands.execute(command); }",
+        [action, index],
+    )
+
+
+def test_offload_host_row_then_a_per_rank_explorer_and_a_busy_suggest(
+    two_explorers_lab: tuple[str, Path],
+) -> None:
+    """Flip an op to offload: the host row shows its bytes. Then a per-rank explorer of the
+    same model opens from its own preset, leaving the first's autosave alone; its Suggest
+    shows a busy state while it solves."""
+    from playwright.sync_api import sync_playwright
+
+    url, root = two_explorers_lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(url)
+            page.wait_for_function(
+                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
+                "?.status === 'idle'", timeout=120_000,
+            )  # fmt: skip
+            _run_cells(page, "notebook:run-all-above", 2)  # the main explorer only
+            page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
+            main = page.locator(".sacwb").nth(0)
+            host = main.locator(".sacwb-host-peak")
+            assert host.inner_text().startswith("0 B")
+
+            # 1. open layer 0, flip mm_4 twice: save -> recompute -> offload
+            main.locator(f'g.cluster[id="{svg_id("g", "layers.0–3")}"] > text').first.click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-legend').innerText.includes('layer:0')",
+                timeout=60_000,
+            )
+            for said in ("recomputed in every", "offloaded in every"):
+                main.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
+                page.wait_for_function(
+                    "document.querySelector('.sacwb-message').innerText"
+                    f".includes('{said}')", timeout=60_000,
+                )  # fmt: skip
+            page.wait_for_function(
+                "document.querySelector('.sacwb-host-peak').innerText.includes('offloaded')",
+                timeout=60_000,
+            )
+            assert not host.inner_text().startswith("0 B")
+            main.locator(".sacwb-metrics").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "explorer-host-row.png"))
+            first = [p for p in root.glob("*.policy.json")]
+            assert len(first) == 1 and "offload" in first[0].read_text()
+            saved = first[0].read_bytes()
+
+            # 2. the per-rank explorer, opened after: its own preset, no file touched
+            _run_cells(page, "notebook:run-cell", 2)
+            page.wait_for_function(
+                "document.querySelectorAll('.sacwb .sacwb-graph svg').length === 2",
+                timeout=240_000,
+            )
+            rank = page.locator(".sacwb").nth(1)
+            title = rank.locator(".sacwb-policy .sacwb-title").inner_text()
+            assert title == "Policy: preset default, 0 selectors, 0 overrides"
+            assert "restored" not in rank.locator(".sacwb-message").inner_text()
+            assert first[0].read_bytes() == saved
+            names = sorted(p.name for p in root.iterdir() if ".policy" in p.name)
+            assert len(names) == 2 and all(n.endswith(".policy.json") for n in names), names
+            assert not [n for n in names if "stale" in n or ".policy.2." in n]
+
+            # 3. Suggest on the rank: busy while it solves, then the solver's rows
+            rank.locator(".sacwb-suggest").scroll_into_view_if_needed()
+            rank.locator(".sacwb-suggest-go").click()
+            busy = page.wait_for_function(
+                "() => { const s = document.querySelectorAll('.sacwb-status')[1];"
+                " const b = document.querySelectorAll('.sacwb-suggest-go')[1];"
+                " return s.classList.contains('sacwb-busy') && b.disabled && s.innerText; }",
+                polling=20,
+                timeout=60_000,
+            )
+            assert "Suggest: solving for a budget of" in busy.json_value()
+            page.screenshot(path=str(SHOTS / "explorer-suggest-busy.png"))
+            page.wait_for_function(
+                "document.querySelectorAll('.sacwb-message')[1].innerText"
+                ".includes('suggested by')", timeout=120_000,
+            )  # fmt: skip
+            assert not rank.locator(".sacwb-suggest-go").is_disabled()
+            assert "sacwb-busy" not in (rank.locator(".sacwb-status").get_attribute("class") or "")
         finally:
             browser.close()

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import main
+from workbench.cost.measure import PEAK_COUNTS
+from workbench.cost.profiles import get_profile
 
 TRACE_KEYS = {"model", "nodes", "forward_nodes", "backward_nodes", "seconds"}
 
@@ -240,7 +242,8 @@ def test_estimate_json_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
         "--policy", "offload", "--profile", "h100", "--json",
     )  # fmt: skip
     assert result["host_peak_bytes"] > 0 and result["offloaded_bytes"] >= result["host_peak_bytes"]
-    assert result["transfer_seconds"]["h100"] == pytest.approx(2 * result["offloaded_bytes"] / 55e9)
+    rate = get_profile("h100").host_rate()  # the host link as measured in a step
+    assert result["transfer_seconds"]["h100"] == pytest.approx(2 * result["offloaded_bytes"] / rate)
     assert 0 <= result["exposed_transfer_seconds"]["h100"] <= result["transfer_seconds"]["h100"]
 
 
@@ -254,6 +257,22 @@ def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert result["bitwise_equal"] is True and result["device"] == "cpu"
     assert [b["name"] for b in result["baselines"]] == ["no AC", "eager SAC (full)"]
+
+
+def test_measure_says_what_its_two_peaks_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured and estimated peak are the same bytes (on the CPU, device + host copies),
+    in --json and in the text a person reads."""
+    argv = ["measure", "--model", "llama3-debug", "--layers", "2", "--seq", "128",
+            "--policy", "offload", "--repeat", "1", "--warmup", "0"]  # fmt: skip
+    result = run_json(capsys, *argv, "--json")
+    assert result["peak_counts"] == PEAK_COUNTS["cpu"]
+    device, host = result["estimated_device_peak_bytes"], result["estimated_host_peak_bytes"]
+    assert host > 0 and device <= result["estimated_peak_bytes"] <= device + host
+    assert abs(result["peak_bytes"] - result["estimated_peak_bytes"]) <= 0.03 * result["peak_bytes"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "device + host copies, which share the CPU's allocator" in text
+    assert "estimated_device_peak_bytes" in text and "estimated_host_peak_bytes" in text
 
 
 def test_bench_whatif_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ import pytest
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.cost.estimate import Estimate, Estimator
+from workbench.cost.measure import PEAK_COUNTS
 from workbench.decide.decider import decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -29,6 +30,7 @@ from workbench.show.widgets.panels import (
     details_panel,
     history_plots,
     legend_panel,
+    match_words,
     metrics_panel,
     newly_forced,
     offload_line,
@@ -48,7 +50,14 @@ from workbench.show.widgets.policy_edits import (
     with_selector_action,
     without_selector,
 )
-from workbench.show.widgets.session import EXPORT_NAMES, Exports, History, Point, default_autosave
+from workbench.show.widgets.session import (
+    EXPORT_NAMES,
+    Exports,
+    History,
+    Point,
+    default_autosave,
+    graph_key,
+)
 from workbench.show.widgets.suggest import rebased, suggestion
 from workbench.units import format_bytes, format_seconds
 
@@ -244,12 +253,14 @@ def test_history_plots_label_their_ticks() -> None:
 
 def test_run_status_says_when_it_is_stale() -> None:
     result = {"device": "cpu", "peak_bytes": 2**20, "estimated_peak_bytes": 2**20,
-              "step_seconds": 0.01, "bitwise_equal": True,
-              "policy": Policy("eager").to_json()}  # fmt: skip
+              "peak_counts": PEAK_COUNTS["cpu"], "estimated_host_peak_bytes": 0,
+              "optimizer": "adamw", "optimizer_bytes": 2**21, "step_seconds": 0.01,
+              "bitwise_equal": True, "policy": Policy("eager").to_json()}  # fmt: skip
     assert run_status({}, Policy("eager")) == ""
     line = run_status(result, Policy("eager"))
     assert line == (
-        "measured on cpu: peak 1.0 MiB (estimated 1.0 MiB), 10.00 ms/step, bitwise equal to eager"
+        f"measured on cpu: peak 1.0 MiB, estimated 1.0 MiB ({PEAK_COUNTS['cpu']}; the panel's "
+        "peak memory adds AdamW state 2.0 MiB); 10.00 ms/step, bitwise equal to eager"
     )
     assert run_status(result, Policy("full")).startswith("last Run was for eager (measured on")
 
@@ -270,6 +281,14 @@ def test_message_helpers(small: Fixture) -> None:
     found = search_matches(graph, "wo")
     assert found and all("wo" in n or "wo" in graph.nodes[n].op or "wo" in graph.nodes[n].module
                          for n in found)  # fmt: skip
+    info = graph.nodes[found[0]]
+    assert (
+        match_words(info, 0, 1, "wo")
+        == f"{info.name} ({info.op} in {info.module}): match 1 of 1 for 'wo'"
+    )
+    assert match_words(info, 1, 3, "wo").endswith(
+        "match 2 of 3 for 'wo'; search again for the next"
+    )
 
 
 def test_doctests_of_the_panels_and_session() -> None:
@@ -306,12 +325,14 @@ def test_exports_name_their_file_and_never_clobber(small: Fixture, tmp_path: Pat
 
 
 def test_default_autosave_follows_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    graph = small[1]
+    name = f"{graph_key(graph)}.policy.json"
     monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
-    assert default_autosave("m") == tmp_path / "m.policy.json"
+    assert default_autosave(graph) == tmp_path / name
     monkeypatch.delenv("SAC_WORKBENCH_AUTOSAVE_DIR")
-    assert default_autosave("m") == Path("m.policy.json")
+    assert default_autosave(graph) == Path(name)
 
 
 def test_rebased_keeps_the_users_preset(small: Fixture) -> None:
@@ -366,3 +387,18 @@ def test_policy_edits_keep_what_they_do_not_edit(small: Fixture) -> None:
         with_override(overridden, "nope", "save")
     moved = with_offload(start, 2**30, 1, 1)
     assert moved.offload == OffloadOptions(2**30, 1, 1) and moved.fsdp_reshard is False
+
+
+def test_the_budget_can_hold_reserved_bytes(small: Fixture, tmp_path: Path) -> None:
+    workload, graph = small
+    model = ExplorerModel(graph, "default", workload=workload, autosave=tmp_path / "p.json",
+                          budget_kind="reserved")  # fmt: skip
+    ends = [model.estimator.estimate(Policy(p)) for p in ("full", "none")]
+    assert model.budget_range["min"] == min(e.reserved_peak_bytes for e in ends)
+    assert model.budget_range["max"] == max(e.reserved_peak_bytes for e in ends)
+    assert all(e.reserved_peak_bytes > e.peak_bytes for e in ends)
+    model.suggest(model.budget_range["max"])
+    assert "(reserved)" in model.message
+    assert model.estimate.reserved_peak_bytes <= model.budget_range["max"]
+    with pytest.raises(WorkbenchError, match="unknown budget kind 'free'"):
+        ExplorerModel(graph, budget_kind="free", autosave=tmp_path / "q.json")  # type: ignore[arg-type]

@@ -24,7 +24,8 @@ PROFILE = "h100"
 
 
 def figures(graph: JointGraph) -> dict[str, dict[str, Any]]:
-    """Per preset: the estimate's byte figures, recompute FLOPs and step time (h100)."""
+    """Per preset: the estimate's byte figures (allocated and the caching allocator's
+    reserved), recompute FLOPs, step time and exposed communication (h100)."""
     estimator = Estimator(graph, (PROFILE,))
     result = {}
     for preset in PRESETS:
@@ -37,6 +38,8 @@ def figures(graph: JointGraph) -> dict[str, dict[str, Any]]:
             "offloaded_bytes": est.offloaded_bytes,
             "recompute_flops": est.recompute_flops,
             "step_seconds": float(f"{est.step_seconds[PROFILE]:.12g}"),
+            "reserved_peak_bytes": est.reserved_peak_bytes,
+            "exposed_comm_seconds": float(f"{est.exposed_comm_seconds[PROFILE]:.12g}"),
         }
     return result
 

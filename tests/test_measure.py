@@ -12,7 +12,13 @@ from workbench.capture.models import Workload, load_workload
 from workbench.capture.trace import trace
 from workbench.cost import measure as measure_module
 from workbench.cost.estimate import Estimator, estimate_remat
-from workbench.cost.measure import check_fits, held_bytes, measure_graph
+from workbench.cost.measure import (
+    PEAK_COUNTS,
+    check_fits,
+    held_bytes,
+    measure_graph,
+    measured_counterpart,
+)
 from workbench.cost.profiles import DeviceProfile, cpu_profile, get_profile
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
@@ -33,6 +39,24 @@ def test_measure_policy_reports_estimate_measurement_and_numerics(
     assert abs(data["peak_bytes"] - data["estimated_peak_bytes"]) <= 0.03 * data["peak_bytes"]
     assert data["step_seconds"] > 0 and data["tokens_per_second"] > 0
     assert len(result.graph_sac.all_seconds) == 2 and data["baselines"] == []
+
+
+def test_measured_and_estimated_peak_count_the_same_bytes(llama_debug: Fixture) -> None:
+    """On the CPU the offloaded host copies share the allocator the profiler reads: the
+    estimate beside the measured peak is device + host at one step (issue 27: 51.6 MiB
+    measured against a device-only 48.1 MiB before)."""
+    workload, graph = llama_debug
+    result = measure_policy(workload, Policy("offload"), graph=graph, warmup=0, repeats=1)
+    data = result.to_json()
+    est = result.estimate
+    both = max(d + h for d, h in zip(est.totals(), est.host_timeline, strict=True))
+    assert data["estimated_peak_bytes"] == both == measured_counterpart(est, "cpu")[0]
+    assert data["estimated_device_peak_bytes"] == est.peak_bytes < both
+    assert data["estimated_host_peak_bytes"] == est.host_peak_bytes > 0
+    assert data["peak_counts"] == PEAK_COUNTS["cpu"]
+    assert abs(data["peak_bytes"] - both) <= 0.03 * data["peak_bytes"]
+    assert data["peak_bytes"] > est.peak_bytes * 1.03  # the device-only figure is not it
+    assert measured_counterpart(est, "cuda") == (est.peak_bytes, PEAK_COUNTS["cuda"])
 
 
 def test_eager_baselines(llama_debug: Fixture) -> None:

@@ -13,6 +13,9 @@ import pytest
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
+from workbench.cost.profiles import PROFILES
+from workbench.decide.presets import PRESETS
+from workbench.interop.export import FORMATS
 from workbench.show.viz import render_view
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +44,29 @@ def test_the_explorer_in_the_notebook_autosaves_where_tests_point_it() -> None:
     assert "PolicyExplorer(" in source and "autosave=" not in source
     conftest = (ROOT / "notebooks" / "conftest.py").read_text()
     assert "SAC_WORKBENCH_AUTOSAVE_DIR" in conftest
+
+
+def _saved_explorers(path: Path) -> list[dict[str, object]]:
+    """The explorer states a notebook saved with its outputs (widget metadata)."""
+    metadata = json.loads(path.read_text()).get("metadata", {})
+    saved = metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    states = [model.get("state", {}) for model in saved.get("state", {}).values()]
+    return [state for state in states if "presets" in state]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_saved_explorers_list_todays_choices(path: Path) -> None:
+    """What a reader sees before running anything: the saved explorer's menus must be the
+    registries' (a stale one listed presets that no longer exist and lacked new ones).
+    Re-execute the notebook when a registry changes."""
+    for state in _saved_explorers(path):
+        assert state["presets"] == list(PRESETS), f"{path.name}: re-execute it"
+        assert state["profiles"] == list(PROFILES), f"{path.name}: re-execute it"
+        assert state["export_formats"] == list(FORMATS), f"{path.name}: re-execute it"
+
+
+def test_the_main_notebook_saves_its_explorer() -> None:
+    assert _saved_explorers(ROOT / "notebooks" / "sac_llama3.ipynb")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

@@ -111,13 +111,15 @@ def test_estimate_matches_measured_device_and_host_bytes(llama_debug: Fixture) -
 
 def test_slow_host_link_exposes_the_copies(small_graphs: dict[str, Fixture]) -> None:
     _, graph = small_graphs["llama3-debug"]
-    slow = replace(H100, name="slow", host_bytes_per_s=1e6)
-    fast = replace(H100, name="fast", host_bytes_per_s=1e15)
+    slow = replace(H100, name="slow", host_bytes_per_s=1e6, host_hbm_contention=False)
+    fast = replace(H100, name="fast", host_bytes_per_s=1e15, host_hbm_contention=False)
     est = Estimator(graph, (slow, fast)).estimate(Policy("offload"))
     kept = Estimator(graph, (slow, fast)).estimate(Policy("default"))
     assert est.exposed_transfer_seconds["fast"] < 1e-9
     assert est.exposed_transfer_seconds["slow"] > 0.5 * est.transfer_seconds["slow"]
-    assert est.transfer_seconds["slow"] == pytest.approx(2 * est.offloaded_bytes / 1e6)
+    assert est.transfer_seconds["slow"] == pytest.approx(
+        2 * est.offloaded_bytes / (1e6 * H100.host_in_step_factor)
+    )
     compute = kept.step_seconds["slow"]
     assert est.step_seconds["slow"] == pytest.approx(compute + est.exposed_transfer_seconds["slow"])
     row = est.transfers[0]
@@ -174,8 +176,21 @@ def test_the_three_offload_checks_refuse_in_one_vocabulary(
 
 
 def test_host_rate_of_the_profiles() -> None:
-    assert H100.host_rate() == 55e9
-    assert replace(H100, host_bytes_per_s=None).host_rate() == H100.bytes_per_s / 2
+    # the published step rate over the benchmarked one derates the reused pool's rate
+    assert H100.host_rate() == pytest.approx(53.1e9 * 32.3 / 52)
+    fresh = replace(H100, host_pinned_reused=False)
+    assert fresh.host_rate() == pytest.approx(11.2e9 * 32.3 / 52)
+    bench = replace(H100, host_in_step_factor=1.0)
+    assert bench.host_rate() == 53.1e9
+    assert replace(bench, host_bytes_per_s=None).host_rate() == H100.bytes_per_s / 2
+
+
+def test_copies_take_hbm_bandwidth_from_compute(small_graphs: dict[str, Fixture]) -> None:
+    _, graph = small_graphs["llama3-debug"]
+    free = replace(H100, name="free", host_hbm_contention=False)
+    est = Estimator(graph, (H100, free)).estimate(Policy("offload"))
+    extra = est.compute_seconds["h100"] - est.compute_seconds["free"]
+    assert extra == pytest.approx(2 * est.offloaded_bytes / H100.bytes_per_s)
 
 
 def test_entry_node_reads_every_entry_space(small_graphs: dict[str, Fixture]) -> None:
@@ -254,3 +269,23 @@ def test_a_value_a_collective_reads_is_freed_after_its_wait(
     assert at[free.name] > at[wait.name]
     estimator = Estimator(graph, PROFILES)
     assert estimator.estimate(policy) == estimate_remat(graph, result, estimator)
+
+
+def test_floor_takes_the_host_link_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from workbench.cli import main
+
+    rates, floor_steps = {}, {}
+    for link in ("in-step", "benchmark", "fresh-pinned"):
+        argv = ["floor", "--model", "llama3-debug", "--layers", "2", "--seq", "64"]
+        assert main([*argv, "--host-link", link, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["host_link"] == link
+        rates[link] = result["host_bytes_per_s"]
+        floor_steps[link] = result["floor"]["est_step_seconds"]
+    # the floor offloads everything it still saves: its step slows as the link does
+    assert floor_steps["benchmark"] < floor_steps["in-step"] < floor_steps["fresh-pinned"]
+    assert rates["in-step"] == pytest.approx(H100.host_rate())
+    assert rates["benchmark"] == pytest.approx(53.1e9)
+    assert rates["fresh-pinned"] == pytest.approx(11.2e9 * 32.3 / 52)

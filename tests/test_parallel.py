@@ -286,3 +286,19 @@ def test_trace_speedups_leave_the_graph_as_it_was(
     assert sum(bool(n.meta.get("stack_trace")) for n in backward) < sum(
         bool(n.meta.get("stack_trace")) for n in captured
     )
+
+
+def test_parallel_json_names_ep_and_cp_only_when_used() -> None:
+    """A 2-D job's JSON (and the keys made from it, the explorer's autosave) is what it was;
+    EP borrows its ranks from fsdp x cp x tp, so it does not grow the world."""
+    assert Parallel(fsdp=2, tp=2).to_json() == {
+        "fsdp": 2,
+        "tp": 2,
+        "world_size": 4,
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+    }
+    ep = Parallel(fsdp=8, ep=8, ep_imbalance=1.5)
+    assert ep.world_size == 8 and ep.to_json()["ep"] == 8 and ep.to_json()["ep_imbalance"] == 1.5
+    assert ep.describe() == "fsdp 8 x ep 8"
+    assert Parallel(fsdp=2, cp=2, tp=2).world_size == 8

@@ -326,6 +326,11 @@ def test_plots_return_figures_with_their_artists() -> None:
     assert any("peak" in t.get_text() for t in ax.texts)
     with pytest.raises(WorkbenchError, match="differ in length"):
         plot_memory_timeline({"a": [1, 2], "b": [1]})
+    with pytest.raises(WorkbenchError, match="reserved 1"):
+        plot_memory_timeline({"a": [1, 2]}, reserved=[1])
+    both = plot_memory_timeline(timeline, reserved=[120 * 2**20] * 5).axes[0]
+    legend = [t.get_text() for t in both.get_legend().texts]
+    assert legend[-1] == "reserved (caching allocator), peak 120.00 MiB"
     bars = plot_layer_saved_bytes({0: 2**30, 1: 2**31, 2: 2**30}).axes[0]
     assert len(bars.patches) == 3 and "GiB" in bars.get_ylabel()
     points = [
@@ -367,7 +372,8 @@ def test_render_cli_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     argv = ["render", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
     assert main([*argv, "--view", "layer:1", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"path", "view", "nodes", "edges", "seconds"}
+    assert set(result) == {"path", "view", "nodes", "edges", "seconds", "passes"}
+    assert result["passes"] == {"pipeline": "workbench"}
     assert result["path"] == str(out) and result["view"] == "layer:1"
     assert result["nodes"] > 50 and result["edges"] > result["nodes"] / 2
     assert out.read_text().startswith("<?xml")

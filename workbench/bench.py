@@ -1,7 +1,7 @@
-"""Benchmarks: measured figures for tracing, the what-if and rendering.
+"""Benchmarks: measured figures for tracing, the what-if, rendering and a GPU's memory.
 
-Entry points: `bench_trace`, `bench_whatif` and `bench_render`; `python -m workbench bench
-...` prints them (what offload buys is a search: `workbench.search.floor`).
+Entry points: `bench_trace`, `bench_whatif`, `bench_render` and `bench_gpu`; `python -m
+workbench bench ...` prints them (what offload buys is a search: `workbench.search.floor`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload
+from workbench.capture.trace import trace
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.decide.decider import decide, flip
 from workbench.decide.policy import Policy
 from workbench.rewrite.remat import remat
 
-__all__ = ["bench_render", "bench_trace", "bench_whatif", "percentile"]
+__all__ = ["bench_gpu", "bench_render", "bench_trace", "bench_whatif", "percentile"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -124,4 +126,49 @@ def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, An
         "graph_nodes": len(graph.nodes),
         "decide_seconds": round(decide_seconds, 3),
         "cpu_count": os.cpu_count(),
+    }
+
+
+def bench_gpu(
+    load: Callable[[], Workload], presets: list[str], *, warmup: int, repeats: int
+) -> dict[str, Any]:
+    """Per preset on a CUDA device: the estimate (allocated at torch's 512-byte rounding, and
+    the caching allocator model's reserved bytes) beside `torch.cuda.max_memory_allocated`
+    and `max_memory_reserved` of the rematerialized graph's step, its tokens/s and whether
+    loss and gradients match an eager step bitwise. Without CUDA: says so and runs nothing.
+    `load` builds the workload on the GPU (called once, after the check)."""
+    import torch
+
+    from workbench.cost.measure import bitwise_mismatches, measure_graph
+    from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device here: bench gpu measures on one", "presets": []}
+    workload = load()
+    graph = trace(workload, mode="real")
+    estimator = Estimator(graph, profiles=(), optimizer="none")  # a graph run holds none
+    rows = []
+    for name in presets:
+        result = remat(graph, Policy(name))
+        est = estimate_remat(graph, result, estimator, CUDA_ALLOC_GRANULARITY)
+        torch.cuda.empty_cache()  # each preset starts from the inputs' segments alone
+        measured = measure_graph(graph, result.gm, name=name, warmup=warmup, repeats=repeats)
+        reserved = torch.cuda.max_memory_reserved()  # since measure_run's peak reset
+        mismatched = bitwise_mismatches(graph, result.gm, workload)
+        rows.append({
+            "preset": name,
+            "est_peak_bytes": est.peak_bytes,  # the graph's tensors at 512-byte rounding
+            # torch counts a block whole, with a remainder too small to split off
+            "est_allocated_bytes": est.allocator().allocated_peak_bytes,
+            "max_memory_allocated": measured.peak_bytes,
+            "est_reserved_bytes": est.reserved_peak_bytes,
+            "max_memory_reserved": reserved,
+            "tokens_per_second": measured.tokens_per_second,
+            "bitwise_equal": not mismatched,
+            "mismatched": mismatched,
+        })  # fmt: skip
+    return {
+        "model": graph.model_name,
+        "device": torch.cuda.get_device_name(),
+        "presets": rows,
     }

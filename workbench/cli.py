@@ -20,6 +20,7 @@ from workbench.commands import (
     FSDP_CHOICES,
     check_common_args,
     cmd_activations,
+    cmd_bench_gpu,
     cmd_bench_offload,
     cmd_bench_render,
     cmd_bench_trace,
@@ -88,6 +89,19 @@ def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP degree: trace one rank")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree (torchtitan MoE models)"
+    )
+    parser.add_argument(
+        "--cp", type=int, default=1, help="context-parallel degree (torchtitan models)"
+    )
+    parser.add_argument(
+        "--ep-imbalance",
+        type=float,
+        default=1.0,
+        help="tokens this rank's experts receive, as a multiple of the balanced count "
+        "(fake tensors cannot route; default 1: balanced)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -96,6 +110,16 @@ def _add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "defa
         "--policy",
         default=default,
         help=f"preset ({', '.join(PRESETS)}) or policy.json; `policy explain` says what it does",
+    )
+
+
+def _add_passes_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--passes",
+        default="workbench",
+        help="pass pipeline the graph goes through: workbench (torch's remat pass, the "
+        "workbench's offload pass; default) or graph-trainer (torchtitan graph trainer's "
+        "compile-time passes in its order: cleanup, tagging, its offload and remat passes)",
     )
 
 
@@ -109,8 +133,50 @@ def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> None:
+    """What the GPU will see: the caching allocator's settings and the streams' options."""
+    group = parser.add_argument_group("allocator and streams")
+    group.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    group.add_argument(
+        "--max-split-size-mb", type=int, help="model max_split_size_mb (above 20; default none)"
+    )
+    group.add_argument(
+        "--prefetch", type=int, default=0, help="FSDP all-gather buckets issued ahead (default 0)"
+    )
+    group.add_argument(
+        "--bucket-layers", action="store_true", help="one FSDP collective per layer and kind"
+    )
+    group.add_argument(
+        "--sink-waits", action="store_true", help="collective waits at their first real reader"
+    )
+    group.add_argument("--max-copies-in-flight", type=int, help="cap on host copies queued")
+    if calibrate:
+        group.add_argument(
+            "--calibrate",
+            metavar="TRACE.json",
+            help="measured op times (torch.profiler Chrome trace or table) replace the first "
+            "profile's roofline where op and shapes match",
+        )
+
+
+def _add_budget_kind_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget-kind",
+        choices=("allocated", "reserved"),
+        default="allocated",
+        help="hold the budget against allocated bytes (default) or the caching allocator's "
+        "reserved bytes",
+    )
+
+
 def _add_solve_args(parser: argparse.ArgumentParser) -> None:
     _add_optimizer_arg(parser)
+    _add_cost_args(parser)
+    _add_budget_kind_arg(parser)
     parser.add_argument(
         "--host-budget-bytes",
         type=int,
@@ -149,8 +215,18 @@ def _add_floor_args(parser: argparse.ArgumentParser) -> None:
         help="bisection over the device budget stops within this many bytes (default 1 MiB)",
     )
     parser.add_argument("--method", default="greedy", help="solve's: greedy, knapsack or exact")
+    parser.add_argument(
+        "--host-link",
+        choices=("in-step", "benchmark", "fresh-pinned"),
+        default="in-step",
+        help="host link rate: as measured in a step from a reused pinned pool (default), as "
+        "benchmarked, or with fresh pinned allocations",
+    )
+    _add_cost_args(parser)
     # what the solver's other flags would say: step time decides, both FSDP settings tried
-    parser.set_defaults(mode="fake", objective="recompute_time", fsdp_choice="search")
+    parser.set_defaults(
+        mode="fake", objective="recompute_time", fsdp_choice="search", budget_kind="allocated"
+    )
 
 
 _LONG_TEXT = 100  # characters: longer values print as their start and a note
@@ -261,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(activations)
     _add_policy_arg(activations)
+    _add_passes_arg(activations)
     activations.set_defaults(run=cmd_activations)
 
     policy = commands.add_parser("policy", help="what a policy does")
@@ -282,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--timeline", action="store_true", help="include the memory timeline")
     _add_optimizer_arg(estimate)
+    _add_passes_arg(estimate)
+    _add_cost_args(estimate, calibrate=True)
     estimate.set_defaults(run=cmd_estimate)
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
@@ -301,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget = solve.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-bytes", type=int, help="estimated peak must fit this")
     budget.add_argument("--budget-frac", type=float, help="fraction of the no-AC peak")
+    _add_passes_arg(solve)
     solve.set_defaults(run=cmd_solve)
 
     pareto = commands.add_parser("pareto", help="memory-vs-recompute front and the presets")
@@ -336,7 +416,19 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--out", required=True, help="file to write: .svg, .png, .pdf or .dot")
     render.add_argument("--force", action="store_true", help="lay out huge views anyway")
     render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _add_passes_arg(render)
     render.set_defaults(run=cmd_render)
+
+    bench_gpu = benches.add_parser(
+        "gpu", help="estimate vs max_memory_allocated/max_memory_reserved per preset on CUDA"
+    )
+    _add_model_args(bench_gpu)
+    bench_gpu.add_argument(
+        "--presets", default="none,default,eager,full,offload", help="presets, comma-separated"
+    )
+    bench_gpu.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
+    bench_gpu.add_argument("--warmup", type=int, default=1)
+    bench_gpu.set_defaults(run=cmd_bench_gpu)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")
     _add_model_args(bench_render)

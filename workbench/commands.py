@@ -8,12 +8,10 @@ Entry points: the `cmd_*` functions; `check_common_args`, `workload_from_args`,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from workbench.capture.graph import JointGraph
@@ -23,23 +21,24 @@ from workbench.capture.trace import timed_trace
 from workbench.decide.policy import Policy, parse_policy
 from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.files import check_writable
+from workbench.preflight import (
+    MAX_FLIPS,
+    MAX_FULL_PATH,
+    MAX_RANDOM,
+    MAX_RUNS,
+    SEED_MAX,
+    check_budget,
+    check_host_budget,
+    check_passes,
+    check_positive,
+    flag,
+    refuse_graph_flags_without_model,
+    refuse_unfit_ranks,
+)
 
 if TYPE_CHECKING:
     from workbench.cost.estimate import Estimator
     from workbench.search.solve import SolveOptions
-
-
-# Bounds on counts of work a flag asks for, each far above what a study needs and low enough
-# that a typo cannot ask for days of work (the reason is said in the error).
-MAX_RUNS = 1000  # --repeat, --warmup: each is a whole train step
-MAX_FLIPS = 100_000  # bench whatif --flips: each flip is one what-if
-MAX_FULL_PATH = 1000  # each runs torch's remat pass and a full estimate
-MAX_RANDOM = 10_000  # verify --random: each policy is a remat and a real run
-SEED_MAX = 2**64 - 1  # what torch.manual_seed takes
-
-
-def _check_positive(flag: str, value: int, high: int = MAX_RUNS, why: str = "") -> None:
-    check_int(flag, value, 1, high, why or "each one is a timed run")
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
@@ -56,21 +55,57 @@ def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu"
 
 
 def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
-    """None unless --fsdp or --tp asks for more than one rank."""
-    if args.fsdp == 1 and args.tp == 1:
+    """None unless --fsdp, --tp, --ep or --cp asks for more than one rank."""
+    degrees: dict[str, int] = {k: getattr(args, k, 1) for k in ("fsdp", "tp", "ep", "cp")}
+    if set(degrees.values()) == {1}:
         return None
-    return Parallel(fsdp=args.fsdp, tp=args.tp)
+    return Parallel(
+        fsdp=degrees["fsdp"],
+        tp=degrees["tp"],
+        ep=degrees["ep"],
+        cp=degrees["cp"],
+        ep_imbalance=getattr(args, "ep_imbalance", 1.0),
+    )
+
+
+def _refuse_titan_ranks(args: argparse.Namespace, parallel: Parallel | None) -> None:
+    """verify's ranks run on gloo with the workbench's own sharding; a torchtitan model's
+    rank is graph trainer's (`titan_rank`), which no gloo run reproduces yet."""
+    if parallel is not None and args.model.startswith("torchtitan:"):
+        raise WorkbenchError(
+            f"verify with --fsdp/--tp/--ep: {args.model}'s rank is sharded by graph trainer's "
+            "parallelize, which the gloo ranks of verify do not run yet; verify it on one "
+            "device (no --fsdp/--tp/--ep) or estimate the rank"
+        )
 
 
 def check_common_args(args: argparse.Namespace) -> None:
-    """Flags every model command shares, checked before any command starts its work: the
-    parallel degrees (`Parallel`'s own checks)."""
+    """Before any command starts its work: the parallel degrees (`Parallel`'s checks)."""
     if hasattr(args, "fsdp"):
         _parallel_from_args(args)
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
+
+
+def _pipeline_json(args: argparse.Namespace, graph: JointGraph, policy: Policy) -> dict[str, Any]:
+    """What the chosen pipeline did for `policy`: for graph-trainer each of its passes, run,
+    replaced or skipped (and why); `graph` is the prepared graph (`prepare`)."""
+    if args.passes == "workbench":
+        return {"passes": {"pipeline": "workbench"}}
+    from workbench.rewrite.graph_trainer import run_pipeline
+
+    return {"passes": run_pipeline(graph, policy).to_json()}
+
+
+def _prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
+    """The traced graph as the chosen pipeline analyses it (`rewrite.graph_trainer.prepare`)."""
+    from workbench.rewrite.graph_trainer import prepare
+
+    check_passes(args)
+    graph, seconds = _trace_from_args(args)
+    return prepare(graph, args.passes), seconds
 
 
 def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +116,7 @@ def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.bench import bench_trace
 
-    _check_positive("--repeat", args.repeat)
+    check_positive("--repeat", args.repeat)
     return bench_trace(lambda: _trace_from_args(args), args.repeat)
 
 
@@ -98,6 +133,7 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     args.policy = args.policy or "default"
     policy = parse_policy(args.policy)
     parallel = _parallel_from_args(args)
+    _refuse_titan_ranks(args, parallel)
     if parallel is not None:
         return _verify_ranks(args, parallel)
     _refuse_unfit(args, policy, "cpu")
@@ -121,11 +157,12 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
     checked bitwise; the failures are listed with their policies, to reproduce one."""
     from workbench.search.soundness import run_soundness
 
-    _check_positive("--random", args.random, MAX_RANDOM, "each policy is a remat and a real run")
+    check_positive("--random", args.random, MAX_RANDOM, "each policy is a remat and a real run")
     check_int("--seed", args.seed, 0, SEED_MAX)
     if args.policy is not None:
         raise WorkbenchError("verify: give --policy or --random N, not both")
     parallel = _parallel_from_args(args)
+    _refuse_titan_ranks(args, parallel)
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     if parallel is None:
         _refuse_unfit(args, Policy("none"), "cpu")
@@ -143,7 +180,7 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
     from workbench.cost.ranks import check_ranks
 
     policy = parse_policy(args.policy)
-    _refuse_unfit_ranks(args, parallel, policy)
+    refuse_unfit_ranks(_workload_from_args(args, "fake"), parallel, policy)
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     checks = check_ranks(args.model, parallel, [args.policy], **shape)
     errors = sorted({c.error for c in checks if c.error})
@@ -156,24 +193,6 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
         "bitwise_equal": all(c.bitwise_equal for c in checks),
         "mismatched": {str(c.rank): list(c.mismatched) for c in checks if c.mismatched},
     }
-
-
-def _refuse_unfit_ranks(args: argparse.Namespace, parallel: Parallel, policy: Policy) -> None:
-    """Before spawning: as many ranks as this machine can run (`check_rank_count`), then one
-    rank traced in fake mode (the checks `trace` makes: degrees that divide the model, the
-    factory's TP plan), its estimated peak times the ranks against free memory."""
-    import torch
-
-    from workbench.cost.estimate import Estimator
-    from workbench.cost.measure import check_fits
-    from workbench.cost.ranks import check_rank_count
-
-    check_rank_count(parallel)
-    rank, _ = timed_trace(_workload_from_args(args, "fake"), "fake", parallel)
-    estimator = Estimator(rank, profiles=(), optimizer="none")
-    peak = max(estimator.estimate(p).peak_bytes for p in (policy, Policy("none")))
-    what = f"{rank.model_name!r} on {parallel.world_size} ranks (each its own process)"
-    check_fits(peak * parallel.world_size, 0, torch.device("cpu"), what)
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,13 +219,17 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
     """graph trainer's activation-memory table for the policy: rows, totals and the log text."""
     from workbench.interop.activations import activation_log, activation_rows, totals
+    from workbench.rewrite.graph_trainer import prepare
 
     policy = parse_policy(args.policy)
+    check_passes(args)
     graph, _ = _trace_from_args(args)  # one rank's graph under --fsdp/--tp
+    graph = prepare(graph, args.passes)
     rows = activation_rows(graph, policy)
     return {
         "model": graph.model_name,
         "policy": policy.to_json(),
+        **_pipeline_json(args, graph, policy),
         "total": totals(rows),
         "rows": [row.to_json() for row in rows],
         "table": activation_log(rows),
@@ -219,16 +242,7 @@ def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.show.explain import explain
 
     policy = parse_policy(args.policy)
-    if args.model is None:
-        given = [f"--{n}" for n in ("layers", "seq", "batch") if getattr(args, n) is not None]
-        given += [f"--{name}" for name in ("fsdp", "tp") if getattr(args, name) != 1]
-        given += ["--mode"] if args.mode != "real" else []
-        given += ["--dtype"] if args.dtype != "float32" else []
-        if given:
-            raise WorkbenchError(
-                f"policy explain: {', '.join(given)} describe a model's graph: give --model "
-                "too, or leave them out for the policy's rules alone"
-            )
+    refuse_graph_flags_without_model(args)
     graph = _trace_from_args(args)[0] if args.model is not None else None
     return explain(policy, graph)
 
@@ -246,19 +260,68 @@ def _profiles_from_args(args: argparse.Namespace) -> list[str]:
 
 def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
     """Memory peak, saved activations, recompute FLOPs and step time without running."""
-    from workbench.cost.estimate import Estimator
+    from workbench.cost.pipelines import estimator_for
 
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
-    graph, seconds = _trace_from_args(args)
-    est = Estimator(graph, profiles, args.optimizer).estimate(policy)
+    options = _cost_options_from_args(args)
+    graph, seconds = _prepared_from_args(args)
+    estimator = estimator_for(graph, args.passes, profiles, args.optimizer, **options)
+    est = estimator.estimate(policy)
+    calibration = {"calibration": estimator.calibration} if estimator.calibration else {}
     return {
         "model": graph.model_name,
         "mode": graph.mode,
         "policy": policy.to_json(),
+        **_pipeline_json(args, graph, policy),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
+        **calibration,
+        **({"notes": graph.notes} if graph.notes else {}),
     }
+
+
+def _cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The allocator, stream and calibration flags as `Estimator` keywords, each checked
+    before anything is traced, the error naming the flag."""
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.cost.calibrate import load_calibration
+    from workbench.cost.overlap import OverlapOptions
+
+    split = args.max_split_size_mb
+    with flag("--max-split-size-mb"):
+        allocator = AllocatorConfig(
+            expandable_segments=args.expandable_segments,
+            max_split_size=None if split is None else split * 2**20,
+        )
+    with flag("--prefetch"):
+        OverlapOptions(prefetch=args.prefetch)
+    with flag("--max-copies-in-flight"):
+        OverlapOptions(max_copies_in_flight=args.max_copies_in_flight)
+    overlap = OverlapOptions(
+        prefetch=args.prefetch,
+        bucket_layers=args.bucket_layers,
+        sink_waits=args.sink_waits,
+        max_copies_in_flight=args.max_copies_in_flight,
+    )
+    path = getattr(args, "calibrate", None)
+    calibration = load_calibration(path) if path else None
+    return {"allocator": allocator, "overlap": overlap, "calibration": calibration}
+
+
+def _profile_with_host_link(name: str, link: str) -> Any:
+    """`floor --host-link`: the profile's host link as measured in a step (its own), as
+    benchmarked (no in-step derating), or with fresh pinned allocations per copy."""
+    from dataclasses import replace
+
+    from workbench.cost.profiles import get_profile
+
+    profile = get_profile(name)
+    if link == "benchmark":
+        return replace(profile, host_in_step_factor=1.0)
+    if link == "fresh-pinned":
+        return replace(profile, host_pinned_reused=False)
+    return profile
 
 
 def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None:
@@ -284,7 +347,7 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from workbench.interop.baselines import measure_policy
 
-    _check_positive("--repeat", args.repeat)
+    check_positive("--repeat", args.repeat)
     check_int("--warmup", args.warmup, 0, MAX_RUNS, "each one is a run of the step")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
@@ -302,11 +365,37 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """Estimate vs measured allocated and reserved memory per preset on CUDA (see
+    `workbench.bench.bench_gpu`); without CUDA it says so and exits 0."""
+    from workbench.bench import bench_gpu
+    from workbench.decide.presets import PRESETS
+
+    check_positive("--repeat", args.repeat)
+    if args.warmup < 0:
+        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise WorkbenchError(
+            f"--presets {args.presets!r}: unknown {', '.join(unknown) or 'none given'}; "
+            f"choose from {', '.join(PRESETS)}"
+        )
+    if _parallel_from_args(args) is not None:
+        raise WorkbenchError("bench gpu runs one unsharded process: drop --fsdp/--tp")
+    return bench_gpu(
+        lambda: _workload_from_args(args, "real", device="cuda"),
+        presets,
+        warmup=args.warmup,
+        repeats=args.repeat,
+    )
+
+
 def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
     from workbench.bench import bench_whatif
 
-    _check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one what-if")
+    check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one what-if")
     check_int("--full-path", args.full_path, 0, MAX_FULL_PATH, "each runs torch's remat pass")
     check_int("--seed", args.seed, 0, SEED_MAX)
     graph, trace_seconds = _trace_from_args(args)
@@ -323,12 +412,14 @@ def cmd_render(args: argparse.Namespace) -> dict[str, Any]:
 
     parse_view(args.view)  # fail before tracing
     check_writable(args.out, overwrite=args.overwrite)
-    graph, _ = _trace_from_args(args)
+    policy = parse_policy(args.policy)
+    graph, _ = _prepared_from_args(args)
     start = time.perf_counter()
-    decisions = decide(graph, parse_policy(args.policy))
+    decisions = decide(graph, policy)
     view = render_view(graph, decisions, args.view, policy_name=args.policy, force=args.force)
     path = view.write(args.out, overwrite=args.overwrite)
     return {
+        **_pipeline_json(args, graph, policy),
         "path": str(path),
         "view": args.view,
         "nodes": view.nodes,
@@ -341,7 +432,7 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     """Time the overview and one layer's view (see `workbench.bench`)."""
     from workbench.bench import bench_render
 
-    _check_positive("--repeat", args.repeat)
+    check_positive("--repeat", args.repeat)
     graph, trace_seconds = _trace_from_args(args)
     result = bench_render(graph, parse_policy(args.policy), args.repeat)
     return {**result, "trace_seconds": round(trace_seconds, 3)}
@@ -355,12 +446,17 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
 
     options = _solve_options_from_args(args)
     check_int("--tolerance-bytes", args.tolerance_bytes, 1, INT64_MAX, "int64")
+    cost = _cost_options_from_args(args)
+    profile = _profile_with_host_link(args.profile, args.host_link)
+    options = dataclasses.replace(options, profile=profile)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (profile,), args.optimizer, **cost)
     result = floor_search(graph, estimator, options, tolerance_bytes=args.tolerance_bytes)
     return {
         **result,
+        "host_link": args.host_link,
+        "host_bytes_per_s": profile.host_rate(),
         "seconds": round(time.perf_counter() - start, 3),
         "trace_seconds": round(trace_seconds, 3),
         "cpu_count": os.cpu_count(),
@@ -379,15 +475,6 @@ def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-@contextlib.contextmanager
-def _flag(name: str) -> Iterator[None]:
-    """A WorkbenchError raised inside names the flag whose value caused it."""
-    try:
-        yield
-    except WorkbenchError as err:
-        raise WorkbenchError(f"{name}: {err}") from None
-
-
 def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
     """The solver's flags as `SolveOptions`, each checked before anything is traced by the
     library's own checks (`SolveOptions`, `get_profile`), the error naming the flag:
@@ -395,12 +482,12 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
     from workbench.cost.profiles import get_profile
     from workbench.search.solve import SolveOptions
 
-    _check_host_budget(args)
-    with _flag("--method"):
+    check_host_budget(args)
+    with flag("--method"):
         SolveOptions(method=args.method)
-    with _flag("--objective"):
+    with flag("--objective"):
         SolveOptions(objective=args.objective)
-    with _flag("--profile"):
+    with flag("--profile"):
         get_profile(args.profile)
     return SolveOptions(
         method=args.method,
@@ -408,43 +495,34 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
         profile=args.profile,
         fsdp_reshard=FSDP_CHOICES[args.fsdp_choice],
         host_budget_bytes=args.host_budget_bytes,
+        budget_kind=args.budget_kind,
     )
-
-
-def _check_host_budget(args: argparse.Namespace) -> None:
-    """Before tracing: a bad host budget is refused at once, not after a whole front."""
-    check_int("--host-budget-bytes", args.host_budget_bytes, 0, INT64_MAX, "0: no offload; int64")
-
-
-def _check_budget(args: argparse.Namespace) -> None:
-    """Before tracing: --budget-bytes or --budget-frac in range."""
-    if args.budget_bytes is not None:
-        check_int("--budget-bytes", args.budget_bytes, 1, INT64_MAX, "int64")
-    elif not 0 < args.budget_frac <= 1:
-        raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
 
 
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
     if args.budget_bytes is not None:
         return int(args.budget_bytes)
-    return max(1, int(args.budget_frac * estimator.estimate(Policy("none")).peak_bytes))
+    peak = estimator.estimate(Policy("none")).budget_bytes(args.budget_kind)
+    return max(1, int(args.budget_frac * peak))
 
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
-    from workbench.cost.estimate import Estimator
+    from workbench.cost.pipelines import estimator_for
     from workbench.search.solve import solve
 
     options = _solve_options_from_args(args)
-    _check_budget(args)
-    graph, trace_seconds = _trace_from_args(args)
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    check_budget(args)
+    cost = _cost_options_from_args(args)
+    graph, trace_seconds = _prepared_from_args(args)
+    estimator = estimator_for(graph, args.passes, (args.profile,), args.optimizer, **cost)
     budget = _budget_from_args(args, estimator)
     solution = solve(graph, budget, options, estimator=estimator)
     return {
         "model": graph.model_name,
         "trace_seconds": round(trace_seconds, 3),
         **solution.to_json(),
+        **_pipeline_json(args, graph, solution.policy),
     }
 
 
@@ -457,6 +535,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
 
     options = _solve_options_from_args(args)
     check_int("--points", args.points, 2, MAX_POINTS, "each point is a solve")
+    cost = _cost_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()
 
@@ -471,7 +550,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
 
-    estimator = Estimator(graph, (args.profile,), args.optimizer)
+    estimator = Estimator(graph, (args.profile,), args.optimizer, **cost)
 
     def front(host_budget: int) -> list[Solution]:
         with_host = dataclasses.replace(options, host_budget_bytes=host_budget)

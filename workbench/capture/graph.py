@@ -34,6 +34,9 @@ Phase = Literal["input", "forward", "loss", "backward", "output"]
 InputKind = Literal["param", "buffer", "input", "target", "mesh"]
 
 LOSS_MODULE = "loss"
+# graph trainer's own module annotation (`annotate_module_fqns`, `common_utils._MODULE_FQN`):
+# read where the workbench's `module` is absent, so its traced graphs keep its module paths.
+GRAPH_TRAINER_MODULE = "module_fqn"
 # node.meta key holding (trace token, node name): FX copies meta onto every copy of a node,
 # and torch's remat pass renames nodes, so this is how a rewritten graph maps back to the
 # trace it came from (and only to that one: the token differs per trace).
@@ -116,8 +119,10 @@ class JointGraph:
     tokens: int
     config: dict[str, Any] = field(default_factory=dict)
     example_inputs: list[Any] | None = None
-    # Process-group name -> device-mesh dimension ("fsdp", "tp") of a per-rank graph.
+    # Process-group name -> device-mesh dimension ("fsdp", "tp", "ep", ...) of a per-rank graph.
     mesh_dims: dict[str, str] = field(default_factory=dict)
+    # What the graph assumes that the model as shipped does not say (expert routing, ...).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def param_names(self) -> list[str]:
@@ -203,6 +208,7 @@ class JointGraph:
             "world_size": self.world_size,
             "collectives": self.collective_counts(),
             **self.config,
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
     def run(self, inputs: Sequence[Any] | None = None) -> list[torch.Tensor]:
@@ -319,9 +325,11 @@ def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
             if not modules[node]:
                 graph_level[node] = None
         else:
-            in_loss = in_loss or custom.get("phase_hint") == LOSS_MODULE
+            module = custom.get("module", custom.get(GRAPH_TRAINER_MODULE))
+            loss_hint = (custom.get("phase_hint"), custom.get(GRAPH_TRAINER_MODULE))
+            in_loss = in_loss or LOSS_MODULE in loss_hint
             phases[node] = "loss" if in_loss else "forward"
-            modules[node] = custom.get("module", LOSS_MODULE if in_loss else "")
+            modules[node] = module if module is not None else (LOSS_MODULE if in_loss else "")
             seq_nr = node.meta.get("seq_nr")
             if seq_nr is not None:
                 module_of_seq.setdefault(seq_nr, modules[node])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fnmatch
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,12 +38,13 @@ from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
 from workbench.capture.models import DTYPES, Workload
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import Llama3
+from workbench.capture.tp_plan import check_tp_plan
 from workbench.capture.tracing import (
     Mode,
     backward_without_stack_traces,
     check_grads,
-    check_loss,
     trace_step,
+    traced_loss,
 )
 from workbench.errors import WorkbenchError, check_int, describe
 
@@ -56,6 +56,7 @@ __all__ = [
     "device_mesh",
     "eager_rank_step",
     "fake_process_group",
+    "fake_world",
     "reference_tp_plan",
     "shard_workload",
     "trace_rank",
@@ -74,9 +75,10 @@ TpPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], Any]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Parallel:
-    """How one job shards a train step, as torchtitan runs it: FSDP x TP degrees on a 2-D
-    ("fsdp", "tp") mesh, fp32 master shards cast to `param_dtype` before the all-gather,
-    gradients reduce-scattered in `reduce_dtype`."""
+    """How one job shards a train step, as torchtitan runs it: FSDP x CP x TP ranks (EP
+    borrows its ranks from them, as torchtitan's `ParallelDims` does), fp32 master shards
+    cast to `param_dtype` before the all-gather, gradients reduce-scattered in
+    `reduce_dtype`. EP and CP run through graph trainer's `parallelize` (torchtitan models)."""
 
     fsdp: int = 1
     """FSDP degree: ranks each parameter is sharded over (torchtitan's
@@ -84,6 +86,17 @@ class Parallel:
 
     tp: int = 1
     """Tensor-parallel degree (torchtitan's `parallelism.tensor_parallel_degree`)."""
+
+    ep: int = 1
+    """Expert-parallel degree: ranks the routed experts are split over, taken from the
+    fsdp x cp x tp ranks (`parallelism.expert_parallel_degree`)."""
+
+    cp: int = 1
+    """Context-parallel degree (`parallelism.context_parallel_degree`)."""
+
+    ep_imbalance: float = 1.0
+    """Tokens this rank's experts receive per EP rank, as a multiple of the balanced count
+    (fake tensors cannot route): 1 balanced, more for the hottest rank of a skewed router."""
 
     param_dtype: DtypeName = "bfloat16"
     """The dtype parameters are all-gathered and computed in (FSDP's mixed precision;
@@ -93,9 +106,27 @@ class Parallel:
     """The dtype gradients are reduce-scattered in (`training.mixed_precision_reduce`)."""
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "tp"):
+        for name in ("fsdp", "tp", "ep", "cp"):
             check_int(f"parallel {name}", getattr(self, name), 1, MAX_WORLD_SIZE, WORLD_WHY)
-        check_int("parallel world size (fsdp x tp)", self.world_size, 1, MAX_WORLD_SIZE, WORLD_WHY)
+        world = self.fsdp * self.cp * self.tp
+        check_int("parallel world size (fsdp x cp x tp)", world, 1, MAX_WORLD_SIZE, WORLD_WHY)
+        shards = self.fsdp * self.cp * self.tp
+        if shards % self.ep:
+            raise WorkbenchError(
+                f"--ep {self.ep} must divide fsdp x cp x tp = {shards} (expert parallelism "
+                f"borrows its ranks from them, as in torchtitan); e.g. --fsdp {self.ep} --ep "
+                f"{self.ep}"
+            )
+        imbalance = self.ep_imbalance
+        if (
+            isinstance(imbalance, bool)
+            or not isinstance(imbalance, int | float)
+            or not (1 <= imbalance <= self.ep)
+        ):
+            raise WorkbenchError(
+                f"--ep-imbalance must be a number from 1 (balanced) to ep = {self.ep} (every "
+                f"rank routes all its tokens here), got {imbalance!r}"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise WorkbenchError(
@@ -104,12 +135,24 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        return self.fsdp * self.tp
+        return self.fsdp * self.cp * self.tp
+
+    def describe(self) -> str:
+        """`fsdp 2 x tp 2`, `fsdp 8 x ep 8`: fsdp and every degree above one."""
+        degrees = {"fsdp": self.fsdp, "cp": self.cp, "tp": self.tp, "ep": self.ep}
+        used = [f"{k} {v}" for k, v in degrees.items() if v > 1 or k == "fsdp"]
+        return " x ".join(used)
 
     def to_json(self) -> dict[str, Any]:
+        """ep and cp (and the imbalance) appear only when used: a 2-D job's JSON, and the
+        keys derived from it, stay what they were."""
+        extra: dict[str, Any] = {"cp": self.cp} if self.cp > 1 else {}
+        if self.ep > 1:
+            extra |= {"ep": self.ep, "ep_imbalance": self.ep_imbalance}
         return {
             "fsdp": self.fsdp,
             "tp": self.tp,
+            **extra,
             "world_size": self.world_size,
             "param_dtype": self.param_dtype,
             "reduce_dtype": self.reduce_dtype,
@@ -117,21 +160,42 @@ class Parallel:
 
 
 @contextlib.contextmanager
-def fake_process_group(parallel: Parallel, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+def fake_world(world_size: int) -> Iterator[None]:
     """torch's built-in `fake` process group (rank 0 of `world_size`, collectives do
-    nothing) and its ("fsdp", "tp") mesh, destroyed on exit. The group is process-global,
-    so one that someone else initialised is refused rather than replaced."""
+    nothing), destroyed on exit with DTensor's plans for it. The group is process-global, so
+    one that someone else initialised is refused rather than replaced."""
     if dist.is_initialized():
         raise WorkbenchError(
             f"a torch.distributed process group is already initialised (backend "
             f"{dist.get_backend()}, world size {dist.get_world_size()}): destroy it first, or "
             "pass its mesh to workbench.capture.parallel.trace_rank(workload, mode, parallel, mesh)"
         )
-    dist.init_process_group("fake", rank=0, world_size=parallel.world_size)
+    _forget_dtensor_plans()
+    dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
-        yield device_mesh(parallel, device_type)
+        yield
     finally:
         dist.destroy_process_group()
+        _forget_dtensor_plans()
+
+
+def _forget_dtensor_plans() -> None:
+    """DTensor caches redistribution plans and sharding decisions by spec, and device
+    meshes compare equal by shape and dimension names, not by process group: a later
+    world's mesh would reuse plans naming this world's groups (a flattened mesh's, for one),
+    which no longer exist or are other groups."""
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute._gen_transform_infos.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+
+
+@contextlib.contextmanager
+def fake_process_group(parallel: Parallel, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+    """`fake_world` with the workbench's ("fsdp", "tp") mesh over it."""
+    with fake_world(parallel.world_size):
+        yield device_mesh(parallel, device_type)
 
 
 def device_mesh(parallel: Parallel, device_type: str = "cpu") -> DeviceMesh:
@@ -295,7 +359,7 @@ def shard_workload(
                 "ParallelStyle} for parallelize_module or a callable(model, tp_mesh); or use --tp 1"
             )
         tied = _tied_parameters(model)
-        _check_tp_plan(plan, model, workload.name)
+        check_tp_plan(plan, model, workload.name)
         try:
             if callable(plan):
                 plan(model, mesh["tp"])
@@ -313,36 +377,6 @@ def shard_workload(
     sharded.model = model
     sharded.config = {**workload.config, **parallel.to_json()}
     return RankWorkload(sharded, parallel, mesh, shards)
-
-
-def _check_tp_plan(plan: Any, model: nn.Module, name: str) -> None:
-    """A dict {module path: ParallelStyle} whose every path (fnmatch patterns per component,
-    as `parallelize_module` reads them) names a module, or a callable: torch only warns
-    about a path that names nothing, and the rank then runs without collectives."""
-    if callable(plan):
-        return
-    if not isinstance(plan, dict):
-        raise WorkbenchError(
-            f"the tensor-parallel plan of {name!r} is a {type(plan).__name__}: give a dict "
-            "{module path: ParallelStyle} or a callable(model, tp_mesh)"
-        )
-    paths = [path for path, _ in model.named_modules() if path]
-    for key, style in plan.items():
-        if not isinstance(key, str) or not isinstance(style, ParallelStyle):
-            raise WorkbenchError(
-                f"the tensor-parallel plan of {name!r} maps {key!r} to {style!r}: each entry "
-                "is a module path (str) and a ParallelStyle such as ColwiseParallel()"
-            )
-        parts = key.split(".")
-        if not any(
-            len(p) == len(parts) and all(map(fnmatch.fnmatchcase, p, parts))
-            for p in (path.split(".") for path in paths)
-        ):
-            shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
-            raise WorkbenchError(
-                f"the tensor-parallel plan of {name!r} names {key!r}, which is no module of "
-                f"the model (its modules: {shown})"
-            )
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
@@ -466,7 +500,6 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
     shards (re-wrapped as DTensors inside the step), buffers, inputs and target."""
     workload, shards, parallel = rank.workload, rank.shards, rank.parallel
     assert workload.loss_fn is not None
-    loss_fn = workload.loss_fn
     buffers = dict(workload.model.named_buffers())
     n_params, n_buffers, n_inputs = len(shards), len(buffers), len(workload.inputs)
 
@@ -483,7 +516,7 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
         with _loss_context(rank):
             output = torch.func.functional_call(workload.model, state, inputs)
             with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-                loss = check_loss(workload, loss_fn(output, flat[-1]))
+                loss = traced_loss(workload, output, flat[-1])
             with backward_without_stack_traces():
                 grads = torch.autograd.grad(loss, local, allow_unused=True)
         check_grads(workload, [s.fqn for s in shards], grads)
@@ -535,7 +568,14 @@ def trace_rank(
     """Shard a copy of `workload` for rank 0 of `parallel` and trace its step. Without
     `mesh`, a fake process group lives for the duration of the trace: a real-mode graph
     traced that way can run only inside such a group (trace and run inside
-    `fake_process_group`, or a real one, and pass its mesh)."""
+    `fake_process_group`, or a real one, and pass its mesh). `trace` shards torchtitan
+    models with graph trainer's own `parallelize` instead (`workbench.capture.titan_rank`)."""
+    if parallel.ep > 1 or parallel.cp > 1:
+        raise WorkbenchError(
+            f"--ep/--cp on {workload.name!r}: expert and context parallelism run through "
+            "graph trainer's parallelize, for torchtitan models (e.g. --model "
+            "torchtitan:deepseek_v3/debugmodel); use --fsdp/--tp here"
+        )
     if mode == "real":
         check_fits_rank(workload, parallel)
     if mesh is not None:

@@ -17,8 +17,8 @@ from workbench.capture.tracing import (
     Mode,
     backward_without_stack_traces,
     check_grads,
-    check_loss,
     trace_step,
+    traced_loss,
 )
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -34,7 +34,8 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
     way in both modes. `real` keeps the workload's tensors on the graph so it can run;
     `fake` keeps none (a model built on the meta device is traced as if on the CPU).
     With `parallel`, the graph is one rank's step of the sharded model
-    (`workbench.capture.parallel.trace_rank`).
+    (`workbench.capture.parallel.trace_rank`; for torchtitan models graph trainer's own
+    `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`).
     """
     if not isinstance(workload, Workload):
         raise TypeError(
@@ -45,20 +46,22 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
     if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
         from workbench.capture.parallel import Parallel, trace_rank
+        from workbench.capture.titan_rank import is_titan_workload, trace_titan_rank
 
         if not isinstance(parallel, Parallel):
             raise TypeError(
                 f"trace: parallel must be None or a Parallel (e.g. Parallel(fsdp=2, tp=2)), "
                 f"got {parallel!r}"
             )
+        if is_titan_workload(workload):  # sharded by graph trainer's own parallelize
+            return trace_titan_rank(workload, mode, parallel)
         return trace_rank(workload, mode, parallel)
     model = workload.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     real = [*params.values(), *buffers.values(), *workload.inputs, workload.target]
     n_params, n_buffers, n_inputs = len(params), len(buffers), len(workload.inputs)
-    loss_fn = workload.loss_fn
-    assert loss_fn is not None
+    assert workload.loss_fn is not None
 
     def step(*flat: Any) -> list[torch.Tensor]:
         p = flat[:n_params]
@@ -67,7 +70,7 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
         output = torch.func.functional_call(model, state, inputs)
         with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-            loss = check_loss(workload, loss_fn(output, flat[-1]))
+            loss = traced_loss(workload, output, flat[-1])
         with backward_without_stack_traces():
             grads = torch.autograd.grad(loss, p, allow_unused=True)
         check_grads(workload, list(params), grads)

@@ -129,6 +129,20 @@ def check_loss(workload: Workload, loss: Any) -> torch.Tensor:
     return loss
 
 
+def traced_loss(workload: Workload, output: Any, target: Any) -> torch.Tensor:
+    """The step's loss, checked (`check_loss`), called from a frame named `forward`: FX
+    records a node's stack only from the first `forward` frame on
+    (`Tracer._filter_traceback_frames`), so without one the loss nodes carry no source line
+    (the Source column of the activation table, and of graph trainer's log, was empty)."""
+    loss_fn = workload.loss_fn
+    assert loss_fn is not None
+
+    def forward() -> Any:
+        return loss_fn(output, target)
+
+    return check_loss(workload, forward())
+
+
 def check_grads(workload: Workload, names: list[str], grads: Sequence[Any]) -> None:
     """Every lifted parameter must get a gradient, or the graph's outputs misalign."""
     unused = [name for name, g in zip(names, grads, strict=True) if g is None]
@@ -180,6 +194,7 @@ def trace_step(
         tokens=workload.tokens,
         config=dict(workload.config),
         example_inputs=args if mode == "real" else None,
+        notes=list(workload.notes),
     )
 
 

@@ -26,6 +26,10 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
+# Far above any real model (Llama3-405B has 126); also bounds layer counts in offload options.
+MAX_LAYERS = 1024
+
+
 @dataclass
 class Workload:
     """What one training step needs: `loss_fn(model(*inputs), target)`."""

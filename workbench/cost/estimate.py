@@ -8,7 +8,7 @@ graph torch's pass produced. Both feed one liveness simulation, so they give equ
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -16,6 +16,9 @@ import numpy as np
 import torch.fx as fx
 
 from workbench.capture.graph import JointGraph
+from workbench.cost.allocator import AllocatorConfig, AllocatorReplay, replay_allocator
+from workbench.cost.calibrate import Calibration
+from workbench.cost.overlap import OverlapOptions, Streams, StreamTimes
 from workbench.cost.profiles import DeviceProfile, get_profile
 from workbench.cost.replay import offload_schedule, recompute_flags, replay
 from workbench.decide.decider import Decisions, decide
@@ -40,16 +43,19 @@ CATEGORIES: tuple[str, ...] = (
 )
 DEFAULT_PROFILES: tuple[str, ...] = ("h100", "h200", "cpu")
 OptimizerName = Literal["adamw", "sgd", "none"]
+BudgetKind = Literal["allocated", "reserved"]
+BUDGET_KINDS: tuple[str, ...] = ("allocated", "reserved")
 # fp32 state per parameter element: AdamW's two moments, SGD's momentum buffer.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "sgd": 4, "none": 0}
-# Ring algorithms: bytes each rank sends, per byte of the whole buffer, in a group of W.
-RING_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_gather": lambda w: (w - 1) / w,
-    "reduce_scatter": lambda w: (w - 1) / w,
-    "all_to_all": lambda w: (w - 1) / w,
-    "broadcast": lambda w: (w - 1) / w,
-    "all_reduce": lambda w: 2 * (w - 1) / w,
-}
+
+
+def check_budget_kind(kind: object) -> BudgetKind:
+    """`kind` if it names what a budget may hold (`BUDGET_KINDS`), else a WorkbenchError."""
+    if kind not in BUDGET_KINDS:
+        raise WorkbenchError(
+            f"unknown budget kind {kind!r}; choose one of {', '.join(BUDGET_KINDS)}"
+        )
+    return kind  # type: ignore[return-value]
 
 
 def optimizer_bytes(graph: JointGraph, optimizer: str) -> int:
@@ -98,6 +104,34 @@ class Estimate:
     exposed_transfer_seconds: dict[str, float] = field(default_factory=dict)
     transfers: list[dict[str, Any]] = field(default_factory=list)
     host_timeline: list[int] = field(default_factory=list, repr=False)
+    # three streams (`workbench.cost.overlap`): compute alone, the communication stream's
+    # busy time, and the part of it compute waits for (in step_seconds)
+    compute_seconds: dict[str, float] = field(default_factory=dict)
+    comm_seconds: dict[str, float] = field(default_factory=dict)
+    exposed_comm_seconds: dict[str, float] = field(default_factory=dict)
+    # per profile: bytes a rank holds outside the allocator (CUDA context, NCCL buffers)
+    outside_allocator_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    allocator_input: _AllocatorInput | None = field(default=None, repr=False, compare=False)
+    _allocator: AllocatorReplay | None = field(default=None, repr=False, compare=False)
+
+    def allocator(self) -> AllocatorReplay:
+        """The caching allocator's figures for this step (`workbench.cost.allocator`), run
+        on first use: the what-if stays as fast without them."""
+        if self._allocator is None:
+            if self.allocator_input is None:
+                raise WorkbenchError("this estimate has no allocation sequence to replay")
+            self._allocator = replay_allocator(**self.allocator_input._asdict())
+        return self._allocator
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """What torch's caching allocator holds at the end of the step (it only grows):
+        `torch.cuda.max_memory_reserved`, apart from `outside_allocator_bytes`."""
+        return self.allocator().reserved_peak_bytes
+
+    def budget_bytes(self, kind: BudgetKind) -> int:
+        """The peak a budget of `kind` is held against: allocated or reserved."""
+        return self.peak_bytes if kind == "allocated" else self.reserved_peak_bytes
 
     @property
     def tokens_per_second(self) -> dict[str, float]:
@@ -108,8 +142,10 @@ class Estimate:
         return [sum(step) for step in zip(*self.timeline.values(), strict=True)]
 
     def to_json(self, timeline: bool = False) -> dict[str, Any]:
+        replayed = self.allocator() if self.allocator_input is not None else None
         result: dict[str, Any] = {
             "peak_bytes": self.peak_bytes,
+            **({"reserved_peak_bytes": replayed.reserved_peak_bytes} if replayed else {}),
             "peak_node": self.peak_node,
             "peak_breakdown": self.peak_breakdown,
             "saved_activation_bytes": self.saved_activation_bytes,
@@ -125,12 +161,37 @@ class Estimate:
             "transfer_seconds": self.transfer_seconds,
             "exposed_transfer_seconds": self.exposed_transfer_seconds,
             "transfers": self.transfers,
+            "est_compute_seconds": self.compute_seconds,
+            "est_comm_seconds": self.comm_seconds,
+            "exposed_comm_seconds": self.exposed_comm_seconds,
+            "outside_allocator_bytes": self.outside_allocator_bytes,
         }
+        if replayed is not None and self.allocator_input is not None:
+            result["allocator"] = {
+                "allocated_peak_bytes": replayed.allocated_peak_bytes,
+                "segments": replayed.segments,
+                "expandable_segments": self.allocator_input.config.expandable_segments,
+                "max_split_size": self.allocator_input.config.max_split_size,
+            }
         if timeline:
             result["order"] = self.order
             result["timeline"] = self.timeline
             result["host_timeline"] = self.host_timeline
+            if replayed is not None:
+                result["reserved_timeline"] = replayed.reserved_timeline
         return result
+
+
+class _AllocatorInput(NamedTuple):
+    """What `replay_allocator` replays: device storages' sizes, birth and free steps, the
+    step count, the optimizer state's tensors (allocated first), the allocator settings."""
+
+    sizes: np.ndarray
+    born: np.ndarray
+    freed: np.ndarray
+    steps: int
+    before: list[int]
+    config: AllocatorConfig
 
 
 class _Walk(NamedTuple):
@@ -149,6 +210,8 @@ class _Walk(NamedTuple):
     freed: np.ndarray
     host_live: np.ndarray
     offloaded: dict[int, int]
+    allocations: _AllocatorInput
+    reads: tuple[np.ndarray, np.ndarray]
 
 
 class Estimator:
@@ -164,20 +227,43 @@ class Estimator:
         graph: JointGraph,
         profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES,
         optimizer: OptimizerName = "adamw",
+        allocator: AllocatorConfig | None = None,
+        overlap: OverlapOptions | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         self.graph = graph
         self.index = graph_index(graph)
         self.optimizer = optimizer
         self.optimizer_bytes = optimizer_bytes(graph, optimizer)
+        self.allocator = allocator or AllocatorConfig()
+        self.overlap = overlap or OverlapOptions()
+        self.streams = Streams(graph, self.index, self.overlap)
+        self._moves = self.overlap.prefetch > 0 or self.overlap.bucket_layers
+        # the optimizer's state tensors, one per parameter shard and moment (AdamW: 2)
+        moments = OPTIMIZER_STATE_BYTES[optimizer] // 4
+        self._optimizer_tensors = [
+            4 * int(np.prod(graph.nodes[spec.placeholder].shapes[0] or (1,), dtype=np.int64))
+            for spec in graph.inputs
+            if spec.kind == "param"
+            for _ in range(moments)
+        ]
         self.profiles = [get_profile(p) for p in profiles]
         self.seconds = {p.name: self._node_seconds(p) for p in self.profiles}
+        # measured op times replace the first profile's roofline where they match
+        self.calibration: dict[str, Any] | None = None
+        if calibration is not None and self.profiles:
+            name = self.profiles[0].name
+            roofline = dict(zip(self.index.names, self.seconds[name], strict=True))
+            measured = calibration.node_seconds(graph)
+            self.seconds[name] = [measured.get(n, s) if s > 0 else s for n, s in roofline.items()]
+            coverage = calibration.coverage(roofline, measured)
+            self.calibration = {"profile": name, "source": calibration.source, **coverage}
         # compute-stream seconds of every schedule entry (`index.Schedule`): the offload
         # steps take none there, their copies run on the transfer stream
         self._seconds = {
             name: np.concatenate((np.tile(sec, 3), np.zeros(4 * len(sec))))
             for name, sec in self.seconds.items()
         }
-        self._host_rates = {p.name: p.host_rate() for p in self.profiles}
         names = self.index.names  # of every entry: originals, copies, replays, offload steps
         entry_names = [*names, *(n + RECOMPUTED_SUFFIX for n in names)]
         entry_names += [n + "_replayed" for n in names]
@@ -198,18 +284,17 @@ class Estimator:
         self._gathered[list(self.index.gathered)] = True
 
     def _node_seconds(self, profile: DeviceProfile) -> list[float]:
-        """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth); a
-        collective takes the ring time of its buffer on its group's link (waits none), not
-        overlapped with compute. Views, getitems, placeholders and the output move no data."""
+        """Roofline: max(FLOPs / matmul rate, bytes read and written / bandwidth) on the
+        compute stream; collectives run on the communication stream (`overlap.Streams`).
+        Views, getitems, placeholders and the output move no data."""
         index, graph = self.index, self.graph
-        links = self._collective_seconds(profile)
         seconds: list[float] = []
-        for node, slots, getitem in zip(
-            graph.gm.graph.nodes, index.slots, index.is_getitem, strict=True
+        for i, (node, slots, getitem) in enumerate(
+            zip(graph.gm.graph.nodes, index.slots, index.is_getitem, strict=True)
         ):
             info = graph.nodes[node.name]
-            if node.name in links:
-                seconds.append(links[node.name])
+            if i in self.streams.kind or i in self.streams.waits:
+                seconds.append(0.0)
                 continue
             if node.op != "call_function" or info.is_view or getitem:
                 seconds.append(0.0)
@@ -220,25 +305,13 @@ class Estimator:
             seconds.append(max(compute, (read + written) / profile.bytes_per_s))
         return seconds
 
-    def _collective_seconds(self, profile: DeviceProfile) -> dict[str, float]:
-        """Ring cost of each collective: factor(W) x buffer bytes / link rate, where W is
-        its mesh dimension's size. The mesh is ("fsdp", "tp") with tp innermost: a tp group
-        spans nodes when tp exceeds the ranks per node, an fsdp group when the world does."""
-        graph = self.graph
-        sizes = {"fsdp": int(graph.config.get("fsdp", 1)), "tp": int(graph.config.get("tp", 1))}
-        spans = {
-            "tp": sizes["tp"] > profile.ranks_per_node,
-            "fsdp": graph.world_size > profile.ranks_per_node,
-        }
-        result: dict[str, float] = {}
-        for c in graph.collectives():
-            world = sizes.get(c.mesh_dim or "", graph.world_size)
-            if c.kind == "wait" or c.kind not in RING_FACTOR or world <= 1:
-                result[c.node] = 0.0
-                continue
-            rate = profile.link_rate(spans.get(c.mesh_dim or "", graph.world_size > 8))
-            result[c.node] = RING_FACTOR[c.kind](world) * c.bytes / rate
-        return result
+    def communicators(self) -> int:
+        """NCCL communicators a rank of this graph opens: the world's and one per mesh
+        dimension of more than one rank (none on one device)."""
+        if self.graph.world_size <= 1:
+            return 0
+        dims = [d for d in ("fsdp", "cp", "tp", "ep") if int(self.graph.config.get(d, 1)) > 1]
+        return 1 + len(dims)
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
@@ -309,17 +382,25 @@ class Estimator:
         freed = np.zeros(len(sizes), dtype=np.int64)
         np.maximum.at(freed, table.held, death[entries[table.holder]])
 
+        # an all-gather issued early (FSDP prefetch, buckets) holds its output from then on
+        born = table.born
+        moved = self.streams.issue_positions(entries) if self._moves else {}
+        if moved:
+            owner_at = position[table.owner]
+            early = np.arange(steps)
+            early[list(moved)] = list(moved.values())
+            born = np.where(np.isin(owner_at, list(moved)), early[owner_at], born)
         # host copies (owned by an offload's first step) count on the host, not the device
         host = (table.owner >= 3 * n) & (offload_step(n, table.owner) == 0)
         device = ~host
         category = self._categories(flat, table)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
-        np.add.at(deltas, (category[device], table.born[device]), sizes[device])
+        np.add.at(deltas, (category[device], born[device]), sizes[device])
         np.add.at(deltas, (category[device], freed[device] + 1), -sizes[device])
         live = np.cumsum(deltas[:, :steps], axis=1)
         live[CATEGORIES.index("optimizer")] = self.optimizer_bytes  # held the whole step
         host_deltas = np.zeros(steps + 2, dtype=np.int64)
-        np.add.at(host_deltas, table.born[host], sizes[host])
+        np.add.at(host_deltas, born[host], sizes[host])
         np.add.at(host_deltas, freed[host] + 1, -sizes[host])
         total = live.sum(axis=0)
         peak_p = int(np.argmax(total))
@@ -339,10 +420,19 @@ class Estimator:
                 sizes=sizes,
                 owner=table.owner,
                 category=category,
-                born=table.born,
+                born=born,
                 freed=freed,
                 host_live=np.cumsum(host_deltas[:steps]),
                 offloaded=offloaded,
+                reads=(flat.reader, flat.read),
+                allocations=_AllocatorInput(
+                    table.sizes[device],
+                    born[device],
+                    freed[device],
+                    steps,
+                    self._optimizer_tensors,
+                    self.allocator,
+                ),  # fmt: skip
             )
         )
 
@@ -402,9 +492,14 @@ class Estimator:
         copy_array = walk.entries[(walk.entries >= n) & (walk.entries < 2 * n)] - n
         copies = copy_array.tolist()
         names = self._entry_names
-        compute = {name: float(sec[walk.entries].sum()) for name, sec in self._seconds.items()}
-        exposed, transfers = self._transfers(walk.entries, walk.offloaded)
+        times = {
+            p.name: self.streams.run(
+                walk.entries, self._seconds[p.name], p, walk.offloaded, walk.reads
+            )
+            for p in self.profiles
+        }
         offloaded = sum(walk.offloaded.values())
+        communicators = self.communicators()
         return Estimate(
             peak_bytes=walk.peak,
             peak_node=names[walk.entries[walk.peak_at]],
@@ -416,7 +511,7 @@ class Estimator:
             saved_at_peak=rows,
             recompute_flops=sum(index.flops[i] for i in copies),
             recomputed_nodes=names[copy_array].tolist(),
-            step_seconds={name: compute[name] + exposed[name] for name in compute},
+            step_seconds={name: t.step_seconds for name, t in times.items()},
             recompute_seconds={
                 name: float(sec[copy_array].sum()) for name, sec in self._seconds.items()
             },
@@ -425,53 +520,38 @@ class Estimator:
             timeline={c: walk.live[k].tolist() for k, c in enumerate(CATEGORIES)},
             host_peak_bytes=int(walk.host_live.max(initial=0)),
             offloaded_bytes=offloaded,
-            transfer_seconds={
-                name: 2 * sum(walk.offloaded.values()) / rate
-                for name, rate in self._host_rates.items()
+            transfer_seconds={name: t.transfer_seconds for name, t in times.items()},
+            exposed_transfer_seconds={
+                name: t.exposed_transfer_seconds for name, t in times.items()
             },
-            exposed_transfer_seconds=exposed,
-            transfers=transfers,
+            transfers=self._transfers(walk.entries, walk.offloaded, times) if offloaded else [],
             host_timeline=walk.host_live.tolist(),
+            compute_seconds={name: t.compute_seconds for name, t in times.items()},
+            comm_seconds={name: t.comm_seconds for name, t in times.items()},
+            exposed_comm_seconds={name: t.exposed_comm_seconds for name, t in times.items()},
+            outside_allocator_bytes={
+                p.name: p.outside_allocator_bytes(communicators) for p in self.profiles
+            },
+            allocator_input=walk.allocations,
         )
 
     def _transfers(
-        self, entries: np.ndarray, offloaded: dict[int, int]
-    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """The two-stream model of the offload steps: compute runs its entries in order on
-        one stream; copies queue on one transfer stream (device->host from the `offload`
-        step, host->device from the `reload` step, each starting when issued or when the
-        previous copy ends, taking bytes / the profile's host link rate). The `free` step
-        waits for its device->host copy, the `wait` step for its reload: compute stalls
-        until the copy ends. Returns the stall total per profile (added to step time) and
-        per offloaded value its bytes and the stall each of its copies caused."""
+        self, entries: np.ndarray, offloaded: dict[int, int], times: dict[str, StreamTimes]
+    ) -> list[dict[str, Any]]:
+        """Per offloaded value, in offload order: its bytes and the stall each of its copies
+        caused compute on each profile (`overlap.Streams.run`)."""
         n = self.index.n
-        at = np.flatnonzero(entries >= 3 * n)
-        exposed = {name: 0.0 for name in self._seconds}
-        if not len(at):
-            return exposed, []
-        kinds = offload_step(n, entries[at]).tolist()
-        nodes = self.index.entry_node(entries[at]).tolist()
-        rows: dict[int, dict[str, Any]] = {}
-        for i, k in zip(nodes, kinds, strict=True):
-            if k == 0:
-                rows[i] = {"node": self.index.names[i], "bytes": offloaded[i],
-                           "d2h_exposed_seconds": {}, "h2d_exposed_seconds": {}}  # fmt: skip
-        for name, seconds in self._seconds.items():
-            clock = np.cumsum(seconds[entries])[at].tolist()  # compute time at each step
-            rate = self._host_rates[name]
-            stall, queue = 0.0, 0.0
-            done: dict[tuple[int, int], float] = {}
-            for now, i, k in zip(clock, nodes, kinds, strict=True):
-                now += stall
-                if k in (0, 2):  # a copy is issued
-                    queue = max(now, queue) + offloaded[i] / rate
-                    done[i, k] = queue
-                    continue
-                wait = max(0.0, done[i, k - 1] - now)
-                stall += wait
-                rows[i]["d2h_exposed_seconds" if k == 1 else "h2d_exposed_seconds"][name] = wait
-            exposed[name] = stall
-        return exposed, list(rows.values())
+        at = entries[entries >= 3 * n]
+        rows = []
+        for i in self.index.entry_node(at[offload_step(n, at) == 0]).tolist():
+            stalls = {name: t.copy_stalls.get(i, [0.0, 0.0]) for name, t in times.items()}
+            rows.append({
+                "node": self.index.names[i],
+                "bytes": offloaded[i],
+                "d2h_exposed_seconds": {name: s[0] for name, s in stalls.items()},
+                "h2d_exposed_seconds": {name: s[1] for name, s in stalls.items()},
+            })  # fmt: skip
+        return rows
 
 
 def estimate(

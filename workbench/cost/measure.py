@@ -2,7 +2,8 @@
 gradients against eager's, bit for bit.
 
 Entry points: `measure_graph(graph, gm)`, `measure_step(name, step, held, tokens)`,
-`measure_run(...)` (any callable), `bitwise_mismatches` and `check_fits`.
+`measure_run(...)` (any callable), `measured_counterpart` (the estimate of what a measured
+peak counts), `bitwise_mismatches` and `check_fits`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from workbench.capture.fits import available_bytes
 from workbench.capture.graph import JointGraph
 from workbench.capture.workload import Workload, eager_step
+from workbench.cost.estimate import Estimate
 from workbench.cost.profiles import allocation_granularity, round_up
 from workbench.errors import WorkbenchError, describe
 from workbench.rewrite.host_ops import host_buffer_pool
@@ -162,6 +164,27 @@ def measure_run(
             tokens=tokens,
             outputs=list(outputs),
         )
+
+
+# What a measured graph peak counts, by device type: the graph step holds no optimizer state;
+# on the CPU the offloaded host copies come from the same allocator the profiler reads.
+PEAK_COUNTS = {
+    "cpu": "graph step without optimizer state; device + host copies, which share the CPU's "
+    "allocator",
+    "cuda": "graph step without optimizer state; device memory only, host copies apart",
+}
+
+
+def measured_counterpart(est: Estimate, device: torch.device | str) -> tuple[int, str]:
+    """The estimated peak of what a measurement on `device` counts, and those words
+    (`PEAK_COUNTS`): on the CPU the most device + host bytes live at one step, on a GPU the
+    device peak. `est` must be of an estimator without optimizer state, as a graph run holds
+    none."""
+    kind = torch.device(device).type
+    if kind == "cpu" and est.host_timeline:
+        both = max(d + h for d, h in zip(est.totals(), est.host_timeline, strict=True))
+        return both, PEAK_COUNTS["cpu"]
+    return est.peak_bytes, PEAK_COUNTS.get(kind, PEAK_COUNTS["cuda"])
 
 
 @contextlib.contextmanager

@@ -24,6 +24,21 @@ from workbench.files import MARK_KEY, read_file, write_file
 CPU_LINK_BYTES_PER_S = 10e9
 
 
+# The CUDA context with lazy module loading (torch sets CUDA_MODULE_LOADING=LAZY unless the
+# user does): 287,047,680 bytes measured in pytorch/pytorch#86509 (666,632,192 eager).
+CUDA_CONTEXT_LAZY_BYTES = 287_047_680
+# NCCL_BUFFSIZE's default, 4 MiB (NCCL docs, "Environment variables"): the Simple protocol's
+# buffer of one ring connection per channel; Hopper runs 16 channels in torch's NCCL model
+# (`torch._inductor.comm_analysis._GPU_NCHANNELS`). LL/LL128, tree and proxy buffers are not
+# counted: a lower bound.
+NCCL_BUFFSIZE = 4 * 2**20
+HOPPER_NCCL_CHANNELS = 16
+OUTSIDE_SOURCES = (
+    "CUDA context 287,047,680 B (lazy loading, pytorch#86509); NCCL_BUFFSIZE 4 MiB x 16 "
+    "channels per communicator (NCCL docs; torch comm_analysis), a lower bound"
+)
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """Rates a roofline needs. `matmul_flops_per_s` is keyed by dtype name; ops the flop
@@ -39,12 +54,52 @@ class DeviceProfile:
     inter_node_bytes_per_s: float = CPU_LINK_BYTES_PER_S
     ranks_per_node: int = 8
     links: str = "nominal 10 GB/s for CPU ranks (not measured)"
-    # CPU offload: bytes per second per direction between device and host memory; None:
-    # a memory copy at `bytes_per_s`, which counts each byte read and written (the CPU).
+    # CPU offload: bytes per second per direction between device and host memory from a
+    # reused pinned pool, as benchmarked; None: a memory copy at `bytes_per_s`, which counts
+    # each byte read and written (the CPU).
     host_bytes_per_s: float | None = None
+    # the same copies with a fresh pinned allocation each (None: as a reused pool)
+    host_fresh_pinned_bytes_per_s: float | None = None
+    # whether offloads copy into a reused pinned pool (graph trainer's `ao::wait_tensor`
+    # returns its buffer to one) or allocate pinned memory each time
+    host_pinned_reused: bool = True
+    # what a copy reaches inside a training step, as a fraction of the benchmarked rate
+    host_in_step_factor: float = 1.0
+    # copies take HBM bandwidth from compute: each byte copied is read or written once
+    host_hbm_contention: bool = False
+    # GPU whose name torch reports (`torch.cuda.get_device_name`): torch's NCCL model
+    # times collectives when it runs on that GPU; None for the CPU
+    gpu_name: str | None = None
+    # NCCL's per-step latency (torch's `comm_analysis` tables) added to the ring model
+    nccl_latency: bool = False
+    # Held by a running job outside the caching allocator: the CUDA context and each NCCL
+    # communicator's buffers (`outside_allocator_bytes`)
+    cuda_context_bytes: int = 0
+    nccl_buffer_bytes: int = 0
+    outside_sources: str = "none: CPU processes"
 
     def host_rate(self) -> float:
-        return self.host_bytes_per_s or self.bytes_per_s / 2
+        """Bytes per second per direction a copy reaches in a step."""
+        reused = self.host_bytes_per_s or self.bytes_per_s / 2
+        fresh = self.host_fresh_pinned_bytes_per_s or reused
+        return (reused if self.host_pinned_reused else fresh) * self.host_in_step_factor
+
+    def spans_nodes(self, mesh_dim: str | None, degrees: dict[str, int], world: int) -> bool:
+        """Whether a collective's group crosses nodes. The mesh is ("fsdp", "cp", "tp") with
+        tp innermost, and ("efsdp", "ep") over the same ranks for experts, as torchtitan
+        builds it: a group spans nodes when the consecutive ranks it strides over exceed the
+        ranks per node (tp: tp, cp: cp x tp, ep: ep; fsdp, efsdp and the world: the world)."""
+        tp = degrees.get("tp", 1)
+        stride = {"tp": tp, "cp": degrees.get("cp", 1) * tp, "ep": degrees.get("ep", 1)}
+        return stride.get(mesh_dim or "", world) > self.ranks_per_node
+
+    def outside_allocator_bytes(self, communicators: int) -> dict[str, int]:
+        """What a rank holds beside the allocator's segments: the CUDA context and
+        `communicators` NCCL communicators' buffers."""
+        return {
+            "cuda_context_bytes": self.cuda_context_bytes,
+            "nccl_buffer_bytes": self.nccl_buffer_bytes * communicators,
+        }
 
     def link_rate(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
@@ -70,9 +125,18 @@ H100 = DeviceProfile(
     inter_node_bytes_per_s=50e9,
     ranks_per_node=8,
     links="NVLink4 450 GB/s per direction in a node of 8, InfiniBand NDR400 50 GB/s per GPU across",
-    # PCIe Gen5 x16: 64 GB/s nominal per direction; ~55 GB/s is what pinned-memory copies
-    # reach in practice (about 86 % of nominal after protocol overhead).
-    host_bytes_per_s=55e9,
+    # Host link as measured (DESIGN.md, "Published anchors: host link"): 53.1 GB/s from a
+    # reused pinned pool against 11.2 GB/s with fresh pinned allocations; in a real step a
+    # device-to-host copy reached 32.3 GB/s where ~52 GB/s was benchmarked (32.3 / 52).
+    host_bytes_per_s=53.1e9,
+    host_fresh_pinned_bytes_per_s=11.2e9,
+    host_in_step_factor=32.3 / 52,
+    host_hbm_contention=True,
+    gpu_name="H100",
+    nccl_latency=True,
+    cuda_context_bytes=CUDA_CONTEXT_LAZY_BYTES,
+    nccl_buffer_bytes=NCCL_BUFFSIZE * HOPPER_NCCL_CHANNELS,
+    outside_sources=OUTSIDE_SOURCES,
 )
 # The same compute as the H100, with HBM3e's bandwidth.
 H200 = replace(
@@ -80,6 +144,7 @@ H200 = replace(
     name="h200",
     description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
     bytes_per_s=4.8e12,
+    gpu_name="H200",
 )  # same NVLink 4 (900 GB/s bidirectional, H200 datasheet) and NDR400 links as the H100
 
 

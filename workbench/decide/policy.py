@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from workbench.capture.graph import NodeInfo
-from workbench.capture.models import MAX_LAYERS
+from workbench.capture.workload import MAX_LAYERS
 from workbench.decide.engine import selector_matches
 from workbench.decide.offloadable import OffloadOptions, may_offload
 from workbench.decide.presets import OFFLOAD_PRESETS, PRESETS

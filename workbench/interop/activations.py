@@ -51,6 +51,8 @@ class ActivationRow:
     module: str
     op: str  # the op producing the value (through getitem)
     source: str
+    # the op traced, where a cleanup pass retargeted the node (`view` -> `reshape`), else ""
+    traced_op: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,15 +87,21 @@ def _dtype(value: Any) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)[^\n]*\n?(?:\s+(?!File ")([^\n]*))?')
 
 
-def _source(node: fx.Node, fallback: str) -> str:
+def _source(node: fx.Node) -> str:
     """The innermost torchtitan frame as `path/inside/torchtitan.py:LINE  code`, as graph
-    trainer prints it; for other models the workbench's innermost frame outside torch."""
+    trainer prints it; else the innermost frame outside torch (for graph trainer, whose
+    stacks hold no torch frames here, the last one), as `file.py:LINE  code`."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     for path, line, code in reversed(frames):
         if _TORCHTITAN_PATH in path:
             location = f"{path[path.find(_TORCHTITAN_PATH) + len(_TORCHTITAN_PATH) :]}:{line}"
             return f"{location}  {code.strip()}" if code.strip() else location
-    return fallback
+    outside = [f for f in frames if "/torch/" not in f[0]] or frames
+    if not outside:
+        return ""
+    path, line, code = outside[-1]
+    location = f"{path.rsplit('/', 1)[-1]}:{line}"
+    return f"{location}  {code.strip()}" if code.strip() else location
 
 
 def _producer(node: fx.Node) -> fx.Node:
@@ -103,6 +111,12 @@ def _producer(node: fx.Node) -> fx.Node:
             break
         node = parent
     return node
+
+
+def _traced_op(node: fx.Node) -> str:
+    """The op make_fx recorded (`meta["original_aten"]`) where a pass retargeted the node."""
+    original = node.meta.get("original_aten")
+    return "" if original is None or str(original) == str(node.target) else str(original)
 
 
 def _label(tag: Tag | None) -> str:
@@ -135,7 +149,8 @@ def activation_rows(graph: JointGraph, policy: Policy | str) -> list[ActivationR
                 shape=_shape(value),
                 module=info.module,
                 op=str(producer.target),
-                source=_source(producer, graph.nodes[producer.name].source),
+                source=_source(producer),
+                traced_op=_traced_op(producer),
             )
         )
     return rows
@@ -161,9 +176,10 @@ def _relative(module: str) -> str:
 
 
 def _line(index: int, row: ActivationRow, module: str) -> str:
+    target = f"{row.op}  (<- {row.traced_op})" if row.traced_op else row.op
     return (
         f"  {index:<3} {log_bytes(row.bytes):>10}  {row.dtype:<10} {row.policy:<12} "
-        f"{row.shape:<25} {module:<30} {row.op:<55} {row.source}"
+        f"{row.shape:<25} {module:<30} {target:<55} {row.source}"
     )
 
 

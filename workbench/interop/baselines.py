@@ -24,6 +24,7 @@ from workbench.cost.measure import (
     held_bytes,
     measure_graph,
     measure_run,
+    measured_counterpart,
 )
 from workbench.cost.profiles import allocation_granularity
 from workbench.decide.policy import Policy
@@ -72,10 +73,20 @@ class PolicyMeasurement:
     mismatched: list[str]
     baselines: list[Measurement] = field(default_factory=list)
 
+    @property
+    def estimated_peak_bytes(self) -> int:
+        """The estimate of what `graph_sac.peak_bytes` counts (`measured_counterpart`)."""
+        return measured_counterpart(self.estimate, self.graph_sac.device)[0]
+
     def to_json(self) -> dict[str, Any]:
+        """Measured and estimated peak of the same quantity, `peak_counts` saying what it
+        counts, and the estimate's device and host parts."""
         return {
             "peak_bytes": self.graph_sac.peak_bytes,
-            "estimated_peak_bytes": self.estimate.peak_bytes,
+            "estimated_peak_bytes": self.estimated_peak_bytes,
+            "peak_counts": measured_counterpart(self.estimate, self.graph_sac.device)[1],
+            "estimated_device_peak_bytes": self.estimate.peak_bytes,
+            "estimated_host_peak_bytes": self.estimate.host_peak_bytes,
             "step_seconds": self.graph_sac.step_seconds,
             "tokens_per_second": self.graph_sac.tokens_per_second,
             "bitwise_equal": self.bitwise_equal,
@@ -108,9 +119,8 @@ def measure_policy(
     granularity = allocation_granularity(device)
     est = estimate_remat(graph, result, estimator, granularity)
     eager_peak = estimator.estimate(Policy("none"), granularity).peak_bytes  # the comparison
-    check_fits(
-        max(est.peak_bytes, eager_peak), held_bytes(graph.example_inputs), device, workload.name
-    )
+    peak = measured_counterpart(est, device)[0]
+    check_fits(max(peak, eager_peak), held_bytes(graph.example_inputs), device, workload.name)
     measured = measure_graph(
         graph, result.gm, name=f"graph SAC ({policy.preset})", warmup=warmup, repeats=repeats
     )

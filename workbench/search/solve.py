@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from workbench.capture.graph import JointGraph
-from workbench.cost.estimate import Estimate, Estimator
+from workbench.cost.estimate import BudgetKind, Estimate, Estimator, check_budget_kind
 from workbench.cost.profiles import DeviceProfile, get_profile
 from workbench.decide.decider import rules_of
 from workbench.decide.offloadable import OffloadOptions
@@ -86,7 +86,14 @@ class SolveOptions:
     """Host memory offloaded activations may take; 0 never offloads. The cost then counts
     the copy time compute waits for (`Estimate.exposed_transfer_seconds`)."""
 
+    budget_kind: BudgetKind = "allocated"
+    """What the budget holds: `allocated`, the bytes the graph's tensors take
+    (`Estimate.peak_bytes`, `torch.cuda.max_memory_allocated`), or `reserved`, what torch's
+    caching allocator keeps for them (`Estimate.reserved_peak_bytes`,
+    `max_memory_reserved`)."""
+
     def __post_init__(self) -> None:
+        check_budget_kind(self.budget_kind)
         if self.method not in METHODS:
             raise WorkbenchError(
                 f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}"
@@ -115,6 +122,7 @@ class Solution:
     profile: str
     objective: str
     host_budget_bytes: int = 0
+    budget_kind: str = "allocated"
 
     def cost(self) -> float:
         return _objective_value(self.estimate, self.objective, self.profile)
@@ -123,6 +131,8 @@ class Solution:
         est = self.estimate
         return {
             "peak_bytes": est.peak_bytes,
+            "reserved_peak_bytes": est.reserved_peak_bytes,
+            "budget_kind": self.budget_kind,
             "recompute_flops": est.recompute_flops,
             "est_recompute_seconds": est.recompute_seconds[self.profile],
             "est_step_seconds": est.step_seconds[self.profile],
@@ -168,6 +178,11 @@ class _Search:
     path: list[tuple[int, int, float]]
     fsdp_reshard: bool
     host_budget: int = 0
+    budget_kind: BudgetKind = "allocated"
+
+    def peak(self, est: Estimate) -> int:
+        """The peak the budget holds: allocated or reserved bytes."""
+        return est.budget_bytes(self.budget_kind)
 
     def offload_policy(
         self, chosen: set[int], offloaded: Sequence[int], preset: str | None = None
@@ -214,13 +229,14 @@ def _search(
     floor_policy = Policy("full", fsdp_reshard=fsdp_reshard)
     none = estimator.estimate(Policy("none", fsdp_reshard=fsdp_reshard))
     floor = estimator.estimate(floor_policy)
-    if none.peak_bytes < floor.peak_bytes:  # recompute temporaries outweigh the savings
+    kind = options.budget_kind
+    if none.budget_bytes(kind) < floor.budget_bytes(kind):  # recompute temporaries win
         floor_policy, floor = Policy("none", fsdp_reshard=fsdp_reshard), none
     everything = set(range(len(model.candidates)))
     top = estimator.estimate(_policy_of(model, everything, fsdp_reshard))
     # all saved activations are alive together where backward starts: the peak there is a
     # constant plus the saved bytes (the model's guess, corrected by exact estimates)
-    offset = top.peak_bytes - model.evaluate(everything)[0]
+    offset = top.budget_bytes(kind) - model.evaluate(everything)[0]
     path = greedy_path(model)
     presets = [(p, estimator.estimate(p)) for p in _presets(fsdp_reshard, host_budget)]
     return _Search(
@@ -237,6 +253,7 @@ def _search(
         path,
         fsdp_reshard,
         host_budget,
+        kind,
     )
 
 
@@ -290,7 +307,7 @@ def _repair(
     preset that fits (at least full recompute) is the answer when nothing better fits."""
     # a preset that fits is a policy too: the search starts from the best of them
     best: _Best = min(
-        ((search.cost(e), p, e) for p, e in search.presets if e.peak_bytes <= budget),
+        ((search.cost(e), p, e) for p, e in search.presets if search.peak(e) <= budget),
         key=lambda b: b[0],
     )
     seen: dict[frozenset[int], Estimate] = {}
@@ -301,7 +318,7 @@ def _repair(
         if chosen not in seen:
             seen[chosen] = search.estimator.estimate(search.policy(set(chosen)))
         est = seen[chosen]
-        step = budget - est.peak_bytes
+        step = budget - search.peak(est)
         if step >= 0:
             if search.cost(est) < best[0]:
                 best = (search.cost(est), search.policy(set(chosen)), est)
@@ -354,6 +371,7 @@ def _solve_budget(search: _Search, budget: int, method: str) -> Solution:
         profile=search.profile,
         objective=search.objective,
         host_budget_bytes=search.host_budget,
+        budget_kind=search.budget_kind,
     )
 
 
@@ -383,7 +401,7 @@ def _offloaded(
         for count in dict.fromkeys(counts):
             policy = search.offload_policy(chosen, order[:count], preset)
             est = search.estimator.estimate(policy)
-            if est.peak_bytes <= budget:
+            if search.peak(est) <= budget:
                 if search.cost(est) < best[0]:
                     best = (search.cost(est), policy, est)
                 break
@@ -438,12 +456,12 @@ class Solver:
     @property
     def floor_bytes(self) -> int:
         """The lowest peak any policy of the search reaches: the smallest feasible budget."""
-        return min(s.floor.peak_bytes for s in self._searches)
+        return min(s.peak(s.floor) for s in self._searches)
 
     @property
     def top_bytes(self) -> int:
         """No AC's peak (the highest FSDP choice's): above it every budget costs nothing."""
-        return max(s.top.peak_bytes for s in self._searches)
+        return max(s.peak(s.top) for s in self._searches)
 
     def solve(self, budget_bytes: int) -> Solution:
         """The best solution for `budget_bytes` over the FSDP choices: least cost, then
@@ -460,9 +478,12 @@ class Solver:
             )
         method = self.options.method
         found = [
-            _solve_budget(s, budget, method) for s in self._searches if s.floor.peak_bytes <= budget
+            _solve_budget(s, budget, method) for s in self._searches if s.peak(s.floor) <= budget
         ]
-        best = min(found, key=lambda sol: (sol.cost(), sol.estimate.peak_bytes, found.index(sol)))
+        kind = self.options.budget_kind
+        best = min(
+            found, key=lambda sol: (sol.cost(), sol.estimate.budget_bytes(kind), found.index(sol))
+        )
         return dataclasses.replace(best, seconds=time.perf_counter() - start)
 
 

@@ -43,21 +43,26 @@ def plot_memory_timeline(
     timeline: Mapping[str, Sequence[int]],
     measured: Sequence[int] | None = None,
     peak_index: int | None = None,
+    reserved: Sequence[int] | None = None,
 ) -> Figure:
     """Stacked area of live bytes per category (params, activations, grads, ...) over the
-    ops of one step; `measured` as a black line; the peak (default: the highest total)
-    marked with a dashed line and its value."""
+    ops of one step; `measured` as a black line; `reserved` (what the caching allocator
+    holds, `Estimate.allocator().reserved_timeline`) as a dashed line above the allocated
+    bytes; the peak (default: the highest total) marked with a dashed line and its value."""
     if not timeline:
         raise WorkbenchError("memory timeline is empty: give at least one category of bytes")
     lengths = {name: len(values) for name, values in timeline.items()}
     steps = next(iter(lengths.values()))
-    if len(set(lengths.values())) != 1 or (measured is not None and len(measured) != steps):
+    lines = {"measured": measured, "reserved": reserved}
+    if len(set(lengths.values())) != 1 or any(
+        v is not None and len(v) != steps for v in lines.values()
+    ):
         raise WorkbenchError(
             f"memory timeline series differ in length: {lengths}"
-            + (f", measured {len(measured)}" if measured is not None else "")
+            + "".join(f", {k} {len(v)}" for k, v in lines.items() if v is not None)
         )
     totals = [sum(values[i] for values in timeline.values()) for i in range(steps)]
-    scale, unit = _unit(max(totals + list(measured or [0])))
+    scale, unit = _unit(max(totals + list(measured or [0]) + list(reserved or [0])))
     if peak_index is None:
         peak_index = max(range(steps), key=totals.__getitem__)
     if not 0 <= peak_index < steps:
@@ -74,6 +79,9 @@ def plot_memory_timeline(
     )
     if measured is not None:
         ax.plot(x, [v / scale for v in measured], color="black", lw=1.2, label="measured")
+    if reserved is not None:
+        label = f"reserved (caching allocator), peak {max(reserved) / scale:.2f} {unit}"
+        ax.plot(x, [v / scale for v in reserved], color="black", lw=1.2, ls=":", label=label)
     peak = totals[peak_index] / scale
     ax.axvline(peak_index, color="black", ls="--", lw=0.8)
     ax.annotate(

@@ -203,17 +203,18 @@ function render({ model, el }) {
   };
   const budget = h("input", { type: "range", class: "sacwb-budget", min: 0, step: 1,
     oninput: () => { budget.dataset.touched = "1"; budgetText.textContent = stop().text; } });
+  const budgetNote = h("div", { class: "sacwb-hint sacwb-budget-note" });
+  const suggestGo = h("button", { class: "sacwb-suggest-go", title: "the solver's cheapest policy under this peak",
+    onclick: () => send({ type: "suggest", budget: stop().bytes }) }, "Suggest");
+  const sweep = h("button", { class: "sacwb-sweep", title: "add the solver's memory-vs-time front to the history",
+    onclick: () => send({ type: "sweep" }) }, "Sweep front");
   const hostBudget = h("input", { type: "number", min: 0, step: 0.25, class: "sacwb-host-budget", style: "width: 5em",
     title: "host memory Suggest and Sweep may offload to, in GiB (0: no offload)",
     onchange: () => send({ type: "host_budget", bytes: Math.round(Math.max(0, Number(hostBudget.value || 0)) * 2 ** 30) }) });
   const suggester = h("div", { class: "sacwb-suggest" },
     h("div", { class: "sacwb-title" }, "Suggest a policy for a memory budget"),
-    h("div", {}, budget, " ", budgetText, " ",
-      h("button", { class: "sacwb-suggest-go", title: "the solver's cheapest policy under this peak",
-        onclick: () => send({ type: "suggest", budget: stop().bytes }) }, "Suggest"),
-      " ",
-      h("button", { class: "sacwb-sweep", title: "add the solver's memory-vs-time front to the history",
-        onclick: () => send({ type: "sweep" }) }, "Sweep front")),
+    h("div", {}, budget, " ", budgetText, " ", suggestGo, " ", sweep),
+    budgetNote,
     h("label", { class: "sacwb-host" }, "host budget ", hostBudget, " GiB (0: no offload)"));
   const exportFmt = h("select", { class: "sacwb-export-format",
     onchange: () => { model.set("export_format", exportFmt.value); model.save_changes(); } });
@@ -280,11 +281,13 @@ function render({ model, el }) {
       h("div", { class: "sacwb-title" }, "Estimate (what-if, exact)"),
       h("table", {},
         h("tr", {}, h("td", {}, "peak memory"), h("td", { class: "sacwb-peak" }, m.peak ?? "-")),
+        h("tr", {}, h("td", {}, "host memory"), h("td", { class: "sacwb-host-peak" }, m.host_text ?? "-")),
         h("tr", {}, h("td", {}, "peak at"), h("td", { class: "sacwb-peak-at" }, m.peak_node ?? "-")),
         h("tr", {}, h("td", {}, "kept for backward"), h("td", { class: "sacwb-saved" }, m.saved ?? "-")),
         h("tr", {}, h("td", {}, "recompute"), h("td", {}, `${m.recompute ?? "-"} (${m.recomputed_nodes ?? 0} ops)`)),
         h("tr", {}, h("td", {}, `step on ${m.profile}`), h("td", {}, m.step ?? "-")),
-        h("tr", {}, h("td", {}, "throughput"), h("td", {}, m.tokens_per_second_text ?? "-"))));
+        h("tr", {}, h("td", {}, "throughput"), h("td", {}, m.tokens_per_second_text ?? "-"))),
+      h("div", { class: "sacwb-hint sacwb-peak-counts" }, `peak memory: ${m.peak_counts ?? "-"}`));
   };
 
   const drawTimeline = () => {
@@ -368,11 +371,14 @@ function render({ model, el }) {
     reshardLabel.style.display = model.get("has_fsdp") ? "" : "none";
     undo.disabled = !model.get("can_undo");
     redo.disabled = !model.get("can_redo");
-    run.disabled = model.get("running");
+    const busy = model.get("running");
+    run.disabled = busy; suggestGo.disabled = busy; sweep.disabled = busy;
     exportPath.value = model.get("export_path");
     code.textContent = model.get("export_code");
     message.textContent = model.get("message");
-    status.textContent = model.get("running") ? `⏳ ${model.get("status")}` : model.get("status");
+    // busy: a pulsing dot (a glyph DejaVu Sans has; tests/test_explorer_panel.py checks)
+    status.classList.toggle("sacwb-busy", busy);
+    status.textContent = busy ? `● ${model.get("status")}` : model.get("status");
   };
 
   const drawBudget = () => {
@@ -387,6 +393,7 @@ function render({ model, el }) {
       budget.value = nearest;
     }
     budgetText.textContent = stop().text;
+    budgetNote.textContent = model.get("budget_range").note ?? "";
   };
 
   const drawAll = () => {

@@ -20,7 +20,7 @@ import traitlets
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
-from workbench.cost.estimate import Estimator
+from workbench.cost.estimate import BudgetKind, Estimator
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions
 from workbench.decide.policy import Policy
@@ -59,6 +59,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
 
     Metrics come from the exact what-if estimate after every change; Run remats with
     torch's pass and measures for real. The policy is autosaved to `autosave` as JSON.
+    `passes="graph-trainer"` shows graph trainer's cleaned graph and re-runs its pass
+    pipeline on every change (`workbench.cost.pipelines`).
     `model` is the session this widget shows (`ExplorerModel`); every traitlet below is the
     model's attribute of the same name.
     """
@@ -112,11 +114,19 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         profile: str = "h100",
         autosave: str | Path | None = None,
         workload: Workload | None = None,
+        passes: str = "workbench",
+        budget_kind: BudgetKind = "allocated",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.model = ExplorerModel(
-            source, policy, profile=profile, autosave=autosave, workload=workload
+            source,
+            policy,
+            profile=profile,
+            autosave=autosave,
+            workload=workload,
+            passes=passes,
+            budget_kind=budget_kind,
         )
         self.model.on_change = self._sync
         self._sync()

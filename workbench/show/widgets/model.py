@@ -4,7 +4,7 @@ Jupyter; `workbench.show.widgets.explorer.PolicyExplorer` mirrors it into synced
 
 Entry point: `ExplorerModel(graph_or_workload_or_model_name, policy, autosave=...)`; actions
 (`click`, `flip`, `search`, `suggest`, `sweep`, `run`, ...) update the attributes named in
-`STATE`, and `on_change` is called while a long action (Run, Sweep) is under way.
+`STATE`, and `on_change` is called while a long action (Run, Suggest, Sweep) is under way.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.ops import layer_pattern
 from workbench.capture.trace import trace
-from workbench.cost.estimate import Estimate, Estimator
+from workbench.cost.estimate import BudgetKind, Estimate, check_budget_kind
+from workbench.cost.pipelines import estimator_for
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
 from workbench.decide.offloadable import OffloadOptions
@@ -33,6 +34,7 @@ from workbench.show.widgets.panels import (
     details_panel,
     history_plots,
     legend_panel,
+    match_words,
     metrics_panel,
     newly_forced,
     offload_line,
@@ -58,7 +60,6 @@ from workbench.show.widgets.session import (
     Exports,
     History,
     Point,
-    default_autosave,
     policy_label,
 )
 from workbench.show.widgets.suggest import suggestion
@@ -108,15 +109,22 @@ class ExplorerModel:
         profile: str = "h100",
         autosave: str | Path | None = None,
         workload: Workload | None = None,
+        passes: str = "workbench",
+        budget_kind: BudgetKind = "allocated",
     ) -> None:
-        self.graph, loaded = load_source(source)
+        traced, loaded = load_source(source)
+        self.budget_kind = check_budget_kind(budget_kind)  # what Suggest's and Sweep's hold
         self.workload = workload or loaded
         if profile not in PROFILES:
             raise WorkbenchError(
                 f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}"
             )
-        self.estimator = Estimator(self.graph, list(PROFILES))
-        self.autosave = Autosave(autosave or default_autosave(self.graph.model_name))
+        # the pass pipeline's graph and what-if (`cost.pipelines`): with graph-trainer each
+        # flip re-runs graph trainer's passes on its cleaned graph
+        self.passes = passes
+        self.estimator = estimator_for(traced, passes, list(PROFILES))
+        self.graph = self.estimator.graph
+        self.autosave = Autosave.of(self.graph, autosave)
         self.exports = Exports(self.graph.model_name, self.autosave.path.parent)
         self.on_change: Callable[[], None] = lambda: None
         self.profile, self.view, self.all_layers = profile, "overview", True
@@ -147,7 +155,7 @@ class ExplorerModel:
         choices = fsdp_choices(self.graph)
         self.has_fsdp = len(choices) > 1
         peaks = [
-            self.estimator.estimate(Policy(p, fsdp_reshard=r)).peak_bytes
+            self.estimator.estimate(Policy(p, fsdp_reshard=r)).budget_bytes(budget_kind)
             for p in ("full", "none")
             for r in choices
         ]
@@ -309,12 +317,7 @@ class ExplorerModel:
         self._search = (text, index)
         name = matches[index]
         self.reveal(name)
-        info = self.graph.nodes[name]
-        self.message = (
-            f"{name} ({info.op} in {info.module or 'top level'}): "
-            f"match {index + 1} of {len(matches)} for {query.strip()!r}"
-            + ("; search again for the next" if len(matches) > 1 else "")
-        )
+        self.message = match_words(self.graph.nodes[name], index, len(matches), query.strip())
         return name
 
     def reveal(self, name: str) -> None:
@@ -430,6 +433,7 @@ class ExplorerModel:
         """Show the policy in another export format; the export file's ending follows."""
         self.exports.set_format(fmt)
         self.exports.show(self.policy, self.graph)
+        self.message = self.exports.format_words()
 
     def set_host_budget(self, budget_bytes: int) -> None:
         """The host bytes Suggest and Sweep may offload to (0: they do not offload)."""
@@ -446,10 +450,14 @@ class ExplorerModel:
     def suggest(self, budget_bytes: int, method: str | None = None) -> None:
         """Load the solver's cheapest policy whose estimated peak fits `budget_bytes`
         (undoable, like any other change)."""
-        policy, message = suggestion(self.graph, self.policy, budget_bytes,
-                                     method=method or self.suggest_method, profile=self.profile,
-                                     estimator=self.estimator, has_fsdp=self.has_fsdp,
-                                     host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
+        budget = format_bytes(budget_bytes) if isinstance(budget_bytes, int) else budget_bytes
+        with self._busy(f"Suggest: solving for a budget of {budget}…"):
+            policy, message = suggestion(
+                self.graph, self.policy, budget_bytes, method=method or self.suggest_method,
+                profile=self.profile, estimator=self.estimator, has_fsdp=self.has_fsdp,
+                host_budget_bytes=self.suggest_host_budget_bytes,
+                budget_kind=self.budget_kind,
+            )  # fmt: skip
         self._change(policy)
         self.message = message
         self._autosave()
@@ -464,9 +472,11 @@ class ExplorerModel:
             self.on_change()
 
         options = SolveOptions(method=self.suggest_method, profile=self.profile,  # type: ignore[arg-type]
-                               host_budget_bytes=self.suggest_host_budget_bytes)  # fmt: skip
-        solutions = pareto(self.graph, points=points, options=options, progress=progress,
-                           estimator=self.estimator)  # fmt: skip
+                               host_budget_bytes=self.suggest_host_budget_bytes,
+                               budget_kind=self.budget_kind)  # fmt: skip
+        with self._busy(f"Sweep: solving {points} budgets…"):
+            solutions = pareto(self.graph, points=points, options=options, progress=progress,
+                               estimator=self.estimator)  # fmt: skip
         for solution in solutions:
             est = solution.estimate
             self.history_log.add(Point(solution.policy.to_json(), est.peak_bytes,
@@ -476,7 +486,7 @@ class ExplorerModel:
     def save_export(self, path: str | None = None) -> Path:
         """Write the shown code. A file that changed since this explorer wrote it is kept."""
         target = self.exports.save(path)
-        self.message = f"saved {self.export_format} export to {target}"
+        self.message = self.exports.saved_words(target)
         return target
 
     def run(self, repeats: int = 3) -> dict[str, Any]:
@@ -489,17 +499,16 @@ class ExplorerModel:
                 "Run needs real tensors and the model: open the explorer on a Workload or a "
                 "model name (a graph traced on fake tensors can only be estimated)"
             )
-        self.running, self.status = True, "rematerializing with torch's pass and measuring…"
-        self.on_change()
         try:
-            result = measure_policy(self.workload, self.policy, graph=self.graph,
-                                    estimator=self.estimator, repeats=repeats)  # fmt: skip
+            with self._busy("Run: rematerializing with torch's pass and measuring…"):
+                result = measure_policy(self.workload, self.policy, graph=self.graph,
+                                        estimator=self.estimator, repeats=repeats)  # fmt: skip
         except BaseException:
             self.status = "Run failed: see the message line"
             raise
-        finally:
-            self.running = False
-        summary = {**result.to_json(), "policy": self.policy.to_json()}
+        summary = {**result.to_json(), "policy": self.policy.to_json(),
+                   "optimizer": self.estimator.optimizer,
+                   "optimizer_bytes": self.estimator.optimizer_bytes}  # fmt: skip
         self.run_result = summary
         self.status = run_status(summary, self.policy)
         self.history_log.add(Point(self.policy.to_json(), result.graph_sac.peak_bytes,
@@ -508,6 +517,19 @@ class ExplorerModel:
         return summary
 
     # --- state --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _busy(self, words: str) -> Iterator[None]:
+        """A long action (Run, Suggest, Sweep): `running` and `status` say so, and reach the
+        front end at once (`on_change`), until it ends, also when it fails; then the status
+        line is the last Run's again (an action may say more)."""
+        self.running, self.status = True, words
+        self.on_change()
+        try:
+            yield
+        finally:
+            self.running = False
+            self.status = run_status(self.run_result, self.policy)
 
     def _edit(self, policy: Policy, message: str = "") -> None:
         """Make an edited policy current, say so when there is something to say, autosave."""

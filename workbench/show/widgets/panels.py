@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from workbench.capture.graph import JointGraph
+from workbench.capture.graph import JointGraph, NodeInfo
 from workbench.cost.estimate import Estimate, Estimator
 from workbench.decide.decider import Decisions, decidable, rules_of
 from workbench.decide.offloadable import OffloadOptions
@@ -34,9 +34,11 @@ __all__ = [
     "downsample",
     "history_plots",
     "legend_panel",
+    "match_words",
     "metrics_panel",
     "offload_line",
     "newly_forced",
+    "peak_counts",
     "peak_ids",
     "peak_twins",
     "peak_words",
@@ -50,12 +52,31 @@ NEWLY_FORCED_NAMED = 3  # nodes a flip's message names when it forces others
 BUDGET_STOPS = 101  # positions of the memory-budget slider, every 1 % of its range
 
 
+def peak_counts(est: Estimate) -> str:
+    """What the estimate's peak counts, in words beside it: device memory only (host copies
+    of offloaded activations are the host row), optimizer state included when it is held."""
+    state = est.peak_breakdown.get("optimizer", 0)
+    held = f"with optimizer state ({format_bytes(state)})" if state else "without optimizer state"
+    return f"device memory of the whole step {held}"
+
+
 def metrics_panel(est: Estimate, profile: str) -> dict[str, Any]:
-    """The estimate's headline figures on `profile`, each as a number and as text."""
+    """The estimate's headline figures on `profile`, each as a number and as text; the host
+    row is the host bytes offloaded activations hold at most (`Estimate.host_peak_bytes`)."""
     step = est.step_seconds[profile]
+    offloaded = len(est.transfers)
     return {
         "peak_bytes": est.peak_bytes,
         "peak": format_bytes(est.peak_bytes),
+        "peak_counts": peak_counts(est),
+        "host_peak_bytes": est.host_peak_bytes,
+        "host_peak": format_bytes(est.host_peak_bytes),
+        "host_text": (
+            f"{format_bytes(est.host_peak_bytes)} at most, {offloaded} offloaded activations "
+            f"({format_bytes(est.offloaded_bytes)})"
+            if est.offloaded_bytes
+            else "0 B: nothing offloaded"
+        ),
         "peak_node": est.peak_node,
         "saved_bytes": est.saved_activation_bytes,
         "saved": format_bytes(est.saved_activation_bytes),
@@ -231,13 +252,23 @@ def offload_line(options: OffloadOptions) -> str:
 
 
 def run_status(run_result: dict[str, Any], policy: Policy) -> str:
-    """The last Run's result, said to be stale once the policy has changed since."""
+    """The last Run's result, said to be stale once the policy has changed since: measured
+    and estimated peak of one quantity (`peak_counts` says which), and how the panel's peak
+    differs from it (optimizer state the run does not hold: `optimizer_bytes`)."""
     r = run_result
     if not r:
         return ""
+    differs = []
+    if r.get("optimizer_bytes"):
+        state = format_bytes(r["optimizer_bytes"])
+        optimizer = {"adamw": "AdamW", "sgd": "SGD"}.get(r.get("optimizer", ""), "optimizer")
+        differs.append(f"adds {optimizer} state {state}")
+    if r.get("estimated_host_peak_bytes") and r["device"] == "cpu":
+        differs.append("counts host copies apart (its host row)")
+    panel = f"; the panel's peak memory {' and '.join(differs)}" if differs else ""
     line = (
-        f"measured on {r['device']}: peak {format_bytes(r['peak_bytes'])} "
-        f"(estimated {format_bytes(r['estimated_peak_bytes'])}), "
+        f"measured on {r['device']}: peak {format_bytes(r['peak_bytes'])}, estimated "
+        f"{format_bytes(r['estimated_peak_bytes'])} ({r['peak_counts']}{panel}); "
         f"{format_seconds(r['step_seconds'])}/step, "
         f"{'bitwise equal to eager' if r['bitwise_equal'] else 'NOT bitwise equal'}"
     )
@@ -249,9 +280,15 @@ def run_status(run_result: dict[str, Any], policy: Policy) -> str:
 
 def budget_slider(low: int, high: int) -> dict[str, Any]:
     """The memory-budget slider: its range and `BUDGET_STOPS` positions, each a byte count
-    and its text (the front end shows the text, Suggest sends the bytes)."""
+    and its text (the front end shows the text, Suggest sends the bytes), and `note`, why it
+    starts where it does (the solver's floor: the lower peak of `full` and no AC)."""
     stops = sorted({low + (high - low) * k // (BUDGET_STOPS - 1) for k in range(BUDGET_STOPS)})
-    return {"min": low, "max": high, "stops": stops, "texts": [format_bytes(b) for b in stops]}
+    note = (
+        f"from {format_bytes(low)}, the lowest peak of full recompute or no AC: Suggest "
+        "searches no lower budget, with or without a host budget"
+    )
+    return {"min": low, "max": high, "stops": stops, "texts": [format_bytes(b) for b in stops],
+            "note": note}  # fmt: skip
 
 
 def _ticks(lo: float, hi: float) -> list[float]:
@@ -310,11 +347,34 @@ def newly_forced(before: Decisions, after: Decisions, flipped: str) -> str:
 
 
 def search_matches(graph: JointGraph, text: str) -> list[str]:
-    """Forward ops by node name (exact first), then op, then module containing `text`
-    (lower case)."""
+    """Forward ops by node name (exact first), then op, then module containing `text` (lower
+    case). Among op and module matches, the op a user most likely means comes first: an op
+    named exactly (`mm`: aten.mm before aten.bmm), ops of a module whose own name is `text`
+    (`wo`: layers.0.attention.wo, not a `wo`rd inside a longer name), compute ops (FLOPs)
+    before the views and transposes around them; then graph order."""
     infos = [i for i in graph.nodes.values() if decidable(i)]
+
+    def meant(info: NodeInfo, exact: bool) -> tuple[bool, bool]:
+        return not exact, info.flops == 0
+
     exact = [i.name for i in infos if i.name.lower() == text]
     by_name = [i.name for i in infos if text in i.name.lower() and i.name not in exact]
-    by_op = [i.name for i in infos if text in i.op.lower()]
-    by_module = [i.name for i in infos if text in i.module.lower()]
-    return list(dict.fromkeys(exact + by_name + by_op + by_module))
+    by_op = sorted(
+        (i for i in infos if text in i.op.lower()),
+        key=lambda i: meant(i, i.op.lower().split(".")[1:2] == [text]),
+    )
+    by_module = sorted(
+        (i for i in infos if text in i.module.lower()),
+        key=lambda i: meant(i, i.module.lower().rsplit(".", 1)[-1] == text),
+    )
+    ranked = exact + by_name + [i.name for i in by_op] + [i.name for i in by_module]
+    return list(dict.fromkeys(ranked))
+
+
+def match_words(info: NodeInfo, index: int, count: int, query: str) -> str:
+    """Find's message: which op it opened, and where it stands among the matches."""
+    return (
+        f"{info.name} ({info.op} in {info.module or 'top level'}): "
+        f"match {index + 1} of {count} for {query!r}"
+        + ("; search again for the next" if count > 1 else "")
+    )

@@ -2,14 +2,18 @@
 policies, the autosave file that never loses a user's policy, and the export file.
 
 Entry points: `Edits` (undo/redo), `History` (tried policies, re-timed per profile),
-`Autosave` (`recover(graph, start)`, `save(policy)`, `default_autosave(model_name)`) and
-`Exports` (the policy as code, saved without replacing anyone's file), all testable without
-a browser.
+`Autosave` (`recover(graph, start)`, `save(policy)`), `default_autosave(graph)` (a file named
+for the graph, `graph_key`) and `Exports` (the policy as code, saved without replacing anyone's
+file), all testable without a browser.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,8 @@ __all__ = [
     "History",
     "Point",
     "default_autosave",
+    "graph_key",
+    "legacy_autosave",
     "policy_label",
 ]
 
@@ -174,7 +180,7 @@ class Autosave:
     copy holds. `save` never raises: a failure comes back as the line to show.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], legacy: Path | None = None) -> None:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"autosave must be a file path (str or os.PathLike), got {path!r}")
         self.path = Path(path)
@@ -183,7 +189,16 @@ class Autosave:
                 f"autosave {str(self.path)!r} is not a regular file (a folder, device or pipe): "
                 "name a .json file"
             )
+        self.legacy = legacy  # an earlier version's file for the same model (`legacy_autosave`)
         self._last: bytes | None = None  # what this session last read or wrote there
+
+    @classmethod
+    def of(cls, graph: JointGraph, path: str | os.PathLike[str] | None) -> Autosave:
+        """The autosave at `path`, or by default the graph's own file (`default_autosave`),
+        which may take over an earlier version's file for the model (`legacy_autosave`)."""
+        if path:
+            return cls(path)
+        return cls(default_autosave(graph), legacy_autosave(graph.model_name))
 
     def _read(self) -> bytes | None:
         if not os.path.lexists(self.path):
@@ -202,7 +217,7 @@ class Autosave:
                 f"{err}; it is left as it is and this explorer autosaves to {self.path.name}",
             )
         if data is None:
-            return start, ""
+            return self._migrate(graph, start)
         try:
             saved = Policy.from_bytes(data, f"autosave {str(self.path)!r}")
         except WorkbenchError as err:
@@ -218,6 +233,36 @@ class Autosave:
             f"restored {self.path.name}; {len(dropped)} entries no longer match this graph "
             f"and were left out (the full file is kept as {kept.name}): " + " | ".join(dropped)
         )
+
+    def _migrate(self, graph: JointGraph, start: Policy) -> tuple[Policy, str]:
+        """An earlier version's autosave (`legacy`, named for the model alone): taken over
+        when all of it applies to `graph`, moved to this graph's file so that no other graph
+        takes it too; else left as it is, for the graph it was made for."""
+        legacy = self.legacy
+        if legacy is None or not legacy.is_file():  # a FIFO or device is no earlier autosave
+            return start, ""
+        data = _read_bytes(legacy, MAX_POLICY_FILE_BYTES + 1)
+        if data is None:
+            return start, ""
+        older = f"{legacy.name} (autosaved by an earlier version, named for the model alone)"
+        try:
+            saved = Policy.from_bytes(data, f"autosave {str(legacy)!r}")
+        except WorkbenchError as err:
+            return start, f"{older} is left as it is: {err}"
+        policy, dropped = restrict(graph, saved)
+        if dropped:
+            return start, (
+                f"{older} is left as it is: {len(dropped)} of its entries do not match this "
+                f"graph; started from {start.preset!r}, autosaving to {self.path.name}"
+            )
+        try:
+            write_file(self.path, data, only_new=True)
+        except WorkbenchError:
+            return start, ""  # this graph's file appeared meanwhile: `save` moves aside
+        self._last = self._read()  # as written: with the workbench's mark
+        if _read_bytes(legacy) == data:
+            legacy.unlink(missing_ok=True)
+        return policy, f"restored {older}; it is now this graph's autosave, {self.path.name}"
 
     def save(self, policy: Policy) -> str:
         """Write `policy`; "" when saved where it was, else the line to show the user."""
@@ -248,11 +293,45 @@ class Autosave:
             return f"NOT autosaved to {self.path}: {reason}. Your edits live only in this explorer"
 
 
-def default_autosave(model_name: str) -> Path:
-    """`MODEL.policy.json` in `$SAC_WORKBENCH_AUTOSAVE_DIR` (tests point it at a temporary
-    folder, so a test run leaves nothing for the next session), else the working folder."""
-    folder = os.environ.get("SAC_WORKBENCH_AUTOSAVE_DIR") or "."
-    return Path(folder) / f"{file_stem(model_name)}.policy.json"
+def graph_key(graph: JointGraph) -> str:
+    """What names a graph's autosave: the model, its configuration (layers, sequence, batch,
+    dtype, sharding), the trace mode, and a short hash of those, of the graph's inputs and of
+    its size, which tells apart graphs the words do not (two user models of one name).
+    Explorers on different graphs never share a file; explorers on one graph do."""
+    words = [graph.model_name]
+    for key, value in graph.config.items():
+        if key == "world_size" or isinstance(value, bool) or not isinstance(value, int | str):
+            continue
+        if isinstance(value, int):
+            words.append(f"{key}{value}")
+        else:
+            words.append(value if key == "dtype" else f"{key.removesuffix('_dtype')}-{value}")
+    words.append(graph.mode)
+    inputs = [
+        (spec.kind, spec.fqn, graph.nodes[spec.placeholder].shapes)
+        for spec in graph.inputs
+        if spec.placeholder in graph.nodes
+    ]
+    facts = [graph.model_name, graph.mode, graph.config, inputs, len(graph.nodes)]
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+    text = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(words)).strip(".-")[:120]
+    return f"{text}-{digest[:8]}"
+
+
+def _autosave_folder() -> Path:
+    """`$SAC_WORKBENCH_AUTOSAVE_DIR` (tests point it at a temporary folder, so a test run
+    leaves nothing for the next session), else the working folder."""
+    return Path(os.environ.get("SAC_WORKBENCH_AUTOSAVE_DIR") or ".")
+
+
+def default_autosave(graph: JointGraph) -> Path:
+    """`GRAPH_KEY.policy.json` (`graph_key`) in the autosave folder."""
+    return _autosave_folder() / f"{graph_key(graph)}.policy.json"
+
+
+def legacy_autosave(model_name: str) -> Path:
+    """Where earlier versions autosaved every graph of a model: `MODEL.policy.json`."""
+    return _autosave_folder() / f"{file_stem(model_name)}.policy.json"
 
 
 # File name endings of each export format: code is `.py`, torchtitan's options are command
@@ -265,9 +344,10 @@ EXPORT_NAMES = {
 }
 
 
-def _read_bytes(path: Path) -> bytes | None:
+def _read_bytes(path: Path, limit: int = -1) -> bytes | None:
+    """The file's bytes (at most `limit`), or None when it cannot be read."""
     try:
-        return read_file(path, repr(str(path)), MAX_MARKED_BYTES)
+        return read_file(path, repr(str(path)), MAX_MARKED_BYTES if limit < 0 else limit)
     except WorkbenchError:
         return None
 
@@ -287,6 +367,8 @@ class Exports:
         self.code = ""
         self.refusal = ""  # why the format cannot say the policy ("" when it can)
         self._written: dict[Path, bytes | None] = {}
+        # file -> times this session saved it, the time of the last save and of the one before
+        self._saves: dict[Path, tuple[int, str, str]] = {}
 
     def show(self, policy: Policy, graph: JointGraph) -> None:
         """The code for `policy`; a format that cannot say it (policy_fn and offload) shows
@@ -307,6 +389,23 @@ class Exports:
         else:
             self.path = self.path.with_suffix(Path(EXPORT_NAMES[fmt]).suffix)
 
+    def format_words(self) -> str:
+        """The message line after a change of format: why it cannot say the policy, or that
+        nothing is saved yet and where Save will write."""
+        if self.refusal:
+            return f"export format {self.format}: {self.refusal}"
+        return f"export format {self.format}: not saved yet; Save writes {self.path}"
+
+    def saved_words(self, target: Path) -> str:
+        """What the last `save` to `target` did, for the message line: the format, and when
+        it replaces this session's earlier copy, which save it is and the earlier one's time.
+        """
+        count, now, before = self._saves[target]
+        line = f"saved the {self.format} export to {target} at {now}"
+        if count > 1:
+            line += f" (save {count} of this file: replaced the copy saved at {before})"
+        return line
+
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the shown code to `path` (default: the current file), which becomes the
         current file. A file that changed since this session wrote it is kept."""
@@ -323,6 +422,8 @@ class Exports:
             )
         write_file(target, self.code, overwrite=os.path.lexists(target))
         self._written[target] = _read_bytes(target)  # as written: with the workbench's mark
+        count, before, _ = self._saves.get(target, (0, "", ""))
+        self._saves[target] = (count + 1, time.strftime("%H:%M:%S"), before)
         self.path = target
         return target
 

@@ -1,21 +1,26 @@
 """The explorer's Suggest button: the solver's cheapest policy for a memory budget, said as
 edits on the user's own preset where that stays short, and the line that reports it.
 
-Entry points: `suggestion(graph, current, budget_bytes, ...) -> (policy, message)` and
-`rebased(graph, policy, base)`.
+Entry points: `suggestion(graph, current, budget_bytes, ...) -> (policy, message)`,
+`rebased(graph, policy, base)` and `no_offload_words` (why a host budget moved nothing).
 """
 
 from __future__ import annotations
 
+import collections
+import re
+
 from workbench.capture.graph import JointGraph
-from workbench.cost.estimate import Estimator
-from workbench.decide.decider import decide, layer_key, node_keys
+from workbench.cost.estimate import BudgetKind, Estimate, Estimator
+from workbench.decide.decider import decide, layer_key, node_keys, rules_of
+from workbench.decide.facts import MIN_OFFLOAD_BYTES
+from workbench.decide.offloadable import OffloadOptions, Refusal
 from workbench.decide.policy import Action, Policy
 from workbench.errors import INT64_MAX, check_int
-from workbench.search.solve import SolveOptions, solve
-from workbench.units import format_bytes, format_flops
+from workbench.search.solve import SOLVER_DEFER_LAYERS, SolveOptions, solve
+from workbench.units import format_bytes, format_flops, format_seconds
 
-__all__ = ["rebased", "suggestion"]
+__all__ = ["no_offload_words", "rebased", "suggestion"]
 
 
 def rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
@@ -51,6 +56,85 @@ def rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
     return result if same else None
 
 
+def _refusal_label(sentence: str) -> str:
+    """The short form of an offload refusal (`Refusal`) for a count: `outside the layers`.
+
+    >>> _refusal_label("is in the last layer (3): backward reads it at once")
+    'in the last layer'
+    """
+    kind = next(
+        (r for r in Refusal if re.fullmatch(re.escape(r.value).replace(r"\{\}", ".*"), sentence)),
+        None,
+    )
+    if kind is Refusal.TOO_SMALL:
+        return f"under the {MIN_OFFLOAD_BYTES}-byte minimum"
+    text = (kind.value if kind else sentence).split(":")[0].split(" (")[0]
+    verb, _, rest = text.partition(" ")
+    return rest if verb in ("is", "has", "returns") and rest else text
+
+
+def no_offload_words(
+    graph: JointGraph,
+    policy: Policy,
+    budget_bytes: int,
+    host_budget_bytes: int,
+    profile: str,
+    estimator: Estimator,
+) -> str:
+    """Why a suggestion offloads nothing although the host budget allows it, with numbers:
+    the activations it recomputes that the offload rules refuse (by reason), and what
+    offloading the others instead would do (the solver's test: fit the budget at less cost
+    of recompute and exposed copies on `profile`)."""
+    decisions = decide(graph, policy)
+    rules, keys = rules_of(graph), node_keys(graph)
+    refused: collections.Counter[str] = collections.Counter()
+    movable: list[str] = []
+    recomputed = [n for n, d in decisions.items() if d.recompute and n in keys]
+    for name in recomputed:
+        why = rules.offload_refusal(name, decisions, policy.preset)
+        if why is None:
+            movable.append(name)
+        else:
+            refused[_refusal_label(why)] += 1
+    reasons = ", ".join(f"{count} {label}" for label, count in refused.most_common())
+    reasons = f" (refused: {reasons})" if reasons else ""
+    if not recomputed:
+        return "it recomputes nothing: every activation fits on the device"
+    if not movable:
+        return f"none of the {len(recomputed)} activations it recomputes may be offloaded{reasons}"
+    overrides = dict(policy.overrides)
+    overrides |= {layer_key(graph.nodes[n], keys[n]): "offload" for n in movable}
+    options = OffloadOptions(host_budget_bytes, defer_layers=SOLVER_DEFER_LAYERS)
+    alternative = Policy(policy.preset, list(policy.selectors), overrides,  # type: ignore[arg-type]
+                         policy.fsdp_reshard, offload=options)  # fmt: skip
+    now, then = estimator.estimate(policy), estimator.estimate(alternative)
+
+    def cost(est: Estimate) -> float:
+        return est.recompute_seconds[profile] + est.exposed_transfer_seconds.get(profile, 0.0)
+
+    moved = sum(graph.nodes[n].bytes for n in movable)
+    head = (
+        f"offloading instead the {len(movable)} of its {len(recomputed)} recomputed "
+        f"activations the rules allow ({format_bytes(moved)}) gives peak "
+        f"{format_bytes(then.peak_bytes)}"
+    )
+    if then.peak_bytes > budget_bytes:
+        verdict = "over the budget: their device copies and reloads take room recompute does not"
+    elif cost(then) >= cost(now):
+        verdict = (
+            f"within the budget, but recompute and exposed copies then take "
+            f"{format_seconds(cost(then))} on {profile} against {format_seconds(cost(now))}: "
+            "recomputing costs less"
+        )
+    else:
+        verdict = (
+            f"within the budget and {format_seconds(cost(then))} on {profile} against "
+            f"{format_seconds(cost(now))}: cheaper, though the solver's search missed it; "
+            "set those overrides to offload under Policy"
+        )
+    return f"{head}, {verdict}{reasons}"
+
+
 def suggestion(
     graph: JointGraph,
     current: Policy,
@@ -61,11 +145,16 @@ def suggestion(
     estimator: Estimator,
     host_budget_bytes: int,
     has_fsdp: bool,
+    budget_kind: BudgetKind = "allocated",
 ) -> tuple[Policy, str]:
     """The solver's policy for `budget_bytes` (on `current`'s preset unless that takes far
     more rows than the solver's own base) and the message line that says what it is."""
-    options = SolveOptions(method=method, profile=profile,  # type: ignore[arg-type]
-                           host_budget_bytes=host_budget_bytes)  # fmt: skip
+    options = SolveOptions(
+        method=method,  # type: ignore[arg-type]
+        profile=profile,
+        host_budget_bytes=host_budget_bytes,
+        budget_kind=budget_kind,
+    )
     given: object = budget_bytes
     if isinstance(given, float) and given.is_integer():  # a slider's number
         given = int(given)
@@ -86,9 +175,14 @@ def suggestion(
         if host_budget_bytes
         else ", no offload (host budget 0)"
     )
+    if host_budget_bytes and not solution.estimate.offloaded_bytes:
+        why = no_offload_words(graph, solution.policy, int(budget_bytes), host_budget_bytes,
+                               profile, estimator)  # fmt: skip
+        offloaded += f": {why}"
     message = (
-        f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)}: "
-        f"peak {format_bytes(solution.estimate.peak_bytes)}, recompute "
+        f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)} "
+        f"({budget_kind}): peak {format_bytes(solution.estimate.peak_bytes)} (reserved "
+        f"{format_bytes(solution.estimate.reserved_peak_bytes)}), recompute "
         f"{format_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
         f"preset {policy.preset!r}{note} with "
         f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "

@@ -1,0 +1,296 @@
+"""`--passes graph-trainer`: graph trainer's compile-time passes, in its order, on the graph
+the workbench traced, checked against graph trainer's own functions (torchtitan 0.3.0;
+skipped, with the reason, where it is not installed)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import load_workload
+from workbench.capture.trace import trace
+from workbench.cli import main
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.pipelines import PipelineEstimator, estimator_for
+from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.policy import Policy
+from workbench.interop.titan import graph_trainer_log
+from workbench.rewrite.graph_trainer import (
+    CLEANUP,
+    PASSES,
+    SKIPPED,
+    cleanup,
+    graph_trainer_config,
+    prepare,
+    run_pipeline,
+)
+from workbench.rewrite.placement import is_offload_node
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan not installed: pip install -e '.[torchtitan]'",
+)
+
+MODELS = (
+    "torchtitan:llama3/debugmodel",
+    "torchtitan:qwen3/debugmodel",
+    "torchtitan:qwen3/debugmodel_moe",
+    "torchtitan:deepseek_v3/debugmodel",
+)
+TITAN = ("titan-default", "titan-full", "titan-eager", "titan-sac_and_offload")
+SHAPE = {"layers": 2, "seq": 32}
+# graph trainer's offload defaults (`cpu_offload_prefetch_n_layers`, `..._defer_n_layers`)
+GT_OFFLOAD = OffloadOptions(prefetch_layers=1, defer_layers=1)
+
+
+@functools.cache
+def traced(spec: str) -> JointGraph:
+    return trace(load_workload(spec, **SHAPE), "real")  # type: ignore[arg-type]
+
+
+def _random(node: fx.Node) -> bool:
+    """A random op, or a getitem unpacking one: saved on the CPU (torch's remat refuses)."""
+    if node.op != "call_function":
+        return False
+    target = node.args[0].target if node.target.__name__ == "getitem" else node.target  # type: ignore[union-attr]
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def test_pass_order_is_graph_trainers() -> None:
+    """`PASSES` lists graph trainer's passes in the order `compile_time_passes` (then its
+    inductor and cudagraph passes) appends them, read from its source (passes.py cannot be
+    imported without torchtitan's training requirements, e.g. torchdata)."""
+    spec = importlib.util.find_spec("torchtitan.experiments.graph_trainer.passes")
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).read_text()
+    functions = {
+        node.name: ast.get_source_segment(source, node) or ""
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef)
+    }
+    body = "".join(
+        functions[f]
+        for f in (
+            "compile_time_passes",
+            "final_inductor_compile_passes",
+            "construct_default_graph_passes",
+        )
+    )
+    names = [name for _, name in PASSES]
+    positions = [body.find(f"{name},") if f"{name}," in body else body.find(name) for name in names]
+    assert -1 not in positions and positions == sorted(positions), dict(
+        zip(names, positions, strict=True)
+    )
+    for module, name in PASSES[: len(CLEANUP) + 3]:  # the ones run here are its own
+        assert callable(
+            getattr(importlib.import_module(f"torchtitan.experiments.graph_trainer.{module}"), name)
+        )
+
+
+def test_activations_are_graph_trainers_log_line_for_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`activations --passes graph-trainer` lists what graph trainer's log lists after its
+    cleanup (Source column included), but for the CPU-forced flash-attention rows; the
+    workbench pipeline lists the graph before cleanup, as before."""
+    spec = MODELS[0]
+    argv = ["activations", "--model", spec, "--layers", "2", "--seq", "32"]
+    assert main([*argv, "--policy", "titan-default", "--passes", "graph-trainer", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    theirs = graph_trainer_log(cleanup(traced(spec)), "default").splitlines()
+    ours = result["table"].splitlines()
+    assert len(ours) == len(theirs)
+    differ = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    assert len(differ) == 4  # two outputs of each layer's flash op
+    for our_line, their_line in differ:
+        assert "_scaled_dot_product_flash_attention_for_cpu" in our_line
+        assert " SAVE " in our_line and " RECOMPUTE " in their_line
+    # every row has a source, the loss's included, but the gradient seed (made by autograd,
+    # no Python frame: graph trainer's log shows none either)
+    seed = "aten.ones_like.default"
+    assert all(row["source"] for row in result["rows"] if row["op"] != seed)
+    assert any(row["module"] == "loss" for row in result["rows"] if row["op"] != seed)
+    assert main([*argv, "--policy", "titan-default", "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert before["total"]["activations"] > result["total"]["activations"]
+    assert before["total"]["bytes"] > result["total"]["bytes"]
+    assert before["passes"] == {"pipeline": "workbench"}
+
+
+@pytest.mark.parametrize("spec", MODELS)
+@pytest.mark.parametrize("preset", TITAN)
+def test_titan_presets_through_graph_trainers_pipeline(spec: str, preset: str) -> None:
+    """Every titan-* preset runs through graph trainer's passes: its own tagging (differing
+    only on the CPU-forced random ops), offload and remat; the rest skipped, named."""
+    cleaned = cleanup(traced(spec))
+    result = run_pipeline(cleaned, Policy(preset, offload=GT_OFFLOAD))
+    status = {step.name: step.status for step in result.steps}
+    assert list(status) == [name for _, name in PASSES]
+    assert {n for n, s in status.items() if s == "skipped"} == set(SKIPPED)
+    assert all(step.why for step in result.steps if step.status == "skipped")
+    assert all(s == "ran" for n, s in status.items() if n not in SKIPPED)
+    nodes = {n.name: n for n in cleaned.gm.graph.nodes}
+    assert all(_random(nodes[name]) for name in result.retagged)
+    offloads = sum(1 for n in result.gm.graph.nodes if is_offload_node(n))
+    assert (offloads > 0) == preset.endswith("offload")
+    assert any(n.name.endswith("_recomputed") for n in result.gm.graph.nodes)
+
+
+@pytest.mark.parametrize("spec", MODELS)
+def test_offload_placement_is_graph_trainers_in_its_pass_order(spec: str) -> None:
+    """titan-sac_and_offload through the pipeline gives the graph graph trainer's own
+    functions give in its order (its tagging, the CPU-forced random ops saved, its offload
+    pass, then its remat pass), node for node."""
+    cleaned = cleanup(traced(spec))
+    policy = Policy("titan-sac_and_offload", offload=GT_OFFLOAD)
+    ours = run_pipeline(cleaned, policy).gm
+    from torchtitan.experiments.graph_trainer.cpu_offload import apply_cpu_offload_pass
+    from torchtitan.experiments.graph_trainer.memory_policy import tag_with_memory_policy_pass
+    from torchtitan.experiments.graph_trainer.selective_activation_remat import (
+        selective_activation_remat_pass,
+    )
+
+    gm = fx.GraphModule(cleaned.gm, fx.Graph())
+    gm.graph.output(gm.graph.graph_copy(cleaned.gm.graph, {}))
+    tag_with_memory_policy_pass(gm, config=graph_trainer_config(policy))
+    for node in gm.graph.nodes:
+        if _random(node) and "recompute" in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    apply_cpu_offload_pass(gm, prefetch_lookahead=1, defer_n_layers=1)
+    selective_activation_remat_pass(gm)
+
+    def listing(g: fx.GraphModule) -> list[tuple[str, str, list[str]]]:
+        return [(n.name, str(n.target), [a.name for a in n.all_input_nodes]) for n in g.graph.nodes]
+
+    assert listing(ours) == listing(gm)
+    assert any(is_offload_node(n) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("spec", MODELS[::3])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy("titan-default"),
+        Policy("titan-full"),
+        Policy("titan-sac_and_offload", offload=GT_OFFLOAD),
+        Policy("titan-sac_and_offload", offload=OffloadOptions(prefetch_layers=2, defer_layers=2)),
+        Policy("default"),
+        Policy("full"),
+        Policy("offload", offload=GT_OFFLOAD),
+    ],
+    ids=str,
+)
+def test_whatif_is_exact_against_the_pipelines_graph(spec: str, policy: Policy) -> None:
+    """The what-if of the graph-trainer pipeline equals, byte for byte at every step, the
+    estimate of the graph graph trainer's passes made. For the titan-* presets without
+    offload the workbench's index replay of torch's remat pass on the cleaned graph does too
+    (not for the workbench's presets, which tag the loss: graph trainer's remat pass leaves
+    backward before the last loss node alone, torch's recomputes there)."""
+    estimator = estimator_for(traced(spec), "graph-trainer", ("h100",))
+    assert isinstance(estimator, PipelineEstimator)
+    cleaned = estimator.graph
+    result = run_pipeline(cleaned, policy)
+    full = estimate_remat(cleaned, result.gm, estimator)
+    whatif = estimator.estimate(policy)
+    assert whatif.peak_bytes == full.peak_bytes
+    assert whatif.totals() == full.totals() and whatif.order == full.order
+    offloads = any(tag.offload for tag in result.decisions.values())
+    if policy.preset.startswith("titan-") and not offloads:  # lm_head/loss never tagged
+        replayed = Estimator(cleaned, ("h100",)).estimate(policy)
+        assert replayed.totals() == full.totals()
+
+
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full", "full"])
+def test_pipeline_graph_computes_what_eager_does(preset: str) -> None:
+    """Graph trainer's rewritten graph (no offload: its ops need streams) returns the loss
+    and gradients of the traced step, bitwise."""
+    graph = traced(MODELS[0])
+    result = run_pipeline(prepare(graph, "graph-trainer"), preset)
+    assert graph.example_inputs is not None
+    with torch.no_grad():
+        ours = list(result.gm(*graph.example_inputs))
+    expected = graph.run()
+    assert len(ours) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
+
+
+def test_explorer_flip_reruns_graph_trainers_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PolicyExplorer(..., passes="graph-trainer")` shows the cleaned graph; a flip runs
+    graph trainer's passes again, and the figures are those of the graph they make."""
+    from workbench.cost import pipelines
+    from workbench.show.widgets.explorer import PolicyExplorer
+
+    graph = traced(MODELS[0])
+    runs: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        runs.append(1)
+        return run_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipelines, "run_pipeline", counted)
+    explorer = PolicyExplorer(
+        graph, "titan-default", passes="graph-trainer", autosave=tmp_path / "p.json"
+    )
+    assert explorer.graph is cleanup(graph)
+    before = len(runs)
+    name = next(n for n, tag in explorer.model.decisions.items() if tag.recompute)
+    explorer.flip(name)
+    assert len(runs) > before
+    assert not explorer.model.decisions[name].recompute
+    result = run_pipeline(explorer.graph, explorer.model.decisions, explorer.model.policy.offload)
+    full = estimate_remat(explorer.graph, result.gm, explorer.estimator)
+    assert explorer.model.estimate.totals() == full.totals()
+
+
+@pytest.mark.parametrize("command", [["estimate"], ["solve", "--budget-frac", "1"]], ids=str)
+def test_commands_estimate_graph_trainers_output(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """`estimate` and `solve --passes graph-trainer` report the figures of the graph graph
+    trainer's passes make for the policy, and name each pass's fate."""
+    argv = [*command, "--model", MODELS[0], "--layers", "2", "--seq", "32", "--profile", "h100"]
+    if command[0] == "estimate":
+        argv += ["--policy", "titan-sac_and_offload", "--optimizer", "none"]
+    assert main([*argv, "--passes", "graph-trainer", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    steps = {step["name"]: step["status"] for step in result["passes"]["passes"]}
+    assert (
+        set(result["passes"]["skipped"]) == set(SKIPPED)
+        and steps["apply_cpu_offload_pass"] == "ran"
+    )
+    policy = Policy.from_json(result["policy"])
+    cleaned = cleanup(traced(MODELS[0]))
+    optimizer = "none" if command[0] == "estimate" else "adamw"
+    estimator = Estimator(cleaned, ("h100",), optimizer)  # type: ignore[arg-type]
+    full = estimate_remat(cleaned, run_pipeline(cleaned, policy).gm, estimator)
+    assert result["peak_bytes"] == full.peak_bytes
+    assert result["saved_activation_bytes"] == full.saved_activation_bytes
+
+
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
+def test_a_per_rank_graph_through_graph_trainers_pipeline(
+    rank_debug: JointGraph, preset: str
+) -> None:
+    """One FSDP2 x TP2 rank on fake tensors: graph trainer's cleanup drops nodes (its
+    back-to-back transposes of gathered weights among them), its tagging differs from the
+    decisions only on random ops, and the what-if is exact against its output."""
+    estimator = estimator_for(rank_debug, "graph-trainer", ("h100",))
+    cleaned = estimator.graph
+    assert len(cleaned.gm.graph.nodes) < len(rank_debug.gm.graph.nodes)
+    result = run_pipeline(cleaned, preset)
+    nodes = {n.name: n for n in cleaned.gm.graph.nodes}
+    assert all(_random(nodes[name]) for name in result.retagged)
+    full = estimate_remat(cleaned, result.gm, estimator)
+    assert estimator.estimate(Policy(preset)).totals() == full.totals()
+    assert cleaned.collective_counts() == rank_debug.collective_counts()

@@ -1,0 +1,462 @@
+"""One rank of a torchtitan model sharded as graph trainer shards it: its own `parallelize`
+(SimpleFSDP, TP plans, expert parallelism) on torch's fake process group, traced by its own
+`minimal_fx_tracer` with its module annotations.
+
+Entry points: `trace_titan_rank(workload, mode, parallel) -> JointGraph` (what
+`workbench.capture.trace.trace` calls for `torchtitan:` workloads with a `Parallel`),
+`GRAPH_TRAINER_FAMILIES`, `check_titan_parallel`, and `bind_token_counts` (the expert token
+counts fake tensors cannot route).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+
+from workbench.capture.graph import InputKind, InputSpec, JointGraph, describe_nodes
+from workbench.capture.models.torchtitan import adapt_config, parse_spec
+from workbench.capture.tracing import Mode
+from workbench.capture.workload import Workload
+from workbench.errors import WorkbenchError, describe
+
+if TYPE_CHECKING:
+    from workbench.capture.parallel import Parallel
+
+__all__ = [
+    "GRAPH_TRAINER_FAMILIES",
+    "bind_token_counts",
+    "check_titan_parallel",
+    "is_titan_workload",
+    "trace_titan_rank",
+]
+
+# The families torchtitan 0.3.0's graph trainer ships a `parallelize` (and model class) for.
+GRAPH_TRAINER_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "muse_glimmer")
+_GRAPH_TRAINER = "torchtitan.experiments.graph_trainer"
+# graph trainer's annotation of the EP token exchange (`common_utils._EP_TOKEN_EXCHANGE`)
+_EP_TOKEN_EXCHANGE = "EP_token_exchange"
+_A2A = "_c10d_functional.all_to_all_single.default"
+
+
+def is_titan_workload(workload: Workload) -> bool:
+    return workload.name.startswith("torchtitan:")
+
+
+def _experts(config: Any) -> int:
+    for block in config.layers:
+        moe = getattr(block, "moe", None)
+        if moe is not None:
+            return int(moe.num_experts)
+    return 0
+
+
+def check_titan_parallel(workload: Workload, parallel: Parallel) -> None:
+    """Refuse, in one line each, what graph trainer's `parallelize` cannot shard: a family
+    without one, `--ep` on a dense model, degrees that do not divide experts, heads or the
+    sequence."""
+    family, _ = parse_spec(workload.name)
+    if family not in GRAPH_TRAINER_FAMILIES:
+        raise WorkbenchError(
+            f"torchtitan {family} has no graph trainer parallelize in torchtitan 0.3.0 "
+            f"(families with one: {', '.join(GRAPH_TRAINER_FAMILIES)}); trace "
+            f"{workload.name} without --fsdp/--tp/--ep/--cp"
+        )
+    if parallel.cp > 1:
+        raise WorkbenchError(
+            f"--cp {parallel.cp}: graph trainer's context parallelism shards SDPA with DTensor's "
+            "ring attention, which has sharding strategies for CUDA's flash and efficient "
+            "attention ops only; a CPU trace (fake or real) holds the CPU flash op, which has "
+            "none, so use --cp 1"
+        )
+    config: Any = workload.model.config
+    experts = _experts(config)
+    if parallel.ep > 1 and not experts:
+        raise WorkbenchError(
+            f"--ep {parallel.ep}: {workload.name} is a dense model (no MoE layers); expert "
+            "parallelism needs an MoE flavor such as torchtitan:deepseek_v3/16B or "
+            "torchtitan:qwen3/debugmodel_moe"
+        )
+    if parallel.ep > 1 and experts % parallel.ep:
+        raise WorkbenchError(
+            f"--ep {parallel.ep} does not divide the {experts} experts of {workload.name}; "
+            f"choose an ep that divides {experts}"
+        )
+    attention = next((b.attention for b in config.layers if hasattr(b, "attention")), None)
+    heads = {
+        "heads": getattr(attention, "n_heads", None),
+        "kv heads": getattr(attention, "n_kv_heads", None),
+    }
+    for what, count in heads.items():
+        if parallel.tp > 1 and count and count % parallel.tp:
+            raise WorkbenchError(
+                f"--tp {parallel.tp} does not divide the {count} {what} of {workload.name}; "
+                f"choose a tp that divides {count}"
+            )
+    seq = int(workload.config["seq"])
+    divisor = parallel.tp * (2 * parallel.cp if parallel.cp > 1 else 1)
+    if seq % divisor:
+        raise WorkbenchError(
+            f"--seq {seq} is not a multiple of tp x 2cp = {divisor} (sequence parallelism "
+            f"and context parallelism split it); choose a seq divisible by {divisor}"
+        )
+
+
+@contextlib.contextmanager
+def _graph_trainer_context() -> Iterator[None]:
+    """Graph trainer's model packages import `torchtitan.trainer` (the training loop), which
+    imports training-only packages (torchdata, tensorboard, tokenizers) that the workbench
+    does not install; tracing never calls it. Without them, a placeholder `Trainer` stands in
+    while graph trainer is imported and its configs are updated, and is removed after."""
+    placeholder = None
+    try:
+        importlib.import_module("torchtitan.trainer")
+    except ImportError:
+        placeholder = types.ModuleType("torchtitan.trainer")
+
+        class Trainer:  # what graph trainer reads at import: `Trainer.Config` as a base
+            class Config:
+                pass
+
+        placeholder.Trainer = Trainer  # type: ignore[attr-defined]
+        sys.modules["torchtitan.trainer"] = placeholder
+    try:
+        yield
+    finally:
+        if placeholder is not None and sys.modules.get("torchtitan.trainer") is placeholder:
+            del sys.modules["torchtitan.trainer"]
+
+
+@contextlib.contextmanager
+def _cpu_parallel_dims() -> Iterator[None]:
+    """torchtitan's `ParallelDims` builds its meshes on its module's `device_type`, which
+    falls back to "cuda" without an accelerator: the fake group's meshes live on the CPU."""
+    from torchtitan.distributed import parallel_dims
+
+    previous = parallel_dims.device_type
+    parallel_dims.device_type = "cpu"
+    try:
+        yield
+    finally:
+        parallel_dims.device_type = previous
+
+
+@contextlib.contextmanager
+def _spmd_backend(name: str) -> Iterator[None]:
+    """Graph trainer runs torchtitan's `partial_dtensor` backend (its `to_graph_trainer_config`)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    previous = dist_utils.get_spmd_backend()
+    dist_utils.set_spmd_backend(name)
+    try:
+        yield
+    finally:
+        dist_utils.set_spmd_backend(previous)
+
+
+def _configs(workload: Workload, parallel: Parallel) -> tuple[Any, Any, Any]:
+    """(training, parallelism, compile) as graph trainer's `parallelize` reads them: compile
+    off (the workbench traces the step itself), mixed precision as `parallel` says."""
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
+
+    training = TrainingConfig(
+        seq_len=int(workload.config["seq"]),
+        local_batch_size=int(workload.config["batch"]),
+        mixed_precision_param=parallel.param_dtype,
+        mixed_precision_reduce=parallel.reduce_dtype,
+    )
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=parallel.fsdp,
+        tensor_parallel_degree=parallel.tp,
+        context_parallel_degree=parallel.cp,
+        expert_parallel_degree=parallel.ep,
+        spmd_backend="partial_dtensor",
+    )
+    return training, parallelism, GraphTrainerCompileConfig(enable=False)
+
+
+def _build_rank_model(workload: Workload, parallel: Parallel, mode: Mode) -> tuple[Any, Any]:
+    """Graph trainer's model for the workload's family and flavor (same layers, attention
+    and RoPE length), its config updated for `parallel` as the trainer does; real mode
+    copies the workload's weights, fake mode builds on fake CPU tensors. Returns (spec, model)."""
+    family, flavor = parse_spec(workload.name)
+    spec = importlib.import_module(f"{_GRAPH_TRAINER}.{family}").model_registry(flavor)
+    config = spec.model
+    adapt_config(config, workload.name, int(workload.config["layers"]), int(workload.config["seq"]))
+    _, parallelism, _ = _configs(workload, parallel)
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    dtype = next(workload.model.parameters()).dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if mode == "fake":
+            with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+                model = config.build()
+        else:
+            with torch.device("cpu"):
+                model = config.build()
+            model.init_states()
+            model.load_state_dict(workload.model.state_dict())
+    finally:
+        torch.set_default_dtype(previous)
+    return spec, model
+
+
+def _parallel_dims(parallel: Parallel) -> Any:
+    from torchtitan.distributed import ParallelDims
+
+    dims = ParallelDims(
+        dp_replicate=1,
+        dp_shard=parallel.fsdp,
+        cp=parallel.cp,
+        tp=parallel.tp,
+        pp=1,
+        ep=parallel.ep,
+        world_size=parallel.world_size,
+        spmd_backend="partial_dtensor",
+    )
+    dims.build_mesh()
+    return dims
+
+
+def _forget_simple_fsdp_classes() -> None:
+    """Graph trainer's SimpleFSDP caches one wrapper class per module class, whose parameter
+    properties call the parametrization of the first module it wrapped, mesh included: a
+    later trace (another world, its own groups) would gather on the first one's mesh."""
+    from torchtitan.experiments.graph_trainer import simple_fsdp
+
+    simple_fsdp._wrap_class_cache.clear()
+
+
+def _mesh_dims(dims: Any) -> dict[str, str]:
+    """Process-group name -> mesh dimension, for the dimensions with more than one rank.
+    Dimensions spanning the whole world share its group: `fsdp+ep` names both."""
+    named: dict[str, str] = {}
+    for name in ("fsdp", "cp", "tp", "efsdp", "ep"):
+        mesh = dims.get_all_one_dimensional_meshes().get(name)
+        if mesh is not None and mesh.size() > 1:
+            group = mesh.get_group().group_name
+            named[group] = f"{named[group]}+{name}" if group in named else name
+    return named
+
+
+def _inputs(workload: Workload, mode: Mode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels on the CPU (fake mode: zeros of the workload's shape)."""
+    ids, labels = workload.inputs[0], workload.target
+    if mode == "fake":
+        return torch.zeros(ids.shape, dtype=ids.dtype), torch.zeros(labels.shape, dtype=ids.dtype)
+    return ids, labels
+
+
+def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> JointGraph:
+    """Rank 0 of `parallel` for the torchtitan workload: graph trainer's model, its
+    `parallelize` on a fake process group, its `make_fwd_bwd_step` traced by its
+    `minimal_fx_tracer` with its loss (`CrossEntropyLoss`, sum over tokens divided by the
+    global token count). Expert token counts are bound by `bind_token_counts`."""
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import extract_module_state
+
+    from workbench.capture.parallel import check_fits_rank, fake_world
+
+    check_titan_parallel(workload, parallel)
+    if mode == "real":
+        check_fits_rank(workload, parallel)
+    with (
+        _graph_trainer_context(),
+        _spmd_backend("partial_dtensor"),
+        fake_world(parallel.world_size),
+        _cpu_parallel_dims(),
+    ):
+        try:
+            spec, model = _build_rank_model(workload, parallel, mode)
+            dims = _parallel_dims(parallel)
+            _forget_simple_fsdp_classes()
+            training, parallelism, compile_config = _configs(workload, parallel)
+            model = spec.parallelize_fn(
+                model,
+                parallel_dims=dims,
+                training=training,
+                parallelism=parallelism,
+                compile_config=compile_config,
+                ac_config=None,
+                dump_folder="",
+            )
+            traced = _trace(model, workload, mode)
+            n_params = sum(1 for _ in model.named_parameters(remove_duplicate=False))
+            model_state = list(extract_module_state(model).values())
+        except WorkbenchError:
+            raise
+        except Exception as err:  # torchtitan raises many types: one line naming the step
+            raise WorkbenchError(
+                f"graph trainer's parallelize/trace of {workload.name} at "
+                f"{parallel.describe()} failed: {describe(err)}"
+            ) from None
+        mesh_dims = _mesh_dims(dims)
+    notes = [*workload.notes, *bind_token_counts(traced.gm, parallel)]
+    return _joint_graph(traced, n_params, model_state, workload, mode, parallel, mesh_dims, notes)
+
+
+def _trace(model: Any, workload: Workload, mode: Mode) -> Any:
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer
+    from torchtitan.experiments.graph_trainer.trainer import make_fwd_bwd_step
+
+    vocab = int(model.config.vocab_size)
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=vocab))
+    ids, labels = _inputs(workload, mode)
+    tokens = torch.tensor(float(ids.numel()))
+    step = make_fwd_bwd_step(model, loss_fn)
+    with warnings.catch_warnings():  # its MoE asks for fp32 autocast, which the CPU ignores
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        return minimal_fx_tracer(step, module=model)(ids, labels, tokens, {})
+
+
+def _joint_graph(
+    traced: Any,
+    n_params: int,
+    model_state: list[torch.Tensor],
+    workload: Workload,
+    mode: Mode,
+    parallel: Parallel,
+    mesh_dims: dict[str, str],
+    notes: list[str],
+) -> JointGraph:
+    """The workbench's view of graph trainer's traced step: placeholders named by its state
+    FQNs (parameters, then buffers), meshes, then ids, labels and the token count."""
+    gm: fx.GraphModule = traced.gm
+    names: Iterator[tuple[InputKind, str]] = iter(
+        [
+            *(("param", fqn) for fqn in traced.state_fqns[:n_params]),
+            *(("buffer", fqn) for fqn in traced.state_fqns[n_params:]),
+            ("input", "inputs[0]"),
+            ("target", "target"),
+            ("input", "global_valid_tokens"),
+        ]
+    )
+    specs = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        mesh: tuple[InputKind, str] = ("mesh", "mesh")
+        kind, fqn = mesh if isinstance(node.meta.get("val"), DeviceMesh) else next(names)
+        specs.append(InputSpec(placeholder=node.name, kind=kind, fqn=fqn))
+    config = {**workload.config, **parallel.to_json(), "parallelize": "graph trainer"}
+    return JointGraph(
+        gm=gm,
+        nodes=describe_nodes(gm),
+        inputs=specs,
+        model_name=workload.name,
+        mode=mode,
+        tokens=workload.tokens,
+        config=config,
+        example_inputs=_real_inputs(traced, model_state, workload) if mode == "real" else None,
+        mesh_dims=mesh_dims,
+        notes=notes,
+    )
+
+
+def _real_inputs(traced: Any, state: list[torch.Tensor], workload: Workload) -> list[Any]:
+    """The graph's inputs in real mode: the state's local shards and meshes, as graph
+    trainer's `run_traced` unwraps them, then ids, labels and the token count."""
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import _unwrap_subclasses
+
+    ids, labels = workload.inputs[0], workload.target
+    flat, _ = _unwrap_subclasses([*state, ids, labels, torch.tensor(float(ids.numel()))])
+    return flat
+
+
+# --- expert token counts ------------------------------------------------------------------
+
+
+def bind_token_counts(gm: fx.GraphModule, parallel: Parallel) -> list[str]:
+    """Give every size that expert routing decides a number, in the nodes' metadata only.
+
+    The EP all-to-alls send and receive as many tokens as the router picks, sizes a fake
+    tensor cannot know (unbacked symbols read by `.tolist()`). Each dispatch sends its
+    `T` routed token copies evenly to the `ep` ranks (`T / ep` each, as a balanced router
+    would) and receives `ep_imbalance x T / ep` from each (1: balanced; more: this rank's
+    experts are the hottest). The ops themselves are unchanged. Returns the note stating it."""
+    hints: dict[sympy.Symbol, int] = {}
+    exchanges = 0
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if node.target is None or str(node.target) != _A2A:
+            continue
+        if custom.get(_EP_TOKEN_EXCHANGE) != "dispatch" or node.meta.get("autograd_backward"):
+            continue
+        exchanges += 1
+        sent = int(node.args[0].meta["val"].shape[0])
+        receive, send = node.args[1], node.args[2]
+        balanced = _split(sent, len(send))
+        hottest = [min(sent, math.ceil(parallel.ep_imbalance * n)) for n in balanced]
+        for sizes, values in ((send, balanced), (receive, hottest)):
+            for size, value in zip(sizes, values, strict=True):
+                symbol = _symbol(size)
+                if symbol is not None:
+                    hints.setdefault(symbol, value)
+    if not hints:
+        return []
+    _concretize(gm, hints)
+    return [
+        f"expert routing: fake tensors cannot route, so each EP dispatch all-to-all "
+        f"({exchanges} here) sends its routed token copies evenly to the {parallel.ep} EP "
+        f"ranks and receives {parallel.ep_imbalance:g} x the balanced count from each "
+        f"(ep_imbalance {parallel.ep_imbalance:g}; 1 = balanced)"
+    ]
+
+
+def _split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _symbol(size: Any) -> sympy.Symbol | None:
+    value = size.meta.get("val") if isinstance(size, fx.Node) else size
+    if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+        return value.node.expr
+    return None
+
+
+def _concretize(gm: fx.GraphModule, hints: dict[sympy.Symbol, int]) -> None:
+    """Every node's `meta["val"]` with the bound sizes; a size still unknown is refused."""
+
+    def concrete(value: Any) -> Any:
+        if isinstance(value, torch.SymInt):
+            return _evaluate(value.node.expr, hints)
+        if not isinstance(value, torch.Tensor):
+            return value
+        if all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+            return value
+        shape = [_evaluate(d, hints) for d in value.shape]
+        stride = [_evaluate(d, hints) for d in value.stride()]
+        with value.fake_mode:  # type: ignore[attr-defined]
+            return value.new_empty_strided(shape, stride)
+
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["val"] = pytree.tree_map(concrete, node.meta["val"])
+
+
+def _evaluate(size: Any, hints: dict[sympy.Symbol, int]) -> int:
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr if isinstance(size, torch.SymInt) else size
+    value = expr.xreplace(hints) if isinstance(expr, sympy.Basic) else expr
+    if not isinstance(value, int) and not getattr(value, "is_number", False):
+        raise WorkbenchError(
+            f"a size of the expert-parallel graph depends on routing the workbench does not "
+            f"model ({value}); only the EP dispatch/combine token counts are bound"
+        )
+    return int(value)

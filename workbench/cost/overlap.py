@@ -1,0 +1,371 @@
+"""Step time on three streams: compute, communication and the host link.
+
+Entry points: `collective_time(profile, kind, nbytes, group, spans_nodes)` (one collective's
+seconds), `Streams(graph, index, options)` built once per estimator, then
+`Streams.issue_positions(entries)` (where FSDP prefetch moves each all-gather, which moves its
+output's birth in the memory walk) and `Streams.run(...) -> StreamTimes` per profile. Compute
+runs its entries in order; a collective queues on the communication stream when issued, a
+host copy on the host stream; a wait stalls compute only until its collective or copy ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, cast
+
+import numpy as np
+import torch
+
+from workbench.capture.graph import JointGraph
+from workbench.cost.profiles import DeviceProfile
+from workbench.errors import WorkbenchError
+from workbench.rewrite.index import GraphIndex
+from workbench.rewrite.schedule import offload_step
+
+__all__ = [
+    "RING_FACTOR",
+    "OverlapOptions",
+    "StreamTimes",
+    "Event",
+    "Streams",
+    "collective_time",
+    "nccl_model_applies",
+    "walk_streams",
+]
+
+# Ring algorithms: bytes each rank sends, per byte of the whole buffer, in a group of W.
+RING_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_gather": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_to_all": lambda w: (w - 1) / w,
+    "broadcast": lambda w: (w - 1) / w,
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+}
+# Ring steps of a collective in a group of W (NCCL's `nsteps`, as torch's
+# `torch._inductor.comm_analysis._nccl_algo_time` counts them).
+RING_STEPS: dict[str, Callable[[int], int]] = {
+    "all_gather": lambda w: w - 1,
+    "reduce_scatter": lambda w: w - 1,
+    "broadcast": lambda w: w - 1,
+    "all_to_all": lambda w: 2 * (w - 1),
+    "all_reduce": lambda w: 2 * (w - 1),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OverlapOptions:
+    """How FSDP's collectives are issued (torchtitan's SimpleFSDP leaves both to the
+    compiler's bucketing and reordering passes; the traced graph issues each all-gather
+    just before its wait)."""
+
+    prefetch: int = 0
+    """FSDP all-gather buckets issued ahead of the one compute waits for: bucket b goes out
+    when compute reaches the wait of bucket b - prefetch (0: where the graph has it). An
+    early all-gather holds its output from its issue on, so prefetch raises the peak. TP's
+    all-gathers read activations and stay where they are."""
+
+    bucket_layers: bool = False
+    """Send a layer's consecutive FSDP all-gathers (and reduce-scatters) as one collective:
+    one latency instead of one per parameter; a reduce-scatter bucket goes out with its
+    last gradient."""
+
+    sink_waits: bool = False
+    """Move each collective's wait to the first op reading its result (what the compiler's
+    reordering does): a reduce-scatter then overlaps the rest of backward."""
+
+    max_copies_in_flight: int | None = None
+    """Host copies queued at most at once; issuing one more stalls compute until the oldest
+    ends (None: no cap)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
+            raise WorkbenchError(f"prefetch must be 0 or more buckets, got {self.prefetch!r}")
+        if self.prefetch < 0:
+            raise WorkbenchError(f"prefetch must be 0 or more buckets, got {self.prefetch}")
+        cap = self.max_copies_in_flight
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise WorkbenchError(f"max_copies_in_flight must be 1 or more, or None, got {cap!r}")
+
+
+def nccl_model_applies(profile: DeviceProfile) -> bool:
+    """torch's NCCL model reads the GPU it runs on (`comm_analysis.get_gpu_type`, NVLink
+    detection), so it times a profile's collectives only on that profile's GPU."""
+    return (
+        profile.gpu_name is not None
+        and torch.cuda.is_available()
+        and profile.gpu_name in torch.cuda.get_device_name()
+    )
+
+
+def collective_time(
+    profile: DeviceProfile, kind: str, nbytes: int, group: int, spans_nodes: bool
+) -> float:
+    """Seconds of one collective of `nbytes` (the whole buffer) in a group of `group` ranks:
+    torch's NCCL model (`estimate_nccl_collective_runtime_impl`) where it applies, else the
+    ring model, factor(W) x bytes / link rate, plus NCCL's Ring/Simple latency per step from
+    torch's tables (`comm_analysis.baseLat`, `hwLat`) on profiles with `nccl_latency`."""
+    if group <= 1 or kind not in RING_FACTOR:
+        return 0.0
+    from torch._inductor import comm_analysis as ca
+
+    if nccl_model_applies(profile):
+        coll = {
+            "all_gather": ca.NCCL_COLL.ALL_GATHER,
+            "reduce_scatter": ca.NCCL_COLL.REDUCE_SCATTER,
+            "all_reduce": ca.NCCL_COLL.ALL_REDUCE,
+            "all_to_all": ca.NCCL_COLL.ALL_TO_ALL,
+        }.get(kind)
+        if coll is not None:
+            return float(ca.estimate_nccl_collective_runtime_impl(nbytes, group, coll)) / 1e3
+    seconds = RING_FACTOR[kind](group) * nbytes / profile.link_rate(spans_nodes)
+    if profile.nccl_latency:
+        ring, simple = ca.NCCL_ALGO.RING, ca.NCCL_PROTO.SIMPLE
+        hw = ca.NCCL_HW.NET if spans_nodes else ca.NCCL_HW.NVLINK
+        steps = RING_STEPS[kind](group)
+        seconds += (ca.baseLat[ring][simple] + steps * ca.hwLat[hw][ring][simple]) * 1e-6
+    return seconds
+
+
+@dataclass
+class StreamTimes:
+    """One schedule on one profile: compute seconds (its entries back to back), the busy
+    seconds of the communication and host streams, and what compute waited for each."""
+
+    compute_seconds: float
+    comm_seconds: float
+    exposed_comm_seconds: float
+    transfer_seconds: float
+    exposed_transfer_seconds: float
+    # per offloaded node: its copies' stalls, (device->host, host->device)
+    copy_stalls: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_comm_seconds + self.exposed_transfer_seconds
+
+
+class Streams:
+    """The collectives of one graph: which node each wait ends, FSDP's buckets, and the
+    group each collective runs in."""
+
+    def __init__(self, graph: JointGraph, index: GraphIndex, options: OverlapOptions) -> None:
+        self.index, self.options = index, options
+        position = {name: i for i, name in enumerate(index.names)}
+        self.degrees = {k: int(graph.config.get(k, 1)) for k in ("fsdp", "cp", "tp", "ep")}
+        # experts' FSDP ("efsdp") spans the ranks EP leaves (torchtitan's expert mesh)
+        sizes = {**self.degrees, "efsdp": graph.world_size // self.degrees["ep"]}
+        self.kind: dict[int, str] = {}  # node -> collective kind (waits excluded)
+        self.nbytes: dict[int, int] = {}
+        self.group: dict[int, tuple[int, str | None]] = {}
+        self.waits: dict[int, int] = {}  # wait node -> the collective node it ends
+        self.world = graph.world_size
+        gm_nodes = {n.name: n for n in graph.gm.graph.nodes}
+        for c in graph.collectives():
+            i = position[c.node]
+            if c.kind == "wait":
+                started = next(iter(gm_nodes[c.node].all_input_nodes), None)
+                if started is not None and started.name in position:
+                    self.waits[i] = position[started.name]
+                continue
+            self.kind[i] = c.kind
+            self.nbytes[i] = c.bytes
+            self.group[i] = (sizes.get(c.mesh_dim or "", graph.world_size), c.mesh_dim)
+        self.fsdp = {
+            i for i, (_, dim) in self.group.items() if dim == "fsdp" and self.kind[i] in
+            ("all_gather", "reduce_scatter")
+        }  # fmt: skip
+        n = index.n
+        self._alias = np.array(
+            [graph.nodes[name].is_view for name in index.names], dtype=bool
+        ) | np.asarray(index.is_getitem, dtype=bool)
+        self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
+        self._issue = np.zeros(7 * n, dtype=bool)
+        self._wait = np.zeros(7 * n, dtype=bool)
+        for i in self.kind:
+            self._issue[[i, n + i]] = True
+        for i in self.waits:
+            self._wait[[i, n + i]] = True
+
+    def _buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
+        """Per issued collective (or FSDP bucket): the positions of its members and of the
+        waits on them, in issue order."""
+        n, index, opts = self.index.n, self.index, self.options
+        at = np.flatnonzero(self._issue[entries] | self._wait[entries]).tolist()
+        nodes = index.entry_node(entries[at]).tolist()
+        groups: list[tuple[list[int], list[int]]] = []
+        owner: dict[int, int] = {}  # node -> its latest issued group
+        last_key: tuple[Any, ...] | None = None
+        last_group = -1
+        for p, node in zip(at, nodes, strict=True):
+            if node in self.waits:
+                g = owner.get(self.waits[node])
+                if g is not None:
+                    groups[g][1].append(p)
+                continue
+            key = (self.kind[node], index.layer[node], bool(entries[p] >= n))
+            bucket = opts.bucket_layers and node in self.fsdp and index.layer[node] is not None
+            if bucket and key == last_key:
+                g = last_group
+                groups[g][0].append(p)
+            else:
+                groups.append(([p], []))
+                g = len(groups) - 1
+            if node in self.fsdp:  # other collectives between a layer's do not end its bucket
+                last_key, last_group = (key if bucket else None), g
+            owner[node] = g
+        return groups
+
+    def issue_positions(self, entries: np.ndarray) -> dict[int, int]:
+        """Position each all-gather member is issued at, where prefetch or bucketing moves it
+        earlier than its own (the memory walk counts its output from there)."""
+        moved: dict[int, int] = {}
+        gathers = [  # FSDP's: a parameter's all-gather waits on no activation
+            g
+            for g in self._buckets(entries)
+            if self._node_at(entries, g) in self.fsdp
+            and self.kind[self._node_at(entries, g)] == "all_gather"
+        ]
+        for b, (members, _) in enumerate(gathers):
+            issue = members[0]
+            ahead = b - self.options.prefetch
+            if self.options.prefetch and ahead >= 0 and gathers[ahead][1]:
+                issue = min(issue, gathers[ahead][1][0])
+            for p in members:
+                if issue < p:
+                    moved[p] = issue
+        return moved
+
+    def _first_use(self, at: int, entries: np.ndarray, reads: tuple[np.ndarray, np.ndarray]) -> int:
+        """Position of the first op that computes with the value at `at`, through views."""
+        reader, read = reads
+        if self._readers is None or self._readers[0] is not reader:
+            table: dict[int, list[int]] = {}
+            for r, e in zip(reader.tolist(), read.tolist(), strict=True):
+                table.setdefault(e, []).append(r)
+            self._readers = (reader, table)
+        table = self._readers[1]
+        first, todo = len(entries), [at]
+        while todo:
+            p = todo.pop()
+            for r in table.get(int(entries[p]), []):
+                if r >= first:
+                    continue
+                if self._alias[int(self.index.entry_node(entries[r]))]:
+                    todo.append(r)
+                else:
+                    first = r
+        return first if first < len(entries) else at
+
+    def _node_at(self, entries: np.ndarray, group: tuple[list[int], list[int]]) -> int:
+        return int(self.index.entry_node(entries[group[0][0]]))
+
+    def run(
+        self,
+        entries: np.ndarray,
+        seconds: np.ndarray,
+        profile: DeviceProfile,
+        offloaded: dict[int, int],
+        reads: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> StreamTimes:
+        """Time the schedule: `seconds` is the compute seconds of every entry; collectives
+        and host copies take their streams' time (`walk_streams`). `reads`: the schedule's
+        (reader position, entry read) pairs, for `sink_waits`."""
+        n, index, opts = self.index.n, self.index, self.options
+        clock = np.concatenate(([0.0], np.cumsum(seconds[entries])))  # compute before p
+        moved = self.issue_positions(entries) if opts.prefetch else {}
+        events: list[Event] = []
+        comm = 0.0
+        for b, (members, waits) in enumerate(self._buckets(entries)):
+            nodes = index.entry_node(entries[members]).tolist()
+            kind = self.kind[nodes[0]]
+            world, dim = self.group[nodes[0]]
+            spans = profile.spans_nodes(dim, self.degrees, self.world)
+            nbytes = sum(self.nbytes[i] for i in nodes)
+            duration = collective_time(profile, kind, nbytes, world, spans)
+            comm += duration
+            issue = members[-1] if kind == "reduce_scatter" else members[0]
+            events.append(Event(moved.get(issue, issue), "comm", ("c", b), duration))
+            if opts.sink_waits and reads is not None:
+                waits = [self._first_use(w, entries, reads) for w in waits]
+            events.extend(Event(max(w, issue), "wait", ("c", b)) for w in waits)
+        at = np.flatnonzero(entries >= 3 * n).tolist()
+        steps = offload_step(n, entries[at]).tolist()
+        rate, copied = profile.host_rate(), 0
+        for p, k in zip(at, steps, strict=True):
+            node = int(index.entry_node(entries[p]))
+            if k in (0, 2):
+                copied += offloaded[node]
+                events.append(Event(p, "copy", (node, k), offloaded[node] / rate))
+            else:
+                events.append(Event(p, "wait", (node, k - 1)))
+        stalls = walk_streams(clock, events, opts.max_copies_in_flight)
+        compute = float(clock[-1])
+        if profile.host_hbm_contention:  # each copied byte is read or written in HBM once
+            compute += copied / profile.bytes_per_s
+        copy_stalls: dict[int, list[float]] = {}
+        exposed = {"comm": 0.0, "copy": 0.0}
+        for key, wait in stalls.items():
+            tag, which = cast(tuple[Any, int], key)
+            if tag == "c":
+                exposed["comm"] += wait
+                continue
+            exposed["copy"] += wait
+            copy_stalls.setdefault(tag, [0.0, 0.0])[0 if which == 0 else 1] = wait
+        return StreamTimes(
+            compute_seconds=compute,
+            comm_seconds=comm,
+            exposed_comm_seconds=exposed["comm"],
+            transfer_seconds=copied / rate if copied else 0.0,
+            exposed_transfer_seconds=exposed["copy"],
+            copy_stalls=copy_stalls,
+        )
+
+
+class Event(NamedTuple):
+    """One event of `walk_streams`: at schedule position `at`, `comm` or `copy` issues `key`
+    on its stream for `seconds`; `wait` stalls compute until `key` has ended."""
+
+    at: int
+    what: Literal["comm", "copy", "wait"]
+    key: Hashable
+    seconds: float = 0.0
+
+
+def walk_streams(
+    clock: np.ndarray, events: list[Event], max_copies_in_flight: int | None = None
+) -> dict[Hashable, float]:
+    """Compute runs back to back (`clock[p]`: its seconds before position p); each stream
+    runs its work in issue order, starting when issued or when its previous work ends; a
+    wait stalls compute until its work ends; with a cap, issuing a copy while that many are
+    queued stalls compute until the oldest ends (counted against the copy's key). Events at
+    one position: issues before waits. Returns each waited or capped key's stall.
+
+    >>> events = [Event(0, "comm", "a", 3.0), Event(2, "wait", "a")]
+    >>> walk_streams(np.array([0.0, 1.0, 2.0]), events)
+    {'a': 1.0}
+    """
+    order = sorted(range(len(events)), key=lambda i: (events[i].at, events[i].what == "wait", i))
+    free = {"comm": 0.0, "copy": 0.0}
+    done: dict[Hashable, float] = {}
+    stalls: dict[Hashable, float] = {}
+    stalled, queued = 0.0, list[float]()
+    for i in order:
+        at, what, key, seconds = events[i]
+        now = float(clock[at]) + stalled
+        if what == "wait":
+            wait = max(0.0, done[key] - now)
+            stalls[key] = stalls.get(key, 0.0) + wait
+            stalled += wait
+            continue
+        if what == "copy" and max_copies_in_flight is not None:
+            queued = sorted(t for t in queued if t > now)
+            if len(queued) >= max_copies_in_flight:
+                wait = queued[len(queued) - max_copies_in_flight] - now
+                stalls[key] = stalls.get(key, 0.0) + wait
+                stalled, now = stalled + wait, now + wait
+        free[what] = max(now, free[what]) + seconds
+        done[key] = free[what]
+        if what == "copy":
+            queued.append(free[what])
+    return stalls

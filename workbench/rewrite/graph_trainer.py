@@ -1,0 +1,332 @@
+"""Graph trainer's compile-time pass pipeline on a workbench graph, in graph trainer's order,
+calling its own passes: the `--passes graph-trainer` choice.
+
+Entry points: `prepare(graph, passes) -> JointGraph` (the graph the workbench analyses: as
+traced for `workbench`, after graph trainer's cleanup for `graph-trainer`) and
+`run_pipeline(graph, policy) -> PipelineResult` (tagging, its offload pass, its remat pass and
+what follows, each pass named with what became of it: run, replaced or skipped, and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from workbench.capture.graph import JointGraph, describe_nodes
+from workbench.decide.decider import Decisions, decide
+from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.policy import Policy
+from workbench.decide.presets import TITAN_PRESETS
+from workbench.errors import WorkbenchError
+from workbench.rewrite.placement import REPLAYED_VIEW, is_offload_node
+
+__all__ = [
+    "CLEANUP",
+    "DEFER_0",
+    "PASSES",
+    "PIPELINES",
+    "SKIPPED",
+    "PassStep",
+    "PipelineResult",
+    "check_pipeline",
+    "cleanup",
+    "graph_trainer_config",
+    "prepare",
+    "run_pipeline",
+]
+
+PIPELINES = ("workbench", "graph-trainer")
+Pipeline = Literal["workbench", "graph-trainer"]
+_GT = "torchtitan.experiments.graph_trainer"
+MODULE_FQN = "module_fqn"  # where graph trainer's passes read a node's module path
+
+# Graph trainer's compile-time passes with its default config, in the order of its
+# `passes.compile_time_passes` (`include_inductor=False`) then `final_inductor_compile_passes`
+# and `construct_default_graph_passes`' cudagraph: (module, function). A test reads that
+# order from graph trainer's source.
+CLEANUP: tuple[tuple[str, str], ...] = (
+    ("remove_noop_passes", "eliminate_dead_code_pass"),
+    ("remove_noop_passes", "canonicalize_graph_pass"),
+    ("fsdp_passes", "deduplicate_fsdp_unshard_chains_pass"),
+)
+PASSES: tuple[tuple[str, str], ...] = (
+    *CLEANUP,
+    ("memory_policy", "tag_with_memory_policy_pass"),
+    ("cpu_offload", "apply_cpu_offload_pass"),
+    ("selective_activation_remat", "selective_activation_remat_pass"),
+    ("fsdp_passes", "joint_transformer_block_bucketing_reordering_pass"),
+    ("inductor_passes", "annotate_flex_attention_for_regional_inductor_pass"),
+    ("inductor_passes", "regional_inductor_pass"),
+    ("cudagraph", "cudagraph_pass"),
+)
+# Said where a policy asks for `defer_layers` 0, which graph trainer's pass runs as 1.
+DEFER_0 = (
+    "defer_layers 0 asked: torchtitan 0.3.0's pass refuses it (its closing lint), so it ran "
+    "with 1, as `export --format torchtitan` asks"
+)
+# The passes after its remat pass cannot run here, and why.
+SKIPPED = {
+    "joint_transformer_block_bucketing_reordering_pass": "its overlap scheduler estimates "
+    "node runtimes through triton's GPU driver (none on a CPU); not reproduced: the "
+    "estimate reads the order graph trainer's remat pass leaves",
+    "annotate_flex_attention_for_regional_inductor_pass": "marks regions for inductor, "
+    "which compiles kernels; the estimate reads the FX graph before compilation",
+    "regional_inductor_pass": "inductor compiles the graph into kernels; the estimate reads "
+    "the FX graph before compilation",
+    "cudagraph_pass": "captures CUDA graphs at run time; needs a CUDA device",
+}
+
+
+@dataclass(frozen=True)
+class PassStep:
+    """What became of one of graph trainer's passes: `ran` (its own function), `replaced`
+    (the workbench's stand-in ran: `why` says which), or `skipped` (`why` says why)."""
+
+    name: str
+    status: Literal["ran", "replaced", "skipped"]
+    why: str = ""
+    nodes: int | None = None  # nodes of the graph after it, where it ran
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class PipelineResult:
+    """Graph trainer's pipeline on one policy: the graph it made from `graph` (the cleaned
+    graph, see `prepare`), the decisions it applied, each pass's fate, and the nodes where
+    graph trainer's own tagging differed from the decisions applied (node -> its tag)."""
+
+    gm: fx.GraphModule
+    graph: JointGraph
+    decisions: Decisions
+    steps: list[PassStep]
+    retagged: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pipeline": "graph-trainer",
+            "passes": [step.to_json() for step in self.steps],
+            "skipped": {s.name: s.why for s in self.steps if s.status == "skipped"},
+            "retagged": self.retagged,
+        }
+
+
+def check_pipeline(passes: str) -> Pipeline:
+    """`passes` if it names a pipeline; for `graph-trainer`, torchtitan must be importable."""
+    if passes not in PIPELINES:
+        raise WorkbenchError(
+            f"unknown pass pipeline {passes!r}; choose one of {', '.join(PIPELINES)}"
+        )
+    if passes == "graph-trainer":
+        _pass("memory_policy", "tag_with_memory_policy_pass")
+    return passes  # type: ignore[return-value]
+
+
+def _pass(module: str, name: str) -> Callable[..., Any]:
+    """Graph trainer's pass `name` from its module; a one-line error without torchtitan."""
+    try:
+        return getattr(importlib.import_module(f"{_GT}.{module}"), name)  # type: ignore[no-any-return]
+    except ImportError as err:
+        raise WorkbenchError(
+            f"--passes graph-trainer runs torchtitan's graph trainer passes ({err}): "
+            "pip install -e '.[torchtitan]'"
+        ) from None
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """torchtitan logs its passes' summaries through the root logger: warnings only here."""
+    logger = logging.getLogger()
+    previous = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def _run(name: str, fn: Callable[..., Any], gm: fx.GraphModule) -> fx.GraphModule:
+    """One of graph trainer's passes; its failure as a one-line error naming it."""
+    try:
+        with _quiet():
+            out = fn(gm, None)
+    except Exception as err:  # any failure inside graph trainer: say which pass
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise WorkbenchError(f"graph trainer's {name} failed: {first}") from None
+    return out  # type: ignore[no-any-return]
+
+
+_CLEANED: weakref.WeakKeyDictionary[JointGraph, JointGraph] = weakref.WeakKeyDictionary()
+# each cleaned graph -> what its cleanup passes did
+_CLEANUP_STEPS: weakref.WeakKeyDictionary[JointGraph, list[PassStep]] = weakref.WeakKeyDictionary()
+
+
+def cleanup(graph: JointGraph) -> JointGraph:
+    """`graph` after graph trainer's cleanup passes (`CLEANUP`: DCE, `canonicalize_graph_pass`
+    dropping `detach` and back-to-back `t` and retargeting views to `reshape`, FSDP
+    unshard-chain dedup), as a JointGraph of its own whose surviving nodes keep the traced
+    graph's facts (module, phase). Built once per graph; a cleaned graph is its own."""
+    if graph in _CLEANUP_STEPS:
+        return graph
+    if graph in _CLEANED:
+        return _CLEANED[graph]
+    gm = fx.GraphModule(graph.gm, _copy(graph.gm.graph))
+    for node in gm.graph.nodes:
+        node.meta.pop("recompute", None)
+        info = graph.traced_info(node)
+        custom = dict(node.meta.get("custom") or {})
+        custom[MODULE_FQN] = info.module if info is not None else ""
+        node.meta["custom"] = custom
+    traced = {node: graph.traced_info(node) for node in gm.graph.nodes}
+    steps = []
+    for module, name in CLEANUP:
+        gm = _run(name, _pass(module, name), gm)
+        steps.append(PassStep(name, "ran", nodes=len(gm.graph.nodes)))
+    infos = describe_nodes(gm)  # a new trace token: the cleaned graph is its own origin
+    for node in gm.graph.nodes:
+        before = traced.get(node)
+        if before is not None:  # keep what the trace said (module attribution, phase)
+            infos[node.name] = dataclasses.replace(
+                infos[node.name],
+                module=before.module,
+                layer=before.layer,
+                phase=before.phase,
+                graph_level=before.graph_level,
+            )
+    cleaned = dataclasses.replace(graph, gm=gm, nodes=infos)
+    _CLEANED[graph] = cleaned
+    _CLEANUP_STEPS[cleaned] = steps
+    return cleaned
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` whose nodes have their own meta dicts (the passes rewrite them)."""
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
+def prepare(graph: JointGraph, passes: str = "workbench") -> JointGraph:
+    """The graph the workbench analyses under a pass pipeline: `graph` itself for
+    `workbench`, `cleanup(graph)` for `graph-trainer` (whose tagging runs after cleanup)."""
+    return graph if check_pipeline(passes) == "workbench" else cleanup(graph)
+
+
+def graph_trainer_config(policy: Policy) -> Any:
+    """The slice of graph trainer's config its memory-policy pass reads: the `titan-*`
+    preset's memory policy (`default` for others), its offload budget, one device."""
+    from torchtitan.config import ParallelismConfig
+
+    memory_policy = policy.preset.removeprefix("titan-") if _is_titan(policy) else "default"
+    budget = policy.offload.budget_bytes
+    return types.SimpleNamespace(
+        parallelism=ParallelismConfig(),
+        compile=types.SimpleNamespace(
+            memory_policy=memory_policy,
+            # its "GB" are GiB (`budget_gb * 1024**3`); None: its default, 100
+            cpu_offload_budget_gb=100.0 if budget is None else budget / 2**30,
+        ),
+    )
+
+
+def _is_titan(policy: Policy) -> bool:
+    """A bare `titan-*` preset: graph trainer's own tagging decides it."""
+    return policy.preset in TITAN_PRESETS and policy == Policy(
+        policy.preset, offload=policy.offload
+    )
+
+
+def _tag(
+    gm: fx.GraphModule, graph: JointGraph, policy: Policy | Decisions
+) -> tuple[Decisions, PassStep, dict[str, str]]:
+    """Memory-policy tagging. A bare `titan-*` preset runs graph trainer's
+    `tag_with_memory_policy_pass`; then every node takes the workbench's decision (for the
+    `titan-*` presets graph trainer's tag but where the CPU forces a save: random ops, which
+    its remat pass refuses) and the nodes where the two differ are returned."""
+    name = "tag_with_memory_policy_pass"
+    retagged: dict[str, str] = {}
+    if isinstance(policy, Policy) and _is_titan(policy):
+        fn = functools.partial(_pass("memory_policy", name), config=graph_trainer_config(policy))
+        _run(name, fn, gm)
+        step = PassStep(name, "ran", nodes=len(gm.graph.nodes))
+    else:
+        what = f"policy {policy.preset!r}" if isinstance(policy, Policy) else "given decisions"
+        step = PassStep(
+            name, "replaced", f"the workbench's decider tags {what} (not a bare titan-* preset)"
+        )
+    decisions = decide(graph, policy) if isinstance(policy, Policy) else policy
+    for node in gm.graph.nodes:
+        theirs = node.meta.pop("recompute", None)
+        tag = decisions.get(node.name)
+        if tag is None or node.op != "call_function":  # its passes read call nodes' tags only
+            continue
+        node.meta["recompute"] = tag.policy
+        offloads = theirs is CheckpointPolicy.MUST_CPU_OFFLOAD
+        if step.status == "ran" and (
+            (theirs in _RECOMPUTE) != tag.recompute or offloads != tag.offload
+        ):
+            name_of = theirs.name if theirs is not None else "untagged"
+            retagged[node.name] = f"{name_of} -> {tag.policy.name}: {tag.reason}"
+    return decisions, step, retagged
+
+
+_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def run_pipeline(
+    graph: JointGraph, policy: Policy | str | Decisions, offload: OffloadOptions | None = None
+) -> PipelineResult:
+    """Graph trainer's compile-time passes (`PASSES`) in its order on `graph` for `policy`:
+    cleanup (`cleanup`; skipped if `graph` is already a cleaned graph), memory-policy
+    tagging (`_tag`), `apply_cpu_offload_pass` with the policy's prefetch and defer,
+    `selective_activation_remat_pass`, then the passes that need a GPU or compile kernels,
+    skipped and named with why.
+
+    On entry: a traced graph or `cleanup`'s result. Returns a `PipelineResult` whose `gm`
+    maps back to `result.graph` (estimate it with `estimate_remat(result.graph, result.gm)`);
+    views graph trainer's offload pass replays on reloads are marked `REPLAYED_VIEW`. Raises
+    `WorkbenchError` naming the pass that failed inside graph trainer."""
+    policy = Policy(policy) if isinstance(policy, str) else policy
+    if offload is None:
+        offload = policy.offload if isinstance(policy, Policy) else OffloadOptions()
+    cleaned = cleanup(graph)
+    steps = list(_CLEANUP_STEPS[cleaned])
+    gm = fx.GraphModule(cleaned.gm, _copy(cleaned.gm.graph))
+    decisions, step, retagged = _tag(gm, cleaned, policy)
+    steps.append(step)
+    before = set(gm.graph.nodes)
+    name = "apply_cpu_offload_pass"
+    defer = max(offload.defer_layers, 1)
+    gm = _run(
+        name,
+        functools.partial(
+            _pass("cpu_offload", name),
+            prefetch_lookahead=offload.prefetch_layers,
+            defer_n_layers=defer,
+        ),
+        gm,
+    )
+    for node in gm.graph.nodes:
+        if node not in before and not is_offload_node(node):
+            node.meta[REPLAYED_VIEW] = True  # a forward view replayed on a reload
+    offloads = any(tag.offload for tag in decisions.values())
+    note = DEFER_0 if offloads and defer != offload.defer_layers else ""
+    steps.append(PassStep(name, "ran", note, nodes=len(gm.graph.nodes)))
+    name = "selective_activation_remat_pass"
+    gm = _run(name, _pass("selective_activation_remat", name), gm)
+    steps.append(PassStep(name, "ran", nodes=len(gm.graph.nodes)))
+    for _, name in PASSES[len(CLEANUP) + 3 :]:
+        steps.append(PassStep(name, "skipped", SKIPPED[name]))
+    return PipelineResult(gm, cleaned, decisions, steps, retagged)
