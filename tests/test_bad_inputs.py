@@ -966,6 +966,16 @@ def test_special_file_as_autosave(mlp_graph: Any, tmp_path: Path, kind: str) -> 
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_special_file_as_calibration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    _no_trace(monkeypatch)
+    path = _special(tmp_path, kind)
+    fails(capsys, ["estimate", *MLP, "--calibrate", path], r"--calibrate .*: it is a")
+
+
+@pytest.mark.timeout(30)
 def test_special_file_as_profile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A pipe where the CPU profile cache should be: measured again, the pipe left alone."""
     from workbench.cost import profiles
