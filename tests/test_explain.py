@@ -13,17 +13,24 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.cli import main
 from workbench.decide.decider import decide
 from workbench.decide.engine import STEPS, TITAN_STEPS
+from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS, TITAN_PRESETS
 from workbench.interop import titan
 from workbench.interop.titan import DIFFERENCES, differences_of, differences_table
-from workbench.interop.titan_offload import OFFLOAD_PLACEMENT
+from workbench.interop.titan_offload import (
+    OFFLOAD_PLACEMENT,
+    STEP_NAMES,
+    offload_mismatches,
+    offload_passes,
+)
 from workbench.show.explain import explain, explain_text
 
 TITAN_DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
@@ -81,7 +88,10 @@ def test_offload_is_compared_with_graph_trainers_sac_and_offload(
     placement = result["offload_placement"]
     assert placement["options"] == {"budget_bytes": None, "prefetch_layers": 1, "defer_layers": 0}
     assert [d["key"] for d in placement["differences"]] == [d.key for d in OFFLOAD_PLACEMENT]
-    assert "offload steps (prefetch 1, defer 0) go where graph trainer's" in text
+    # without a graph nothing was compared, and nothing is claimed
+    assert placement["checked"] is None
+    assert "apply_cpu_offload_pass: not compared (give a model" in text
+    assert "step for step" not in text
     assert all(d.why in text for d in OFFLOAD_PLACEMENT)
     assert explain("default")["offload_placement"] is None
     assert "offload steps" not in explain_text(explain("default"))
@@ -98,6 +108,34 @@ def test_offload_is_compared_with_graph_trainers_sac_and_offload(
     ]
 
 
+def test_explain_reports_the_offload_comparison_it_ran(
+    small_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    """With a graph, the placement lines say what was compared (both passes on the graph
+    rematerialized by the policy, how many values and steps) and what was found: the steps
+    placed apart and the offloaded sets of graph trainer's tagging, the decisions and the
+    pass, where they differ (`offload`'s own candidates differ by a documented row)."""
+    pytest.importorskip("torchtitan.experiments.graph_trainer.memory_policy")
+    _, graph = small_graphs["llama3-debug"]
+    policy = Policy("offload", offload=OffloadOptions(prefetch_layers=1, defer_layers=1))
+    result = explain(policy, graph)
+    checked = result["offload_placement"]["checked"]
+    passes = offload_passes(graph, policy)
+    assert checked["graph"] == "llama3-debug" and checked["steps"] == list(STEP_NAMES)
+    assert checked["values_compared"] == len(passes.layers) > 0
+    assert checked["steps_compared"] == 4 * len(passes.layers)
+    assert checked["mismatches"] == len(offload_mismatches(passes)) == 0
+    theirs = titan.graph_trainer_tags(graph, "sac_and_offload")
+    tagged = {n for n, t in theirs.items() if t is CheckpointPolicy.MUST_CPU_OFFLOAD}
+    assert checked["offloaded"]["graph_trainer_tagging"] == len(tagged)
+    assert set(checked["only_graph_trainer"]) == tagged - set(passes.layers)
+    assert checked["only_graph_trainer"]  # w2's matmul: the `offload candidates` row
+    text = explain_text(result)
+    assert f"{checked['steps_compared']} steps (copy, free, reload, wait), 0 placed apart" in text
+    assert "only graph trainer's: " + ", ".join(checked["only_graph_trainer"]) in text
+    assert "step for step" not in text
+
+
 @pytest.mark.parametrize("preset", ["default", "offload", "titan-eager"])
 def test_explain_reads_the_steps_from_the_engine(preset: str) -> None:
     record = TITAN_STEPS if preset in TITAN_PRESETS else STEPS
@@ -112,7 +150,7 @@ def test_explain_states_the_fsdp_choice_the_followers_and_the_in_place_rule() ->
     for what in ("FSDP choice", "getitem", "wait_tensor", "unshard chain", "written in place"):
         assert what in words
     titan = " ".join(explain("titan-default")["steps"])
-    assert "wait_tensor takes its parent's tag" in titan and "unshard chain" in titan
+    assert "wait_tensor takes its parent's tag" in titan and "unsharded value" in titan
 
 
 def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> None:
@@ -124,10 +162,11 @@ def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> No
 @pytest.mark.parametrize("preset", sorted(TITAN_PRESETS))
 def test_titan_presets_are_graph_trainers_and_list_no_difference(preset: str) -> None:
     result = explain(preset)
-    assert result["differences"] == [] and result["steps"][1].startswith("nodes of `lm_head*`")
+    assert result["differences"] == [] and result["steps"][0].startswith("nodes of `lm_head*`")
     assert result["graph_trainer_counterpart"] == preset.removeprefix("titan-")
     assert "node for node" in explain_text(result)
-    assert any("FSDP unshards" in rule for rule in result["not_reproduced"])
+    assert any("SymInt" in rule for rule in result["not_reproduced"])
+    assert not any("FSDP" in rule for rule in result["not_reproduced"])  # reproduced now
 
 
 def test_rule_words_are_the_presets_docstring_and_requests_are_listed() -> None:

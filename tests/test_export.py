@@ -31,6 +31,8 @@ from workbench.interop.export import FORMATS, export, py_str, rules_source, writ
 from workbench.interop.graph_notes import comment, forced_notes, parallel_notes
 from workbench.interop.templates import constants
 from workbench.interop.torchtitan_options import (
+    TORCHTITAN_MAIN_COMMIT,
+    TORCHTITAN_MAIN_DATE,
     TORCHTITAN_VERSIONS,
     installed_torchtitan,
     torchtitan_options,
@@ -279,14 +281,72 @@ OFFLOAD_OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("version", ["0.3.0", "main"])
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_torchtitan_options_for_each_preset(preset: str) -> None:
-    lines = torchtitan_options(Policy(preset), version="main").splitlines()
+def test_torchtitan_options_for_each_preset(preset: str, version: str) -> None:
+    lines = torchtitan_options(Policy(preset), version=version).splitlines()
     options = [line for line in lines if not line.startswith("#")]
+    if preset == "none":  # neither 0.3.0 nor the main snapshot has a save-everything policy
+        assert options == [] and any("cannot express preset 'none'" in x for x in lines)
+        return
     offload = OFFLOAD_OPTIONS if Policy(preset).offloads else []
     assert options == [f"--compile.memory_policy {TORCHTITAN_POLICY[preset]}", *offload]
     assert any("graph_trainer/configs.py" in line for line in lines)
     assert not any("cannot express" in line for line in lines)
+
+
+def test_torchtitan_main_names_its_snapshot() -> None:
+    """ "main" is one stated commit of torchtitan's main branch: the export's header says
+    which, with its date, and offers only the memory policies that commit accepts."""
+    main = TORCHTITAN_VERSIONS["main"]
+    text = torchtitan_options(Policy("default"), version="main")
+    assert f"main at commit {TORCHTITAN_MAIN_COMMIT} ({TORCHTITAN_MAIN_DATE})" in text
+    assert main.memory_policies == ("default", "full", "eager", "sac_and_offload")
+    for gone in ("none", "min_cut", "cpu_offload_all", "sac_and_paged_stash"):
+        assert gone not in main.memory_policies
+    assert TORCHTITAN_MAIN_COMMIT not in torchtitan_options(Policy("default"), version="0.3.0")
+
+
+def _snapshot_file(path: str) -> str | None:
+    """A file of torchtitan's main snapshot, from the git repository named by
+    SAC_TORCHTITAN_REPO (a clone of pytorch/torchtitan), or None without one."""
+    import os
+    import subprocess
+
+    repo = os.environ.get("SAC_TORCHTITAN_REPO", "/work/.mirror/pytorch+torchtitan/repo")
+    if not Path(repo).exists():
+        return None
+    done = subprocess.run(
+        ["git", "-C", repo, "show", f"{TORCHTITAN_MAIN_COMMIT}:{path}"],
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout if done.returncode == 0 else None
+
+
+def test_torchtitan_main_is_the_snapshots_config() -> None:
+    """The snapshot's own GraphTrainerCompileConfig: the same memory policies, the save-ops
+    and offload options the export writes."""
+    source = _snapshot_file("torchtitan/experiments/graph_trainer/configs.py")
+    if source is None:
+        pytest.skip("no clone of pytorch/torchtitan with the snapshot: set SAC_TORCHTITAN_REPO")
+    config = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.ClassDef) and n.name == "GraphTrainerCompileConfig"
+    )
+    fields = {
+        item.target.id: item.annotation
+        for item in config.body
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+    }
+    choices = ast.literal_eval(fields["memory_policy"].slice)  # type: ignore[attr-defined]
+    assert tuple(choices) == TORCHTITAN_VERSIONS["main"].memory_policies
+    policy = Policy("titan-sac_and_offload")
+    for line in torchtitan_options(policy, version="main").splitlines():
+        if line.startswith("--compile."):
+            assert line.split()[0].removeprefix("--compile.") in fields
+    assert "full_recompute_save_ops" in fields
 
 
 def test_torchtitan_030_has_no_none_policy_and_no_save_ops_option() -> None:
@@ -355,13 +415,27 @@ def test_torchtitan_options_exist_in_the_installed_config_class(preset: str) -> 
 
 
 def test_torchtitan_full_with_save_selectors_uses_full_recompute_save_ops() -> None:
-    selects = ["layers.*.feed_forward.router.gate::aten.mm.default", "layers.*.attention.wo::*"]
+    selects = ["layers.*.feed_forward.router.gate::aten.mm.default", "layers.*.wo::aten.mm.default"]
     policy = Policy("full", selectors=[Selector(s, "save") for s in selects])
     lines = torchtitan_options(policy, version="main").splitlines()
     option = [line for line in lines if line.startswith("--compile.full_recompute_save_ops")]
     assert len(option) == 1
     assert shlex.split(option[0])[1:] == [" | ".join(selects)]
     assert not any("cannot express" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "select, why",
+    [("layers.*.attention.wo::*", "is a pattern"), ("**.wo::aten.mm.default", "has '**'")],
+)
+def test_torchtitan_main_save_ops_take_only_what_graph_trainer_parses(
+    select: str, why: str
+) -> None:
+    """Its parser resolves OP to one overload and matches one component per pattern part."""
+    policy = Policy("full", selectors=[Selector(select, "save")])
+    lines = torchtitan_options(policy, version="main").splitlines()
+    assert not any(line.startswith("--compile.full_recompute_save_ops") for line in lines)
+    assert sum("cannot express" in line and why in line for line in lines) == 1
 
 
 SAVE_THEN_RECOMPUTE = [Selector("layers.*::*", "save"), Selector("layers.*.wo::*", "recompute")]
@@ -373,7 +447,7 @@ SAVE_THEN_RECOMPUTE = [Selector("layers.*::*", "save"), Selector("layers.*.wo::*
         Policy("eager", overrides={"layers.*.attention.wq::aten.mm.default#0": "save"}),
         Policy("default", selectors=[Selector("layers.*.attention.wo::*", "save")]),
         Policy("full", selectors=SAVE_THEN_RECOMPUTE),
-        Policy("none", selectors=[Selector("layers.*.attention.wo::*", "recompute")]),
+        Policy("eager", selectors=[Selector("layers.*.attention.wo::*", "recompute")]),
     ],
 )
 def test_torchtitan_says_what_it_cannot_express(policy: Policy) -> None:

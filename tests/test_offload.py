@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -12,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
+from workbench.capture.ops import op_name, storage_inputs
 from workbench.capture.parallel import Parallel
 from workbench.capture.trace import trace
 from workbench.cli import main
@@ -23,7 +26,7 @@ from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.measure import bitwise_mismatches
 from workbench.decide.decider import decide, flip, next_action, node_keys, rules_of
 from workbench.decide.engine import decide_ops, eager_tag
-from workbench.decide.facts import MIN_OFFLOAD_BYTES, Storage, op_facts
+from workbench.decide.facts import MIN_OFFLOAD_BYTES, Storage, alias_input, op_facts, storage_of
 from workbench.decide.offloadable import OffloadOptions, offload_refusal
 from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS
@@ -91,6 +94,33 @@ def test_what_may_not_be_offloaded_says_why(kw: dict[str, object], reason: str) 
     assert reason in str(offload_refusal(facts, last=1))
     (fine,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
     assert offload_refusal(fine, last=1) is None
+
+
+def test_a_getitem_owns_what_a_multi_output_op_made_for_it() -> None:
+    """`topk` makes its outputs: each getitem owns its storage (fresh, offloadable, no alias);
+    `split` returns views of its input: each getitem shares that input's storage."""
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        values, indices = torch.topk(x, 2)
+        first, _ = torch.split(x, 2)
+        return [values * 2, indices + 1, first * 3]
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(4, 8))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    getitems = {
+        op_name(n.args[0].target): [g for g in n.args[0].users]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is operator.getitem
+    }
+    x = next(iter(gm.graph.find_nodes(op="placeholder")))
+    for getitem in getitems["aten.topk.default"]:
+        assert storage_inputs(getitem) == [x]  # the op's inputs, which it does not alias
+        assert storage_of(getitem).fresh and alias_input(getitem) is None  # type: ignore[union-attr]
+    for getitem in getitems["aten.split.Tensor"]:
+        assert storage_inputs(getitem) == [x]
+        assert not storage_of(getitem).fresh  # type: ignore[union-attr]
+        assert alias_input(getitem) == getitem.args[0].name  # the split, a view of x
+    assert storage_inputs(by_name["mul"]) == by_name["mul"].all_input_nodes
 
 
 def test_refused_requests_are_saved_with_the_reason_and_the_budget_is_largest_first() -> None:

@@ -152,16 +152,15 @@ def test_graph_trainers_steps_on_one_node() -> None:
         ("ag", "layers.0.wq", "_c10d_functional.all_gather_into_tensor.default", False, False,
          None, ("w",), "ag"),
         ("w", "layers.0.wq", "_c10d_functional.wait_tensor.default", False, False, "ag", (),
-         "ag"),
+         "ag", None, ("ag",), None, (), True),  # the unsharded value
         ("log", "loss", "aten._log_softmax.default", False, False, None, (), None),
         ("sdpa", "layers.0.attention", "aten.bernoulli.p", True, False, None, ("g",), None),
         ("g", "layers.0.attention", "getitem", False, False, "sdpa", (), None),
     ]  # fmt: skip
     ag, w, log, sdpa, g = op_facts(rows)  # type: ignore[arg-type]
-    assert titan_keep_unsharded(ag, {}) == fsdp_tag(False)
-    assert titan_keep_unsharded(w, {"ag": fsdp_tag(False)}) == fsdp_tag(False)
-    assert titan_keep_unsharded(w, {"ag": UNTAGGED}) is None
-    assert titan_keep_unsharded(log, {}) is None
+    assert w.unshard_output and not ag.unshard_output
+    assert titan_keep_unsharded(w) == fsdp_tag(False)  # only the wait, not its all-gather
+    assert titan_keep_unsharded(ag) is None and titan_keep_unsharded(log) is None
     assert titan_untagged(log, "titan-full", (), {}).why is Why.UNTAGGED  # type: ignore[union-attr]
     selected = titan_untagged(log, "titan-full", [("loss", "*", "recompute")], {})
     assert selected is not None and selected.why is Why.SELECTOR

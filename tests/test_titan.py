@@ -11,16 +11,19 @@ import sys
 
 import pytest
 import torch
+from torch.fx.traceback import annotate_fn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.models.torchtitan import SDPA_NOTE, flavors
-from workbench.capture.ops import op_name
+from workbench.capture.ops import WAIT, op_name, storage_inputs
+from workbench.capture.parallel import Parallel
 from workbench.capture.trace import trace
 from workbench.capture.workload import eager_step
 from workbench.cost.estimate import Estimator
 from workbench.decide.decider import decide
+from workbench.decide.facts import unshard_chains, unshard_outputs
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.decide.presets import TITAN_SAVE_OPS
@@ -36,8 +39,9 @@ from workbench.interop.titan import (
     graph_trainer_tags,
 )
 from workbench.interop.titan_offload import OFFLOAD_PLACEMENT, offload_mismatches, offload_passes
-from workbench.rewrite.placement import is_offload_node
-from workbench.rewrite.remat import remat
+from workbench.rewrite.index import graph_index
+from workbench.rewrite.placement import OFFLOAD_META, is_offload_node
+from workbench.rewrite.remat import copy_graph_module, remat
 from workbench.show.explain import explain
 
 needs_torchtitan = pytest.mark.skipif(
@@ -46,6 +50,14 @@ needs_torchtitan = pytest.mark.skipif(
 )
 
 TITAN_MODELS = ("torchtitan:llama3/debugmodel", "torchtitan:deepseek_v3/debugmodel")
+# The parity matrix: these models, each on one device and on one FSDP-2 rank.
+MATRIX_MODELS = (
+    "torchtitan:llama3/debugmodel",
+    "torchtitan:qwen3/debugmodel",
+    "torchtitan:qwen3/debugmodel_moe",
+    "torchtitan:deepseek_v3/debugmodel",
+)
+TITAN_PRESET_NAMES = ("titan-default", "titan-full", "titan-eager", "titan-sac_and_offload")
 # Decisions forced on the CPU: torch tags the CPU flash-attention op nondeterministic_seeded
 # and its remat pass refuses to recompute random ops, so the workbench saves it (and the
 # getitems unpacking it) where graph trainer's `default` and `eager` tag it
@@ -63,6 +75,40 @@ def titan_graphs() -> dict[str, tuple[Workload, JointGraph]]:
     return graphs
 
 
+@pytest.fixture(scope="module")
+def annotated_graphs() -> dict[str, tuple[Workload, JointGraph]]:
+    """One device, traced with graph trainer's own module annotations too (its
+    `annotate_module_fqns` and annotated loss): the parity harness reads those."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan not installed: pip install -e '.[torchtitan]'")
+    from torchtitan.experiments.graph_trainer.common_utils import (
+        _MODULE_FQN,
+        annotate_module_fqns,
+    )
+
+    anchors = set(torch.fx.proxy._STACK_TRACE_ANCHORS)
+    graphs = {}
+    for spec in MATRIX_MODELS:
+        workload = load_workload(spec, layers=2, seq=32)
+        annotate_module_fqns(workload.model)
+        workload.loss_fn = annotate_fn({_MODULE_FQN: "loss"})(workload.loss_fn)
+        graphs[spec] = (workload, trace(workload, mode="real"))
+    # `annotate_fn` registers the loss function as a stack-trace anchor, process-wide: later
+    # traces would record the loss's frames (the Source column of loss rows)
+    torch.fx.proxy._STACK_TRACE_ANCHORS.intersection_update(anchors)
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def fsdp_graphs() -> dict[str, JointGraph]:
+    """One FSDP-2 rank (fake tensors) of each model, the workbench's module paths: graph
+    trainer's annotations bind the unsharded model's forwards, which sharding replaces."""
+    return {
+        spec: trace(load_workload(spec, layers=2, seq=32), "fake", Parallel(fsdp=2))
+        for spec in MATRIX_MODELS
+    }
+
+
 def _cpu_forced(graph: JointGraph) -> set[str]:
     """The CPU flash-attention nodes and the getitems that unpack them."""
     ops = {name for name, info in graph.nodes.items() if info.op == CPU_FORCED_OP}
@@ -75,32 +121,136 @@ def _cpu_forced(graph: JointGraph) -> set[str]:
 
 
 @needs_torchtitan
-@pytest.mark.parametrize("spec", TITAN_MODELS)
-@pytest.mark.parametrize(
-    "preset", ["titan-default", "titan-full", "titan-eager", "titan-sac_and_offload"]
-)
+@pytest.mark.parametrize("spec", MATRIX_MODELS)
+@pytest.mark.parametrize("fsdp", ["one device", "fsdp 2 reshard default", "fsdp 2 reshard never"])
 def test_titan_presets_match_graph_trainer_node_for_node(
-    titan_graphs: dict[str, tuple[Workload, JointGraph]], spec: str, preset: str
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]],
+    fsdp_graphs: dict[str, JointGraph],
+    spec: str,
+    fsdp: str,
 ) -> None:
-    _, graph = titan_graphs[spec]
-    mismatches = compare(graph, preset)
-    # graph trainer's own `full` saves random ops, so only default and eager differ
-    forced = set() if preset == "titan-full" else _cpu_forced(graph)
-    assert {m.node for m in mismatches} == forced
-    assert all(m.graph_trainer is CheckpointPolicy.PREFER_RECOMPUTE for m in mismatches)
-    assert all(m.tag.why is Why.RANDOM for m in mismatches)
-    if spec.endswith("llama3/debugmodel") and preset != "titan-full":
-        assert len(mismatches) == 6  # 2 layers x (the op + its output and logsumexp getitems)
-    # beyond save vs recompute, the very tags agree (untagged where graph trainer skips)
-    theirs = graph_trainer_tags(graph, preset.removeprefix("titan-"))
-    ours = {
-        name: None if tag.why is Why.UNTAGGED else tag.policy
-        for name, tag in decide(graph, Policy(preset)).items()
-        if name not in forced
+    """Every titan preset against graph trainer's own tagging of the same graph, with
+    `fsdp_reshard_after_forward` default or never: they differ on the CPU-forced flash op
+    (and its getitems) alone."""
+    graph = annotated_graphs[spec][1] if fsdp == "one device" else fsdp_graphs[spec]
+    reshard = not fsdp.endswith("never")
+    for preset in TITAN_PRESET_NAMES:
+        policy = Policy(preset, fsdp_reshard=reshard)
+        mismatches = compare(graph, policy)
+        # graph trainer's own `full` saves random ops, so only default and eager differ
+        forced = set() if preset == "titan-full" else _cpu_forced(graph)
+        assert {m.node for m in mismatches} == forced, preset
+        assert all(m.graph_trainer is CheckpointPolicy.PREFER_RECOMPUTE for m in mismatches)
+        assert all(m.tag.why is Why.RANDOM for m in mismatches)
+        if not spec.endswith("deepseek_v3/debugmodel") and preset != "titan-full":
+            assert len(mismatches) == 6  # 2 layers x (the op + its output and logsumexp)
+        # beyond save vs recompute, the very tags agree (untagged where graph trainer skips)
+        theirs = graph_trainer_tags(graph, preset.removeprefix("titan-"), reshard)
+        decisions = decide(graph, policy)
+        ours = {
+            name: None if tag.why is Why.UNTAGGED else tag.policy
+            for name, tag in decisions.items()
+            if name not in forced
+        }
+        assert ours == {name: tag for name, tag in theirs.items() if name not in forced}
+        offloaded = CheckpointPolicy.MUST_CPU_OFFLOAD in theirs.values()
+        assert offloaded == (preset == "titan-sac_and_offload")
+        kept = {name for name, tag in decisions.items() if tag.why is Why.FSDP}
+        keeps = not reshard and preset in ("titan-default", "titan-sac_and_offload")
+        # graph trainer leaves lm_head's untagged (saved) before it looks for unshards
+        values = {n for n in unshard_outputs(graph.gm) if graph.nodes[n].module != "lm_head"}
+        assert kept == (values if keeps else set())
+        assert bool(kept) == keeps  # the FSDP graphs have unshards to keep
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("spec", MATRIX_MODELS)
+def test_unsharded_values_are_the_nodes_graph_trainer_saves(
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]],
+    fsdp_graphs: dict[str, JointGraph],
+    spec: str,
+) -> None:
+    """`unshard_outputs` finds what graph trainer's `find_fsdp_unshard_save_nodes` finds
+    from every parameter input: each gathered parameter's wait (the embedding's chain is
+    read twice in this raw graph, so neither finds it), and only on FSDP graphs."""
+    from torchtitan.experiments.graph_trainer.fsdp_patterns import find_fsdp_unshard_save_nodes
+
+    graph = fsdp_graphs[spec]
+    theirs = {
+        n.name
+        for p in graph.gm.graph.find_nodes(op="placeholder")
+        for n in find_fsdp_unshard_save_nodes(p)
     }
-    assert ours == {name: tag for name, tag in theirs.items() if name not in forced}
-    offloaded = CheckpointPolicy.MUST_CPU_OFFLOAD in theirs.values()
-    assert offloaded == (preset == "titan-sac_and_offload")
+    kept = unshard_outputs(graph.gm)
+    assert kept == theirs
+    assert kept and all(graph.nodes[n].op == WAIT for n in kept)
+    assert kept <= set(unshard_chains(graph.gm))  # on the chains the workbench decides
+    # the workbench's own `default` keeps whole chains: every node of each, not only these
+    decisions = decide(graph, Policy("default", fsdp_reshard=False))
+    chain_saves = {n for n, t in decisions.items() if t.why is Why.FSDP}
+    assert chain_saves == set(unshard_chains(graph.gm)) > kept
+    assert unshard_outputs(annotated_graphs[spec][1].gm) == frozenset()  # one device: none
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("spec", MATRIX_MODELS)
+def test_modules_are_graph_trainers(
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]], spec: str
+) -> None:
+    """Every forward and loss node has the module graph trainer's own annotations give it
+    (`annotate_module_fqns`, its annotated loss, its tracer's copy to backward nodes); the
+    loss gradient's seed `ones_like`, made by `autograd.grad` outside the loss, has none."""
+    from torchtitan.experiments.graph_trainer.common_utils import _get_module_fqn
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import (
+        _copy_fwd_metadata_to_bw_nodes,
+    )
+
+    _, graph = annotated_graphs[spec]
+    gm = copy_graph_module(graph.gm)
+    _copy_fwd_metadata_to_bw_nodes(gm)
+    forward = [n for n in gm.graph.nodes if graph.nodes[n.name].phase in ("forward", "loss")]
+    assert {n.name: _get_module_fqn(n) for n in forward} == {
+        n.name: graph.nodes[n.name].module for n in forward
+    }
+    seeds = [n for n in forward if graph.nodes[n.name].op == "aten.ones_like.default"]
+    assert len(seeds) == 1 and graph.nodes[seeds[0].name].module == ""
+    assert graph.nodes[seeds[0].name].phase == "loss"
+
+
+@needs_torchtitan
+def test_top_k_indices_are_offloaded_as_graph_trainer_tags_them(
+    annotated_graphs: dict[str, tuple[Workload, JointGraph]],
+) -> None:
+    """On Qwen3 MoE, graph trainer offloads the router's top-k index getitem (int64, its own
+    storage: `topk` makes both outputs); the workbench's pass offloads exactly its tagged
+    set, places each step where its pass does, and the estimate prices that graph."""
+    _, graph = annotated_graphs["torchtitan:qwen3/debugmodel_moe"]
+    policy = Policy(
+        "titan-sac_and_offload", offload=OffloadOptions(prefetch_layers=1, defer_layers=1)
+    )
+    theirs = graph_trainer_tags(graph, "sac_and_offload")
+    tagged = {n for n, t in theirs.items() if t is CheckpointPolicy.MUST_CPU_OFFLOAD}
+    passes = offload_passes(graph, policy)
+    plan = passes.workbench.meta[OFFLOAD_META]
+    assert set(plan.names) == tagged and plan.skipped == {}
+    assert offload_mismatches(passes) == []
+    topk = {n for n in tagged if graph.nodes[n].op == "getitem" and graph.nodes[n].dtype == "int64"}
+    assert len(topk) == 1  # layer 0's (the last layer's are not offloaded)
+    (name,) = topk
+    node = next(n for n in graph.gm.graph.nodes if n.name == name)
+    assert op_name(node.args[0].target) == "aten.topk.default"
+    assert storage_inputs(node) == node.args[0].all_input_nodes  # the router scores
+    index = graph_index(graph)
+    i, parent = index.index_of[name], index.index_of[node.args[0].name]
+    assert index.value_slots[i] == index.value_slots[parent] + node.args[1] >= 0  # topk's slot
+    estimator = Estimator(graph)
+    ours = estimator.simulate(estimator.schedule_of(passes.workbench))
+    assert ours.peak_bytes == estimator.estimate(policy).peak_bytes
+    assert (
+        ours.offloaded_bytes
+        == sum(plan.bytes.values())
+        == estimator.estimate(policy).offloaded_bytes
+    )
 
 
 @needs_torchtitan

@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--torchtitan-version",
-        help="torchtitan version the options are for (0.3.0, main; default: the installed "
-        "one, else the newest release known)",
+        help="torchtitan version the options are for (0.3.0, main: its 2026-08-21 snapshot, "
+        "b5bcd76c; default: the installed one, else the newest release known)",
     )
     export.add_argument("--out", help="write the code to this file")
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")

@@ -302,8 +302,10 @@ def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
     the forward node with the same `seq_nr`. Gradient-accumulation nodes carry the loss's
     seq_nr, so they take the module of the fresh gradient they add (a running sum of the
     residual stream would otherwise drift across layers), or else that of the backward op
-    consuming the sum. Forward
-    nodes from the first one annotated `custom["phase_hint"] == "loss"` on form the loss.
+    consuming the sum. Forward nodes from the first one annotated
+    `custom["phase_hint"] == "loss"` on form the loss; a node no module annotates (the
+    loss gradient's seed `ones_like`, which `autograd.grad` makes outside the loss
+    function) belongs to no module ("" = the root), as graph trainer's tracer leaves it.
     """
     module_of_seq: dict[int, str] = {}
     modules: dict[fx.Node, str] = {}
@@ -329,7 +331,7 @@ def describe_nodes(gm: fx.GraphModule) -> dict[str, NodeInfo]:
             loss_hint = (custom.get("phase_hint"), custom.get(GRAPH_TRAINER_MODULE))
             in_loss = in_loss or LOSS_MODULE in loss_hint
             phases[node] = "loss" if in_loss else "forward"
-            modules[node] = module if module is not None else (LOSS_MODULE if in_loss else "")
+            modules[node] = module if module is not None else ""
             seq_nr = node.meta.get("seq_nr")
             if seq_nr is not None:
                 module_of_seq.setdefault(seq_nr, modules[node])

@@ -1,13 +1,15 @@
 """What an op and a module path are, as the rules and the trace both read them.
 
 Entry points: `op_name(target)`, `is_random`, `mutates`, `reads_until_wait` (facts of an
-OpOverload), `layer_of` / `layer_pattern` / `module_matches` (module paths) and
-`storage_keys(node)`. Torch and the standard library only: exports embed this file first.
+OpOverload), `layer_of` / `layer_pattern` / `module_matches` (module paths),
+`storage_keys(node)` and `storage_inputs(node)`. Torch and the standard library only:
+exports embed this file first.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import operator
 import re
 from typing import Any
 
@@ -95,6 +97,16 @@ def module_matches(pattern: str, module: str) -> bool:
                     j < len(parts) and after[j + 1] and fnmatch.fnmatchcase(parts[j], component)
                 )
     return matched[0]
+
+
+def storage_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose storages `node`'s output may share: its inputs, but for a getitem the
+    inputs of the op whose tuple it unpacks. A multi-output op makes its outputs' storages
+    itself unless it returns views of an input (`split`), so a getitem of `topk` owns its
+    storage, and a getitem of `split` shares the split input's."""
+    while node.target is operator.getitem and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node.all_input_nodes
 
 
 def storage_keys(node: torch.fx.Node) -> set[Any]:

@@ -201,7 +201,7 @@ def offload_schedule(
         if not single[i]:
             skipped[name] = Refusal.NOT_ONE_TENSOR.say()
             continue
-        if isinstance(index.slots[i][0], tuple):
+        if index.value_slots[i] < 0:
             skipped[name] = Refusal.ALIAS.say()
             continue
         found = _examine(index, i, start, readers_at, entries, end)

@@ -63,7 +63,8 @@ def forced_save(facts: OpFacts) -> Why | None:
 def fsdp_tag(reshard: bool) -> Tag:
     """The FSDP choice for a parameter's all-gather: reshard after forward (recompute the
     unshard chain in backward, as FSDP2 and torchtitan do by default) or keep the gathered
-    copy from forward to backward."""
+    copy from forward to backward (the whole chain saved; graph trainer saves only the node
+    holding the unsharded value, `titan_keep_unsharded`)."""
     if reshard:
         return Tag(CheckpointPolicy.MUST_RECOMPUTE, Why.FSDP, "reshard after forward")
     return Tag(CheckpointPolicy.MUST_SAVE, Why.FSDP, "keep unsharded")
@@ -347,21 +348,21 @@ def decide_titan_ops(
     plan: DecidePlan | None = None,
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order), by the steps of
-    `TITAN_STEPS` in order: per node, the first of the FSDP keep (`titan-default` without
-    `fsdp_reshard`, its `fsdp_reshard_after_forward="never"`: graph trainer saves the
-    chain's last non-view node, the same bytes), `lm_head*`/`loss*` nodes untagged,
+    `TITAN_STEPS` in order: per node, the first of `lm_head*`/`loss*` nodes untagged, the
+    FSDP keep (`titan-default` and `titan-sac_and_offload` without `fsdp_reshard`, its
+    `fsdp_reshard_after_forward="never"`),
     getitems and waits taking their parent's tag, the request; then, in graph order, a
     recomputed node with a recomputed user in a higher layer is saved, then the in-place
     rule and the offload step. Random ops are saved whatever was asked, as in every graph
     SAC preset here: torch's remat pass refuses them (on the CPU, graph trainer's `default`
     and `eager` recompute SDPA)."""
     rule, overrides = preset_rule(preset), overrides or {}
-    keep = not fsdp_reshard and preset == "titan-default"
+    keep = not fsdp_reshard and preset in TITAN_KEEPS_UNSHARDED
     tags: dict[str, Tag] = {}
     for f in facts:
-        tag = titan_keep_unsharded(f, tags) if keep else None
-        if tag is None:
-            tag = titan_untagged(f, preset, selectors, overrides)
+        tag = titan_untagged(f, preset, selectors, overrides)
+        if tag is None and keep:
+            tag = titan_keep_unsharded(f)
         if tag is None:
             tag = titan_follows(f, tags)
         if tag is None:
@@ -379,17 +380,21 @@ def decide_titan_ops(
 # that answers (not None) gives the node its tag.
 
 
-def titan_keep_unsharded(f: OpFacts, tags: Mapping[str, Tag]) -> Tag | None:
-    """`titan-default` without reshard after forward: a parameter's FSDP all-gather and the
-    chain after it (its gather already kept, in `tags`) are saved; None off such chains."""
-    gather = f.gather
-    if gather is not None and (gather == f.name or _kept_unsharded(tags.get(gather))):
-        return fsdp_tag(False)
-    return None
+# Graph trainer's memory policies that save FSDP unshards without reshard after forward:
+# `default`, and `sac_and_offload`, which runs `default`'s pass first.
+TITAN_KEEPS_UNSHARDED = ("titan-default", "titan-sac_and_offload")
 
 
-def _kept_unsharded(tag: Tag | None) -> bool:
-    return tag is not None and tag.why is Why.FSDP
+def titan_keep_unsharded(f: OpFacts) -> Tag | None:
+    """Without reshard after forward, graph trainer saves the node that holds a parameter's
+    unsharded value (`OpFacts.unshard_output`: the chain's wait, or the cat of a split/cat
+    fanout) and tags the rest of the chain like any node (the views after it recomputed
+    from it, the cast and all-gather before it not needed in backward); None for the other
+    nodes. The workbench's presets save the whole chain instead (`fsdp_tag`): the same
+    bytes in backward (the views alias the saved value, backward reads neither the cast nor
+    the all-gather's input), without replaying views, and on chains graph trainer's
+    structural walk does not find."""
+    return fsdp_tag(False) if f.unshard_output else None
 
 
 def titan_untagged(
@@ -435,14 +440,15 @@ def titan_request(
 # The steps of `decide_titan_ops`, in order.
 TITAN_STEPS: tuple[Step, ...] = (
     Step(
-        titan_keep_unsharded,
-        "`titan-default` without reshard after forward (`fsdp_reshard_after_forward never`): "
-        "a parameter's unshard chain is saved from its all-gather on",
-    ),
-    Step(
         titan_untagged,
         "nodes of `lm_head*` / `loss*` modules are left untagged (saved), unless a selector or "
         "override names them",
+    ),
+    Step(
+        titan_keep_unsharded,
+        "`titan-default` and `titan-sac_and_offload` without reshard after forward "
+        "(`fsdp_reshard_after_forward never`): the node holding a parameter's unsharded "
+        "value (its all-gather's wait) is saved; the rest of its chain is tagged as any node",
     ),
     Step(titan_follows, "a getitem or a wait_tensor takes its parent's tag"),
     Step(

@@ -1,12 +1,14 @@
 """What the rules see of one forward or loss node of a joint graph: `OpFacts`.
 
 Entry points: `fx_rows(gm, module_of)` (rows read off an FX graph: ops, storages, aliases,
-in-place writes, FSDP unshard chains) and `op_facts(rows)` (counted in graph order).
+in-place writes, FSDP unshard chains and the unsharded values, `unshard_chains` and
+`unshard_outputs`) and `op_facts(rows)` (counted in graph order).
 """
 
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -20,6 +22,7 @@ from workbench.capture.ops import (
     layer_pattern,
     mutates,
     op_name,
+    storage_inputs,
     storage_keys,
 )
 
@@ -76,10 +79,13 @@ class OpFacts(NamedTuple):
     inputs: tuple[str, ...] = ()
     alias: str | None = None
     writes: tuple[str, ...] = ()
+    # Whether it holds a parameter's unsharded value, the node FSDP without reshard after
+    # forward keeps for backward as graph trainer finds it (`unshard_outputs`).
+    unshard_output: bool = False
 
 
 # (name, module, op, random, mutation, parent, users, gather[, storage[, inputs, alias,
-# writes]]), in graph order: eager SAC's rows stop after `gather`.
+# writes[, unshard_output]]]), in graph order: eager SAC's rows stop after `gather`.
 Row = tuple[Any, ...]
 
 
@@ -95,6 +101,7 @@ class OpCounter:
         name, module, op, random, mutation, parent, users, gather = row[:8]
         storage = row[8] if len(row) > 8 else None  # rows without it: nothing to offload
         inputs, alias, writes = row[9:12] if len(row) > 9 else ((), None, ())
+        unshard_output = bool(row[12]) if len(row) > 12 else False
         layer = layer_of(module)
         if op in MATMUL_OPS:
             self.matmuls[layer] += 1
@@ -103,7 +110,7 @@ class OpCounter:
         key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
         return OpFacts(
             name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
-            key, layer_key, gather, storage, inputs, alias, writes,
+            key, layer_key, gather, storage, inputs, alias, writes, unshard_output,
         )  # fmt: skip
 
 
@@ -136,14 +143,14 @@ def storage_of(node: torch.fx.Node) -> Storage | None:
                 seen.add(user)
                 todo.append(user)
                 mutated = mutated or mutates(user.target)
-    fresh = not any(key in storage_keys(x) for x in node.all_input_nodes)
+    fresh = not any(key in storage_keys(x) for x in storage_inputs(node))
     return Storage(size, contiguous, fresh, output, mutated)
 
 
 def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:
     """Rows of the forward and loss call nodes of a joint graph: every node that is neither
     a placeholder, the output, nor marked `meta["autograd_backward"]`."""
-    gathers = unshard_chains(gm)
+    gathers, kept = unshard_chains(gm), unshard_outputs(gm)
     rows: list[Row] = []
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or node.meta.get("autograd_backward"):
@@ -165,6 +172,7 @@ def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str])
                 tuple(x.name for x in node.all_input_nodes),
                 alias_input(node),
                 written_inputs(node),
+                node.name in kept,
             )  # fmt: skip
         )
     return rows
@@ -172,9 +180,10 @@ def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str])
 
 def alias_input(node: torch.fx.Node) -> str | None:
     """The input whose storage `node`'s output shares (a view of it, an in-place op on it, a
-    getitem of its tuple), or None when the output is a new storage."""
+    getitem of a tuple of views), or None when the output is a new storage (a getitem of a
+    multi-output op that makes its outputs: `storage_inputs`)."""
     keys = storage_keys(node)
-    if keys:
+    if keys and any(keys & storage_keys(x) for x in storage_inputs(node)):
         for x in node.all_input_nodes:
             if keys & storage_keys(x):
                 return x.name
@@ -221,3 +230,76 @@ def unshard_chains(gm: torch.fx.GraphModule) -> dict[str, str]:
             below = [from_inputs[u] for u in node.users if from_inputs.get(u)]
             from_inputs[node] = next(iter(below), None)
     return {node.name: gather for node, gather in from_inputs.items() if gather is not None}
+
+
+def unshard_outputs(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The nodes holding parameters' unsharded values, found as graph trainer finds them
+    (`fsdp_patterns.find_fsdp_unshard_outputs`, which its `default` policy saves when FSDP
+    does not reshard after forward): from a parameter input (else from each of its users)
+    along nodes that have one user and read nothing else, to the last all-gather on that
+    run; from the all-gather's wait on along such nodes (through a split whose getitems all
+    meet in one cat) to the last one before compute; then back over view ops. Found
+    structurally, as there: a parameter read twice (a duplicate chain) is not found.
+
+    The chains of `unshard_chains` are found by what they read instead, so every gathered
+    parameter is on one; the workbench's presets decide whole chains."""
+    kept: set[str] = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        gather = _last_gather_on_run(node)
+        starts = [node] if gather is not None else list(node.users)
+        for start in starts:
+            if len(start.all_input_nodes) > 1:
+                continue
+            gather = _last_gather_on_run(start)
+            value = _unsharded_value(gather) if gather is not None else None
+            if value is not None:
+                kept.add(value.name)
+    return frozenset(kept)
+
+
+def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    """`node`'s one user when it has one and that user reads nothing else."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    return user if len(user.all_input_nodes) == 1 else None
+
+
+def _last_gather_on_run(node: torch.fx.Node) -> torch.fx.Node | None:
+    last = None
+    while True:
+        if node.op == "call_function" and op_name(node.target) == ALL_GATHER:
+            last = node
+        user = _sole_user(node)
+        if user is None:
+            return last
+        node = user
+
+
+def _unsharded_value(gather: torch.fx.Node) -> torch.fx.Node | None:
+    """The last non-view node of the chain after `gather`'s wait (None without one wait)."""
+    (wait,) = gather.users if len(gather.users) == 1 else (None,)
+    if wait is None or op_name(wait.target) != WAIT:
+        return None
+    node = wait
+    while True:
+        user = _sole_user(node) or _split_cat(node)
+        if user is None:
+            break
+        node = user
+    while getattr(node.target, "is_view", False) and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _split_cat(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The cat that all getitems of a split `node` feed alone (a gathered buffer rebuilt)."""
+    if op_name(node.target) != "aten.split.Tensor" or not node.users:
+        return None
+    after = set()
+    for getitem in node.users:
+        if getitem.target is not operator.getitem or len(getitem.users) != 1:
+            return None
+        after |= set(getitem.users)
+    (cat,) = after if len(after) == 1 else (None,)
+    return cat if cat is not None and op_name(cat.target) == "aten.cat.default" else None

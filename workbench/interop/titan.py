@@ -79,23 +79,31 @@ def graph_trainer_registry() -> dict[str, Any]:
     return registry.MEMORY_POLICY_REGISTRY  # type: ignore[no-any-return]
 
 
-def _config(memory_policy: str) -> Any:
-    """The slice of graph trainer's config its memory-policy passes read (single device)."""
+def _config(memory_policy: str, fsdp_reshard: bool = True) -> Any:
+    """The slice of graph trainer's config its memory-policy passes read: FSDP reshards after
+    forward (`fsdp_reshard_after_forward` "default", without pipeline parallelism) or not
+    ("never")."""
     from torchtitan.config import ParallelismConfig
 
+    reshard = "default" if fsdp_reshard else "never"
     return types.SimpleNamespace(
-        parallelism=ParallelismConfig(),
+        parallelism=ParallelismConfig(fsdp_reshard_after_forward=reshard),
         compile=types.SimpleNamespace(
             memory_policy=memory_policy, cpu_offload_budget_gb=TITAN_OFFLOAD_BUDGET_GB
         ),
     )
 
 
-def _tagged_copy(graph: JointGraph, memory_policy: str) -> fx.GraphModule:
-    """A copy of the graph tagged by graph trainer's registered pass for `memory_policy`,
-    its nodes carrying what the pass reads: `meta["custom"]["module_fqn"]` (the workbench's
-    module path, as its `annotate_module_fqns` would set it) and `meta["autograd_backward"]`
-    (already set by tracing)."""
+def _tagged_copy(
+    graph: JointGraph, memory_policy: str, fsdp_reshard: bool = True
+) -> fx.GraphModule:
+    """A copy of the graph tagged by graph trainer's registered pass for `memory_policy`
+    (with `fsdp_reshard` as its `_config`), its nodes carrying what the pass reads:
+    `meta["autograd_backward"]` (set by tracing) and `meta["custom"]["module_fqn"]`: graph
+    trainer's own, where the graph was traced with its module annotations
+    (`annotate_module_fqns`, its annotated loss), copied to backward nodes by its tracer's
+    `_copy_fwd_metadata_to_bw_nodes`; else the workbench's module path, as those would set
+    it."""
     if memory_policy not in MEMORY_POLICIES:
         raise WorkbenchError(
             f"unknown graph trainer memory policy {memory_policy!r}; choose one of "
@@ -103,13 +111,21 @@ def _tagged_copy(graph: JointGraph, memory_policy: str) -> fx.GraphModule:
         )
     registry = graph_trainer_registry()
     gm = copy_graph_module(graph.gm)
+    own = any(MODULE_FQN in (node.meta.get("custom") or {}) for node in gm.graph.nodes)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
         custom = dict(node.meta.get("custom") or {})
-        custom[MODULE_FQN] = graph.nodes[node.name].module
+        if not own:
+            custom[MODULE_FQN] = graph.nodes[node.name].module
         node.meta["custom"] = custom
+    if own:
+        from torchtitan.experiments.graph_trainer.make_fx_tracer import (
+            _copy_fwd_metadata_to_bw_nodes,
+        )
+
+        _copy_fwd_metadata_to_bw_nodes(gm)
     with torchtitan_log(logging.WARNING):  # its per-layer summary is for training logs
-        registry[memory_policy](gm, config=_config(memory_policy))
+        registry[memory_policy](gm, config=_config(memory_policy, fsdp_reshard))
     return gm
 
 
@@ -130,10 +146,13 @@ def torchtitan_log(level: int, handler: logging.Handler | None = None) -> Iterat
             logger.removeHandler(handler)
 
 
-def graph_trainer_tags(graph: JointGraph, memory_policy: str) -> dict[str, CheckpointPolicy | None]:
+def graph_trainer_tags(
+    graph: JointGraph, memory_policy: str, fsdp_reshard: bool = True
+) -> dict[str, CheckpointPolicy | None]:
     """torchtitan's tag (None: untagged) for every forward and loss node of `graph`, from
-    graph trainer's own pass on a copy of it; the graph itself is not changed."""
-    gm = _tagged_copy(graph, memory_policy)
+    graph trainer's own pass on a copy of it (FSDP resharding after forward or not); the
+    graph itself is not changed."""
+    gm = _tagged_copy(graph, memory_policy, fsdp_reshard)
     return {
         node.name: node.meta.get("recompute")
         for node in gm.graph.nodes
@@ -141,14 +160,14 @@ def graph_trainer_tags(graph: JointGraph, memory_policy: str) -> dict[str, Check
     }
 
 
-def graph_trainer_log(graph: JointGraph, memory_policy: str) -> str:
+def graph_trainer_log(graph: JointGraph, memory_policy: str, fsdp_reshard: bool = True) -> str:
     """The activation-memory table graph trainer logs after tagging `graph` with its own
     `memory_policy` (`log_activation_memory_policy`, captured from its debug log)."""
     from torchtitan.experiments.graph_trainer.log_activation_memory_policy import (
         log_activation_memory_policy,
     )
 
-    gm = _tagged_copy(graph, memory_policy)
+    gm = _tagged_copy(graph, memory_policy, fsdp_reshard)
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -184,11 +203,12 @@ def compare(
     graph: JointGraph, policy: Policy | str, memory_policy: str | None = None
 ) -> list[Mismatch]:
     """Nodes where `decide(graph, policy)` and graph trainer's `memory_policy` (default: the
-    preset's `counterpart`; run with its default config, so FSDP reshards after
-    forward) disagree on save vs recompute vs offload, in graph order."""
+    preset's `counterpart`; run with the policy's FSDP choice as its
+    `fsdp_reshard_after_forward`, "default" or "never") disagree on save vs recompute vs
+    offload, in graph order."""
     policy = policy if isinstance(policy, Policy) else Policy(policy)
     memory_policy = memory_policy or counterpart(policy.preset) or policy.preset
-    theirs = graph_trainer_tags(graph, memory_policy)
+    theirs = graph_trainer_tags(graph, memory_policy, policy.fsdp_reshard)
     ours = decide(graph, policy)
     return [
         Mismatch(
@@ -327,13 +347,8 @@ WRITTEN_FORCED = Difference(
     "that write a saved activation in place (the workbench's reference models do not)",
 )
 
-# Graph trainer rules the `titan-*` presets do not reproduce yet (`compare` runs graph
-# trainer with its default config, where the first does not fire).
+# Graph trainer rules the `titan-*` presets do not reproduce yet.
 NOT_REPRODUCED: tuple[str, ...] = (
-    "FSDP unshards forced MUST_SAVE when FSDP does not reshard after forward "
-    "(`--parallelism.fsdp_reshard_after_forward never`, or `default` with pipeline "
-    "parallelism; the `default` policy only): on one FSDP-2 rank of torchtitan's 2-layer "
-    "Llama3 that is 15 wait_tensor nodes `titan-default` recomputes",
     "SymInt outputs saved: the workbench traces static shapes, so none occur",
     "a wait_tensor takes its collective's tag: here the preset's rule gives both the same tag "
     "on the graphs traced so far, but nothing enforces it",

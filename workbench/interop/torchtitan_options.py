@@ -24,6 +24,8 @@ from workbench.errors import WorkbenchError
 from workbench.interop.graph_notes import FORCED_NAMED, comment, parallel_notes
 
 __all__ = [
+    "TORCHTITAN_MAIN_COMMIT",
+    "TORCHTITAN_MAIN_DATE",
     "TORCHTITAN_POLICIES",
     "TORCHTITAN_VERSIONS",
     "TorchtitanVersion",
@@ -41,7 +43,14 @@ class TorchtitanVersion:
     memory_policies: tuple[str, ...]  # `--compile.memory_policy` choices
     save_ops_option: bool  # has `--compile.full_recompute_save_ops` (used by `full` only)
     source: str
+    snapshot: str = ""  # for a branch: the commit and date read, which the export states
 
+
+# The commit of pytorch/torchtitan's main branch "main" means here: its graph trainer
+# options as read there (configs.py, memory_policy.py); main adds and removes memory
+# policies at different dates (`cpu_offload_all` existed only from 2026-04-27 to 05-07).
+TORCHTITAN_MAIN_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
+TORCHTITAN_MAIN_DATE = "2026-08-21"
 
 TORCHTITAN_VERSIONS: dict[str, TorchtitanVersion] = {
     "0.3.0": TorchtitanVersion(
@@ -53,26 +62,21 @@ TORCHTITAN_VERSIONS: dict[str, TorchtitanVersion] = {
     ),
     "main": TorchtitanVersion(
         "main",
-        (
-            "none",
-            "default",
-            "full",
-            "eager",
-            "min_cut",
-            "sac_and_offload",
-            "cpu_offload_all",
-            "sac_and_paged_stash",
-        ),  # fmt: skip
+        ("default", "full", "eager", "sac_and_offload"),
         save_ops_option=True,
-        source="pytorch/torchtitan main after 0.3.0 (unreleased), torchtitan/experiments/"
-        "graph_trainer/configs.py (GraphTrainerCompileConfig.memory_policy, "
-        ".full_recompute_save_ops)",
+        source=f"pytorch/torchtitan main at {TORCHTITAN_MAIN_COMMIT[:8]}, torchtitan/"
+        "experiments/graph_trainer/configs.py (GraphTrainerCompileConfig.memory_policy, "
+        ".full_recompute_save_ops, .cpu_offload_*)",
+        snapshot=f"main at commit {TORCHTITAN_MAIN_COMMIT} ({TORCHTITAN_MAIN_DATE})",
     ),
 }
 TORCHTITAN_NEWEST_RELEASE = "0.3.0"
 # Workbench preset -> (torchtitan memory_policy, how the two differ).
 TORCHTITAN_POLICIES: dict[str, tuple[str, str]] = {
-    "none": ("none", "torchtitan's 'none' saves everything, as the workbench's does."),
+    "none": (
+        "none",
+        "the workbench's 'none' saves everything; no torchtitan version here has such a policy.",
+    ),
     "full": (
         "full",
         "torchtitan tags MUST_RECOMPUTE, recomputes in-place ops and leaves modules named "
@@ -125,7 +129,8 @@ def torchtitan_version(name: str | None = None) -> tuple[TorchtitanVersion, str]
                 f"unknown torchtitan version {name!r}; choose one of "
                 f"{', '.join(TORCHTITAN_VERSIONS)}"
             )
-        return TORCHTITAN_VERSIONS[name], f"torchtitan {name} (asked for)"
+        target = TORCHTITAN_VERSIONS[name]
+        return target, f"torchtitan {target.snapshot or name} (asked for)"
     installed = installed_torchtitan()
     if installed in TORCHTITAN_VERSIONS:
         return TORCHTITAN_VERSIONS[installed], f"torchtitan {installed} (installed)"
@@ -168,8 +173,8 @@ def torchtitan_options(
     ]
     if save_ops:
         lines.append(
-            "# Selector patterns as the workbench matches them (fnmatch per dotted component, "
-            "** for any number); torchtitan's own matcher was not read."
+            "# Selectors as graph trainer matches them: MODULE_FQN_PATTERN by fnmatch per "
+            "dotted component (as the workbench), OP one exact overload."
         )
     if unexpressed:
         lines.append(
@@ -207,8 +212,8 @@ def _titan_unsound(graph: JointGraph, memory_policy: str) -> list[tuple[str, str
     return [("a sound run on this graph", why)]
 
 
-# Graph trainer's offload options (0.3.0 configs.py, GraphTrainerCompileConfig); main was
-# not read for them: the same names are assumed there.
+# Graph trainer's offload options (`cpu_offload_budget_gb`, `_prefetch_n_layers`,
+# `_defer_n_layers`: the same in 0.3.0 and the main snapshot, whose cpu_offload.py is 0.3.0's).
 def _offload_options(policy: Policy) -> list[str]:
     """graph trainer's `cpu_offload_*` options for the policy's offload options. Its budget
     is a float in GiB (`* 1024**3`) and 0 there means no limit (it skips the check): the
@@ -285,8 +290,29 @@ def _full_recompute_save_ops(
             unexpressed.append((what, why))
         elif "|" in s.select or not s.select.isprintable():
             unexpressed.append((what, "'|' and control characters do not survive the option"))
+        elif _save_ops_refusal(s.select) is not None:
+            unexpressed.append((what, str(_save_ops_refusal(s.select))))
         else:
             save_ops.append(s.select)
     for key, action in sorted(policy.overrides.items()):
         unexpressed.append((f"override {key} -> {action}", "torchtitan has no per-op overrides"))
     return save_ops, notes, unexpressed
+
+
+def _save_ops_refusal(select: str) -> str | None:
+    """Why graph trainer's `full_recompute_save_ops` would not take the selector `select`
+    as the workbench means it, or None: it matches the module path component by component,
+    as many components as the path (no `**`), and resolves OP to one op overload through
+    `torch.ops` (no wildcards).
+
+    >>> _save_ops_refusal("layers.*.attention.wo::aten.mm.default") is None
+    True
+    >>> _save_ops_refusal("layers.*.attention.wo::aten.mm.*")
+    "its op 'aten.mm.*' is a pattern: graph trainer takes one overload (aten.mm.default)"
+    """
+    module, _, op = select.rpartition("::")
+    if "**" in module.split("."):
+        return f"its module pattern {module!r} has '**': graph trainer matches one component each"
+    if any(c in op for c in "*?[") or op.count(".") != 2:
+        return f"its op {op!r} is a pattern: graph trainer takes one overload (aten.mm.default)"
+    return None

@@ -200,6 +200,22 @@ class GraphIndex:
         return call, single.astype(bool), writes, until_wait
 
     @functools.cached_property
+    def value_slots(self) -> np.ndarray:
+        """Per node, the key of the fresh slot holding its output's storage: its own first
+        slot when fresh, for a getitem its tuple's slot when that is fresh (a getitem of a
+        multi-output op owns the storage the op made for it), else -1 (a view or alias of
+        another node's storage). What an offload moves and how many bytes."""
+        start, keys = self._tables.slot_start, np.full(self.n, -1, np.int64)
+        for i, slots in enumerate(self.slots):
+            slot = slots[0] if slots else None
+            if isinstance(slot, int):
+                keys[i] = start[i]
+            elif slot is not None and self.is_getitem[i]:
+                tuple_slot = self.slots[self.args[i][0]][slot[1]]  # a getitem reads its tuple
+                keys[i] = start[self.args[i][0]] + slot[1] if isinstance(tuple_slot, int) else -1
+        return keys
+
+    @functools.cached_property
     def identity_flat(self) -> Flat:
         """The joint graph as traced, as arrays (read-only: every caller shares them)."""
         flat = self.flat(self.identity())
@@ -280,7 +296,7 @@ class GraphIndex:
         if len(steps):  # host copies and reloads hold fresh storages; the waits alias them
             kind = offload_step(n, entries[steps])
             made, waits = steps[kind % 2 == 0], steps[kind % 2 == 1]
-            value = t.fresh_bytes[t.slot_start[nodes[made]]]
+            value = t.fresh_bytes[np.maximum(self.value_slots[nodes[made]], 0)]
             fresh_pos = np.concatenate((fresh_pos, made))
             owner_keys = np.concatenate((owner_keys, base[entries[made]]))
             sizes = np.concatenate((sizes, value))

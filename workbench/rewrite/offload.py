@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from workbench.capture.ops import mutates, reads_until_wait, storage_keys
+from workbench.capture.ops import mutates, reads_until_wait, storage_inputs, storage_keys
 from workbench.decide.offloadable import OffloadOptions, Refusal
 from workbench.rewrite.host_ops import ops_for
 from workbench.rewrite.placement import (
@@ -67,7 +67,7 @@ def _examine(
     if not isinstance(value, torch.Tensor):
         return None, Refusal.NOT_ONE_TENSOR.say()
     (key,) = storage_keys(node)
-    if any(key in storage_keys(x) for x in node.all_input_nodes):
+    if any(key in storage_keys(x) for x in storage_inputs(node)):
         return None, Refusal.ALIAS.say()
     aliases: list[fx.Node] = []
     readers: list[fx.Node] = []

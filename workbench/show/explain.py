@@ -10,6 +10,8 @@ import collections
 import inspect
 from typing import Any
 
+from torch.utils.checkpoint import CheckpointPolicy
+
 from workbench.capture.graph import JointGraph
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.engine import STEPS, TITAN_STEPS
@@ -24,8 +26,15 @@ from workbench.interop.titan import (
     counterpart,
     differences_of,
     explained_by,
+    graph_trainer_tags,
 )
-from workbench.interop.titan_offload import OFFLOAD_PLACEMENT
+from workbench.interop.titan_offload import (
+    OFFLOAD_PLACEMENT,
+    STEP_NAMES,
+    offload_mismatches,
+    offload_passes,
+)
+from workbench.rewrite.placement import OFFLOAD_META
 
 __all__ = ["explain", "explain_text", "steps"]
 
@@ -59,7 +68,12 @@ def _written_in_place(graph: JointGraph, decisions: Decisions) -> list[dict[str,
     ]
 
 
-def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str) -> dict[str, Any]:
+def _against_graph_trainer(
+    graph: JointGraph, policy: Policy, memory_policy: str, decisions: Decisions
+) -> dict[str, Any]:
+    """What `compare` checked on this graph: graph trainer's own tagging (with the policy's
+    FSDP choice as its config) against the decisions, node by node, and what it found."""
+    reshard = "default" if policy.fsdp_reshard else "never"
     try:
         mismatches = compare(graph, policy, memory_policy)
     except WorkbenchError as err:  # torchtitan not installed: say so, explain the rest
@@ -67,6 +81,8 @@ def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str
     keys = [explained_by(m, policy.preset) for m in mismatches]
     return {
         "memory_policy": memory_policy,
+        "fsdp_reshard_after_forward": reshard,
+        "nodes_compared": len(decisions),
         "mismatches": len(mismatches),
         "by_difference": dict(collections.Counter(keys)),
         "cpu_forced": [
@@ -74,6 +90,51 @@ def _against_graph_trainer(graph: JointGraph, policy: Policy, memory_policy: str
         ],
         "rows": [{**m.to_json(), "difference": k} for m, k in zip(mismatches, keys, strict=True)],
     }
+
+
+def _offload_placement(policy: Policy, graph: JointGraph | None) -> dict[str, Any] | None:
+    """Where the offload pass puts its steps against graph trainer's `apply_cpu_offload_pass`:
+    the documented differences and, with a graph, what was compared on it (both passes on
+    the graph rematerialized by the policy's decisions) and found, with the offloaded sets
+    of graph trainer's own tagging, the decisions and the pass; without one, nothing is
+    claimed (`checked` None)."""
+    if not policy.offloads:
+        return None
+    result: dict[str, Any] = {
+        "options": policy.offload._asdict(),
+        "differences": [d.to_json() for d in OFFLOAD_PLACEMENT],
+        "checked": None,
+    }
+    if graph is None:
+        return result
+    try:
+        passes = offload_passes(graph, policy)
+        theirs = graph_trainer_tags(graph, "sac_and_offload", policy.fsdp_reshard)
+    except WorkbenchError as err:
+        result["checked"] = {"skipped": str(err)}
+        return result
+    decided = [n for n, t in decide(graph, policy).items() if t.offload]
+    tagged = [n for n, t in theirs.items() if t is CheckpointPolicy.MUST_CPU_OFFLOAD]
+    passed = passes.workbench.meta[OFFLOAD_META].names
+    mismatches = offload_mismatches(passes)
+    result["checked"] = {
+        "graph": graph.model_name,
+        "steps": list(STEP_NAMES),
+        "values_compared": len(passes.layers),
+        "steps_compared": len(passes.layers) * len(STEP_NAMES),
+        "mismatches": len(mismatches),
+        "by_difference": dict(collections.Counter(m.difference for m in mismatches)),
+        "graph_trainer_refused": passes.refused,
+        "offloaded": {
+            "graph_trainer_tagging": len(tagged),
+            "workbench_decisions": len(decided),
+            "workbench_pass": len(passed),
+        },
+        "only_graph_trainer": sorted(set(tagged) - set(passed)),
+        "only_workbench": sorted(set(passed) - set(tagged)),
+        "skipped_by_pass": passes.workbench.meta[OFFLOAD_META].skipped,
+    }
+    return result
 
 
 def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, Any]:
@@ -99,14 +160,7 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
         "cpu_forced_rule": CPU_FORCED.to_json() if preset in CPU_FORCED.presets else None,
         "not_reproduced": list(NOT_REPRODUCED) if preset in TITAN_PRESETS else [],
         # where the pass puts the copies, against graph trainer's apply_cpu_offload_pass
-        "offload_placement": (
-            {
-                "options": policy.offload._asdict(),
-                "differences": [d.to_json() for d in OFFLOAD_PLACEMENT],
-            }
-            if policy.offloads
-            else None
-        ),
+        "offload_placement": _offload_placement(policy, graph),
     }
     if graph is not None:
         result["model"] = graph.model_name
@@ -114,7 +168,9 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
         result["decisions_by_reason"] = _decisions_by_reason(decisions)
         result["written_in_place"] = _written_in_place(graph, decisions)
         if memory_policy is not None:
-            result["graph_trainer"] = _against_graph_trainer(graph, policy, memory_policy)
+            result["graph_trainer"] = _against_graph_trainer(
+                graph, policy, memory_policy, decisions
+            )
     return result
 
 
@@ -138,17 +194,8 @@ def explain_text(result: dict[str, Any]) -> str:
         for d in result["differences"]:
             lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
             lines.append(f"    why: {d['why']}")
-    placement = result["offload_placement"]
-    if placement is not None:
-        options, n = placement["options"], len(placement["differences"])
-        lines.append(
-            f"offload steps (prefetch {options['prefetch_layers']}, defer "
-            f"{options['defer_layers']}) go where graph trainer's apply_cpu_offload_pass puts "
-            f"them, step for step, but for {n} rule{'' if n == 1 else 's'}:"
-        )
-        for d in placement["differences"]:
-            lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
-            lines.append(f"    why: {d['why']}")
+    if result["offload_placement"] is not None:
+        lines += _placement_lines(result["offload_placement"])
     if result["cpu_forced_rule"] is not None:
         forced = result["cpu_forced_rule"]
         lines.append(f"forced on the CPU: {forced['rule']}: {forced['why']}")
@@ -169,8 +216,47 @@ def explain_text(result: dict[str, Any]) -> str:
     by = ", ".join(f"{k} {n}" for k, n in against["by_difference"].items()) or "none"
     lines.append(
         f"against graph trainer's own `{against['memory_policy']}` tagging of this graph "
-        f"(its default config): {against['mismatches']} mismatches ({by})"
+        f"(fsdp_reshard_after_forward {against['fsdp_reshard_after_forward']}): "
+        f"{against['nodes_compared']} forward and loss nodes compared, "
+        f"{against['mismatches']} mismatches ({by})"
     )
     if against["cpu_forced"]:
         lines.append(f"  CPU-forced: {', '.join(against['cpu_forced'])}")
     return "\n".join(lines)
+
+
+def _placement_lines(placement: dict[str, Any]) -> list[str]:
+    """The offload placement in words: what was compared and found, or that nothing was."""
+    options, checked = placement["options"], placement["checked"]
+    head = (
+        f"offload steps (prefetch {options['prefetch_layers']}, defer {options['defer_layers']}) "
+        "against graph trainer's apply_cpu_offload_pass: "
+    )
+    if checked is None:
+        lines = [head + "not compared (give a model to run both passes on its graph)"]
+    elif "skipped" in checked:
+        lines = [head + f"skipped ({checked['skipped']})"]
+    else:
+        by = ", ".join(f"{k} {n}" for k, n in checked["by_difference"].items()) or "none"
+        sets = checked["offloaded"]
+        lines = [
+            head + f"compared on {checked['graph']} rematerialized by this policy: "
+            f"{checked['values_compared']} values offloaded by the workbench's pass, "
+            f"{checked['steps_compared']} steps ({', '.join(checked['steps'])}), "
+            f"{checked['mismatches']} placed apart ({by})",
+            f"  offloaded: graph trainer's tagging {sets['graph_trainer_tagging']}, the "
+            f"workbench's decisions {sets['workbench_decisions']}, its pass "
+            f"{sets['workbench_pass']}; only graph trainer's: "
+            f"{', '.join(checked['only_graph_trainer']) or 'none'}; only the workbench's: "
+            f"{', '.join(checked['only_workbench']) or 'none'}",
+        ]
+        if checked["graph_trainer_refused"]:
+            lines.append(
+                f"  graph trainer's pass refused the graph: {checked['graph_trainer_refused']}"
+            )
+    n = len(placement["differences"])
+    lines.append(f"documented placement differences ({n}):")
+    for d in placement["differences"]:
+        lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")
+        lines.append(f"    why: {d['why']}")
+    return lines

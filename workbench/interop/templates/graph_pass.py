@@ -28,14 +28,11 @@ from workbench.interop.templates.constants import (
 
 def module_paths(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """The module that ran each node: meta["custom"]["module"] (SAC Workbench tracing) or
-    ["module_fqn"] (torchtitan), else the innermost nn_module_stack entry; nodes from the
-    first one marked meta["custom"]["phase_hint"] == "loss" on default to "loss"."""
+    ["module_fqn"] (torchtitan), else the innermost nn_module_stack entry, else none ("",
+    as for the loss gradient's seed `ones_like`, made outside every module)."""
     paths: dict[torch.fx.Node, str] = {}
-    in_loss = False
     for node in gm.graph.nodes:
         custom = node.meta.get("custom") or {}
-        if not node.meta.get("autograd_backward"):
-            in_loss = in_loss or custom.get("phase_hint") == "loss"
         path = next((str(custom[k]) for k in ("module", "module_fqn") if k in custom), None)
         stack = node.meta.get("nn_module_stack")
         if path is None and stack:
@@ -43,7 +40,7 @@ def module_paths(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
             last = last[0] if isinstance(last, tuple) else str(last)
             last = re.sub(r"\[(\d+)\]", r".\1", last)  # dynamo: L['self'].layers[0]
             path = last.removeprefix("L['self']").lstrip(".")
-        paths[node] = path if path is not None else ("loss" if in_loss else "")
+        paths[node] = path if path is not None else ""
     return paths
 
 
