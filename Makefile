@@ -12,7 +12,11 @@ TORCH   := torch==2.13.0
 # torchtitan for its models and the titan-* parity tests, without its training-only
 # requirements (datasets, wandb, tensorboard, ...): only what importing its models and
 # graph trainer needs. Nothing here depends on torch, so torch is never changed.
-TORCHTITAN      := torchtitan==0.3.0
+# triton (~285 MB) even on a CPU-only machine: torchtitan 0.3.0's models import it at module
+# level (torchtitan/distributed/minimal_async_ep/kernels.py, reached from
+# torchtitan.models.llama3 and graph trainer's cpu_offload); `make lab TORCHTITAN=` skips
+# torchtitan and triton both (its tests and --model torchtitan:... are then skipped).
+TORCHTITAN      ?= torchtitan==0.3.0
 TORCHTITAN_DEPS := spmd_types==0.2.3 tyro triton
 NOTEBOOK := notebooks/sac_llama3.ipynb
 
@@ -43,8 +47,16 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 		$(PIP) install $(TORCH); \
 	fi
 	$(PIP) install -e '.[test]'
-	@if $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then \
-		$(PIP) install --no-deps $(TORCHTITAN) && $(PIP) install $(TORCHTITAN_DEPS); \
+	@# Its requirements first, torchtitan itself last with --no-deps (pip checks no
+	@# requirements then): pip would print a red "ERROR: ... torchtitan 0.3.0 requires wandb,
+	@# datasets, ..." after an install made with torchtitan present, which on a re-run the
+	@# first install is (hence --no-warn-conflicts there: those are the ones left out).
+	@if [ -z "$(TORCHTITAN)" ]; then \
+		echo "NOTE: TORCHTITAN is empty: torchtitan and triton not installed; its tests will be skipped"; \
+	elif $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then \
+		echo "installing what torchtitan's models import: $(TORCHTITAN_DEPS) (triton ~285 MB, imported by torchtitan even on CPU)"; \
+		$(PIP) install --no-warn-conflicts $(TORCHTITAN_DEPS) && $(PIP) install --no-deps $(TORCHTITAN) && \
+		echo "installed $(TORCHTITAN) without its training-only requirements (datasets, wandb, tensorboard, ...): \`pip check\` lists them as missing; the workbench does not need them"; \
 	else \
 		echo "NOTE: torchtitan needs Python >= 3.11: its tests will be skipped"; \
 	fi

@@ -8,6 +8,8 @@ import sys
 import torch
 from torch import nn
 
+from workbench.capture.models import Workload
+
 NOT_CALLABLE = 42
 
 
@@ -76,3 +78,78 @@ def wrong_input_dtype():
     """Traces on fake tensors (their matmul skips the dtype check), fails on real ones."""
     torch.manual_seed(0)
     return nn.Linear(4, 2), (torch.randint(0, 5, (3, 4)), torch.randn(3, 2))
+
+
+# --- factories for the second probe (issue 27): TP plans, inputs, interrupts -------------
+
+
+def _mlp_parts() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    return model, torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+
+def tp_plan_wrong_type() -> Workload:
+    model, x, y = _mlp_parts()
+    return Workload(model, (x,), y, name="tp_plan_wrong_type", tp_plan=42)
+
+
+def _plan_raises(model: nn.Module, mesh: object) -> None:
+    raise RuntimeError("plan exploded")
+
+
+def tp_plan_raises() -> Workload:
+    model, x, y = _mlp_parts()
+    return Workload(model, (x,), y, name="tp_plan_raises", tp_plan=_plan_raises)
+
+
+def tp_plan_missing_module() -> Workload:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model, x, y = _mlp_parts()
+    return Workload(model, (x,), y, name="tp_plan_missing", tp_plan={"nope": ColwiseParallel()})
+
+
+def no_inputs() -> Workload:
+    model, _, y = _mlp_parts()
+    return Workload(model, (), y, name="no_inputs")
+
+
+def interrupts():
+    raise KeyboardInterrupt
+
+
+def logs_then_fails():
+    """Logs on torch's own logger (which writes to stderr itself), as fake tensors do before
+    raising, then fails: the CLI must show only its one error line."""
+    import logging
+
+    logging.getLogger("torch._subclasses.fake_tensor").error("fake tensor said\nline 2\nline 3")
+    raise RuntimeError("the model failed")
+
+
+def mutates_parameter():
+    """A forward that writes into a parameter: graph and eager steps see different weights."""
+
+    class Mutating(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.lin.weight.mul_(1.5)
+            return self.lin(x)
+
+    model, x, y = _mlp_parts()
+    return Mutating(), (x, y)
+
+
+def fails_in_ranks():
+    """Builds outside a process group (the checks before spawning), fails inside a rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        raise RuntimeError("only in a rank")
+    model, x, y = _mlp_parts()
+    return model, (x, y)

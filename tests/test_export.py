@@ -481,12 +481,15 @@ def test_export_with_a_graph_validates_the_policy(
 def test_write_export_never_overwrites_unless_asked(tmp_path: Path) -> None:
     path = tmp_path / "policy.py"
     assert write_export("first\n", path) == path
-    assert path.read_text() == "first\n"
-    with pytest.raises(WorkbenchError, match="exists; pass overwrite=True"):
+    assert path.read_text().endswith("\nfirst\n")  # after the workbench's mark
+    write_export("second\n", path)  # its own unchanged output: replaced
+    assert path.read_text().endswith("\nsecond\n")
+    path.write_text("first\n")  # the user's now
+    with pytest.raises(WorkbenchError, match="exists and was not written by the workbench"):
         write_export("second\n", path)
     assert path.read_text() == "first\n"
     write_export("second\n", path, overwrite=True)
-    assert path.read_text() == "second\n"
+    assert path.read_text().endswith("\nsecond\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.py"]  # no temp files left
     with pytest.raises(WorkbenchError, match="missing"):
         write_export("x", tmp_path / "no" / "such.py")

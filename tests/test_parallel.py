@@ -209,7 +209,7 @@ def test_bad_shapes_and_plans_are_one_line_errors(
 
 
 def test_bad_degrees_and_an_initialised_group_are_refused() -> None:
-    with pytest.raises(WorkbenchError, match="fsdp must be a positive integer"):
+    with pytest.raises(WorkbenchError, match="fsdp must be a whole number from 1"):
         Parallel(fsdp=0)
     with pytest.raises(WorkbenchError, match="param_dtype 'fp8'"):
         Parallel(param_dtype="fp8")  # type: ignore[arg-type]

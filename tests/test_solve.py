@@ -114,7 +114,7 @@ def test_bad_arguments_list_the_choices(small_graphs: dict[str, Fixture]) -> Non
         SolveOptions(method="ilp")  # type: ignore[arg-type]
     with pytest.raises(WorkbenchError, match="unknown objective 'memory'"):
         SolveOptions(objective="memory")  # type: ignore[arg-type]
-    with pytest.raises(WorkbenchError, match="host budget must be 0"):
+    with pytest.raises(WorkbenchError, match="host_budget_bytes must be a whole number from 0"):
         SolveOptions(host_budget_bytes=-1)
     with pytest.raises(WorkbenchError, match="no profile 'h200'"):
         solve(graph, 10**9, SolveOptions(profile="h200"), estimator=Estimator(graph, PROFILES))

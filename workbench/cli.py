@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from workbench.capture.models import DTYPES
 from workbench.commands import (
     FSDP_CHOICES,
+    check_common_args,
     cmd_activations,
     cmd_bench_gpu,
     cmd_bench_offload,
@@ -36,7 +37,7 @@ from workbench.commands import (
     cmd_verify,
 )
 from workbench.decide.presets import PRESETS
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, torch_logs_held
 from workbench.units import format_value
 
 if TYPE_CHECKING:
@@ -473,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
     try:
-        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext(), torch_logs_held():
+            check_common_args(args)
             result = run(args)
     except WorkbenchError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -483,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"error: {args.command} stopped: code it ran called sys.exit({err.code!r})",
             file=sys.stderr,
         )
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C, or user code raising it: one line, not a traceback
+        print(f"error: {args.command} interrupted (KeyboardInterrupt)", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
         print(json.dumps(result))

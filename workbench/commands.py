@@ -1,18 +1,17 @@
 """What each command does with the library: `cmd_NAME(args) -> dict`, the one JSON object
 the command prints (`workbench.cli` parses the arguments and prints the result).
 
-Entry points: the `cmd_*` functions; `workload_from_args`, `parallel_from_args`.
+Entry points: the `cmd_*` functions; `check_common_args`, `workload_from_args`,
+`parallel_from_args`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from workbench.capture.graph import JointGraph
@@ -20,20 +19,26 @@ from workbench.capture.models import Workload, is_user_factory, load_workload
 from workbench.capture.parallel import Parallel
 from workbench.capture.trace import timed_trace
 from workbench.decide.policy import Policy, parse_policy
-from workbench.errors import WorkbenchError
+from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.files import check_writable
+from workbench.preflight import (
+    MAX_FLIPS,
+    MAX_FULL_PATH,
+    MAX_RANDOM,
+    MAX_RUNS,
+    SEED_MAX,
+    check_budget,
+    check_host_budget,
+    check_passes,
+    check_positive,
+    flag,
+    refuse_graph_flags_without_model,
+    refuse_unfit_ranks,
+)
 
 if TYPE_CHECKING:
     from workbench.cost.estimate import Estimator
     from workbench.search.solve import SolveOptions
-
-
-INT64_MAX = 2**63 - 1
-
-
-def _check_positive(flag: str, value: int) -> None:
-    if value < 1:
-        raise WorkbenchError(f"{flag} must be a positive integer, got {value}")
 
 
 def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu") -> Workload:
@@ -74,16 +79,14 @@ def _refuse_titan_ranks(args: argparse.Namespace, parallel: Parallel | None) -> 
         )
 
 
+def check_common_args(args: argparse.Namespace) -> None:
+    """Before any command starts its work: the parallel degrees (`Parallel`'s checks)."""
+    if hasattr(args, "fsdp"):
+        _parallel_from_args(args)
+
+
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
-
-
-def _check_passes(args: argparse.Namespace) -> None:
-    """Before tracing: `--passes` names a pipeline (and graph trainer's is importable)."""
-    from workbench.rewrite.graph_trainer import check_pipeline
-
-    with _flag("--passes"):
-        check_pipeline(args.passes)
 
 
 def _pipeline_json(args: argparse.Namespace, graph: JointGraph, policy: Policy) -> dict[str, Any]:
@@ -100,7 +103,7 @@ def _prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     """The traced graph as the chosen pipeline analyses it (`rewrite.graph_trainer.prepare`)."""
     from workbench.rewrite.graph_trainer import prepare
 
-    _check_passes(args)
+    check_passes(args)
     graph, seconds = _trace_from_args(args)
     return prepare(graph, args.passes), seconds
 
@@ -113,7 +116,7 @@ def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.bench import bench_trace
 
-    _check_positive("--repeat", args.repeat)
+    check_positive("--repeat", args.repeat)
     return bench_trace(lambda: _trace_from_args(args), args.repeat)
 
 
@@ -154,7 +157,8 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
     checked bitwise; the failures are listed with their policies, to reproduce one."""
     from workbench.search.soundness import run_soundness
 
-    _check_positive("--random", args.random)
+    check_positive("--random", args.random, MAX_RANDOM, "each policy is a remat and a real run")
+    check_int("--seed", args.seed, 0, SEED_MAX)
     if args.policy is not None:
         raise WorkbenchError("verify: give --policy or --random N, not both")
     parallel = _parallel_from_args(args)
@@ -175,8 +179,13 @@ def _verify_ranks(args: argparse.Namespace, parallel: Parallel) -> dict[str, Any
     """One gloo process per rank: each rank's remat'd graph against its eager step."""
     from workbench.cost.ranks import check_ranks
 
+    policy = parse_policy(args.policy)
+    refuse_unfit_ranks(_workload_from_args(args, "fake"), parallel, policy)
     shape = {"layers": args.layers, "seq": args.seq, "batch": args.batch, "dtype": args.dtype}
     checks = check_ranks(args.model, parallel, [args.policy], **shape)
+    errors = sorted({c.error for c in checks if c.error})
+    if errors and all(c.error for c in checks):  # nothing was compared: say why in one line
+        raise WorkbenchError(f"every rank failed: {errors[0]}")
     return {
         "model": args.model,
         "policy": parse_policy(args.policy).to_json(),
@@ -194,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     if args.torchtitan_version is not None and args.format != "torchtitan":
         raise WorkbenchError("--torchtitan-version goes with --format torchtitan only")
     policy = parse_policy(args.policy)
-    if args.out:
+    if args.out is not None:
         check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
     graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
     if args.format == "torchtitan":
@@ -202,7 +211,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     else:
         text = export(policy, args.format, graph=graph)
     result: dict[str, Any] = {"format": args.format, "code": text}
-    if args.out:
+    if args.out is not None:
         result["path"] = str(write_export(text, args.out, overwrite=args.overwrite))
     return result
 
@@ -213,8 +222,8 @@ def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.rewrite.graph_trainer import prepare
 
     policy = parse_policy(args.policy)
-    _check_passes(args)
-    graph, _ = timed_trace(_workload_from_args(args, args.mode), args.mode)
+    check_passes(args)
+    graph, _ = _trace_from_args(args)  # one rank's graph under --fsdp/--tp
     graph = prepare(graph, args.passes)
     rows = activation_rows(graph, policy)
     return {
@@ -233,6 +242,7 @@ def cmd_policy_explain(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.show.explain import explain
 
     policy = parse_policy(args.policy)
+    refuse_graph_flags_without_model(args)
     graph = _trace_from_args(args)[0] if args.model is not None else None
     return explain(policy, graph)
 
@@ -279,14 +289,14 @@ def _cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.cost.overlap import OverlapOptions
 
     split = args.max_split_size_mb
-    with _flag("--max-split-size-mb"):
+    with flag("--max-split-size-mb"):
         allocator = AllocatorConfig(
             expandable_segments=args.expandable_segments,
             max_split_size=None if split is None else split * 2**20,
         )
-    with _flag("--prefetch"):
+    with flag("--prefetch"):
         OverlapOptions(prefetch=args.prefetch)
-    with _flag("--max-copies-in-flight"):
+    with flag("--max-copies-in-flight"):
         OverlapOptions(max_copies_in_flight=args.max_copies_in_flight)
     overlap = OverlapOptions(
         prefetch=args.prefetch,
@@ -337,9 +347,8 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from workbench.interop.baselines import measure_policy
 
-    _check_positive("--repeat", args.repeat)
-    if args.warmup < 0:
-        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
+    check_positive("--repeat", args.repeat)
+    check_int("--warmup", args.warmup, 0, MAX_RUNS, "each one is a run of the step")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     if _parallel_from_args(args) is not None:
@@ -362,7 +371,7 @@ def cmd_bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.bench import bench_gpu
     from workbench.decide.presets import PRESETS
 
-    _check_positive("--repeat", args.repeat)
+    check_positive("--repeat", args.repeat)
     if args.warmup < 0:
         raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
     presets = [p for p in args.presets.split(",") if p]
@@ -386,9 +395,9 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
     from workbench.bench import bench_whatif
 
-    _check_positive("--flips", args.flips)
-    if args.full_path < 0:
-        raise WorkbenchError(f"--full-path must be 0 or more flips, got {args.full_path}")
+    check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one what-if")
+    check_int("--full-path", args.full_path, 0, MAX_FULL_PATH, "each runs torch's remat pass")
+    check_int("--seed", args.seed, 0, SEED_MAX)
     graph, trace_seconds = _trace_from_args(args)
     result = bench_whatif(
         graph, parse_policy(args.policy), flips=args.flips, full_path=args.full_path, seed=args.seed
@@ -423,7 +432,7 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
     """Time the overview and one layer's view (see `workbench.bench`)."""
     from workbench.bench import bench_render
 
-    _check_positive("--repeat", args.repeat)
+    check_positive("--repeat", args.repeat)
     graph, trace_seconds = _trace_from_args(args)
     result = bench_render(graph, parse_policy(args.policy), args.repeat)
     return {**result, "trace_seconds": round(trace_seconds, 3)}
@@ -436,7 +445,7 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.floor import floor_search
 
     options = _solve_options_from_args(args)
-    _check_positive("--tolerance-bytes", args.tolerance_bytes)
+    check_int("--tolerance-bytes", args.tolerance_bytes, 1, INT64_MAX, "int64")
     cost = _cost_options_from_args(args)
     profile = _profile_with_host_link(args.profile, args.host_link)
     options = dataclasses.replace(options, profile=profile)
@@ -466,15 +475,6 @@ def cmd_bench_offload(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-@contextlib.contextmanager
-def _flag(name: str) -> Iterator[None]:
-    """A WorkbenchError raised inside names the flag whose value caused it."""
-    try:
-        yield
-    except WorkbenchError as err:
-        raise WorkbenchError(f"{name}: {err}") from None
-
-
 def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
     """The solver's flags as `SolveOptions`, each checked before anything is traced by the
     library's own checks (`SolveOptions`, `get_profile`), the error naming the flag:
@@ -482,12 +482,12 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
     from workbench.cost.profiles import get_profile
     from workbench.search.solve import SolveOptions
 
-    _check_host_budget(args)
-    with _flag("--method"):
+    check_host_budget(args)
+    with flag("--method"):
         SolveOptions(method=args.method)
-    with _flag("--objective"):
+    with flag("--objective"):
         SolveOptions(objective=args.objective)
-    with _flag("--profile"):
+    with flag("--profile"):
         get_profile(args.profile)
     return SolveOptions(
         method=args.method,
@@ -499,25 +499,11 @@ def _solve_options_from_args(args: argparse.Namespace) -> SolveOptions:
     )
 
 
-def _check_host_budget(args: argparse.Namespace) -> None:
-    """Before tracing: a bad host budget is refused at once, not after a whole front."""
-    if not 0 <= args.host_budget_bytes <= INT64_MAX:
-        raise WorkbenchError(
-            f"--host-budget-bytes must be from 0 (no offload) to {INT64_MAX} (int64), "
-            f"got {args.host_budget_bytes}"
-        )
-
-
 def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
     if args.budget_bytes is not None:
-        if not 0 < args.budget_bytes <= INT64_MAX:
-            raise WorkbenchError(
-                f"--budget-bytes must be from 1 to {INT64_MAX} (int64), got {args.budget_bytes}"
-            )
         return int(args.budget_bytes)
-    if not 0 < args.budget_frac <= 1:
-        raise WorkbenchError(f"--budget-frac must be in (0, 1], got {args.budget_frac}")
-    return int(args.budget_frac * estimator.estimate(Policy("none")).budget_bytes(args.budget_kind))
+    peak = estimator.estimate(Policy("none")).budget_bytes(args.budget_kind)
+    return max(1, int(args.budget_frac * peak))
 
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
@@ -526,6 +512,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.search.solve import solve
 
     options = _solve_options_from_args(args)
+    check_budget(args)
     cost = _cost_options_from_args(args)
     graph, trace_seconds = _prepared_from_args(args)
     estimator = estimator_for(graph, args.passes, (args.profile,), args.optimizer, **cost)
@@ -543,10 +530,11 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
     from workbench.cost.estimate import Estimator
-    from workbench.search.pareto import pareto
+    from workbench.search.pareto import MAX_POINTS, pareto
     from workbench.search.solve import Solution, fsdp_choices, preset_points
 
     options = _solve_options_from_args(args)
+    check_int("--points", args.points, 2, MAX_POINTS, "each point is a solve")
     cost = _cost_options_from_args(args)
     graph, trace_seconds = _trace_from_args(args)
     start = time.perf_counter()

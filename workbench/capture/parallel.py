@@ -38,6 +38,7 @@ from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
 from workbench.capture.models import DTYPES, Workload
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import Llama3
+from workbench.capture.tp_plan import check_tp_plan
 from workbench.capture.tracing import (
     Mode,
     backward_without_stack_traces,
@@ -45,7 +46,7 @@ from workbench.capture.tracing import (
     trace_step,
     traced_loss,
 )
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, check_int, describe
 
 __all__ = [
     "MESH_DIMS",
@@ -63,6 +64,9 @@ __all__ = [
 ]
 
 MESH_DIMS = ("fsdp", "tp")
+# torch's process groups count ranks in a C int; the largest jobs run ~10^5 GPUs.
+MAX_WORLD_SIZE = 2**20
+WORLD_WHY = "ranks in one job"
 DtypeName = Literal["bfloat16", "float32"]
 # A TP plan: {module path: ParallelStyle} for `parallelize_module`, or a callable that
 # parallelizes the model on the "tp" mesh itself.
@@ -103,9 +107,9 @@ class Parallel:
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp", "ep", "cp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise WorkbenchError(f"parallel {name} must be a positive integer, got {value!r}")
+            check_int(f"parallel {name}", getattr(self, name), 1, MAX_WORLD_SIZE, WORLD_WHY)
+        world = self.fsdp * self.cp * self.tp
+        check_int("parallel world size (fsdp x cp x tp)", world, 1, MAX_WORLD_SIZE, WORLD_WHY)
         shards = self.fsdp * self.cp * self.tp
         if shards % self.ep:
             raise WorkbenchError(
@@ -355,10 +359,18 @@ def shard_workload(
                 "ParallelStyle} for parallelize_module or a callable(model, tp_mesh); or use --tp 1"
             )
         tied = _tied_parameters(model)
-        if callable(plan):
-            plan(model, mesh["tp"])
-        else:
-            parallelize_module(model, mesh["tp"], plan)
+        check_tp_plan(plan, model, workload.name)
+        try:
+            if callable(plan):
+                plan(model, mesh["tp"])
+            else:
+                parallelize_module(model, mesh["tp"], plan)
+        except (WorkbenchError, KeyboardInterrupt):
+            raise
+        except Exception as err:
+            raise WorkbenchError(
+                f"the tensor-parallel plan of {workload.name!r} failed: {describe(err)}"
+            ) from None
         _retie(tied, workload.name)
     shards = _shard_parameters(model, workload.name, parallel, mesh)
     sharded = copy.copy(workload)

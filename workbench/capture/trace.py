@@ -37,12 +37,22 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
     (`workbench.capture.parallel.trace_rank`; for torchtitan models graph trainer's own
     `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`).
     """
+    if not isinstance(workload, Workload):
+        raise TypeError(
+            f"trace: workload must be a Workload (workbench.capture.models.load_workload "
+            f"makes one from a model name), got {type(workload).__name__}"
+        )
     if mode not in ("real", "fake"):
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
     if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
-        from workbench.capture.parallel import trace_rank
+        from workbench.capture.parallel import Parallel, trace_rank
         from workbench.capture.titan_rank import is_titan_workload, trace_titan_rank
 
+        if not isinstance(parallel, Parallel):
+            raise TypeError(
+                f"trace: parallel must be None or a Parallel (e.g. Parallel(fsdp=2, tp=2)), "
+                f"got {parallel!r}"
+            )
         if is_titan_workload(workload):  # sharded by graph trainer's own parallelize
             return trace_titan_rank(workload, mode, parallel)
         return trace_rank(workload, mode, parallel)

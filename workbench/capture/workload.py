@@ -26,6 +26,10 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
+# Far above any real model (Llama3-405B has 126); also bounds layer counts in offload options.
+MAX_LAYERS = 1024
+
+
 @dataclass
 class Workload:
     """What one training step needs: `loss_fn(model(*inputs), target)`."""
@@ -42,8 +46,21 @@ class Workload:
     notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise WorkbenchError(f"workload name must be a non-empty string, got {self.name!r}")
         if isinstance(self.inputs, torch.Tensor):
             self.inputs = (self.inputs,)
+        if not isinstance(self.inputs, tuple | list) or not self.inputs:
+            raise WorkbenchError(
+                f"workload {self.name!r}: inputs must be the model's input tensors (a tensor or "
+                f"a non-empty tuple of them), got {self.inputs!r:.60}"
+            )
+        if not isinstance(self.inputs[0], torch.Tensor):
+            raise WorkbenchError(
+                f"workload {self.name!r}: the first input must be a tensor, got "
+                f"{type(self.inputs[0]).__name__}"
+            )
+        self.inputs = tuple(self.inputs)
         if not isinstance(self.model, nn.Module):
             raise WorkbenchError(
                 f"workload {self.name!r}: model must be a torch.nn.Module, "

@@ -10,6 +10,7 @@ and input shapes match, with the coverage.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch.fx as fx
 
 from workbench.capture.graph import JointGraph
 from workbench.errors import WorkbenchError
+from workbench.files import read_file
 
 __all__ = [
     "Calibration",
@@ -111,16 +113,22 @@ def calibration_table(prof: torch.profiler.profile) -> list[dict[str, Any]]:
     return rows
 
 
+# A profiler trace of one step is tens to hundreds of MiB; the cap keeps a wrong file (or
+# /dev/zero) from filling memory.
+MAX_CALIBRATION_BYTES = 2**30
+
+
 def load_calibration(path: str | Path) -> Calibration:
     """A table (a JSON list of `calibration_table` rows) or a Chrome trace (a JSON object
     with `traceEvents`; recorded with `record_shapes=True`): on a GPU trace each op's time
     is its kernels' (those its own or nested ops launched), else its CPU duration."""
     where = Path(path)
+    if not os.path.lexists(where):
+        raise WorkbenchError(f"--calibrate {where}: no such file")
+    raw = read_file(where, f"--calibrate {where}", MAX_CALIBRATION_BYTES)  # no pipe, no device
     try:
-        data = json.loads(where.read_text())
-    except FileNotFoundError:
-        raise WorkbenchError(f"--calibrate {where}: no such file") from None
-    except (OSError, ValueError) as err:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:
         raise WorkbenchError(f"--calibrate {where}: not a JSON file ({err})") from None
     if isinstance(data, list):
         samples = _table_samples(data, where)

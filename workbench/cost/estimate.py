@@ -24,7 +24,7 @@ from workbench.cost.replay import offload_schedule, recompute_flags, replay
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, check_int
 from workbench.rewrite.index import Storages, graph_index
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX, RematResult
 from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule, offload_step
@@ -329,6 +329,12 @@ class Estimator:
 
     def estimate(self, policy: Policy | Decisions, granularity: int = 1) -> Estimate:
         """The what-if: figures for `policy` as if tagged and rematerialized by torch."""
+        if not isinstance(policy, Policy | dict):
+            raise TypeError(
+                f"Estimator.estimate: policy must be a Policy (Policy('full'), Policy.load(path)) "
+                f"or decisions from decide(), got {type(policy).__name__}"
+            )
+        check_int("Estimator.estimate granularity", granularity, 1, 2**40, "bytes")
         if self.index.foreign_tags:
             raise WorkbenchError(
                 f"the graph carries AOTAutograd tags ({', '.join(self.index.foreign_tags)}) "

@@ -257,12 +257,38 @@ def bitwise_mismatches(
         with torch.no_grad():
             return list(gm(*inputs))
 
+    kinds = [spec.kind for spec in graph.inputs]
+    before = [
+        t.clone() if isinstance(t, torch.Tensor) and kind == "param" else None
+        for t, kind in zip(inputs, kinds, strict=False)
+    ]
     with _fails_in_one_line(f"the graph of {graph.model_name!r}"):
         traced = seeded(run_graph)
+    _refuse_written_inputs(graph, inputs, before)
     with _fails_in_one_line(f"the eager step of {graph.model_name!r}"):
         eager = seeded(lambda: eager_step(workload))
     names = ["loss", *graph.param_names]
     return [n for n, a, b in zip(names, traced, eager, strict=True) if not bitwise_equal(a, b)]
+
+
+def _refuse_written_inputs(
+    graph: JointGraph, inputs: Sequence[Any], before: Sequence[torch.Tensor | None]
+) -> None:
+    """A step that writes into its parameters leaves the eager run other starting values
+    than the graph had: the comparison would blame the policy for the model's write.
+    (Buffers such as running statistics are meant to change.)"""
+    written = [
+        spec.fqn or spec.placeholder
+        for spec, now, then in zip(graph.inputs, inputs, before, strict=False)
+        if spec.kind == "param" and then is not None and not bitwise_equal(now, then)
+    ]
+    if written:
+        raise WorkbenchError(
+            f"{graph.model_name!r} writes into {', '.join(written[:3])} during the step (an "
+            "in-place update in forward or backward): the graph and the eager step would start "
+            "from different values, so a bitwise comparison cannot judge the policy; move the "
+            "update out of the step"
+        )
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.files import MARK_KEY, read_file, write_file
 
 # A nominal link rate for CPU processes (gloo over shared memory or TCP varies widely).
 CPU_LINK_BYTES_PER_S = 10e9
@@ -206,16 +207,17 @@ def cpu_profile(refresh: bool = False) -> DeviceProfile:
     path, key = _cache_path(), _machine_key()
     if not refresh and path.exists():
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_file(path, f"CPU profile cache {str(path)!r}", 2**20))
+            data.pop(MARK_KEY, None)
             if data.pop("machine") == key:
                 return DeviceProfile(**data)
-        except (ValueError, KeyError, TypeError):
-            pass  # a stale or damaged cache is measured again
+        except (ValueError, KeyError, TypeError, AttributeError, WorkbenchError):
+            pass  # a stale, damaged or special (a pipe, a device) cache is measured again
     profile = measure_cpu_profile()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**profile.to_json(), "machine": key}))
-    except OSError:
+        write_file(path, json.dumps({**profile.to_json(), "machine": key}), overwrite=True)
+    except (OSError, WorkbenchError):
         pass  # a read-only home still gets a profile, just not a cached one
     return profile
 

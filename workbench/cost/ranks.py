@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from workbench.capture.models import load_workload
 from workbench.capture.parallel import (
@@ -30,12 +31,28 @@ from workbench.capture.parallel import (
 )
 from workbench.cost.measure import bitwise_equal
 from workbench.decide.policy import Policy, parse_policy
-from workbench.errors import WorkbenchError, describe
+from workbench.errors import WorkbenchError, describe, torch_logs_held
 from workbench.rewrite.remat import remat
 
-__all__ = ["RankCheck", "check_rank", "check_ranks"]
+__all__ = ["RANKS_PER_CORE", "RankCheck", "check_rank", "check_rank_count", "check_ranks"]
 
 QUEUE_POLL_SECONDS = 1.0  # how often the parent looks whether the ranks still run
+# Ranks are CPU processes, each with its own copy of torch, its model shard and gloo's
+# threads; past a few per core they only queue for the cores (and a typo such as --fsdp 1000
+# would start a thousand processes).
+RANKS_PER_CORE = 4
+
+
+def check_rank_count(parallel: Parallel) -> None:
+    """Refuse more ranks than this machine runs at once (`RANKS_PER_CORE` per core)."""
+    cores = os.cpu_count() or 1
+    if parallel.world_size > RANKS_PER_CORE * cores:
+        raise WorkbenchError(
+            f"{parallel.world_size} ranks (fsdp {parallel.fsdp} x tp {parallel.tp}) would be "
+            f"{parallel.world_size} processes on {cores} cores: the bitwise check runs at most "
+            f"{RANKS_PER_CORE} per core ({RANKS_PER_CORE * cores} here); estimate, solve and "
+            "trace take any degree (one rank's graph)"
+        )
 
 
 @dataclass(frozen=True)
@@ -98,12 +115,24 @@ def _worker(
     torch.set_num_threads(1)  # ranks share the machine's cores
     dist.init_process_group("gloo", rank=index, world_size=parallel.world_size)
     try:
-        workload = load_workload(spec, **shape)  # same seed: every rank builds the same model
-        rank = shard_workload(workload, parallel, device_mesh(parallel))
-        for check in check_rank(rank, policies):
-            results.put(check)
+        with torch_logs_held():  # a failing rank's error goes to the parent in one line
+            workload = load_workload(spec, **shape)  # same seed: every rank, same model
+            rank = shard_workload(workload, parallel, device_mesh(parallel))
+            for check in check_rank(rank, policies):
+                results.put(check)
+    except KeyboardInterrupt as err:  # raised by user code: an error like any other
+        raise RuntimeError("KeyboardInterrupt raised in the rank") from err
     finally:
         dist.destroy_process_group()
+
+
+def _rank_error(err: Exception) -> str:
+    """The last line of a rank's traceback (`TypeError: ...`), or how it ended."""
+    if isinstance(err, mp.ProcessRaisedException):
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        last = lines[-1] if lines else "(no message)"
+        return last.removeprefix("workbench.errors.WorkbenchError: ")
+    return str(err)
 
 
 def _free_port() -> int:
@@ -129,6 +158,7 @@ def check_ranks(
         raise WorkbenchError(
             "check_ranks spawns its own process group: call it outside an initialised one"
         )
+    check_rank_count(parallel)
     for policy in policies:
         if not isinstance(policy, Policy):
             parse_policy(policy)  # fail here, not in every rank
@@ -148,13 +178,16 @@ def check_ranks(
     # Read while the ranks run: a rank blocks on a full pipe until its results are read.
     expected = parallel.world_size * len(policies)
     results: list[RankCheck] = []
-    while len(results) < expected:
-        try:
-            results.append(results_queue.get(timeout=QUEUE_POLL_SECONDS))
-        except queue.Empty:
-            if ranks.join(timeout=0):  # every rank ended (a failed one raises here)
-                break
-    ranks.join()
+    try:
+        while len(results) < expected:
+            try:
+                results.append(results_queue.get(timeout=QUEUE_POLL_SECONDS))
+            except queue.Empty:
+                if ranks.join(timeout=0):  # every rank ended (a failed one raises here)
+                    break
+        ranks.join()
+    except ProcessException as err:  # torch stopped the other ranks already
+        raise WorkbenchError(f"rank {err.error_index} failed: {_rank_error(err)}") from None
     if len(results) < expected:
         raise WorkbenchError(f"the ranks sent {len(results)} of {expected} checks and ended")
     return sorted(results, key=lambda c: (c.rank, c.index))

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from workbench.capture.graph import NodeInfo
+from workbench.capture.workload import MAX_LAYERS
 from workbench.decide.engine import selector_matches
 from workbench.decide.offloadable import OffloadOptions, may_offload
 from workbench.decide.presets import OFFLOAD_PRESETS, PRESETS
 from workbench.decide.tags import SelectorRow
-from workbench.errors import WorkbenchError
-from workbench.files import write_file
+from workbench.errors import INT64_MAX, WorkbenchError, check_int
+from workbench.files import MARK_KEY, read_file, write_file
 
 SCHEMA = "sac-workbench/policy"
 # 2 added `fsdp_reshard`, 3 the `offload` action and options; a policy is written with the
@@ -212,7 +213,7 @@ class Policy:
                 f"{source}: policy schema version {version} is newer than this workbench "
                 f"reads (up to {SCHEMA_VERSION}); upgrade sac-workbench"
             )
-        fields = {"schema", "version", "preset", "selectors", "overrides"}
+        fields = {"schema", "version", "preset", "selectors", "overrides", MARK_KEY}
         fields |= {"fsdp_reshard"} if version >= 2 else set()
         fields |= {"offload"} if version >= 3 else set()
         unknown = set(data) - fields
@@ -239,13 +240,10 @@ class Policy:
     def load(cls, path: str | os.PathLike[str]) -> Policy:
         """Read a policy file; anything but a readable, UTF-8, reasonably sized and shallow
         JSON policy is refused with one line naming the file and the problem."""
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"Policy.load: path must be a str or os.PathLike, got {path!r}")
         name = f"policy file {str(path)!r}"
-        try:
-            with open(path, "rb") as handle:
-                raw = handle.read(MAX_POLICY_FILE_BYTES + 1)
-        except OSError as err:
-            raise WorkbenchError(f"cannot read {name}: {err.strerror}") from None
-        return cls.from_bytes(raw, name)
+        return cls.from_bytes(read_file(path, name, MAX_POLICY_FILE_BYTES), name)
 
     @classmethod
     def from_bytes(cls, raw: bytes, name: str) -> Policy:
@@ -261,7 +259,12 @@ class Policy:
                 f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
             ) from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        except _DuplicateKey as err:
+            raise WorkbenchError(
+                f"{name} has the key {err.args[0]!r} twice in one object: JSON readers differ "
+                "on which one counts; keep one"
+            ) from None
         except json.JSONDecodeError as err:
             raise WorkbenchError(
                 f"{name} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
@@ -275,6 +278,18 @@ class Policy:
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write atomically; an existing file is replaced only when `overwrite` is set."""
         return write_file(path, json.dumps(self.to_json(), indent=2) + "\n", overwrite=overwrite)
+
+
+class _DuplicateKey(Exception):
+    """A JSON object with a key twice (Python's reader would silently take the last)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return data
 
 
 _OFFLOAD_FIELDS = ", ".join(OffloadOptions._fields)
@@ -306,10 +321,13 @@ def offload_options(value: Any) -> OffloadOptions:
             f"offload budget_bytes {budget} would offload nothing: give a positive byte count, "
             "null for no limit, or a policy that does not offload"
         )
+    if budget is not None:
+        check_int("offload budget_bytes", budget, 1, INT64_MAX, "int64; null for no limit")
     for name in ("prefetch_layers", "defer_layers"):
         layers = getattr(value, name)
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
             raise WorkbenchError(f"offload {name} {layers!r} must be a whole number of layers >= 0")
+        check_int(f"offload {name}", layers, 0, MAX_LAYERS, "a model has at most that many")
     return value
 
 

@@ -110,9 +110,6 @@ TORCHTITAN_POLICIES: dict[str, tuple[str, str]] = {
         "'titan-sac_and_offload' is torchtitan's).",
     ),
 }
-# Graph trainer's offload options (`cpu_offload_budget_gb`, `_prefetch_n_layers`,
-# `_defer_n_layers`: the same in 0.3.0 and the main snapshot, whose cpu_offload.py is 0.3.0's).
-TORCHTITAN_OFFLOAD_GIB_DIGITS = 6
 
 
 def installed_torchtitan() -> str | None:
@@ -215,13 +212,17 @@ def _titan_unsound(graph: JointGraph, memory_policy: str) -> list[tuple[str, str
     return [("a sound run on this graph", why)]
 
 
+# Graph trainer's offload options (`cpu_offload_budget_gb`, `_prefetch_n_layers`,
+# `_defer_n_layers`: the same in 0.3.0 and the main snapshot, whose cpu_offload.py is 0.3.0's).
 def _offload_options(policy: Policy) -> list[str]:
     """graph trainer's `cpu_offload_*` options for the policy's offload options. Its budget
-    is in GiB (`* 1024**3`) and 0 there means no limit (it skips the check)."""
+    is a float in GiB (`* 1024**3`) and 0 there means no limit (it skips the check): the
+    exact float (`repr`, which a power-of-two scale keeps exact up to 2**53 bytes), never a
+    rounding that could turn a small budget into 0 and so into no limit."""
     budget = policy.offload.budget_bytes
-    gib = 0 if budget is None else round(budget / 2**30, TORCHTITAN_OFFLOAD_GIB_DIGITS)
+    gib = "0" if budget is None else repr(budget / 2**30)
     return [
-        f"--compile.cpu_offload_budget_gb {gib:g}",
+        f"--compile.cpu_offload_budget_gb {gib}",
         f"--compile.cpu_offload_prefetch_n_layers {policy.offload.prefetch_layers}",
         f"--compile.cpu_offload_defer_n_layers {_titan_defer(policy)}",
     ]

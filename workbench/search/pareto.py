@@ -12,10 +12,12 @@ import numpy as np
 
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import Estimator
-from workbench.errors import WorkbenchError
+from workbench.errors import INT64_MAX, check_int
 from workbench.search.solve import Solution, SolveOptions, Solver
 
 __all__ = ["Progress", "pareto"]
+
+MAX_POINTS = 1000  # budgets in one front: each is a whole solve
 
 # Called after each budget: (budgets done, budgets in all, that budget's solution).
 Progress = Callable[[int, int, Solution], None]
@@ -35,8 +37,10 @@ def pareto(
     smaller one's, the smaller one's is kept: the front never gets worse with memory.
     Each point is `solve`'s answer for its budget under `options` (`SolveOptions`): the
     better FSDP choice for that budget, offload within the host budget."""
-    if points < 2 and budgets is None:
-        raise WorkbenchError(f"points must be at least 2 budgets, got {points}")
+    if budgets is None:
+        check_int("points", points, 2, MAX_POINTS, "each point is a solve")
+    else:
+        budgets = [check_int("budgets", b, 1, INT64_MAX, "int64") for b in budgets]
     solver = Solver(graph, options, estimator)
     if budgets is None:
         low, high = solver.floor_bytes, solver.top_bytes

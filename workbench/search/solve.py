@@ -23,7 +23,7 @@ from workbench.decide.decider import rules_of
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Action, Policy
 from workbench.decide.presets import OFFLOAD_PRESETS, PRESETS
-from workbench.errors import WorkbenchError
+from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.search.model import LinearModel
 from workbench.search.select import greedy_path, select_exact, select_greedy, select_knapsack
 
@@ -102,9 +102,7 @@ class SolveOptions:
             raise WorkbenchError(
                 f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}"
             )
-        budget = self.host_budget_bytes
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise WorkbenchError(f"host budget must be 0 (no offload) or more bytes, got {budget}")
+        check_int("host_budget_bytes", self.host_budget_bytes, 0, INT64_MAX, "0: no offload")
 
     @property
     def profile_name(self) -> str:
@@ -330,7 +328,7 @@ def _repair(
                 break
         else:
             overshoots = min(overshoots, cap)
-        if np.isfinite(fits) and np.isfinite(overshoots):
+        if fits > -np.inf and overshoots < np.inf:  # Python ints beyond int64 compare too
             if overshoots - fits < 1e-4 * budget:
                 break
             proposal = cap + step
@@ -424,7 +422,12 @@ class Solver:
         options: SolveOptions | None = None,
         estimator: Estimator | None = None,
     ) -> None:
-        options = options or SolveOptions()
+        options = SolveOptions() if options is None else options
+        if not isinstance(options, SolveOptions):
+            raise TypeError(
+                f"options must be a SolveOptions (e.g. SolveOptions(method='greedy')), "
+                f"got {options!r}"
+            )
         self.graph, self.options = graph, options
         if options.method == "exact":
             size = len(set(rules_of(graph).keys.values()))
@@ -465,7 +468,8 @@ class Solver:
         lowest peak, then the first choice (reshard after forward, FSDP's default). Raises
         WorkbenchError below `floor_bytes`."""
         start = time.perf_counter()
-        budget, floor = int(budget_bytes), self.floor_bytes
+        budget = check_int("budget_bytes", budget_bytes, 1, INT64_MAX, "int64")
+        floor = self.floor_bytes
         if budget < floor:
             raise WorkbenchError(
                 f"budget {budget} bytes ({budget / GIB:.4g} GiB) is below what full recompute "

@@ -21,7 +21,13 @@ from workbench.capture.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
 from workbench.capture.models.llama3 import LLAMA3_FLAVORS, Llama3
 from workbench.capture.models.torchtitan import PREFIX as TORCHTITAN_PREFIX
 from workbench.capture.models.torchtitan import load_torchtitan
-from workbench.capture.workload import LossFn, Workload, token_cross_entropy, token_workload
+from workbench.capture.workload import (
+    MAX_LAYERS,
+    LossFn,
+    Workload,
+    token_cross_entropy,
+    token_workload,
+)
 from workbench.errors import WorkbenchError, describe
 
 __all__ = [
@@ -73,7 +79,6 @@ def is_user_factory(spec: str) -> bool:
 
 
 # Far above any real model, far below what would build for minutes or overflow int64 sizes.
-MAX_LAYERS = 1024
 MAX_DIM = 2**31 - 1
 MAX_TOKENS = 2**40
 

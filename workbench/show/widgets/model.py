@@ -24,7 +24,8 @@ from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
-from workbench.errors import WorkbenchError
+from workbench.decide.presets import PRESETS
+from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import Elements, View, render_view, svg_id
 from workbench.show.viz.arrange import PANEL_ASPECT, panel_aspect
@@ -147,6 +148,10 @@ class ExplorerModel:
         infos = [i for i in self.graph.nodes.values() if decidable(i)]
         self.modules = sorted({layer_pattern(i.module) for i in infos})
         self.ops = sorted({i.op for i in infos})
+        if not isinstance(policy, Policy | str):
+            raise TypeError(
+                f"policy must be a preset name ({', '.join(PRESETS)}) or a Policy, got {policy!r}"
+            )
         start = Policy(policy) if isinstance(policy, str) else policy
         recovered, note = self.autosave.recover(self.graph, start)
         self.edits = Edits(recovered)
@@ -301,6 +306,8 @@ class ExplorerModel:
     def search(self, query: str) -> str:
         """Open the view holding the first forward op whose name, op or module contains
         `query` and select it; the same query again moves to the next match."""
+        if not isinstance(query, str):
+            raise TypeError(f"search: query must be text, got {query!r}")
         text = query.strip().lower()
         if not text:
             raise WorkbenchError("type part of a node name (mm_4), an op (mm) or a module (wo)")
@@ -442,10 +449,7 @@ class ExplorerModel:
 
     def set_host_budget(self, budget_bytes: int) -> None:
         """The host bytes Suggest and Sweep may offload to (0: they do not offload)."""
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise WorkbenchError(
-                f"host budget must be 0 (no offload) or more bytes, got {budget_bytes!r}"
-            )
+        check_int("host budget", budget_bytes, 0, INT64_MAX, "bytes; 0: no offload")
         self.suggest_host_budget_bytes = budget_bytes
         self.message = (
             f"Suggest and Sweep may offload up to {format_bytes(budget_bytes)} to host memory"

@@ -22,7 +22,7 @@ from workbench.capture.graph import JointGraph
 from workbench.decide.decider import restrict
 from workbench.decide.policy import MAX_POLICY_FILE_BYTES, Policy
 from workbench.errors import WorkbenchError
-from workbench.files import write_file
+from workbench.files import MAX_MARKED_BYTES, file_stem, read_file, write_file
 from workbench.interop.export import FORMATS, export
 from workbench.show.viz import pareto_front
 from workbench.units import format_bytes, format_seconds
@@ -155,7 +155,7 @@ def _claim(path: Path, suffix: str, data: bytes) -> Path:
         if os.path.lexists(candidate):
             continue
         try:
-            return write_file(candidate, data)
+            return write_file(candidate, data, only_new=True, mark=False)
         except WorkbenchError:
             if not os.path.lexists(candidate):
                 raise
@@ -181,7 +181,14 @@ class Autosave:
     """
 
     def __init__(self, path: str | os.PathLike[str], legacy: Path | None = None) -> None:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"autosave must be a file path (str or os.PathLike), got {path!r}")
         self.path = Path(path)
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            raise WorkbenchError(
+                f"autosave {str(self.path)!r} is not a regular file (a folder, device or pipe): "
+                "name a .json file"
+            )
         self.legacy = legacy  # an earlier version's file for the same model (`legacy_autosave`)
         self._last: bytes | None = None  # what this session last read or wrote there
 
@@ -194,21 +201,20 @@ class Autosave:
         return cls(default_autosave(graph), legacy_autosave(graph.model_name))
 
     def _read(self) -> bytes | None:
-        try:
-            return self.path.read_bytes()
-        except FileNotFoundError:
+        if not os.path.lexists(self.path):
             return None
+        return read_file(self.path, f"autosave {str(self.path)!r}", MAX_POLICY_FILE_BYTES)
 
     def recover(self, graph: JointGraph, start: Policy) -> tuple[Policy, str]:
         """The autosaved policy when there is one (what still applies to `graph`), else
         `start`; and the line that tells the user what happened."""
         try:
             data = self._read()
-        except OSError as err:
-            old, self.path = self.path, _relocated(self.path)
-            return start, (
-                f"cannot read {old.name} ({err.strerror}); it is left as it is and this "
-                f"explorer autosaves to {self.path.name}"
+        except WorkbenchError as err:
+            self.path = _relocated(self.path)
+            return (
+                start,
+                f"{err}; it is left as it is and this explorer autosaves to {self.path.name}",
             )
         if data is None:
             return self._migrate(graph, start)
@@ -250,10 +256,10 @@ class Autosave:
                 f"graph; started from {start.preset!r}, autosaving to {self.path.name}"
             )
         try:
-            write_file(self.path, data)
+            write_file(self.path, data, only_new=True)
         except WorkbenchError:
             return start, ""  # this graph's file appeared meanwhile: `save` moves aside
-        self._last = data
+        self._last = self._read()  # as written: with the workbench's mark
         if _read_bytes(legacy) == data:
             legacy.unlink(missing_ok=True)
         return policy, f"restored {older}; it is now this graph's autosave, {self.path.name}"
@@ -325,7 +331,7 @@ def default_autosave(graph: JointGraph) -> Path:
 
 def legacy_autosave(model_name: str) -> Path:
     """Where earlier versions autosaved every graph of a model: `MODEL.policy.json`."""
-    return _autosave_folder() / f"{model_name}.policy.json"
+    return _autosave_folder() / f"{file_stem(model_name)}.policy.json"
 
 
 # File name endings of each export format: code is `.py`, torchtitan's options are command
@@ -341,9 +347,8 @@ EXPORT_NAMES = {
 def _read_bytes(path: Path, limit: int = -1) -> bytes | None:
     """The file's bytes (at most `limit`), or None when it cannot be read."""
     try:
-        with path.open("rb") as handle:
-            return handle.read(limit)
-    except OSError:
+        return read_file(path, repr(str(path)), MAX_MARKED_BYTES if limit < 0 else limit)
+    except WorkbenchError:
         return None
 
 
@@ -356,12 +361,12 @@ class Exports:
     """
 
     def __init__(self, model_name: str, folder: Path, fmt: str = "policy_fn") -> None:
-        self.model_name = model_name
+        self.model_name = file_stem(model_name)
         self.format = _checked_format(fmt)
-        self.path = folder / (model_name + EXPORT_NAMES[fmt])
+        self.path = folder / (self.model_name + EXPORT_NAMES[fmt])
         self.code = ""
         self.refusal = ""  # why the format cannot say the policy ("" when it can)
-        self._written: dict[Path, str] = {}
+        self._written: dict[Path, bytes | None] = {}
         # file -> times this session saved it, the time of the last save and of the one before
         self._saves: dict[Path, tuple[int, str, str]] = {}
 
@@ -410,13 +415,13 @@ class Exports:
         if target.is_dir():
             raise WorkbenchError(f"{str(target)!r} is a folder: name a file to export to")
         ours = self._written.get(target)
-        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours.encode()):
+        if os.path.lexists(target) and (ours is None or _read_bytes(target) != ours):
             raise WorkbenchError(
                 f"{str(target)!r} exists and was not written by this explorer (or was edited "
                 "since): choose another export path"
             )
         write_file(target, self.code, overwrite=os.path.lexists(target))
-        self._written[target] = self.code
+        self._written[target] = _read_bytes(target)  # as written: with the workbench's mark
         count, before, _ = self._saves.get(target, (0, "", ""))
         self._saves[target] = (count + 1, time.strftime("%H:%M:%S"), before)
         self.path = target

@@ -16,6 +16,7 @@ from workbench.decide.decider import decide, layer_key, node_keys, rules_of
 from workbench.decide.facts import MIN_OFFLOAD_BYTES
 from workbench.decide.offloadable import OffloadOptions, Refusal
 from workbench.decide.policy import Action, Policy
+from workbench.errors import INT64_MAX, check_int
 from workbench.search.solve import SOLVER_DEFER_LAYERS, SolveOptions, solve
 from workbench.units import format_bytes, format_flops, format_seconds
 
@@ -154,7 +155,11 @@ def suggestion(
         host_budget_bytes=host_budget_bytes,
         budget_kind=budget_kind,
     )
-    solution = solve(graph, int(budget_bytes), options, estimator=estimator)
+    given: object = budget_bytes
+    if isinstance(given, float) and given.is_integer():  # a slider's number
+        given = int(given)
+    budget = check_int("Suggest's budget_bytes", given, 1, INT64_MAX, "int64")
+    solution = solve(graph, budget, options, estimator=estimator)
     rebase = rebased(graph, solution.policy, current)
     own = len(solution.policy.overrides) + len(solution.policy.selectors)
     if rebase is not None and len(rebase.overrides) <= 2 * own + 8:

@@ -1,0 +1,46 @@
+"""`make lab`'s set-up: torchtitan installed without its training-only requirements and
+without pip's red dependency ERROR (issue 27, item 13), the reason for triton said."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _install_lines(*variables: str) -> list[str]:
+    """The commands `make` would run to (re)install the venv, without running them."""
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-B", ".venv/.installed", *variables],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line for line in out.splitlines() if "pip install" in line or "echo" in line]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_torchtitan_is_installed_last_without_its_requirements() -> None:
+    """pip checks the requirements of what it installs unless --no-deps: torchtitan goes
+    last with --no-deps, after what its models import, so no install follows it."""
+    lines = _install_lines()
+    installs = [line for line in lines if "pip install" in line]
+    titan = next(line for line in installs if "torchtitan==" in line)
+    assert "install --no-deps torchtitan==" in titan
+    assert titan.rstrip("; \\&").endswith("torchtitan==0.3.0")
+    after = "".join(lines[lines.index(titan) :]).split("--no-deps torchtitan==0.3.0", 1)[1]
+    assert "pip install" not in after
+    assert "spmd_types" in titan and "triton" in titan  # its requirements, on the line before
+    assert "triton ~285 MB, imported by torchtitan even on CPU" in "\n".join(lines)
+    assert "without its training-only requirements" in "\n".join(lines)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_torchtitan_can_be_left_out() -> None:
+    lines = _install_lines("TORCHTITAN=")
+    assert "torchtitan and triton not installed" in "\n".join(lines)
