@@ -15,16 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from workbench.capture.graph import JointGraph
-from workbench.capture.models import Workload, load_workload
+from workbench.capture.models import Workload
 from workbench.capture.ops import layer_pattern
-from workbench.capture.trace import trace
 from workbench.cost.estimate import BudgetKind, Estimate, check_budget_kind
 from workbench.cost.pipelines import estimator_for
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable, decide, flip, next_action
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
-from workbench.decide.presets import PRESETS
 from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import Elements, View, render_view, svg_id
@@ -61,7 +59,9 @@ from workbench.show.widgets.session import (
     Exports,
     History,
     Point,
+    load_source,
     policy_label,
+    start_policy,
 )
 from workbench.show.widgets.suggest import suggestion
 from workbench.units import format_bytes
@@ -77,20 +77,6 @@ STATE: tuple[str, ...] = (
     "suggest_host_budget_bytes", "has_fsdp", "fsdp_reshard", "offload_text", "graph_aspect",
 )  # fmt: skip
 _WORDS = {"save": "saved", "recompute": "recomputed", "offload": "offloaded"}
-
-
-def load_source(source: JointGraph | Workload | str) -> tuple[JointGraph, Workload | None]:
-    """The graph to explore, and the workload when known (Run compares against eager)."""
-    if isinstance(source, JointGraph):
-        return source, None
-    if isinstance(source, str):
-        source = load_workload(source)
-    if isinstance(source, Workload):
-        return trace(source, mode="real"), source
-    raise WorkbenchError(
-        f"PolicyExplorer takes a JointGraph, a Workload or a model name, "
-        f"not {type(source).__name__}"
-    )
 
 
 class ExplorerModel:
@@ -148,11 +134,7 @@ class ExplorerModel:
         infos = [i for i in self.graph.nodes.values() if decidable(i)]
         self.modules = sorted({layer_pattern(i.module) for i in infos})
         self.ops = sorted({i.op for i in infos})
-        if not isinstance(policy, Policy | str):
-            raise TypeError(
-                f"policy must be a preset name ({', '.join(PRESETS)}) or a Policy, got {policy!r}"
-            )
-        start = Policy(policy) if isinstance(policy, str) else policy
+        start = start_policy(policy)
         recovered, note = self.autosave.recover(self.graph, start)
         self.edits = Edits(recovered)
         self._take_host_budget(recovered)

@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.trace import trace
 from workbench.decide.decider import restrict
 from workbench.decide.policy import MAX_POLICY_FILE_BYTES, Policy
+from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.files import MAX_MARKED_BYTES, file_stem, read_file, write_file
 from workbench.interop.export import FORMATS, export
@@ -37,7 +40,9 @@ __all__ = [
     "default_autosave",
     "graph_key",
     "legacy_autosave",
+    "load_source",
     "policy_label",
+    "start_policy",
 ]
 
 
@@ -432,3 +437,30 @@ def _checked_format(fmt: str) -> str:
     if fmt not in EXPORT_NAMES:
         raise WorkbenchError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     return fmt
+
+
+def load_source(source: JointGraph | Workload | str) -> tuple[JointGraph, Workload | None]:
+    """The graph to explore, and the workload when known (Run compares against eager)."""
+    if isinstance(source, JointGraph):
+        return source, None
+    if isinstance(source, str):
+        source = load_workload(source)
+    if isinstance(source, Workload):
+        return trace(source, mode="real"), source
+    raise WorkbenchError(
+        f"PolicyExplorer takes a JointGraph, a Workload or a model name, "
+        f"not {type(source).__name__}"
+    )
+
+
+def start_policy(policy: Policy | str) -> Policy:
+    """The policy an explorer opens with, from a preset name or a Policy.
+
+    >>> start_policy("eager").preset
+    'eager'
+    """
+    if not isinstance(policy, Policy | str):
+        raise TypeError(
+            f"policy must be a preset name ({', '.join(PRESETS)}) or a Policy, got {policy!r}"
+        )
+    return Policy(policy) if isinstance(policy, str) else policy
