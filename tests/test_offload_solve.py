@@ -66,7 +66,7 @@ def test_exposed_copy_time_is_a_cost(graph: JointGraph) -> None:
 
 
 def test_negative_host_budget_is_refused(graph: JointGraph) -> None:
-    with pytest.raises(WorkbenchError, match="host budget must be 0"):
+    with pytest.raises(WorkbenchError, match="host_budget_bytes must be a whole number from 0"):
         solve(graph, TIGHT, SolveOptions(host_budget_bytes=-1))
 
 

@@ -396,7 +396,7 @@ class Estimator:
         category = self._categories(flat, table)
         # graph inputs (parameters, batch) exist before the step starts: live from its first
         # step, not from the placeholder step that names them
-        born = np.where(np.isin(table.owner, self._held_forever), 0, table.born)
+        born = np.where(np.isin(table.owner, self._held_forever), 0, born)
         deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
         np.add.at(deltas, (category[device], born[device]), sizes[device])
         np.add.at(deltas, (category[device], freed[device] + 1), -sizes[device])
