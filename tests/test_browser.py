@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Page
+    from playwright.sync_api import Locator, Page
 
 from jupyter_lab import CHROMIUM, CHROMIUM_FLAGS, LabDidNotStart, explorer_lab
 
@@ -68,6 +68,17 @@ def two_explorers_lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     yield from _served(tmp_path, TWO_EXPLORERS)
 
 
+def _find(page: Page, scope: Locator, name: str) -> None:
+    """Bring op `name` into view as a user would when it lies outside the panel: Find it
+    (views keep labels legible, so a layer may be larger than the panel)."""
+    scope.locator(".sacwb-search").fill(name)
+    scope.locator(".sacwb-search").press("Enter")
+    page.wait_for_function(
+        "(name) => [...document.querySelectorAll('.sacwb-message')]"
+        ".some(m => m.innerText.startsWith(name + ' ('))", arg=name, timeout=60_000,
+    )  # fmt: skip
+
+
 def _spread(page: Page, plot: int) -> float:
     """Horizontal spread in pixels of the estimated points of the history plot `plot`."""
     xs = page.evaluate(
@@ -116,6 +127,7 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             page.screenshot(path=str(SHOTS / "explorer-layer.png"))
 
             # 2. flip an op
+            _find(page, page.locator(".sacwb"), "mm_4")
             page.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-message').innerText"
@@ -184,7 +196,9 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
                 timeout=60_000,
             )
             saved = root / "llama3-debug_sac_torchtitan.sh"
-            assert saved.read_text().startswith("# torchtitan graph_trainer options")
+            mark, options = saved.read_text().split("\n", 1)  # the workbench's mark first
+            assert "sac-workbench-mark:" in mark
+            assert options.startswith("# torchtitan graph_trainer options")
             wrap = page.eval_on_selector(".sacwb-code", "c => getComputedStyle(c).whiteSpace")
             assert wrap == "pre"  # scrolls sideways, never breaks a line mid-word
             side = page.eval_on_selector(".sacwb-side", "s => s.getBoundingClientRect().width")
@@ -240,6 +254,7 @@ def test_offload_host_row_then_a_per_rank_explorer_and_a_busy_suggest(
                 timeout=60_000,
             )
             for said in ("recomputed in every", "offloaded in every"):
+                _find(page, main, "mm_4")
                 main.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
                 page.wait_for_function(
                     "document.querySelector('.sacwb-message').innerText"
