@@ -1332,3 +1332,29 @@ def test_a_pass_failing_inside_graph_trainer_is_named(
         "graph trainer's selective_activation_remat_pass failed: Activation checkpoint "
         "rematerialization does not support RNG ops$",
     )
+
+
+# `--ep-overlap`: graph trainer's EP-overlap passes run only in its pipeline (refused before
+# tracing otherwise) and only on a graph with EP all-to-alls.
+def test_ep_overlap_without_graph_trainers_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["estimate", *PASSES_ARGV, "--ep-overlap"],
+        "--ep-overlap runs graph trainer's EP-overlap passes, which --passes workbench does "
+        "not run: add --passes graph-trainer$",
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None, reason="torchtitan not installed"
+)
+@pytest.mark.parametrize("command", ["activations", "estimate"])
+def test_ep_overlap_on_a_graph_without_expert_parallelism(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    fails(
+        capsys,
+        [command, *PASSES_ARGV, "--passes", "graph-trainer", "--ep-overlap"],
+        "EP overlap needs expert-parallel all-to-alls, and llama3-debug has none: trace an "
+        "MoE torchtitan model with --ep 2 or more$",
+    )

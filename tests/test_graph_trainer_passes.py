@@ -17,15 +17,20 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.titan_rank import _graph_trainer_context
 from workbench.capture.trace import trace
 from workbench.cli import main
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.pipelines import PipelineEstimator, estimator_for
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
+from workbench.errors import WorkbenchError
 from workbench.interop.titan import graph_trainer_log
 from workbench.rewrite.graph_trainer import (
     CLEANUP,
+    EP_NOT_REQUESTED,
+    EP_PASSES,
     PASSES,
     SKIPPED,
     cleanup,
@@ -266,7 +271,7 @@ def test_commands_estimate_graph_trainers_output(
     result = json.loads(capsys.readouterr().out)
     steps = {step["name"]: step["status"] for step in result["passes"]["passes"]}
     assert (
-        set(result["passes"]["skipped"]) == set(SKIPPED)
+        set(result["passes"]["skipped"]) == set(SKIPPED) | {name for _, name in EP_PASSES}
         and steps["apply_cpu_offload_pass"] == "ran"
     )
     policy = Policy.from_json(result["policy"])
@@ -294,3 +299,102 @@ def test_a_per_rank_graph_through_graph_trainers_pipeline(
     full = estimate_remat(cleaned, result.gm, estimator)
     assert estimator.estimate(Policy(preset)).totals() == full.totals()
     assert cleaned.collective_counts() == rank_debug.collective_counts()
+
+
+# --- graph trainer's EP-overlap passes (opt-in) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ep_rank() -> JointGraph:
+    workload = load_workload("torchtitan:deepseek_v3/debugmodel", **SHAPE)  # type: ignore[arg-type]
+    return trace(workload, "real", Parallel(fsdp=2, ep=2))
+
+
+def _a2a_groups(gm: fx.GraphModule) -> set[str]:
+    return {
+        str(n.args[3])
+        for n in gm.graph.nodes
+        if n.target is torch.ops._c10d_functional.all_to_all_single.default
+    }
+
+
+def test_ep_pass_order_is_graph_trainers() -> None:
+    """`EP_PASSES` sit where `compile_time_passes` appends them under `ep_overlap.enabled`:
+    after its remat pass, the last two after bucketing; each is its own function."""
+    spec = importlib.util.find_spec("torchtitan.experiments.graph_trainer.passes")
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).read_text()
+    body = source[source.index("def compile_time_passes") :]
+    body = body[: body.index("\ndef ")]
+    # its chunk passes are listed first, then appended after the remat pass
+    chunking = body[body.index('ep_overlap_chunk_strategy == "graph":\n') :]
+    assert chunking.index(EP_PASSES[0][1]) < chunking.index(f"{EP_PASSES[1][1]},")
+    order = ["selective_activation_remat_pass,", "passes.extend(ep_overlap_chunk_passes)"]
+    order += [f"{name}" for _, name in EP_PASSES[2:4]]
+    order += ["joint_transformer_block_bucketing_reordering_pass"]
+    order += [f"{name}" for _, name in EP_PASSES[4:]]
+    position = 0
+    for name in order:
+        position = body.index(name, position + 1)  # ValueError: out of its order
+    with _graph_trainer_context():  # its EP modules import torchtitan's trainer
+        for module, name in EP_PASSES:
+            module_path = f"torchtitan.experiments.graph_trainer.{module}"
+            assert callable(getattr(importlib.import_module(module_path), name))
+
+
+def test_ep_passes_are_listed_as_not_requested(ep_rank: JointGraph) -> None:
+    """Without the option the report names each EP pass, opt-in, and the graph is as before."""
+    result = run_pipeline(ep_rank, "titan-default")
+    names = [step.name for step in result.steps]
+    ep_steps = [step for step in result.steps[len(CLEANUP) + 3 :] if step.name not in SKIPPED]
+    assert [step.name for step in ep_steps] == [name for _, name in EP_PASSES]
+    assert all(step.status == "skipped" and step.why == EP_NOT_REQUESTED for step in ep_steps)
+    assert names.index("ep_overlap_schedule_pass") > names.index(
+        "joint_transformer_block_bucketing_reordering_pass"
+    )
+    assert _a2a_groups(result.gm) == {"0"}
+
+
+def test_ep_overlap_runs_graph_trainers_ep_passes(ep_rank: JointGraph) -> None:
+    """Its PG isolation moves every EP all-to-all off the group FSDP gathers on, onto a new
+    group of the same ranks (on the same mesh dimension); its chunking and schedule refuse the
+    static-shape trace, with its own error; the estimate runs on the result."""
+    result = run_pipeline(ep_rank, "titan-default", ep_overlap=True)
+    steps = {step.name: step for step in result.steps[len(CLEANUP) + 3 :]}
+    assert steps["isolate_ep_process_group_pass"].status == "ran"
+    (isolated,) = _a2a_groups(result.gm)
+    gathers = {
+        str(n.args[2])
+        for n in result.gm.graph.nodes
+        if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+    }
+    assert gathers == {"0"} and isolated != "0"
+    assert result.graph.mesh_dims[isolated] == result.graph.mesh_dims["0"]
+    for name in ("populate_chunk_dim_metadata_pass", "ep_overlap_chunk_pass"):
+        assert steps[name].status == "skipped"
+        assert "unbacked" in steps[name].why and "graph trainer: " in steps[name].why
+    assert "any chunked EP all-to-all regions" in steps["ep_overlap_schedule_pass"].why
+    assert steps["concretize_ep_chunk_symbolic_shapes_pass"].why.endswith("graph unchanged")
+    plain = run_pipeline(ep_rank, "titan-default")
+    full = estimate_remat(result.graph, result.gm)
+    assert full.peak_bytes == estimate_remat(plain.graph, plain.gm).peak_bytes > 0
+
+
+def test_ep_overlap_is_refused_without_ep_or_graph_trainer(ep_rank: JointGraph) -> None:
+    with pytest.raises(WorkbenchError, match=r"needs expert-parallel all-to-alls, and .* none"):
+        prepare(traced(MODELS[0]), "graph-trainer", ep_overlap=True)
+    with pytest.raises(WorkbenchError, match="the workbench pipeline does not run"):
+        prepare(ep_rank, "workbench", ep_overlap=True)
+    with pytest.raises(WorkbenchError, match="has none"):
+        run_pipeline(traced(MODELS[0]), "titan-default", ep_overlap=True)
+
+
+def test_estimate_ep_overlap_reports_each_ep_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    """`estimate --passes graph-trainer --ep-overlap` on an EP rank names each EP pass's fate."""
+    argv = ["estimate", "--model", "torchtitan:deepseek_v3/debugmodel", "--layers", "2"]
+    argv += ["--seq", "32", "--fsdp", "2", "--ep", "2", "--profile", "h100", "--json"]
+    assert main([*argv, "--passes", "graph-trainer", "--ep-overlap"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    steps = {step["name"]: step["status"] for step in result["passes"]["passes"][6:]}
+    assert steps["isolate_ep_process_group_pass"] == "ran" and result["peak_bytes"] > 0
+    assert "graph trainer: " in result["passes"]["skipped"]["ep_overlap_chunk_pass"]

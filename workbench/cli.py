@@ -121,6 +121,12 @@ def _add_passes_arg(parser: argparse.ArgumentParser) -> None:
         "workbench's offload pass; default) or graph-trainer (torchtitan graph trainer's "
         "compile-time passes in its order: cleanup, tagging, its offload and remat passes)",
     )
+    parser.add_argument(
+        "--ep-overlap",
+        action="store_true",
+        help="with --passes graph-trainer on an expert-parallel graph: also run graph "
+        "trainer's opt-in EP-overlap passes (each reported as ran or skipped, and why)",
+    )
 
 
 def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:

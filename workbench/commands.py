@@ -96,7 +96,7 @@ def _pipeline_json(args: argparse.Namespace, graph: JointGraph, policy: Policy) 
         return {"passes": {"pipeline": "workbench"}}
     from workbench.rewrite.graph_trainer import run_pipeline
 
-    return {"passes": run_pipeline(graph, policy).to_json()}
+    return {"passes": run_pipeline(graph, policy, ep_overlap=args.ep_overlap).to_json()}
 
 
 def _prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
@@ -105,7 +105,7 @@ def _prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
 
     check_passes(args)
     graph, seconds = _trace_from_args(args)
-    return prepare(graph, args.passes), seconds
+    return prepare(graph, args.passes, args.ep_overlap), seconds
 
 
 def cmd_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,7 +224,7 @@ def cmd_activations(args: argparse.Namespace) -> dict[str, Any]:
     policy = parse_policy(args.policy)
     check_passes(args)
     graph, _ = _trace_from_args(args)  # one rank's graph under --fsdp/--tp
-    graph = prepare(graph, args.passes)
+    graph = prepare(graph, args.passes, args.ep_overlap)
     rows = activation_rows(graph, policy)
     return {
         "model": graph.model_name,

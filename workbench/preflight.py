@@ -93,3 +93,8 @@ def check_passes(args: argparse.Namespace) -> None:
 
     with flag("--passes"):
         check_pipeline(args.passes)
+    if getattr(args, "ep_overlap", False) and args.passes != "graph-trainer":
+        raise WorkbenchError(
+            f"--ep-overlap runs graph trainer's EP-overlap passes, which --passes "
+            f"{args.passes} does not run: add --passes graph-trainer"
+        )

@@ -5,6 +5,7 @@ Entry points: `prepare(graph, passes) -> JointGraph` (the graph the workbench an
 traced for `workbench`, after graph trainer's cleanup for `graph-trainer`) and
 `run_pipeline(graph, policy) -> PipelineResult` (tagging, its offload pass, its remat pass and
 what follows, each pass named with what became of it: run, replaced or skipped, and why).
+Its expert-parallel overlap passes (`EP_PASSES`) are opt-in there as here (`ep_overlap=True`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ from workbench.rewrite.placement import REPLAYED_VIEW, is_offload_node
 __all__ = [
     "CLEANUP",
     "DEFER_0",
+    "EP_NOT_REQUESTED",
+    "EP_PASSES",
     "PASSES",
     "PIPELINES",
     "SKIPPED",
     "PassStep",
     "PipelineResult",
+    "check_ep_overlap",
     "check_pipeline",
     "cleanup",
     "graph_trainer_config",
@@ -50,6 +54,7 @@ PIPELINES = ("workbench", "graph-trainer")
 Pipeline = Literal["workbench", "graph-trainer"]
 _GT = "torchtitan.experiments.graph_trainer"
 MODULE_FQN = "module_fqn"  # where graph trainer's passes read a node's module path
+_A2A = "_c10d_functional.all_to_all_single.default"
 
 # Graph trainer's compile-time passes with its default config, in the order of its
 # `passes.compile_time_passes` (`include_inductor=False`) then `final_inductor_compile_passes`
@@ -69,6 +74,26 @@ PASSES: tuple[tuple[str, str], ...] = (
     ("inductor_passes", "annotate_flex_attention_for_regional_inductor_pass"),
     ("inductor_passes", "regional_inductor_pass"),
     ("cudagraph", "cudagraph_pass"),
+)
+# Graph trainer's EP-overlap passes (`compile.ep_overlap.enabled`, off by default), in the
+# order `compile_time_passes` runs them: after its remat pass, then (after bucketing) the last two.
+EP_PASSES: tuple[tuple[str, str], ...] = (
+    ("ep_chunk_pass", "populate_chunk_dim_metadata_pass"),
+    ("ep_chunk_pass", "ep_overlap_chunk_pass"),
+    ("ep_process_group_pass", "isolate_ep_process_group_pass"),
+    ("remove_noop_passes", "eliminate_dead_code_pass"),
+    ("ep_overlap_pass", "ep_overlap_schedule_pass"),
+    ("ep_pass_utils", "concretize_ep_chunk_symbolic_shapes_pass"),
+)
+EP_NOT_REQUESTED = (
+    "EP overlap not requested: opt-in in graph trainer (compile.ep_overlap.enabled), "
+    "here ep_overlap=True / --ep-overlap"
+)
+# Why graph trainer's chunking cannot run on the workbench's trace (its own error follows).
+_UNCHUNKED = (
+    "graph chunking needs the batch dimension traced as an unbacked size (graph trainer's "
+    "`prepare_ep_overlap_trace_inputs` marks it at trace time); the workbench traces static "
+    "shapes"
 )
 # Said where a policy asks for `defer_layers` 0, which graph trainer's pass runs as 1.
 DEFER_0 = (
@@ -218,9 +243,18 @@ def _copy(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def prepare(graph: JointGraph, passes: str = "workbench") -> JointGraph:
+def prepare(graph: JointGraph, passes: str = "workbench", ep_overlap: bool = False) -> JointGraph:
     """The graph the workbench analyses under a pass pipeline: `graph` itself for
-    `workbench`, `cleanup(graph)` for `graph-trainer` (whose tagging runs after cleanup)."""
+    `workbench`, `cleanup(graph)` for `graph-trainer` (whose tagging runs after cleanup).
+    `ep_overlap` (graph trainer's EP-overlap passes, `run_pipeline`) is refused with
+    `workbench` and on a graph without EP all-to-alls, before any pass runs."""
+    if ep_overlap:
+        if check_pipeline(passes) != "graph-trainer":
+            raise WorkbenchError(
+                f"EP overlap runs graph trainer's EP-overlap passes, which the {passes} "
+                "pipeline does not run: choose graph-trainer"
+            )
+        check_ep_overlap(graph)
     return graph if check_pipeline(passes) == "workbench" else cleanup(graph)
 
 
@@ -286,19 +320,27 @@ _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE
 
 
 def run_pipeline(
-    graph: JointGraph, policy: Policy | str | Decisions, offload: OffloadOptions | None = None
+    graph: JointGraph,
+    policy: Policy | str | Decisions,
+    offload: OffloadOptions | None = None,
+    *,
+    ep_overlap: bool = False,
 ) -> PipelineResult:
     """Graph trainer's compile-time passes (`PASSES`) in its order on `graph` for `policy`:
     cleanup (`cleanup`; skipped if `graph` is already a cleaned graph), memory-policy
     tagging (`_tag`), `apply_cpu_offload_pass` with the policy's prefetch and defer,
     `selective_activation_remat_pass`, then the passes that need a GPU or compile kernels,
-    skipped and named with why.
+    skipped and named with why. `ep_overlap` adds graph trainer's EP-overlap passes
+    (`EP_PASSES`, `_ep_passes`) where it runs them; without it they are listed as not requested.
 
     On entry: a traced graph or `cleanup`'s result. Returns a `PipelineResult` whose `gm`
     maps back to `result.graph` (estimate it with `estimate_remat(result.graph, result.gm)`);
     views graph trainer's offload pass replays on reloads are marked `REPLAYED_VIEW`. Raises
-    `WorkbenchError` naming the pass that failed inside graph trainer."""
+    `WorkbenchError` naming the pass that failed inside graph trainer, or for `ep_overlap`
+    on a graph without EP all-to-alls."""
     policy = Policy(policy) if isinstance(policy, str) else policy
+    if ep_overlap:
+        check_ep_overlap(graph)
     if offload is None:
         offload = policy.offload if isinstance(policy, Policy) else OffloadOptions()
     cleaned = cleanup(graph)
@@ -327,6 +369,88 @@ def run_pipeline(
     name = "selective_activation_remat_pass"
     gm = _run(name, _pass("selective_activation_remat", name), gm)
     steps.append(PassStep(name, "ran", nodes=len(gm.graph.nodes)))
-    for _, name in PASSES[len(CLEANUP) + 3 :]:
-        steps.append(PassStep(name, "skipped", SKIPPED[name]))
+    if ep_overlap:
+        gm, ep_steps, cleaned = _ep_passes(gm, cleaned)
+    else:
+        ep_steps = [PassStep(name, "skipped", EP_NOT_REQUESTED) for _, name in EP_PASSES]
+    bucketing, *final = PASSES[len(CLEANUP) + 3 :]
+    steps += [*ep_steps[:4], PassStep(bucketing[1], "skipped", SKIPPED[bucketing[1]])]
+    steps += ep_steps[4:]
+    steps += [PassStep(name, "skipped", SKIPPED[name]) for _, name in final]
     return PipelineResult(gm, cleaned, decisions, steps, retagged)
+
+
+def check_ep_overlap(graph: JointGraph) -> None:
+    """Graph trainer's EP-overlap passes need an expert-parallel graph: EP all-to-alls."""
+    if not any(_is_ep_all_to_all(node) for node in graph.gm.graph.nodes):
+        raise WorkbenchError(
+            f"EP overlap needs expert-parallel all-to-alls, and {graph.model_name} has none: "
+            "trace an MoE torchtitan model with --ep 2 or more"
+        )
+
+
+def _is_ep_all_to_all(node: fx.Node) -> bool:
+    return str(node.target) == _A2A and "EP" in (node.meta.get("custom") or {})
+
+
+def _ep_passes(
+    gm: fx.GraphModule, graph: JointGraph
+) -> tuple[fx.GraphModule, list[PassStep], JointGraph]:
+    """Graph trainer's EP-overlap passes (`EP_PASSES`) with its default `EpOverlapConfig`
+    (validated by its `validate_ep_overlap_config`), each called, in its order. Its graph
+    chunking raises on the workbench's static-shape trace, and its schedule pass then finds
+    no chunked regions: each is skipped with graph trainer's own error. Its PG isolation runs
+    on a fake world of the graph's size (it resolves and creates process groups); the group
+    it makes is added to the returned graph's `mesh_dims`, on the source group's dimension."""
+    from workbench.capture.parallel import fake_world
+    from workbench.capture.titan_rank import _graph_trainer_context
+
+    with _graph_trainer_context():  # its EP modules import its configs, which need it
+        from torchtitan.experiments.graph_trainer.configs import (
+            EpOverlapConfig,
+            validate_ep_overlap_config,
+        )
+
+        passes = [(name, _pass(module, name)) for module, name in EP_PASSES]
+    dim, _, pattern = validate_ep_overlap_config(EpOverlapConfig(enabled=True))
+    static = sum(1 for spec in graph.inputs if spec.kind in ("param", "buffer"))
+    kwargs: dict[str, dict[str, Any]] = {
+        "populate_chunk_dim_metadata_pass": {"mode": dim},
+        "ep_overlap_chunk_pass": {
+            "mode": dim,
+            "module_pattern": pattern,
+            "num_static_inputs": static,
+            "require_all_to_all": True,
+        },
+        "ep_overlap_schedule_pass": {"module_pattern": pattern, "require_all_to_all": True},
+    }
+    before = {node.name: node.args[3] for node in gm.graph.nodes if _is_ep_all_to_all(node)}
+    steps = []
+    for name, function in passes:
+        fn = functools.partial(function, **kwargs.get(name, {}))
+        try:
+            with _quiet():
+                if name == "isolate_ep_process_group_pass":
+                    with fake_world(graph.world_size):
+                        gm = fn(gm, None)
+                else:
+                    gm = fn(gm, None)
+        except Exception as err:  # graph trainer's own refusal on this graph: say it
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            cause = _UNCHUNKED if "chunk" in name or "schedule" in name else "it failed here"
+            steps.append(PassStep(name, "skipped", f"{cause}; graph trainer: {first}"))
+            continue
+        unchunked = name.startswith("concretize") and steps[1].status == "skipped"
+        note = "no chunk symbols to concretize (chunking skipped): graph unchanged"
+        steps.append(PassStep(name, "ran", note if unchunked else "", len(gm.graph.nodes)))
+    groups = {
+        str(before[node.name]): str(node.args[3])
+        for node in gm.graph.nodes
+        if node.name in before and node.args[3] != before[node.name]
+    }
+    if not groups:
+        return gm, steps, graph
+    mesh_dims = dict(graph.mesh_dims)
+    for source, isolated in groups.items():
+        mesh_dims[isolated] = mesh_dims.get(source, "ep")
+    return gm, steps, dataclasses.replace(graph, mesh_dims=mesh_dims)
