@@ -138,7 +138,9 @@ def test_titan_presets_through_graph_trainers_pipeline(spec: str, preset: str) -
     only on the CPU-forced random ops), offload and remat; the rest skipped, named."""
     cleaned = cleanup(traced(spec))
     result = run_pipeline(cleaned, Policy(preset, offload=GT_OFFLOAD))
-    status = {step.name: step.status for step in result.steps}
+    ep = [step for step in result.steps if step.why == EP_NOT_REQUESTED]  # opt-in
+    assert [step.name for step in ep] == [name for _, name in EP_PASSES]
+    status = {step.name: step.status for step in result.steps if step not in ep}
     assert list(status) == [name for _, name in PASSES]
     assert {n for n, s in status.items() if s == "skipped"} == set(SKIPPED)
     assert all(step.why for step in result.steps if step.status == "skipped")

@@ -93,7 +93,8 @@ EP_NOT_REQUESTED = (
 _UNCHUNKED = (
     "graph chunking needs the batch dimension traced as an unbacked size (graph trainer's "
     "`prepare_ep_overlap_trace_inputs` marks it at trace time); the workbench traces static "
-    "shapes"
+    "shapes (its tracer given its preparers fails in torch's make_fx on this rank: "
+    "AssertionError 'Expected Proxy' in `_set_unbacked_bindings`)"
 )
 # Said where a policy asks for `defer_layers` 0, which graph trainer's pass runs as 1.
 DEFER_0 = (
