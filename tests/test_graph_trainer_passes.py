@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
 from workbench.capture.parallel import Parallel
-from workbench.capture.titan_rank import _graph_trainer_context
+from workbench.capture.titan_rank import graph_trainer_imports
 from workbench.capture.trace import trace
 from workbench.cli import main
 from workbench.cost.estimate import Estimator, estimate_remat
@@ -338,7 +338,7 @@ def test_ep_pass_order_is_graph_trainers() -> None:
     position = 0
     for name in order:
         position = body.index(name, position + 1)  # ValueError: out of its order
-    with _graph_trainer_context():  # its EP modules import torchtitan's trainer
+    with graph_trainer_imports():  # its EP modules import torchtitan's trainer
         for module, name in EP_PASSES:
             module_path = f"torchtitan.experiments.graph_trainer.{module}"
             assert callable(getattr(importlib.import_module(module_path), name))

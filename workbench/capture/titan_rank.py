@@ -39,6 +39,7 @@ __all__ = [
     "GRAPH_TRAINER_FAMILIES",
     "bind_token_counts",
     "check_titan_parallel",
+    "graph_trainer_imports",
     "is_titan_workload",
     "trace_titan_rank",
 ]
@@ -115,7 +116,7 @@ def check_titan_parallel(workload: Workload, parallel: Parallel) -> None:
 
 
 @contextlib.contextmanager
-def _graph_trainer_context() -> Iterator[None]:
+def graph_trainer_imports() -> Iterator[None]:
     """Graph trainer's model packages import `torchtitan.trainer` (the training loop), which
     imports training-only packages (torchdata, tensorboard, tokenizers) that the workbench
     does not install; tracing never calls it. Without them, a placeholder `Trainer` stands in
@@ -274,7 +275,7 @@ def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> Join
     if mode == "real":
         check_fits_rank(workload, parallel)
     with (
-        _graph_trainer_context(),
+        graph_trainer_imports(),
         _spmd_backend("partial_dtensor"),
         fake_world(parallel.world_size),
         _cpu_parallel_dims(),

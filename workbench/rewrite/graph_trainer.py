@@ -404,9 +404,9 @@ def _ep_passes(
     on a fake world of the graph's size (it resolves and creates process groups); the group
     it makes is added to the returned graph's `mesh_dims`, on the source group's dimension."""
     from workbench.capture.parallel import fake_world
-    from workbench.capture.titan_rank import _graph_trainer_context
+    from workbench.capture.titan_rank import graph_trainer_imports
 
-    with _graph_trainer_context():  # its EP modules import its configs, which need it
+    with graph_trainer_imports():  # its EP modules import its configs, which need it
         from torchtitan.experiments.graph_trainer.configs import (
             EpOverlapConfig,
             validate_ep_overlap_config,
