@@ -20,7 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the browser test's JupyterLab recipe
 
-from jupyter_lab import CHROMIUM, CHROMIUM_FLAGS, LabDidNotStart, explorer_lab  # noqa: E402
+from jupyter_lab import (  # noqa: E402
+    CHROMIUM,
+    CHROMIUM_FLAGS,
+    LabDidNotStart,
+    explorer_lab,
+    open_notebook,
+)
 
 MAX_BYTES = 400_000  # keep the picture small enough for a README
 
@@ -49,12 +55,7 @@ def capture(url: str) -> bytes:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 2000})
-            page.goto(url)
-            page.wait_for_function(
-                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
-                "?.status === 'idle'", timeout=120_000,
-            )  # fmt: skip
+            page = open_notebook(browser, url, 1400, 2000)
             page.evaluate("window.jupyterapp.commands.execute('application:toggle-left-area')")
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             page.wait_for_selector(".sacwb-graph svg", timeout=180_000)

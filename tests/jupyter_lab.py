@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -34,6 +35,18 @@ EXPLORER_CELLS = [
     "explorer",
 ]
 START_SECONDS = 60
+
+
+def open_notebook(browser: Any, url: str, width: int, height: int) -> Any:
+    """A new page of `browser` (playwright's) at `url`, `width` x `height` pixels, once the
+    notebook's kernel is idle: the point where a test or a screenshot starts clicking."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.goto(url)
+    page.wait_for_function(
+        "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
+        "?.status === 'idle'", timeout=120_000,
+    )  # fmt: skip
+    return page
 
 
 class LabDidNotStart(RuntimeError):

@@ -15,7 +15,7 @@ import pytest
 if TYPE_CHECKING:
     from playwright.sync_api import Locator, Page
 
-from jupyter_lab import CHROMIUM, CHROMIUM_FLAGS, LabDidNotStart, explorer_lab
+from jupyter_lab import CHROMIUM, CHROMIUM_FLAGS, LabDidNotStart, explorer_lab, open_notebook
 
 from workbench.show.viz import svg_id
 
@@ -98,12 +98,7 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
     with sync_playwright() as pw:  # launch() gives chromium a fresh, temporary profile
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(url)
-            page.wait_for_function(
-                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
-                "?.status === 'idle'", timeout=120_000,
-            )  # fmt: skip
+            page = open_notebook(browser, url, 1500, 1100)
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             try:
                 page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
@@ -235,12 +230,7 @@ def test_offload_host_row_then_a_per_rank_explorer_and_a_busy_suggest(
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(url)
-            page.wait_for_function(
-                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
-                "?.status === 'idle'", timeout=120_000,
-            )  # fmt: skip
+            page = open_notebook(browser, url, 1500, 1100)
             _run_cells(page, "notebook:run-all-above", 2)  # the main explorer only
             page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
             main = page.locator(".sacwb").nth(0)
@@ -335,12 +325,7 @@ def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(url)
-            page.wait_for_function(
-                "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
-                "?.status === 'idle'", timeout=120_000,
-            )  # fmt: skip
+            page = open_notebook(browser, url, 1500, 1100)
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             page.wait_for_selector(".sacwb-graph svg", timeout=180_000)
             page.locator(".sacwb").scroll_into_view_if_needed()
