@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from workbench.capture.models import (
 )
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import LLAMA3_FLAVORS, apply_rope, rope_tables
+from workbench.capture.models.torchtitan import torchtitan_log
 from workbench.errors import WorkbenchError
 
 
@@ -154,3 +157,15 @@ def test_parse_dtype() -> None:
     assert parse_dtype("bfloat16") is torch.bfloat16
     assert parse_dtype(torch.float32) is torch.float32
     assert set(REFERENCE_MODELS) == set(model_names())
+
+
+def test_torchtitan_log_sets_the_root_level_only_while_it_runs() -> None:
+    """torchtitan logs through the root logger: its level and a handler hold inside the
+    block only, also when the block fails."""
+    root = logging.getLogger()
+    before, handlers = root.level, list(root.handlers)
+    handler = logging.NullHandler()
+    with pytest.raises(ValueError), torchtitan_log(logging.DEBUG, handler):
+        assert root.level == logging.DEBUG and handler in root.handlers
+        raise ValueError
+    assert root.level == before and root.handlers == handlers

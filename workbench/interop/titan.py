@@ -9,12 +9,10 @@ Its offload pass against the workbench's: `workbench.interop.titan_offload`.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import logging
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.models.torchtitan import torchtitan_log
 from workbench.decide.decider import decidable, decide
 from workbench.decide.policy import Policy
 from workbench.decide.presets import (
@@ -53,7 +52,6 @@ __all__ = [
     "graph_trainer_log",
     "graph_trainer_registry",
     "graph_trainer_tags",
-    "torchtitan_log",
 ]
 
 # Graph trainer's memory policies the harness runs (for `sac_and_offload` its tagging here;
@@ -127,23 +125,6 @@ def _tagged_copy(
     with torchtitan_log(logging.WARNING):  # its per-layer summary is for training logs
         registry[memory_policy](gm, config=_config(memory_policy, fsdp_reshard))
     return gm
-
-
-@contextlib.contextmanager
-def torchtitan_log(level: int, handler: logging.Handler | None = None) -> Iterator[None]:
-    """torchtitan logs through the root logger: `level` there (and `handler` added) while
-    the block runs."""
-    logger = logging.getLogger()
-    previous = logger.level
-    logger.setLevel(level)
-    if handler is not None:
-        logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-        if handler is not None:
-            logger.removeHandler(handler)
 
 
 def graph_trainer_tags(

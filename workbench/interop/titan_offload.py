@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.models.torchtitan import torchtitan_log
 from workbench.decide.decider import decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -23,7 +24,6 @@ from workbench.interop.titan import (
     MODULE_FQN,
     Difference,
     graph_trainer_registry,
-    torchtitan_log,
 )
 from workbench.rewrite.offload import offload_pass
 from workbench.rewrite.placement import OFFLOAD_META, REPLAYED_VIEW, is_offload_node

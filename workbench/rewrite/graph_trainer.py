@@ -16,8 +16,7 @@ import importlib
 import logging
 import types
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +24,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph, describe_nodes
+from workbench.capture.models.torchtitan import torchtitan_log
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -171,22 +171,10 @@ def _pass(module: str, name: str) -> Callable[..., Any]:
         ) from None
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """torchtitan logs its passes' summaries through the root logger: warnings only here."""
-    logger = logging.getLogger()
-    previous = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-
-
 def _run(name: str, fn: Callable[..., Any], gm: fx.GraphModule) -> fx.GraphModule:
     """One of graph trainer's passes; its failure as a one-line error naming it."""
     try:
-        with _quiet():
+        with torchtitan_log(logging.WARNING):  # its passes log summaries
             out = fn(gm, None)
     except Exception as err:  # any failure inside graph trainer: say which pass
         first = (str(err).splitlines() or [type(err).__name__])[0]
@@ -430,7 +418,7 @@ def _ep_passes(
     for name, function in passes:
         fn = functools.partial(function, **kwargs.get(name, {}))
         try:
-            with _quiet():
+            with torchtitan_log(logging.WARNING):  # its passes log summaries
                 if name == "isolate_ep_process_group_pass":
                     with fake_world(graph.world_size):
                         gm = fn(gm, None)

@@ -6,10 +6,13 @@ Entry point: `load_torchtitan(spec, layers=, seq=, batch=, dtype=, device=, seed
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
+import logging
 import pkgutil
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +32,7 @@ __all__ = [
     "flavors",
     "load_torchtitan",
     "parse_spec",
+    "torchtitan_log",
 ]
 
 PREFIX = "torchtitan:"
@@ -241,3 +245,20 @@ def _use_graph_trainer_backend() -> None:
     from torchtitan.distributed import utils as dist_utils
 
     dist_utils.set_spmd_backend("partial_dtensor")
+
+
+@contextlib.contextmanager
+def torchtitan_log(level: int, handler: logging.Handler | None = None) -> Iterator[None]:
+    """torchtitan logs through the root logger: `level` there (and `handler` added) while
+    the block runs."""
+    logger = logging.getLogger()
+    previous = logger.level
+    logger.setLevel(level)
+    if handler is not None:
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+        if handler is not None:
+            logger.removeHandler(handler)
