@@ -902,6 +902,8 @@ def _explorer_model(graph: Any, tmp_path: Path, **kwargs: Any) -> Any:
         ({"autosave": 3}, TypeError, "autosave must be a file path"),
         ({"autosave": "/dev/zero"}, WorkbenchError, "is not a regular file"),
         ({"autosave": b"a.json"}, TypeError, "autosave must be a file path"),
+        ({"passes": "inductor"}, WorkbenchError, "unknown pass pipeline 'inductor'"),
+        ({"budget_kind": "free"}, WorkbenchError, "unknown budget kind 'free'"),
     ],
     ids=[
         "preset int",
@@ -910,6 +912,8 @@ def _explorer_model(graph: Any, tmp_path: Path, **kwargs: Any) -> Any:
         "autosave int",
         "autosave device",
         "autosave bytes",
+        "passes unknown",
+        "budget kind unknown",
     ],  # fmt: skip
 )
 def test_explorer_arguments(
