@@ -130,12 +130,12 @@ def test_apply_eager_sac_works_in_place_and_only_once(
     keys = list(model.state_dict())
     assert apply_eager_sac(model, Policy("default")) is model
     assert list(model.state_dict()) == keys
-    assert all("forward" in vars(block) for block in model.layers)
+    assert all("forward" in vars(block) for block in model.layers.values())
     with pytest.raises(WorkbenchError, match="already wrapped in eager SAC"):
         apply_eager_sac(model, Policy("full"))
     untouched = copy.deepcopy(workload.model)
     assert apply_eager_sac(untouched, Policy("none")) is untouched
-    assert not any("forward" in vars(block) for block in untouched.layers)
+    assert not any("forward" in vars(block) for block in untouched.layers.values())
 
 
 def test_apply_eager_sac_needs_a_container_of_blocks(
@@ -155,7 +155,9 @@ def test_apply_eager_sac_to_submodules_is_bitwise_equal_and_counts_per_region(
     workload, graph = small_graphs["llama3-debug"]
     reference = eager_step(workload)
     model = apply_eager_sac_to(copy.deepcopy(workload.model), Policy("eager"), SUBMODULES)
-    assert all("forward" in vars(b.attention) and "forward" not in vars(b) for b in model.layers)
+    assert all(
+        "forward" in vars(b.attention) and "forward" not in vars(b) for b in model.layers.values()
+    )
     sac = eager_step(Workload(model, workload.inputs, workload.target, workload.loss_fn))
     assert all(torch.equal(a, b) for a, b in zip(reference, sac, strict=True))
     chosen = eager_decisions(workload, Policy("eager"), regions=SUBMODULES)

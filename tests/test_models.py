@@ -70,7 +70,7 @@ def test_bfloat16_build() -> None:
 
 def test_dsv3_has_dense_first_layer_and_moe_after() -> None:
     workload = load_workload("dsv3-debug")
-    layers = workload.model.layers
+    layers = list(workload.model.layers.values())
     assert not isinstance(layers[0].feed_forward, MoE)
     assert all(isinstance(layer.feed_forward, MoE) for layer in layers[1:])
     logits = workload.model(*workload.inputs)
@@ -80,7 +80,7 @@ def test_dsv3_has_dense_first_layer_and_moe_after() -> None:
 def test_moe_matches_per_token_reference() -> None:
     """Grouped routed experts equal a plain loop over tokens and their top-k experts."""
     workload = load_workload("dsv3-debug", layers=2)
-    moe = workload.model.layers[1].feed_forward
+    moe = workload.model.layers["1"].feed_forward
     x = torch.randn(1, 6, 256)
     out = moe(x)
     tokens = x.reshape(-1, 256)

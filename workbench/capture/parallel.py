@@ -210,15 +210,17 @@ def reference_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
     replicated over TP: they get the whole sequence and hand back their sequence shard."""
     if not isinstance(model, Llama3):
         return None
-    plan: dict[str, ParallelStyle] = {
+    ends: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
         ),
     }
-    for i, layer in enumerate(model.layers):
-        p = f"layers.{i}"
+    # a pipeline stage holds some of them (`workbench.capture.stages`)
+    plan = {name: style for name, style in ends.items() if getattr(model, name) is not None}
+    for key, layer in model.layers.items():
+        p = f"layers.{key}"
         plan[f"{p}.attention_norm"] = SequenceParallel()
         plan[f"{p}.attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)

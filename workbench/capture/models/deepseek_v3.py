@@ -135,5 +135,5 @@ class DeepSeekV3(Llama3):
     def __init__(self, config: DeepSeekV3Config, seq_len: int) -> None:
         super().__init__(config.block_config(), seq_len)
         self.moe_config = config
-        for layer in self.layers[config.n_dense_layers :]:
+        for layer in list(self.layers.values())[config.n_dense_layers :]:
             layer.feed_forward = MoE(config)

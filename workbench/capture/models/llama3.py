@@ -128,16 +128,24 @@ class TransformerBlock(nn.Module):
 
 
 class Llama3(nn.Module):
-    """Token ids (bs, seq) -> logits (bs, seq, vocab)."""
+    """Token ids (bs, seq) -> logits (bs, seq, vocab). A pipeline stage
+    (`workbench.capture.stages`) drops the modules other stages hold, as torchtitan's split
+    does: without `tok_embeddings` it takes hidden states, without `output` it returns them."""
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    tok_embeddings: nn.Embedding | None
+    norm: nn.RMSNorm | None
+    output: nn.Linear | None
 
     def __init__(self, config: Llama3Config, seq_len: int) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        # keyed by layer index, as torchtitan's: a pipeline stage keeps its layers' names
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.n_layers)}
+        )
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -149,7 +157,9 @@ class Llama3(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
