@@ -1,11 +1,14 @@
 """Trace one training step (forward + loss + backward) into a single FX graph.
 
 Entry point: `trace(workload, mode="real"|"fake", parallel=None) -> JointGraph`. Parameters
-and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`.
+and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`. Reference models
+traced in fake mode trace three layers and stamp the rest (`workbench.capture.stamp`).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +16,7 @@ import torch
 from torch.fx.traceback import annotate
 
 from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
+from workbench.capture.stamp import TEMPLATE_LAYERS, keep_layers, trace_layers
 from workbench.capture.tracing import (
     Mode,
     backward_without_stack_traces,
@@ -27,7 +31,9 @@ if TYPE_CHECKING:
     from workbench.capture.parallel import Parallel
 
 
-def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = None) -> JointGraph:
+def trace(
+    workload: Workload, mode: Mode = "real", parallel: Parallel | None = None, stamp: bool = True
+) -> JointGraph:
     """Trace `workload`'s train step.
 
     Tracing always runs on fake tensors, so data-dependent control flow fails the same
@@ -35,7 +41,10 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
     `fake` keeps none (a model built on the meta device is traced as if on the CPU).
     With `parallel`, the graph is one rank's step of the sharded model
     (`workbench.capture.parallel.trace_rank`; for torchtitan models graph trainer's own
-    `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`).
+    `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`). A reference model
+    (Llama3, DeepSeek-V3) in fake mode with more than three layers traces three and stamps
+    the others, node for node the full trace (`workbench.capture.stamp.trace_layers`;
+    `config["stamped"]` counts them); `stamp=False` traces every layer.
     """
     if not isinstance(workload, Workload):
         raise TypeError(
@@ -44,6 +53,15 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         )
     if mode not in ("real", "fake"):
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
+    layers = _reference_layers(workload)
+    if stamp and mode == "fake" and len(layers) > TEMPLATE_LAYERS:
+        return trace_layers(
+            functools.partial(keep_layers, workload),
+            layers,
+            mode,
+            parallel,
+            trace_fn=functools.partial(trace, stamp=False),
+        )
     if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
         from workbench.capture.parallel import Parallel, trace_rank
         from workbench.capture.titan_rank import is_titan_workload, trace_titan_rank
@@ -83,6 +101,15 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         ("target", "target"),
     ]
     return trace_step(workload, step, real, kinds, mode)
+
+
+def _reference_layers(workload: Workload) -> list[int]:
+    """The layer ids of a reference model (Llama3, DeepSeek-V3), whose identical blocks are
+    stamped; none for other models. Without the zoo imported, no model is one of them."""
+    llama3 = sys.modules.get("workbench.capture.models.llama3")
+    if llama3 is None or not isinstance(workload.model, llama3.Llama3):
+        return []
+    return [int(key) for key in workload.model.layers]
 
 
 def timed_trace(

@@ -55,6 +55,8 @@ REFERENCE_MODELS: dict[str, tuple[Callable[..., nn.Module], Any, Shape]] = {
     "llama3-1b": (Llama3, LLAMA3_FLAVORS["1B"], Shape(batch=2, seq=2048)),
     "llama3-3b": (Llama3, LLAMA3_FLAVORS["3B"], Shape(batch=1, seq=8192)),
     "llama3-8b": (Llama3, LLAMA3_FLAVORS["8B"], Shape(batch=1, seq=8192)),
+    "llama3-70b": (Llama3, LLAMA3_FLAVORS["70B"], Shape(batch=1, seq=8192)),
+    "llama3-405b": (Llama3, LLAMA3_FLAVORS["405B"], Shape(batch=1, seq=8192)),
     "dsv3-debug": (DeepSeekV3, DSV3_FLAVORS["debugmodel"], Shape(batch=2, seq=128)),
 }
 

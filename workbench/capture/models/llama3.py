@@ -51,6 +51,13 @@ LLAMA3_FLAVORS: dict[str, Llama3Config] = {
     "8B": Llama3Config(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336
     ),
+    # torchtitan's ffn_dim_multiplier 1.3 / 1.2 with multiple_of 4096, resolved
+    "70B": Llama3Config(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidden=28672
+    ),
+    "405B": Llama3Config(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_hidden=53248
+    ),
 }
 
 

@@ -1,0 +1,537 @@
+"""Identical transformer blocks traced once and stamped: a 126-layer rank in seconds.
+
+Entry points: `trace_layers(build, layers, mode, parallel)` (trace three layers, stamp the
+rest; `workbench.capture.trace.trace` calls it for reference models in fake mode) and
+`stamp_graph(template, template_layers, layers)`, which turns a graph traced on three layers
+into the graph of any number of them, node for node what a full trace makes.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from workbench.capture.graph import InputSpec, JointGraph, describe_nodes
+from workbench.capture.ops import layer_of
+from workbench.capture.tracing import Mode
+from workbench.capture.workload import Workload
+from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    from workbench.capture.parallel import Parallel
+
+__all__ = ["TEMPLATE_LAYERS", "StampRefused", "keep_layers", "stamp_graph", "trace_layers"]
+
+# first layer, one middle layer (stamped), last layer: the fewest that show every neighbour
+TEMPLATE_LAYERS = 3
+TraceFn = Callable[[Workload, Mode, "Parallel | None"], JointGraph]
+
+
+class StampRefused(WorkbenchError):
+    """The template's layers are not copies of one another: trace every layer instead."""
+
+
+def trace_layers(
+    build: Callable[[list[int]], Workload],
+    layers: Sequence[int],
+    mode: Mode,
+    parallel: Parallel | None = None,
+    trace_fn: TraceFn | None = None,
+) -> JointGraph:
+    """The graph of `build(layers)`'s step, tracing `build(layers[:3])` and stamping its
+    middle layer for `layers[1:-1]` and its last for `layers[-1]` (fake mode, more than three
+    layers); else, or when the template's layers are not positionally identical, the full
+    trace (with a note saying why). `build(ids)` returns a workload whose model holds exactly
+    those layer ids; `trace_fn` traces one workload without stamping."""
+    if trace_fn is None:
+        from workbench.capture.trace import trace
+
+        def trace_fn(w: Workload, m: Mode, p: Parallel | None) -> JointGraph:
+            return trace(w, m, p, stamp=False)
+
+    ids = [int(i) for i in layers]
+    if mode != "fake" or len(ids) <= TEMPLATE_LAYERS:
+        return trace_fn(build(ids), mode, parallel)
+    full = build(ids)
+    template = trace_fn(build(ids[:TEMPLATE_LAYERS]), mode, parallel)
+    try:
+        graph = stamp_graph(template, ids[:TEMPLATE_LAYERS], ids)
+    except StampRefused as why:
+        graph = trace_fn(full, mode, parallel)
+        graph.notes.append(f"layers not stamped ({why}): all {len(ids)} traced")
+        return graph
+    expected = [name for name, _ in full.model.named_parameters()]
+    if graph.param_names != expected:
+        graph = trace_fn(full, mode, parallel)
+        graph.notes.append(
+            f"layers not stamped (the stamped parameters differ from {full.name!r}'s): "
+            f"all {len(ids)} traced"
+        )
+        return graph
+    graph.config = {**template.config, **full.config, "stamped": len(ids) - TEMPLATE_LAYERS}
+    return graph
+
+
+def stamp_graph(
+    template: JointGraph, template_layers: Sequence[int], layers: Sequence[int]
+) -> JointGraph:
+    """The graph of `layers` from a fake-mode graph traced on the three `template_layers`:
+    the first template layer becomes `layers[0]`, copies of the middle one `layers[1:-1]`,
+    the last one `layers[-1]`. Nodes come in the order and with the names, arguments,
+    module paths (renamed), seq_nr (shifted) and fresh fake values a full trace gives.
+    Raises `StampRefused` when the template's layers are not copies of one another."""
+    ids = [int(i) for i in template_layers]
+    layers = [int(i) for i in layers]
+    if len(ids) != TEMPLATE_LAYERS or len(layers) < TEMPLATE_LAYERS:
+        raise StampRefused(f"need {TEMPLATE_LAYERS} template layers and at least as many layers")
+    if template.mode != "fake":
+        raise StampRefused("real-mode graphs keep their example tensors: trace every layer")
+    cut = _segments(template, ids)
+    previous = _check_neighbours(cut, ids)
+    stamper = _Stamper(template, cut, previous, ids, layers)
+    graph = stamper.build()
+    with _use_lazy_graph_module(True):
+        gm = _make_graph_module(template.gm, graph)
+    inputs = [
+        InputSpec(new.name, spec.kind, _renamed(spec.fqn, unit.source, unit.target))
+        for new, spec, unit, _ in stamper.placeholders
+    ]
+    notes = [*template.notes]
+    if len(layers) > TEMPLATE_LAYERS:
+        notes.append(f"layers {layers[2]}-{layers[-2]} stamped from layer {ids[1]}")
+    return JointGraph(
+        gm=gm,
+        nodes=describe_nodes(gm),
+        inputs=inputs,
+        model_name=template.model_name,
+        mode=template.mode,
+        tokens=template.tokens,
+        config={**template.config, "stamped": len(layers) - TEMPLATE_LAYERS},
+        mesh_dims=dict(template.mesh_dims),
+        notes=notes,
+    )
+
+
+def keep_layers(workload: Workload, ids: Sequence[int]) -> Workload:
+    """`workload` with a model holding only the layers `ids` (keys of its `layers`
+    ModuleDict, shared, not copied: a meta model costs nothing): the builder `trace` gives
+    `trace_layers`. The whole model when `ids` are all its layers."""
+    model = workload.model
+    keys = [str(i) for i in ids]
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict) or any(k not in layers for k in keys):
+        held = list(layers) if isinstance(layers, nn.ModuleDict) else []
+        raise WorkbenchError(
+            f"model {workload.name!r} has no layers {keys} to keep (its layers ModuleDict "
+            f"holds {held[:3]}{' ...' if len(held) > 3 else ''})"
+        )
+    if keys == list(layers):
+        return workload
+    kept = copy.copy(model)
+    kept._modules = dict(model._modules)
+    kept.layers = nn.ModuleDict({k: layers[k] for k in keys})
+    part = copy.copy(workload)
+    part.model = kept
+    return part
+
+
+@dataclass
+class _Group:
+    """One place where the three template layers follow one another: their runs of
+    consecutive nodes, in graph order ascending (forward) or descending (backward)."""
+
+    runs: dict[int, list[fx.Node]]
+    ascending: bool
+
+
+@dataclass
+class _Cut:
+    """The template cut into each node's layer (None outside the layers) and the groups;
+    `position` places a layer node in its group (group index, index in its run)."""
+
+    layer: dict[fx.Node, int | None]
+    groups: list[_Group] = field(default_factory=list)
+    position: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)
+    at: dict[tuple[int, int, int], fx.Node] = field(default_factory=dict)  # (layer, *position)
+
+
+def _node_layers(template: JointGraph, ids: Sequence[int]) -> dict[fx.Node, int | None]:
+    """Each node's layer: its module's, a placeholder's parameter's, or (for a node outside
+    every module computed from one layer's parameters alone, a shard's view) theirs."""
+    fqn = {spec.placeholder: spec.fqn for spec in template.inputs}
+    layer: dict[fx.Node, int | None] = {}
+    derived: set[fx.Node] = set()
+    for node in template.gm.graph.nodes:
+        found: int | None = None
+        if node.op == "placeholder":
+            found = layer_of(fqn[node.name])
+        elif node.op != "output":
+            found = template.nodes[node.name].layer
+            inputs = node.all_input_nodes
+            if found is None and inputs:
+                owners = {layer[n] for n in inputs}
+                own = all(n.op == "placeholder" or n in derived for n in inputs)
+                if own and len(owners) == 1 and None not in owners:
+                    found = owners.pop()
+                    derived.add(node)
+        if found is not None and found not in ids:
+            raise StampRefused(f"node {node.name} belongs to layer {found}, not a template layer")
+        if found is not None and node.op == "get_attr":
+            raise StampRefused(f"layer {found} holds a constant ({node.name})")
+        layer[node] = found
+    return layer
+
+
+def _segments(template: JointGraph, ids: Sequence[int]) -> _Cut:
+    """Cut the template into runs and check that they come as the three layers in a row."""
+    cut = _Cut(layer=_node_layers(template, ids))
+    runs: list[tuple[int | None, list[fx.Node]]] = []
+    for node in template.gm.graph.nodes:
+        owner = cut.layer[node]
+        if runs and runs[-1][0] == owner:
+            runs[-1][1].append(node)
+        else:
+            runs.append((owner, [node]))
+    k = 0
+    while k < len(runs):
+        if runs[k][0] is None:
+            k += 1
+            continue
+        owners = [owner for owner, _ in runs[k : k + TEMPLATE_LAYERS]]
+        if owners not in (list(ids), list(reversed(ids))):
+            raise StampRefused(f"layers {owners} follow one another at node {runs[k][1][0].name}")
+        group = _Group(
+            runs={owner: nodes for owner, nodes in runs[k : k + TEMPLATE_LAYERS]},  # type: ignore[misc]
+            ascending=owners[0] == ids[0],
+        )
+        for owner, nodes in group.runs.items():
+            for p, node in enumerate(nodes):
+                cut.position[node] = (len(cut.groups), p)
+                cut.at[(owner, len(cut.groups), p)] = node
+        cut.groups.append(group)
+        k += TEMPLATE_LAYERS
+    return cut
+
+
+def _same_facts(a: fx.Node, b: fx.Node, why: str) -> None:
+    """The facts a stamp copies must agree between the middle and the last layer."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    for x, y in zip(_flat(va), _flat(vb), strict=False):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or (
+            isinstance(x, torch.Tensor)
+            and (x.shape != y.shape or x.stride() != y.stride() or x.dtype != y.dtype)
+        ):
+            raise StampRefused(f"{why} differ in the value of {a.name} and {b.name}")
+    for key in ("autograd_backward", "is_gradient_acc", "stack_trace"):
+        if a.meta.get(key) != b.meta.get(key):
+            raise StampRefused(f"{why} differ in {key} at {a.name} and {b.name}")
+
+
+def _references(node: fx.Node) -> tuple[Any, list[fx.Node]]:
+    """The node's arguments with each node replaced by None, and those nodes in order."""
+    found: list[fx.Node] = []
+
+    def note(n: fx.Node) -> None:
+        found.append(n)
+
+    shape = fx.node.map_arg((node.args, node.kwargs), note)  # type: ignore[arg-type,func-returns-value]
+    return shape, found
+
+
+def _check_neighbours(cut: _Cut, ids: Sequence[int]) -> dict[fx.Node, fx.Node]:
+    """The middle and the last template layer must be the same nodes position for
+    position: same targets, constant arguments and facts; their own nodes at the same
+    positions; shared nodes the same; the middle layer's reads of the first layer matched
+    by the last layer's reads of the middle one (returned: first-layer node -> middle-layer
+    node); the middle layer's reads of the last one where the last reads outside the layers.
+    Nothing outside the layers may read the middle layer, nor the first and last each other."""
+    first, middle, last = ids
+    previous: dict[fx.Node, fx.Node] = {}
+    why = f"layers {middle} and {last}"
+    for group in cut.groups:
+        a_nodes, b_nodes = group.runs[middle], group.runs[last]
+        if len(a_nodes) != len(b_nodes):
+            raise StampRefused(
+                f"{why} differ in length at {a_nodes[0].name} ({len(a_nodes)} vs "
+                f"{len(b_nodes)} nodes)"
+            )
+        for a, b in zip(a_nodes, b_nodes, strict=True):
+            if a.op != b.op or (a.op != "placeholder" and a.target != b.target):
+                raise StampRefused(f"{why} differ at {a.name} ({a.target} vs {b.target})")
+            _same_facts(a, b, why)
+            shape_a, refs_a = _references(a)
+            shape_b, refs_b = _references(b)
+            if shape_a != shape_b:
+                raise StampRefused(f"{why} differ in the arguments of {a.name} and {b.name}")
+            for x, y in zip(refs_a, refs_b, strict=True):
+                lx, ly = cut.layer[x], cut.layer[y]
+                if lx is None and x is y:
+                    continue
+                if lx == middle and ly == last and cut.position[x] == cut.position[y]:
+                    continue
+                if lx == first and ly == middle:
+                    if previous.setdefault(x, y) is not y:
+                        raise StampRefused(f"{why}: {x.name} of layer {first} is read twice")
+                    continue
+                if lx == last and ly is None:
+                    continue  # the next layer's node, where the last layer reads the model's end
+                raise StampRefused(f"{why}: {a.name} reads {x.name} where {b.name} reads {y.name}")
+    for node, owner in cut.layer.items():
+        if owner == middle or node.op == "output":
+            continue
+        for x in node.all_input_nodes:
+            if (owner is None and cut.layer[x] == middle) or {owner, cut.layer[x]} == {first, last}:
+                raise StampRefused(f"{node.name} reads {x.name} across the stamped layers")
+    return previous
+
+
+_LAYER_RE = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _renamed(text: str, old: int, new: int) -> str:
+    """`layers.{old}.x` -> `layers.{new}.x` (the first numbered component, as `layer_of`).
+
+    >>> _renamed("layers.1.attention.wq.weight", 1, 40), _renamed("norm.weight", 1, 40)
+    ('layers.40.attention.wq.weight', 'norm.weight')
+    """
+    if old == new or layer_of(text) != old:
+        return text
+    return _LAYER_RE.sub(str(new), text, count=1)
+
+
+def _flat(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class _Fresh:
+    """New fake tensors for one copy of a layer: the template's sizes, strides, offsets and
+    dtypes on new storages, shared where the template's are (views stay views of the copy's
+    own tensors); storages of nodes outside the copy are the new inputs' (`seed`)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[StorageWeakRef, Any] = {}
+        self.tensors: dict[int, torch.Tensor] = {}  # id(template tensor) -> its copy
+
+    def seed(self, old: Any, new: Any) -> None:
+        for o, n in zip(_flat(old), _flat(new), strict=False):
+            if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor):
+                self.storages.setdefault(StorageWeakRef(o.untyped_storage()), n.untyped_storage())
+                self.tensors.setdefault(id(o), n)
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(self(v) for v in value)
+        if not isinstance(value, FakeTensor):
+            return value
+        key = StorageWeakRef(value.untyped_storage())
+        storage = self.storages.get(key)
+        if storage is None:
+            nbytes = value.untyped_storage().nbytes()
+            storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+            self.storages[key] = storage
+        meta = torch.empty(0, dtype=value.dtype, device="meta").set_(
+            storage, value.storage_offset(), value.shape, value.stride()
+        )
+        clone = FakeTensor(value.fake_mode, meta, value.device)
+        self.tensors[id(value)] = clone
+        return clone
+
+    def mapped(self, value: Any) -> Any:
+        """`value` with each template tensor replaced by its copy (`eager_input_vals`)."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.mapped(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.mapped(v) for k, v in value.items()}
+        return self.tensors.get(id(value), value) if isinstance(value, torch.Tensor) else value
+
+
+@dataclass
+class _Copy:
+    """One stamped layer (or the nodes outside the layers): its template layer, its id,
+    its node map, seq_nr map and fake values."""
+
+    source: int
+    target: int
+    env: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    seq: dict[int, int] = field(default_factory=dict)
+    fresh: _Fresh = field(default_factory=_Fresh)
+
+
+class _Stamper:
+    """Builds the stamped graph node by node, in the order a full trace creates them, so
+    FX's namespace gives each node the full trace's name."""
+
+    def __init__(
+        self,
+        template: JointGraph,
+        cut: _Cut,
+        previous: dict[fx.Node, fx.Node],
+        ids: Sequence[int],
+        layers: Sequence[int],
+    ) -> None:
+        self.template, self.cut, self.previous, self.ids = template, cut, previous, ids
+        self.graph = fx.Graph()
+        self.root = _Copy(-1, -1)  # nodes outside the layers
+        self.shift = 0  # seq_nr numbers the stamped layers emitted so far took
+        self.placeholders: list[tuple[fx.Node, InputSpec, _Copy, fx.Node]] = []
+        self.specs = {spec.placeholder: spec for spec in template.inputs}
+        self.forward_seqs = {
+            n.meta.get("seq_nr")
+            for n in template.gm.graph.nodes
+            if not n.meta.get("autograd_backward")
+        }
+        first, middle, last = ids
+        n = len(layers)
+        sources = [first, *[middle] * (n - 2), last]
+        self.copies = [_Copy(s, t) for s, t in zip(sources, layers, strict=True)]
+
+    def _at(self, index: int, middle_node: fx.Node) -> fx.Node:
+        """Copy `index`'s node at `middle_node`'s place (the last copy: the last layer's)."""
+        unit = self.copies[index]
+        if unit.source == self.ids[2]:
+            middle_node = self.cut.at[(self.ids[2], *self.cut.position[middle_node])]
+        return unit.env[middle_node]
+
+    def _lookup(self, index: int, node: fx.Node) -> fx.Node:
+        """The new node copy `index` reads where its template layer reads `node`."""
+        owner = self.cut.layer[node]
+        unit = self.copies[index]
+        if owner is None:
+            return self.root.env[node]
+        if owner == unit.source:
+            return unit.env[node]
+        first, middle, last = self.ids
+        if owner == first and index == 1 or owner == middle and index == 0:
+            return self.copies[1 - index].env[node]
+        if owner == first:  # a copy of the middle layer reads the one before it
+            return self._at(index - 1, self.previous[node])
+        if owner == middle:  # the last layer reads the last copy
+            return self._at(index - 1, node)
+        twin = self.cut.at[(middle, *self.cut.position[node])]
+        return self._at(index + 1, twin)  # a middle layer reads the next one (backward)
+
+    def _outside(self, node: fx.Node) -> fx.Node:
+        """What a node outside the layers reads: the first layer is the first stamped one,
+        the last the last (the middle one is refused by `_check_neighbours`)."""
+        owner = self.cut.layer[node]
+        if owner is None:
+            return self.root.env[node]
+        return self.copies[0 if owner == self.ids[0] else -1].env[node]
+
+    def emit(self, index: int | None, node: fx.Node, shift: int) -> None:
+        """Append `node` as copy `index` makes it (outside the layers when None)."""
+        unit = self.root if index is None else self.copies[index]
+        if index is None:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._outside)
+        else:
+            args, kwargs = fx.node.map_arg(
+                (node.args, node.kwargs), lambda n: self._lookup(index, n)
+            )
+        target, name = node.target, None
+        if node.op == "placeholder":
+            target = f"arg{len(self.placeholders)}_1"
+        elif isinstance(target, torch._ops.OpOverload):  # as make_fx names an op's node
+            name = self.graph._target_to_str(target.overloadpacket.__name__)
+        new = self.graph.create_node(node.op, target, args, kwargs, name=name)
+        if node.op == "placeholder":
+            self.placeholders.append((new, self.specs[node.name], unit, node))
+        meta = dict(node.meta)
+        fresh = unit.fresh
+        for x, y in zip(node.all_input_nodes, new.all_input_nodes, strict=True):
+            fresh.seed(x.meta.get("val"), y.meta.get("val"))
+        meta["val"] = fresh(meta.get("val"))
+        if "eager_input_vals" in meta:
+            meta["eager_input_vals"] = fresh.mapped(meta["eager_input_vals"])
+        if unit.source != unit.target and isinstance(meta.get("custom"), dict):
+            custom = dict(meta["custom"])
+            if isinstance(custom.get("module"), str):
+                custom["module"] = _renamed(custom["module"], unit.source, unit.target)
+            meta["custom"] = custom
+        seq = meta.get("seq_nr")
+        if isinstance(seq, int):
+            if meta.get("autograd_backward") and seq in self.forward_seqs:
+                meta["seq_nr"] = unit.seq.get(seq, self.root.seq.get(seq, seq + shift))
+            elif meta.get("autograd_backward"):
+                meta["seq_nr"] = seq + shift
+            else:
+                meta["seq_nr"] = unit.seq[seq] = seq + shift
+        new.meta = meta
+        unit.env[node] = new
+
+    def build(self) -> fx.Graph:
+        starts: dict[fx.Node, _Group] = {}
+        for group in self.cut.groups:
+            starts[group.runs[self.ids[0 if group.ascending else 2]][0]] = group
+        output: fx.Node | None = None
+        for node in self.template.gm.graph.nodes:
+            if node.op == "output":
+                output = node
+            elif self.cut.layer[node] is None:
+                self.emit(None, node, self.shift)
+            elif node in starts:
+                self._emit_group(starts[node])
+        assert output is not None
+        self._emit_output(output)
+        return self.graph
+
+    def _emit_group(self, group: _Group) -> None:
+        """The three template runs as every stamped layer's run, in the template's order.
+        seq_nr the autograd counter handed out while a layer ran (in forward; in backward,
+        for autograd functions DTensor runs there) advance by the template's step from one
+        layer to the next, and those of a backward op are its forward op's."""
+        _, middle, last = self.ids
+        n = len(self.copies)
+        counted = [self._counted(group.runs[layer]) for layer in (middle, last)]
+        step = 0
+        if counted[0] and counted[1]:
+            step = counted[1][0] - counted[0][0]
+        if not group.ascending:
+            step = -step
+        order = range(n) if group.ascending else range(n - 1, -1, -1)
+        for index in order:
+            unit = self.copies[index]
+            before = index - 1 if group.ascending else n - 2 - index  # stamped layers before
+            extra = min(max(before, 0), n - 3) * step
+            for node in group.runs[unit.source]:
+                self.emit(index, node, self.shift + extra)
+        self.shift += (n - 3) * step
+
+    def _counted(self, nodes: list[fx.Node]) -> list[int]:
+        """seq_nr the counter handed out at these nodes (not a backward op's forward's)."""
+        seqs = [n.meta.get("seq_nr") for n in nodes]
+        return [
+            s
+            for n, s in zip(nodes, seqs, strict=True)
+            if isinstance(s, int)
+            and not (n.meta.get("autograd_backward") and s in self.forward_seqs)
+        ]
+
+    def _emit_output(self, node: fx.Node) -> None:
+        """`[loss, *grads]`, a gradient per stamped parameter in their order."""
+        outputs = node.args[0]
+        assert isinstance(outputs, (list, tuple)) and isinstance(outputs[0], fx.Node)
+        params = [n for n in self.template.gm.graph.nodes if n.op == "placeholder"]
+        params = [p for p in params if self.specs[p.name].kind == "param"]
+        grad_of = dict(zip(params, outputs[1:], strict=True))
+        grads = []
+        for _, spec, unit, old in self.placeholders:
+            if spec.kind != "param":
+                continue
+            grad = grad_of[old]
+            if self.cut.layer[grad] != self.cut.layer[old]:
+                raise StampRefused(f"the gradient of {spec.fqn} is made outside its layer")
+            grads.append(unit.env[grad])
+        new = self.graph.output([self._outside(outputs[0]), *grads])
+        new.meta = dict(node.meta)
+        if isinstance(node.meta.get("seq_nr"), int):
+            new.meta["seq_nr"] = node.meta["seq_nr"] + self.shift
