@@ -172,6 +172,17 @@ def test_library_errors_blame_the_right_field() -> None:
         Policy(overrides={1: "save"})  # type: ignore[dict-item]
 
 
+def test_keep_layers_names_the_missing_layers() -> None:
+    from workbench.capture.models import load_workload
+    from workbench.capture.stamp import keep_layers
+
+    workload = load_workload("llama3-debug", layers=2, seq=16, batch=1, device="meta")
+    with pytest.raises(
+        WorkbenchError, match=r"^model 'llama3-debug' has no layers \['5'\] to keep"
+    ):
+        keep_layers(workload, [0, 5])
+
+
 def test_picture_arguments_name_the_bad_value(small_graphs: dict[str, Any], tmp_path: Path) -> None:
     """How a picture is arranged or cropped (issue 27): each bad value a one-line error."""
     from workbench.decide.decider import decide

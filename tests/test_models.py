@@ -23,7 +23,15 @@ from workbench.errors import WorkbenchError
 
 
 def test_registry_has_published_llama3_shapes() -> None:
-    assert model_names() == ["dsv3-debug", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-debug"]
+    assert model_names() == [
+        "dsv3-debug",
+        "llama3-1b",
+        "llama3-3b",
+        "llama3-405b",
+        "llama3-70b",
+        "llama3-8b",
+        "llama3-debug",
+    ]
     eight = LLAMA3_FLAVORS["8B"]
     assert (eight.dim, eight.n_layers, eight.n_heads, eight.n_kv_heads) == (4096, 32, 32, 8)
     assert (eight.ffn_hidden, eight.vocab_size, eight.rope_theta) == (14336, 128256, 500000.0)
@@ -35,6 +43,26 @@ def test_8b_on_meta_has_8b_parameters() -> None:
     n = sum(p.numel() for p in workload.model.parameters())
     assert 8.0e9 < n < 8.1e9
     assert all(p.is_meta for p in workload.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "low", "high"),
+    [
+        ("llama3-70b", (8192, 80, 64, 8, 28672), 70.5e9, 70.6e9),
+        ("llama3-405b", (16384, 126, 128, 8, 53248), 405.8e9, 405.9e9),
+    ],
+)
+def test_70b_and_405b_have_torchtitans_shapes(
+    name: str, shape: tuple[int, ...], low: float, high: float
+) -> None:
+    """torchtitan's `llama3` 70B and 405B args (its FFN rule resolved: multiplier 1.3 and
+    1.2, multiple of 4096), the published parameter counts, on meta."""
+    workload = load_workload(name, device="meta")
+    config = workload.model.config
+    assert (config.dim, config.n_layers, config.n_heads, config.n_kv_heads) == shape[:4]
+    assert (config.ffn_hidden, config.vocab_size, config.rope_theta) == (shape[4], 128256, 5e5)
+    assert low < sum(p.numel() for p in workload.model.parameters()) < high
+    assert workload.tokens == 8192
 
 
 def test_tied_embeddings_share_one_parameter() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +23,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.capture.graph import InputSpec, JointGraph, describe_nodes
 from workbench.capture.ops import layer_of
-from workbench.capture.tracing import Mode
+from workbench.capture.tracing import Mode, collector_paused
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
 
 if TYPE_CHECKING:
     from workbench.capture.parallel import Parallel
 
-__all__ = ["TEMPLATE_LAYERS", "StampRefused", "keep_layers", "stamp_graph", "trace_layers"]
+__all__ = [
+    "TEMPLATE_LAYERS",
+    "StampRefused",
+    "keep_layers",
+    "stamp_graph",
+    "template_key",
+    "trace_layers",
+]
 
 # first layer, one middle layer (stamped), last layer: the fewest that show every neighbour
 TEMPLATE_LAYERS = 3
@@ -47,12 +54,15 @@ def trace_layers(
     mode: Mode,
     parallel: Parallel | None = None,
     trace_fn: TraceFn | None = None,
+    templates: dict[Hashable, tuple[JointGraph, list[int]]] | None = None,
 ) -> JointGraph:
     """The graph of `build(layers)`'s step, tracing `build(layers[:3])` and stamping its
     middle layer for `layers[1:-1]` and its last for `layers[-1]` (fake mode, more than three
     layers); else, or when the template's layers are not positionally identical, the full
     trace (with a note saying why). `build(ids)` returns a workload whose model holds exactly
-    those layer ids; `trace_fn` traces one workload without stamping."""
+    those layer ids; `trace_fn` traces one workload without stamping. `templates` keeps the
+    traced templates between calls (pipeline stages): a later call whose three first layers
+    differ from a kept template's only in their ids stamps from it without tracing."""
     if trace_fn is None:
         from workbench.capture.trace import trace
 
@@ -60,26 +70,61 @@ def trace_layers(
             return trace(w, m, p, stamp=False)
 
     ids = [int(i) for i in layers]
-    if mode != "fake" or len(ids) <= TEMPLATE_LAYERS:
+    if mode != "fake" or len(ids) < TEMPLATE_LAYERS:
         return trace_fn(build(ids), mode, parallel)
+    head = build(ids[:TEMPLATE_LAYERS])
+    key = template_key(head, ids[:TEMPLATE_LAYERS], mode, parallel)
+    kept = templates.get(key) if templates is not None else None
+    if kept is None and len(ids) == TEMPLATE_LAYERS:
+        graph = trace_fn(head, mode, parallel)
+        if templates is not None:
+            templates[key] = (graph, ids)
+        return graph
+    if kept is None:
+        kept = (trace_fn(head, mode, parallel), ids[:TEMPLATE_LAYERS])
+        if templates is not None:
+            templates[key] = kept
+    template, template_layers = kept
     full = build(ids)
-    template = trace_fn(build(ids[:TEMPLATE_LAYERS]), mode, parallel)
     try:
-        graph = stamp_graph(template, ids[:TEMPLATE_LAYERS], ids)
+        graph = stamp_graph(template, template_layers, ids)
+        expected = [name for name, _ in full.model.named_parameters()]
+        if graph.param_names != expected:
+            raise StampRefused(f"the stamped parameters differ from {full.name!r}'s")
     except StampRefused as why:
         graph = trace_fn(full, mode, parallel)
         graph.notes.append(f"layers not stamped ({why}): all {len(ids)} traced")
         return graph
-    expected = [name for name, _ in full.model.named_parameters()]
-    if graph.param_names != expected:
-        graph = trace_fn(full, mode, parallel)
-        graph.notes.append(
-            f"layers not stamped (the stamped parameters differ from {full.name!r}'s): "
-            f"all {len(ids)} traced"
-        )
-        return graph
     graph.config = {**template.config, **full.config, "stamped": len(ids) - TEMPLATE_LAYERS}
     return graph
+
+
+def template_key(
+    workload: Workload, ids: Sequence[int], mode: Mode, parallel: Parallel | None
+) -> Hashable:
+    """What a template's graph depends on, its layers' ids aside: the model's module types
+    and parameter and buffer shapes (layer ids replaced by their place in `ids`), the batch,
+    the loss, the workload's name and config, the mode and the parallel layout."""
+
+    def local(path: str) -> str:
+        layer = layer_of(path)
+        if layer is None or layer not in ids:
+            return path
+        return _renamed(path, layer, -1 - ids.index(layer))
+
+    model = workload.model
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    batch = [*workload.inputs, workload.target]
+    return (
+        workload.name,
+        repr(sorted(workload.config.items())),
+        workload.loss_fn,
+        mode,
+        parallel,
+        tuple((local(path), type(m).__name__) for path, m in model.named_modules()),
+        tuple((local(n), tuple(t.shape), t.dtype) for n, t in tensors),
+        tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch),
+    )
 
 
 def stamp_graph(
@@ -99,9 +144,11 @@ def stamp_graph(
     cut = _segments(template, ids)
     previous = _check_neighbours(cut, ids)
     stamper = _Stamper(template, cut, previous, ids, layers)
-    graph = stamper.build()
-    with _use_lazy_graph_module(True):
-        gm = _make_graph_module(template.gm, graph)
+    with collector_paused():  # as while tracing: the collector would walk the graph again
+        graph = stamper.build()
+        with _use_lazy_graph_module(True):
+            gm = _make_graph_module(template.gm, graph)
+        nodes = describe_nodes(gm)
     inputs = [
         InputSpec(new.name, spec.kind, _renamed(spec.fqn, unit.source, unit.target))
         for new, spec, unit, _ in stamper.placeholders
@@ -109,9 +156,14 @@ def stamp_graph(
     notes = [*template.notes]
     if len(layers) > TEMPLATE_LAYERS:
         notes.append(f"layers {layers[2]}-{layers[-2]} stamped from layer {ids[1]}")
+    if layers[:2] != ids[:2]:
+        notes.append(
+            f"layers {layers[0]}, {layers[1]}, {layers[-1]} renamed from the template's "
+            f"{', '.join(map(str, ids))}"
+        )
     return JointGraph(
         gm=gm,
-        nodes=describe_nodes(gm),
+        nodes=nodes,
         inputs=inputs,
         model_name=template.model_name,
         mode=template.mode,
@@ -129,11 +181,12 @@ def keep_layers(workload: Workload, ids: Sequence[int]) -> Workload:
     model = workload.model
     keys = [str(i) for i in ids]
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleDict) or any(k not in layers for k in keys):
-        held = list(layers) if isinstance(layers, nn.ModuleDict) else []
+    held = list(layers) if isinstance(layers, nn.ModuleDict) else []
+    missing = [k for k in keys if k not in held]
+    if missing or not held:
         raise WorkbenchError(
-            f"model {workload.name!r} has no layers {keys} to keep (its layers ModuleDict "
-            f"holds {held[:3]}{' ...' if len(held) > 3 else ''})"
+            f"model {workload.name!r} has no layers {missing or keys} to keep (its layers "
+            f"ModuleDict holds {held[:3]}{' ...' if len(held) > 3 else ''})"
         )
     if keys == list(layers):
         return workload
@@ -318,14 +371,21 @@ class _Fresh:
     dtypes on new storages, shared where the template's are (views stay views of the copy's
     own tensors); storages of nodes outside the copy are the new inputs' (`seed`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: dict[int, StorageWeakRef]) -> None:
+        self.keys = keys  # id(template tensor) -> its storage, shared by every copy
         self.storages: dict[StorageWeakRef, Any] = {}
         self.tensors: dict[int, torch.Tensor] = {}  # id(template tensor) -> its copy
+
+    def key(self, value: torch.Tensor) -> StorageWeakRef:
+        key = self.keys.get(id(value))
+        if key is None:
+            key = self.keys[id(value)] = StorageWeakRef(value.untyped_storage())
+        return key
 
     def seed(self, old: Any, new: Any) -> None:
         for o, n in zip(_flat(old), _flat(new), strict=False):
             if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor):
-                self.storages.setdefault(StorageWeakRef(o.untyped_storage()), n.untyped_storage())
+                self.storages.setdefault(self.key(o), n.untyped_storage())
                 self.tensors.setdefault(id(o), n)
 
     def __call__(self, value: Any) -> Any:
@@ -333,7 +393,7 @@ class _Fresh:
             return type(value)(self(v) for v in value)
         if not isinstance(value, FakeTensor):
             return value
-        key = StorageWeakRef(value.untyped_storage())
+        key = self.key(value)
         storage = self.storages.get(key)
         if storage is None:
             nbytes = value.untyped_storage().nbytes()
@@ -362,9 +422,9 @@ class _Copy:
 
     source: int
     target: int
+    fresh: _Fresh
     env: dict[fx.Node, fx.Node] = field(default_factory=dict)
     seq: dict[int, int] = field(default_factory=dict)
-    fresh: _Fresh = field(default_factory=_Fresh)
 
 
 class _Stamper:
@@ -381,7 +441,8 @@ class _Stamper:
     ) -> None:
         self.template, self.cut, self.previous, self.ids = template, cut, previous, ids
         self.graph = fx.Graph()
-        self.root = _Copy(-1, -1)  # nodes outside the layers
+        keys: dict[int, StorageWeakRef] = {}
+        self.root = _Copy(-1, -1, _Fresh(keys))  # nodes outside the layers
         self.shift = 0  # seq_nr numbers the stamped layers emitted so far took
         self.placeholders: list[tuple[fx.Node, InputSpec, _Copy, fx.Node]] = []
         self.specs = {spec.placeholder: spec for spec in template.inputs}
@@ -393,7 +454,9 @@ class _Stamper:
         first, middle, last = ids
         n = len(layers)
         sources = [first, *[middle] * (n - 2), last]
-        self.copies = [_Copy(s, t) for s, t in zip(sources, layers, strict=True)]
+        self.copies = [_Copy(s, t, _Fresh(keys)) for s, t in zip(sources, layers, strict=True)]
+        self.names: dict[Any, str] = {}  # an op's name as make_fx derives it
+        self.modules: dict[tuple[str, int, int], str] = {}
 
     def _at(self, index: int, middle_node: fx.Node) -> fx.Node:
         """Copy `index`'s node at `middle_node`'s place (the last copy: the last layer's)."""
@@ -441,21 +504,29 @@ class _Stamper:
         if node.op == "placeholder":
             target = f"arg{len(self.placeholders)}_1"
         elif isinstance(target, torch._ops.OpOverload):  # as make_fx names an op's node
-            name = self.graph._target_to_str(target.overloadpacket.__name__)
+            name = self.names.get(target)
+            if name is None:
+                name = self.names[target] = self.graph._target_to_str(
+                    target.overloadpacket.__name__
+                )
         new = self.graph.create_node(node.op, target, args, kwargs, name=name)
         if node.op == "placeholder":
             self.placeholders.append((new, self.specs[node.name], unit, node))
         meta = dict(node.meta)
         fresh = unit.fresh
         for x, y in zip(node.all_input_nodes, new.all_input_nodes, strict=True):
-            fresh.seed(x.meta.get("val"), y.meta.get("val"))
+            if x not in unit.env:  # outside the copy: its storages are another copy's
+                fresh.seed(x.meta.get("val"), y.meta.get("val"))
         meta["val"] = fresh(meta.get("val"))
         if "eager_input_vals" in meta:
             meta["eager_input_vals"] = fresh.mapped(meta["eager_input_vals"])
         if unit.source != unit.target and isinstance(meta.get("custom"), dict):
             custom = dict(meta["custom"])
             if isinstance(custom.get("module"), str):
-                custom["module"] = _renamed(custom["module"], unit.source, unit.target)
+                key = (custom["module"], unit.source, unit.target)
+                if key not in self.modules:
+                    self.modules[key] = _renamed(*key)
+                custom["module"] = self.modules[key]
             meta["custom"] = custom
         seq = meta.get("seq_nr")
         if isinstance(seq, int):

@@ -90,7 +90,7 @@ def backward_without_stack_traces() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """No cyclic garbage collection while make_fx builds the graph: every full collection
     walks the growing graph and its fake tensors again (a tenth of a large trace); the
     collector runs as usual afterwards."""
@@ -173,7 +173,7 @@ def trace_step(
     with fake_mode:
         fake_args = [_to_fake(fake_mode, t, device) for t in args]
     try:
-        with _backward_marking(fake_mode), annotate_modules(workload.model), _collector_paused():
+        with _backward_marking(fake_mode), annotate_modules(workload.model), collector_paused():
             gm = make_fx(step, record_stack_traces=True)(*fake_args)
     except WorkbenchError:
         raise

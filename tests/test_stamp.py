@@ -1,0 +1,166 @@
+"""Stamped graphs against full traces: node for node, byte for byte, on one device, one rank
+of FSDP x TP, and a model whose first layer differs (DeepSeek-V3's dense layer)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import load_workload
+from workbench.capture.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
+from workbench.capture.parallel import Parallel
+from workbench.capture.stamp import (
+    StampRefused,
+    keep_layers,
+    stamp_graph,
+    template_key,
+    trace_layers,
+)
+from workbench.capture.trace import trace
+from workbench.capture.workload import Workload, token_workload
+from workbench.errors import WorkbenchError
+
+SMALL = {"seq": 16, "batch": 1, "device": "meta"}
+
+
+def _node_facts(graph: JointGraph) -> list[tuple[Any, ...]]:
+    """Everything a node holds that the workbench or torch's passes read, with storages
+    numbered in order of first appearance and seq_nr counted from the first node's."""
+    storages: dict[StorageWeakRef, int] = {}
+    nodes = list(graph.gm.graph.nodes)
+    base = nodes[0].meta.get("seq_nr", 0)
+    facts = []
+    for node in nodes:
+        values = node.meta.get("val")
+        values = values if isinstance(values, (list, tuple)) else [values]
+        tensors = []
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                number = storages.setdefault(StorageWeakRef(t.untyped_storage()), len(storages))
+                tensors.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, number))
+            else:
+                tensors.append(repr(t) if isinstance(t, (int, type(None))) else type(t).__name__)
+        seq = node.meta.get("seq_nr")
+        facts.append(
+            (
+                node.name,
+                node.op,
+                str(node.target),
+                str(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.name)),
+                tensors,
+                (node.meta.get("custom") or {}).get("module"),
+                seq - base if isinstance(seq, int) else seq,
+                node.meta.get("autograd_backward"),
+                node.meta.get("is_gradient_acc"),
+                node.meta.get("stack_trace"),
+                sorted(k for k in node.meta if k != "workbench_origin"),
+            )
+        )
+    return facts
+
+
+def assert_same_graph(stamped: JointGraph, full: JointGraph) -> None:
+    assert stamped.config.pop("stamped") > 0
+    assert _node_facts(stamped) == _node_facts(full)
+    assert stamped.nodes == full.nodes  # describe_nodes' facts: module, phase, bytes, ...
+    assert stamped.inputs == full.inputs
+    assert stamped.mesh_dims == full.mesh_dims
+    assert stamped.config == full.config
+    assert stamped.gm.code == full.gm.code
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "parallel"),
+    [
+        ("llama3-debug", 6, None),
+        ("llama3-debug", 5, Parallel(fsdp=2, tp=2)),
+        ("dsv3-debug", 5, None),  # a dense first layer, then MoE layers
+    ],
+)
+def test_stamped_graph_is_the_full_trace(name: str, layers: int, parallel: Any) -> None:
+    workload = load_workload(name, layers=layers, **SMALL)
+    stamped = trace(workload, "fake", parallel)
+    assert f"layers 2-{layers - 2} stamped from layer 1" in stamped.notes
+    assert_same_graph(stamped, trace(workload, "fake", parallel, stamp=False))
+
+
+def _dsv3(dense: int) -> Workload:
+    config = replace(DSV3_FLAVORS["debugmodel"], n_layers=5, n_dense_layers=dense)
+    with torch.device("meta"):
+        model = DeepSeekV3(config, 16)
+    return token_workload(
+        model, config.vocab_size, batch=1, seq=16, device="meta", seed=0, name="dsv3", config={}
+    )
+
+
+def test_template_of_unlike_layers_falls_back_to_the_full_trace() -> None:
+    """Two dense layers: the template's middle layer is dense, its last MoE."""
+    workload = _dsv3(dense=2)
+    graph = trace(workload, "fake")
+    assert "stamped" not in graph.config
+    assert any("layers not stamped (layers 1 and 2 differ" in note for note in graph.notes)
+    full = trace(workload, "fake", stamp=False)
+    assert graph.nodes == full.nodes and graph.gm.code == full.gm.code
+
+
+def test_stamp_graph_refuses_what_it_cannot_stamp() -> None:
+    workload = load_workload("llama3-debug", layers=3, **SMALL)
+    template = trace(workload, "fake", stamp=False)
+    with pytest.raises(StampRefused, match=r"layers \[0, 1, 2\] follow one another"):
+        stamp_graph(template, [0, 2, 1], range(6))  # not the order the graph runs them
+    with pytest.raises(StampRefused, match="template layers"):
+        stamp_graph(template, [0, 1], range(6))
+    real = trace(load_workload("llama3-debug", layers=3, seq=16, batch=1), "real")
+    with pytest.raises(StampRefused, match="real-mode"):
+        stamp_graph(real, [0, 1, 2], range(6))
+
+
+def test_pipeline_stage_stamps_from_a_kept_template() -> None:
+    """A later stage's layers (other ids, same shapes) come from the first stage's template,
+    renamed, and equal a full trace of those layers."""
+    workload = load_workload("llama3-debug", layers=12, **SMALL)
+    templates: dict[Any, Any] = {}
+
+    def build(ids: list[int]) -> Workload:
+        return keep_layers(workload, ids)
+
+    first = trace_layers(build, [0, 1, 2, 3, 4], "fake", templates=templates)
+    assert len(templates) == 1 and first.config["stamped"] == 2
+    later = trace_layers(build, list(range(6, 12)), "fake", templates=templates)
+    assert len(templates) == 1
+    assert "layers 6, 7, 11 renamed from the template's 0, 1, 2" in later.notes
+    full = trace(build(list(range(6, 12))), "fake", stamp=False)
+    assert_same_graph(later, full)
+
+
+def test_template_key_ignores_layer_ids_only() -> None:
+    workload = load_workload("llama3-debug", layers=8, **SMALL)
+    ids, shifted = [0, 1, 2], [4, 5, 6]
+    key = template_key(keep_layers(workload, ids), ids, "fake", None)
+    assert key == template_key(keep_layers(workload, shifted), shifted, "fake", None)
+    assert key != template_key(keep_layers(workload, ids), ids, "fake", Parallel(tp=2))
+    other = load_workload("llama3-debug", layers=8, seq=32, batch=1, device="meta")
+    assert key != template_key(keep_layers(other, ids), ids, "fake", None)
+
+
+def test_keep_layers_shares_the_kept_layers() -> None:
+    workload = load_workload("llama3-debug", layers=6, **SMALL)
+    part = keep_layers(workload, [2, 3])
+    assert list(part.model.layers) == ["2", "3"]
+    assert part.model.layers["2"] is workload.model.layers["2"]
+    assert list(workload.model.layers) == [str(i) for i in range(6)]  # untouched
+    assert keep_layers(workload, range(6)) is workload
+    with pytest.raises(WorkbenchError, match=r"has no layers \['9'\] to keep"):
+        keep_layers(workload, [9])
+
+
+def test_trace_stamps_reference_models_in_fake_mode_only() -> None:
+    workload = load_workload("llama3-debug", layers=4, seq=16, batch=1)
+    assert trace(workload, "fake").config["stamped"] == 1
+    assert "stamped" not in trace(workload, "real").config
+    assert "stamped" not in trace(workload, "fake", stamp=False).config
