@@ -3,6 +3,7 @@ of FSDP x TP, and a model whose first layer differs (DeepSeek-V3's dense layer).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from workbench.capture.fresh import FreshValues
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
 from workbench.capture.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
@@ -129,9 +131,10 @@ def test_pipeline_stage_stamps_from_a_kept_template() -> None:
     def build(ids: list[int]) -> Workload:
         return keep_layers(workload, ids)
 
-    first = trace_layers(build, [0, 1, 2, 3, 4], "fake", templates=templates)
+    untraced = functools.partial(trace, stamp=False)
+    first = trace_layers(build, [0, 1, 2, 3, 4], "fake", trace_fn=untraced, templates=templates)
     assert len(templates) == 1 and first.config["stamped"] == 2
-    later = trace_layers(build, list(range(6, 12)), "fake", templates=templates)
+    later = trace_layers(build, [*range(6, 12)], "fake", trace_fn=untraced, templates=templates)
     assert len(templates) == 1
     assert "layers 6, 7, 11 renamed from the template's 0, 1, 2" in later.notes
     full = trace(build(list(range(6, 12))), "fake", stamp=False)
@@ -164,3 +167,27 @@ def test_trace_stamps_reference_models_in_fake_mode_only() -> None:
     assert trace(workload, "fake").config["stamped"] == 1
     assert "stamped" not in trace(workload, "real").config
     assert "stamped" not in trace(workload, "fake", stamp=False).config
+
+
+def test_fresh_values_keep_aliasing_on_new_storages() -> None:
+    """A view stays a view of its base's copy, a seeded input's storage is the new input's,
+    and nothing shares the template's storages."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        outside, base = torch.empty(8), torch.empty(4, 6)
+        view = base[1:].t()
+        new_outside = torch.empty(8)
+    fresh = FreshValues({})
+    fresh.seed(outside, new_outside)
+    copies = [fresh(v) for v in (base, view, outside[2:])]
+    storage = [StorageWeakRef(t.untyped_storage()) for t in copies]
+    assert storage[0] == storage[1] != StorageWeakRef(base.untyped_storage())
+    assert storage[2] == StorageWeakRef(new_outside.untyped_storage())
+    for old, new in zip((base, view, outside[2:]), copies, strict=True):
+        assert (new.shape, new.stride(), new.storage_offset()) == (
+            old.shape,
+            old.stride(),
+            old.storage_offset(),
+        )
+    assert fresh.mapped({"x": (view,)}) == {"x": (copies[1],)}

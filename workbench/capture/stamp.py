@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from workbench.capture.fresh import FreshValues, flat
 from workbench.capture.graph import InputSpec, JointGraph, describe_nodes
 from workbench.capture.ops import layer_of
 from workbench.capture.tracing import Mode, collector_paused
@@ -53,22 +53,18 @@ def trace_layers(
     layers: Sequence[int],
     mode: Mode,
     parallel: Parallel | None = None,
-    trace_fn: TraceFn | None = None,
+    *,
+    trace_fn: TraceFn,
     templates: dict[Hashable, tuple[JointGraph, list[int]]] | None = None,
 ) -> JointGraph:
     """The graph of `build(layers)`'s step, tracing `build(layers[:3])` and stamping its
     middle layer for `layers[1:-1]` and its last for `layers[-1]` (fake mode, more than three
     layers); else, or when the template's layers are not positionally identical, the full
     trace (with a note saying why). `build(ids)` returns a workload whose model holds exactly
-    those layer ids; `trace_fn` traces one workload without stamping. `templates` keeps the
+    those layer ids; `trace_fn` traces one workload without stamping
+    (`functools.partial(workbench.capture.trace.trace, stamp=False)`). `templates` keeps the
     traced templates between calls (pipeline stages): a later call whose three first layers
     differ from a kept template's only in their ids stamps from it without tracing."""
-    if trace_fn is None:
-        from workbench.capture.trace import trace
-
-        def trace_fn(w: Workload, m: Mode, p: Parallel | None) -> JointGraph:
-            return trace(w, m, p, stamp=False)
-
     ids = [int(i) for i in layers]
     if mode != "fake" or len(ids) < TEMPLATE_LAYERS:
         return trace_fn(build(ids), mode, parallel)
@@ -95,6 +91,8 @@ def trace_layers(
         graph = trace_fn(full, mode, parallel)
         graph.notes.append(f"layers not stamped ({why}): all {len(ids)} traced")
         return graph
+    graph.model_name = full.name
+    graph.notes = [*full.notes, *graph.notes[len(template.notes) :]]
     graph.config = {**template.config, **full.config, "stamped": len(ids) - TEMPLATE_LAYERS}
     return graph
 
@@ -104,7 +102,8 @@ def template_key(
 ) -> Hashable:
     """What a template's graph depends on, its layers' ids aside: the model's module types
     and parameter and buffer shapes (layer ids replaced by their place in `ids`), the batch,
-    the loss, the workload's name and config, the mode and the parallel layout."""
+    the loss, the mode and the parallel layout. Not the workload's name, config or notes:
+    a stamped graph takes those from `build(layers)`."""
 
     def local(path: str) -> str:
         layer = layer_of(path)
@@ -116,8 +115,7 @@ def template_key(
     tensors = [*model.named_parameters(), *model.named_buffers()]
     batch = [*workload.inputs, workload.target]
     return (
-        workload.name,
-        repr(sorted(workload.config.items())),
+        type(model),
         workload.loss_fn,
         mode,
         parallel,
@@ -183,12 +181,12 @@ def keep_layers(workload: Workload, ids: Sequence[int]) -> Workload:
     layers = getattr(model, "layers", None)
     held = list(layers) if isinstance(layers, nn.ModuleDict) else []
     missing = [k for k in keys if k not in held]
-    if missing or not held:
+    if missing or not isinstance(layers, nn.ModuleDict):
         raise WorkbenchError(
             f"model {workload.name!r} has no layers {missing or keys} to keep (its layers "
             f"ModuleDict holds {held[:3]}{' ...' if len(held) > 3 else ''})"
         )
-    if keys == list(layers):
+    if keys == held:
         return workload
     kept = copy.copy(model)
     kept._modules = dict(model._modules)
@@ -279,7 +277,7 @@ def _segments(template: JointGraph, ids: Sequence[int]) -> _Cut:
 def _same_facts(a: fx.Node, b: fx.Node, why: str) -> None:
     """The facts a stamp copies must agree between the middle and the last layer."""
     va, vb = a.meta.get("val"), b.meta.get("val")
-    for x, y in zip(_flat(va), _flat(vb), strict=False):
+    for x, y in zip(flat(va), flat(vb), strict=False):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or (
             isinstance(x, torch.Tensor)
             and (x.shape != y.shape or x.stride() != y.stride() or x.dtype != y.dtype)
@@ -362,59 +360,6 @@ def _renamed(text: str, old: int, new: int) -> str:
     return _LAYER_RE.sub(str(new), text, count=1)
 
 
-def _flat(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-class _Fresh:
-    """New fake tensors for one copy of a layer: the template's sizes, strides, offsets and
-    dtypes on new storages, shared where the template's are (views stay views of the copy's
-    own tensors); storages of nodes outside the copy are the new inputs' (`seed`)."""
-
-    def __init__(self, keys: dict[int, StorageWeakRef]) -> None:
-        self.keys = keys  # id(template tensor) -> its storage, shared by every copy
-        self.storages: dict[StorageWeakRef, Any] = {}
-        self.tensors: dict[int, torch.Tensor] = {}  # id(template tensor) -> its copy
-
-    def key(self, value: torch.Tensor) -> StorageWeakRef:
-        key = self.keys.get(id(value))
-        if key is None:
-            key = self.keys[id(value)] = StorageWeakRef(value.untyped_storage())
-        return key
-
-    def seed(self, old: Any, new: Any) -> None:
-        for o, n in zip(_flat(old), _flat(new), strict=False):
-            if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor):
-                self.storages.setdefault(self.key(o), n.untyped_storage())
-                self.tensors.setdefault(id(o), n)
-
-    def __call__(self, value: Any) -> Any:
-        if isinstance(value, (list, tuple)):
-            return type(value)(self(v) for v in value)
-        if not isinstance(value, FakeTensor):
-            return value
-        key = self.key(value)
-        storage = self.storages.get(key)
-        if storage is None:
-            nbytes = value.untyped_storage().nbytes()
-            storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
-            self.storages[key] = storage
-        meta = torch.empty(0, dtype=value.dtype, device="meta").set_(
-            storage, value.storage_offset(), value.shape, value.stride()
-        )
-        clone = FakeTensor(value.fake_mode, meta, value.device)
-        self.tensors[id(value)] = clone
-        return clone
-
-    def mapped(self, value: Any) -> Any:
-        """`value` with each template tensor replaced by its copy (`eager_input_vals`)."""
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.mapped(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self.mapped(v) for k, v in value.items()}
-        return self.tensors.get(id(value), value) if isinstance(value, torch.Tensor) else value
-
-
 @dataclass
 class _Copy:
     """One stamped layer (or the nodes outside the layers): its template layer, its id,
@@ -422,7 +367,7 @@ class _Copy:
 
     source: int
     target: int
-    fresh: _Fresh
+    fresh: FreshValues
     env: dict[fx.Node, fx.Node] = field(default_factory=dict)
     seq: dict[int, int] = field(default_factory=dict)
 
@@ -442,7 +387,7 @@ class _Stamper:
         self.template, self.cut, self.previous, self.ids = template, cut, previous, ids
         self.graph = fx.Graph()
         keys: dict[int, StorageWeakRef] = {}
-        self.root = _Copy(-1, -1, _Fresh(keys))  # nodes outside the layers
+        self.root = _Copy(-1, -1, FreshValues(keys))  # nodes outside the layers
         self.shift = 0  # seq_nr numbers the stamped layers emitted so far took
         self.placeholders: list[tuple[fx.Node, InputSpec, _Copy, fx.Node]] = []
         self.specs = {spec.placeholder: spec for spec in template.inputs}
@@ -454,7 +399,7 @@ class _Stamper:
         first, middle, last = ids
         n = len(layers)
         sources = [first, *[middle] * (n - 2), last]
-        self.copies = [_Copy(s, t, _Fresh(keys)) for s, t in zip(sources, layers, strict=True)]
+        self.copies = [_Copy(s, t, FreshValues(keys)) for s, t in zip(sources, layers, strict=True)]
         self.names: dict[Any, str] = {}  # an op's name as make_fx derives it
         self.modules: dict[tuple[str, int, int], str] = {}
 
