@@ -91,6 +91,20 @@ def test_stamped_graph_is_the_full_trace(name: str, layers: int, parallel: Any) 
     assert_same_graph(stamped, trace(workload, "fake", parallel, stamp=False))
 
 
+def test_middle_stage_without_embedding_or_output() -> None:
+    """A pipeline stage's model: hidden states in and out, as `workbench.capture.stages`
+    builds it (here with a plain loss on the stage output)."""
+    workload = load_workload("llama3-debug", layers=5, **SMALL)
+    model = workload.model
+    model.tok_embeddings = model.norm = model.output = None
+    with torch.device("meta"):
+        hidden = torch.empty(1, 16, model.config.dim)
+    stage = Workload(model, (hidden,), torch.empty_like(hidden), name="stage")
+    stamped = trace(stage, "fake")
+    assert stamped.config["stamped"] == 2
+    assert_same_graph(stamped, trace(stage, "fake", stamp=False))
+
+
 def _dsv3(dense: int) -> Workload:
     config = replace(DSV3_FLAVORS["debugmodel"], n_layers=5, n_dense_layers=dense)
     with torch.device("meta"):

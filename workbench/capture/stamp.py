@@ -143,7 +143,10 @@ def stamp_graph(
     previous = _check_neighbours(cut, ids)
     stamper = _Stamper(template, cut, previous, ids, layers)
     with collector_paused():  # as while tracing: the collector would walk the graph again
-        graph = stamper.build()
+        try:
+            graph = stamper.build()
+        except KeyError as missing:  # a read the checks did not foresee
+            raise StampRefused(f"no stamped counterpart for {missing}") from None
         with _use_lazy_graph_module(True):
             gm = _make_graph_module(template.gm, graph)
         nodes = describe_nodes(gm)
@@ -533,21 +536,39 @@ class _Stamper:
         ]
 
     def _emit_output(self, node: fx.Node) -> None:
-        """`[loss, *grads]`, a gradient per stamped parameter in their order."""
+        """The outputs (`[loss, *grads, ...]`): those outside the layers as they are, each
+        run of the three layers' gradients as every stamped layer's, in layer order."""
         outputs = node.args[0]
-        assert isinstance(outputs, (list, tuple)) and isinstance(outputs[0], fx.Node)
-        params = [n for n in self.template.gm.graph.nodes if n.op == "placeholder"]
-        params = [p for p in params if self.specs[p.name].kind == "param"]
-        grad_of = dict(zip(params, outputs[1:], strict=True))
-        grads = []
-        for _, spec, unit, old in self.placeholders:
-            if spec.kind != "param":
+        if not isinstance(outputs, (list, tuple)):
+            raise StampRefused(f"the step returns {type(outputs).__name__}, not a list")
+        runs: list[tuple[int | None, list[Any]]] = []
+        for value in outputs:
+            owner = self.cut.layer[value] if isinstance(value, fx.Node) else None
+            if runs and owner is not None and runs[-1][0] == owner:
+                runs[-1][1].append(value)
+            else:
+                runs.append((owner, [value]))
+        new_outputs: list[Any] = []
+        k = 0
+        while k < len(runs):
+            owner, values = runs[k]
+            if owner is None:
+                new_outputs += [self._outside(v) if isinstance(v, fx.Node) else v for v in values]
+                k += 1
                 continue
-            grad = grad_of[old]
-            if self.cut.layer[grad] != self.cut.layer[old]:
-                raise StampRefused(f"the gradient of {spec.fqn} is made outside its layer")
-            grads.append(unit.env[grad])
-        new = self.graph.output([self._outside(outputs[0]), *grads])
+            triple = dict(runs[k : k + TEMPLATE_LAYERS])
+            if list(triple) != list(self.ids) or len(triple[self.ids[1]]) != len(
+                triple[self.ids[2]]
+            ):
+                raise StampRefused(f"the outputs of layers {list(triple)} do not line up")
+            for unit in self.copies:
+                new_outputs += [unit.env[v] for v in triple[unit.source]]
+            k += TEMPLATE_LAYERS
+        params = sum(spec.kind == "param" for _, spec, _, _ in self.placeholders)
+        added = params - sum(spec.kind == "param" for spec in self.template.inputs)
+        if len(new_outputs) - len(outputs) != added:
+            raise StampRefused("the gradients do not follow the parameters layer by layer")
+        new = self.graph.output(type(outputs)(new_outputs))
         new.meta = dict(node.meta)
         if isinstance(node.meta.get("seq_nr"), int):
             new.meta["seq_nr"] = node.meta["seq_nr"] + self.shift
