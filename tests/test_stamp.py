@@ -66,8 +66,12 @@ def _node_facts(graph: JointGraph) -> list[tuple[Any, ...]]:
     return facts
 
 
+def full_layers(graph: JointGraph) -> set[int]:
+    return {i.layer for i in graph.nodes.values() if i.layer is not None}
+
+
 def assert_same_graph(stamped: JointGraph, full: JointGraph) -> None:
-    assert stamped.config.pop("stamped") > 0
+    assert stamped.config.pop("stamped") == len(full_layers(full)) - 3
     assert _node_facts(stamped) == _node_facts(full)
     assert stamped.nodes == full.nodes  # describe_nodes' facts: module, phase, bytes, ...
     assert stamped.inputs == full.inputs
@@ -153,6 +157,9 @@ def test_pipeline_stage_stamps_from_a_kept_template() -> None:
     assert "layers 6, 7, 11 renamed from the template's 0, 1, 2" in later.notes
     full = trace(build(list(range(6, 12))), "fake", stamp=False)
     assert_same_graph(later, full)
+    three = trace_layers(build, [9, 10, 11], "fake", trace_fn=untraced, templates=templates)
+    assert len(templates) == 1 and "renamed" in three.notes[-1]
+    assert_same_graph(three, trace(build([9, 10, 11]), "fake", stamp=False))
 
 
 def test_template_key_ignores_layer_ids_only() -> None:

@@ -71,13 +71,11 @@ def trace_layers(
     head = build(ids[:TEMPLATE_LAYERS])
     key = template_key(head, ids[:TEMPLATE_LAYERS], mode, parallel)
     kept = templates.get(key) if templates is not None else None
-    if kept is None and len(ids) == TEMPLATE_LAYERS:
-        graph = trace_fn(head, mode, parallel)
-        if templates is not None:
-            templates[key] = (graph, ids)
-        return graph
     if kept is None:
-        kept = (trace_fn(head, mode, parallel), ids[:TEMPLATE_LAYERS])
+        traced = trace_fn(head, mode, parallel)
+        if templates is None and len(ids) == TEMPLATE_LAYERS:
+            return traced
+        kept = (traced, ids[:TEMPLATE_LAYERS])  # kept apart from the graphs handed out
         if templates is not None:
             templates[key] = kept
     template, template_layers = kept
