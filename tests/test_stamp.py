@@ -123,9 +123,19 @@ def test_template_of_unlike_layers_falls_back_to_the_full_trace() -> None:
     workload = _dsv3(dense=2)
     graph = trace(workload, "fake")
     assert "stamped" not in graph.config
-    assert any("layers not stamped (layers 1 and 2 differ" in note for note in graph.notes)
+    assert "layers not stamped (layer 2 is not built as layer 1): all 5 traced" in graph.notes
     full = trace(workload, "fake", stamp=False)
     assert graph.nodes == full.nodes and graph.gm.code == full.gm.code
+
+
+def test_a_layer_changed_by_hand_is_traced_not_stamped() -> None:
+    workload = load_workload("llama3-debug", layers=5, **SMALL)
+    with torch.device("meta"):
+        workload.model.layers["3"].feed_forward.w2 = torch.nn.Linear(768, 256, bias=True)
+    graph = trace(workload, "fake")
+    assert "stamped" not in graph.config
+    assert "layers not stamped (layer 3 is not built as layer 1): all 5 traced" in graph.notes
+    assert "layers.3.feed_forward.w2.bias" in graph.param_names
 
 
 def test_stamp_graph_refuses_what_it_cannot_stamp() -> None:

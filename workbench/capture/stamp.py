@@ -81,6 +81,7 @@ def trace_layers(
     template, template_layers = kept
     full = build(ids)
     try:
+        _check_alike(full, ids)
         graph = stamp_graph(template, template_layers, ids)
         expected = [name for name, _ in full.model.named_parameters()]
         if graph.param_names != expected:
@@ -93,6 +94,27 @@ def trace_layers(
     graph.notes = [*full.notes, *graph.notes[len(template.notes) :]]
     graph.config = {**template.config, **full.config, "stamped": len(ids) - TEMPLATE_LAYERS}
     return graph
+
+
+def _check_alike(workload: Workload, ids: Sequence[int]) -> None:
+    """Every layer after the first must be built as the template's middle one: the template
+    sees three layers, the stamp copies them over the others (a layer changed by hand is
+    refused here, not copied over)."""
+    layers = getattr(workload.model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise StampRefused(f"model {workload.name!r} keeps no layers ModuleDict")
+
+    def build_of(layer: nn.Module) -> Hashable:
+        return (
+            tuple((p, type(m), "forward" in m.__dict__) for p, m in layer.named_modules()),
+            tuple((n, t.shape, t.dtype, t.requires_grad) for n, t in layer.named_parameters()),
+            tuple((n, t.shape, t.dtype) for n, t in layer.named_buffers()),
+        )
+
+    middle = build_of(layers[str(ids[1])])
+    for i in ids[2:]:
+        if build_of(layers[str(i)]) != middle:
+            raise StampRefused(f"layer {i} is not built as layer {ids[1]}")
 
 
 def template_key(
