@@ -10,15 +10,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.fx.traceback import annotate
 
-from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
+from workbench.capture.graph import InputKind, JointGraph
 from workbench.capture.tracing import (
     Mode,
-    backward_without_stack_traces,
-    check_grads,
+    last_input,
+    last_input_kind,
+    step_outputs,
     trace_step,
-    traced_loss,
 )
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -59,9 +58,8 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
     model = workload.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    real = [*params.values(), *buffers.values(), *workload.inputs, workload.target]
+    real = [*params.values(), *buffers.values(), *workload.inputs, last_input(workload)]
     n_params, n_buffers, n_inputs = len(params), len(buffers), len(workload.inputs)
-    assert workload.loss_fn is not None
 
     def step(*flat: Any) -> list[torch.Tensor]:
         p = flat[:n_params]
@@ -69,18 +67,13 @@ def trace(workload: Workload, mode: Mode = "real", parallel: Parallel | None = N
         state.update(zip(buffers, flat[n_params : n_params + n_buffers], strict=True))
         inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
         output = torch.func.functional_call(model, state, inputs)
-        with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-            loss = traced_loss(workload, output, flat[-1])
-        with backward_without_stack_traces():
-            grads = torch.autograd.grad(loss, p, allow_unused=True)
-        check_grads(workload, list(params), grads)
-        return [loss, *grads]
+        return step_outputs(workload, output, flat[-1], p, list(params), inputs[0])
 
     kinds: list[tuple[InputKind, str]] = [
         *(("param", name) for name in params),
         *(("buffer", name) for name in buffers),
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
-        ("target", "target"),
+        last_input_kind(workload),
     ]
     return trace_step(workload, step, real, kinds, mode)
 
