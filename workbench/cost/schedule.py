@@ -74,4 +74,4 @@ def simulate(
             for s in mine
         ]
     stages.sort(key=lambda r: r["stage"])
-    return ScheduleResult(ranks, stages, max(r["busy_seconds"] for r in ranks))
+    return ScheduleResult(ranks, stages, max(float(r["busy_seconds"]) for r in ranks))  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ def stage_cost(
         bounds.append(names.index(split) if split in names else steps)
     bounds.append(steps)
 
-    outputs = graph.gm.graph.output_node().args[0]
+    outputs: list[Any] = list(graph.gm.graph.output_node().args[0])  # type: ignore[arg-type]
     n_params = len(graph.param_names)
     grad_nodes = {index.index_of[n.name] for n in outputs[1 : 1 + n_params] if n is not None}
     param_grad = np.isin(storages.node, list(grad_nodes)) & (storages.category == _GRADS)

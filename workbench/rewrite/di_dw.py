@@ -31,6 +31,7 @@ def weight_grad_nodes(graph: JointGraph) -> set[str]:
             "splits its backward into input and weight gradients"
         )
     outputs = graph.gm.graph.output_node().args[0]
+    assert isinstance(outputs, list | tuple)
     needed: set[fx.Node] = set()
     if not stage["first"]:
         todo = [outputs[-1]]
