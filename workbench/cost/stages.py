@@ -70,9 +70,13 @@ def stage_cost(
     bounds.append(steps)
 
     outputs: list[Any] = list(graph.gm.graph.output_node().args[0])  # type: ignore[arg-type]
-    n_params = len(graph.param_names)
-    grad_nodes = {index.index_of[n.name] for n in outputs[1 : 1 + n_params] if n is not None}
-    param_grad = np.isin(storages.node, list(grad_nodes)) & (storages.category == _GRADS)
+    # returned in backward: the parameter gradients and, after the first stage, the
+    # received input's gradient (sent on, so a transient of the backward)
+    returned = (storages.category == _GRADS) & (storages.born >= backward)
+    sent = np.zeros_like(returned)
+    if not graph.config["stage"]["first"]:
+        sent = returned & (storages.node == index.index_of[_storage_owner(graph, outputs[-1])])
+    param_grad = returned & ~sent
     per_step = ~np.isin(storages.category, [_PARAMS, _INPUTS, _GATHERED]) & ~param_grad
     sizes = np.where(per_step, storages.sizes, 0)
     deltas = np.zeros(steps + 2, dtype=np.int64)
@@ -112,6 +116,13 @@ def stage_cost(
         phases=costs,
         send_bytes=graph.nodes[outputs[0].name].bytes if not graph.config["stage"]["last"] else 0,
     )
+
+
+def _storage_owner(graph: JointGraph, node: Any) -> str:
+    """The node whose output storage `node`'s value views (itself if not a view)."""
+    while graph.nodes[node.name].is_view and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return str(node.name)
 
 
 def _phase_seconds(
