@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 from workbench.capture.models import load_workload
-from workbench.capture.parallel import Parallel
 from workbench.capture.stages import Pipeline, trace_stages
 from workbench.cost.estimate import Estimator
 from workbench.cost.stages import PipelineModel, stage_cost
