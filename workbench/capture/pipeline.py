@@ -312,6 +312,8 @@ def check_order(
                 )
             runs.setdefault((action.stage, action.microbatch), []).append(action.kind)
     stages = sorted(owner)
+    if not stages:
+        raise WorkbenchError(f"{what} holds no actions")
     if stages != list(range(len(stages))):
         raise WorkbenchError(f"{what}: stages must be 0..{len(stages) - 1}, got {stages}")
     count = microbatches if microbatches is not None else 1 + max(m for _, m in runs)

@@ -26,9 +26,10 @@ __all__ = [
 ]
 
 
-def _check_seconds(name: str, value: Any) -> float:
+def _check_number(name: str, value: Any, unit: str = "seconds") -> float:
+    """`value` as a float when it is a finite number >= 0, else a one-line error naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise WorkbenchError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        raise WorkbenchError(f"{name} must be a number of {unit} >= 0, got {value!r}")
     if not math.isfinite(value):
         raise WorkbenchError(f"{name} must be finite, got {value!r}")
     return float(value)
@@ -47,7 +48,7 @@ class PhaseCost:
     still needs; B and W: 0)."""
 
     def __post_init__(self) -> None:
-        _check_seconds("phase seconds", self.seconds)
+        _check_number("phase seconds", self.seconds)
         check_int("phase peak_bytes", self.peak_bytes, 0, INT64_MAX)
         check_int("phase residue_bytes", self.residue_bytes, 0, INT64_MAX)
 
@@ -217,15 +218,22 @@ def simulate(
     on a stage costed with B only, or an order that deadlocks.
     """
     check_order(order)
-    bandwidth = None if p2p_bytes_per_s is None else _check_seconds("p2p bytes/s", p2p_bytes_per_s)
+    bandwidth = (
+        None
+        if p2p_bytes_per_s is None
+        else _check_number("p2p bandwidth", p2p_bytes_per_s, "bytes/s")
+    )
     if bandwidth is not None and bandwidth <= 0:
         raise WorkbenchError(f"p2p bandwidth must be > 0 bytes/s, got {p2p_bytes_per_s!r}")
-    latency = _check_seconds("p2p latency", p2p_latency_s)
+    latency = _check_number("p2p latency", p2p_latency_s)
     ranks = sorted(order)
     rank_of = {a.stage: r for r in ranks for a in order[r]}
     missing = sorted(set(rank_of) - set(costs))
     if missing:
         raise WorkbenchError(f"no StageCost for stage {missing[0]} (costs cover {sorted(costs)})")
+    wrong = next((s for s in sorted(rank_of) if costs[s].stage != s), None)
+    if wrong is not None:
+        raise WorkbenchError(f"costs[{wrong}] is the StageCost of stage {costs[wrong].stage}")
     last = max(rank_of)
     # Seconds to move stage s's output to s + 1, or its gradient back from s + 1.
     hop = [
