@@ -57,6 +57,43 @@ def test_gpipe_runs_every_forward_then_every_backward() -> None:
     }
 
 
+class _Recorder(SimpleNamespace):
+    """A stand-in stage for torch's single-stage runtime: records what it is asked to run,
+    sends and receives nothing."""
+
+    def get_fwd_recv_ops(self, mb: int) -> list[object]:
+        return []
+
+    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def forward_one_chunk(self, mb: int, *args: object, **kwargs: object) -> None:
+        self.ran.append(Action(self.stage_index, "F", mb))
+
+    def backward_one_chunk(self, mb: int, **kwargs: object) -> None:
+        self.ran.append(Action(self.stage_index, "B", mb))
+
+    def perform_reduce_grad(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+@pytest.mark.parametrize(("pp", "microbatches"), [(2, 4), (4, 6), (3, 3)])
+def test_single_stage_orders_are_what_torchs_runtime_runs(
+    name: str, pp: int, microbatches: int
+) -> None:
+    """Single-stage schedules run `_step_microbatches`, not their `pipeline_order`: run it
+    on stand-in stages that record each forward and backward."""
+    for rank in range(pp):
+        stage = _Recorder(
+            stage_index=rank, num_stages=pp, group_size=pp, group_rank=rank,
+            is_first=rank == 0, is_last=rank == pp - 1, submod=None, ran=[],
+        )  # fmt: skip
+        schedule = schedule_class(name)(stage, microbatches, loss_fn=lambda *a: None)
+        schedule._initialize_stage = lambda *args, **kwargs: None
+        schedule._step_microbatches(target_mbs=[None] * microbatches)
+        assert stage.ran == action_order(name, pp, microbatches)[rank]
+
+
 def test_torch_1f1b_order_still_numbers_the_last_ranks_forwards_from_one() -> None:
     """The reason `action_order` renumbers: torch's runtime lowering (sends and receives
     added) refuses its raw order and takes ours. When this fails, torch fixed it: drop

@@ -211,8 +211,9 @@ def _build(short: str, pp: int, microbatches: int, stages: list[int]) -> Any:
 
 
 def _compute_actions(action: Any) -> Iterator[Action]:
-    """A torch action as compute actions: OVERLAP_F_B as its sub-actions in order; idle
-    steps, communication, REDUCE_GRAD and (UN)SHARD dropped."""
+    """A torch action as compute actions: OVERLAP_F_B as its sub-actions in order (as torch's
+    runtime runs them when no custom function is registered for it); idle steps,
+    communication, REDUCE_GRAD and (UN)SHARD dropped."""
     if action is None:
         return
     if action.sub_actions is not None:
