@@ -98,27 +98,25 @@ def schedule_class(name: str) -> type:
     >>> schedule_class("schedule1f1b").__name__
     'Schedule1F1B'
     """
+    return SCHEDULES[_short(name)]
+
+
+def _short(name: str) -> str:
+    """The `SCHEDULES` key of a schedule name (the cache key of every order)."""
     if not isinstance(name, str):
         raise WorkbenchError(
             f"pipeline schedule must be a name, one of {', '.join(SCHEDULES)}; got "
             f"{type(name).__name__}"
         )
     short = name.lower().removeprefix("schedule")
-    for key, cls in SCHEDULES.items():
-        if key.lower() == short:
-            return cls
     lowered = {key.lower(): key for key in SCHEDULES}
+    if short in lowered:
+        return lowered[short]
     close = difflib.get_close_matches(short, lowered, n=1, cutoff=0.5)
     hint = f" (did you mean {lowered[close[0]]!r}?)" if close else ""
     raise WorkbenchError(
         f"unknown pipeline schedule {name!r}{hint}; torch's schedules are {', '.join(SCHEDULES)}"
     )
-
-
-def _short(name: str) -> str:
-    """The `SCHEDULES` key of a schedule name (the cache key of every order)."""
-    cls = schedule_class(name)
-    return next(key for key, value in SCHEDULES.items() if value is cls)
 
 
 def stages_per_rank(name: str) -> int:
@@ -134,7 +132,8 @@ def stages_per_rank(name: str) -> int:
 @functools.cache
 def _style(short: str) -> Literal["loop", "v"]:
     """How torch places stages on ranks for a multi-stage schedule, read from the stage map
-    torch derives from its own order (pp 2, 4 stages: loop puts 0, 2 on rank 0, V puts 0, 3)."""
+    torch derives from its own order at pp 2 (loop puts stages 0, 2 on rank 0, V puts 0, 3;
+    the stand-ins' indices play no part in the order)."""
     built = _build(short, 2, 4, [0, 2])
     mapping = dict(built.stage_index_to_group_rank)
     return "v" if mapping == generate_stage_to_rank_mapping(2, 4, style="v") else "loop"
