@@ -1362,3 +1362,94 @@ def test_ep_overlap_on_a_graph_without_expert_parallelism(
         "EP overlap needs expert-parallel all-to-alls, and llama3-debug has none: trace an "
         "MoE torchtitan model with --ep 2 or more$",
     )
+
+
+# --- pipeline schedules (issue 25) -----------------------------------------------------
+
+
+def _schedule_cases() -> list[tuple[str, Any, str]]:
+    from workbench.capture import pipeline as pl
+    from workbench.cost.schedule import PhaseCost, StageCost, simulate
+
+    names = "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
+    phase = PhaseCost(1.0, 0, 10)
+    one_backward = {"F": phase, "B": PhaseCost(1.0, 0, 0)}
+
+    def costs(n: int, phases: dict[str, Any] = one_backward) -> dict[int, Any]:
+        return {s: StageCost(s, 0, 0, phases) for s in range(n)}
+
+    return [
+        ("unknown schedule", lambda: pl.action_order("ZBV", 2, 4), f"schedules are {names}"),
+        ("close schedule", lambda: pl.schedule_class("gpip"), "did you mean 'GPipe'"),
+        ("schedule None", lambda: pl.schedule_class(None), "must be a name, one of GPipe"),
+        ("1F1B too few", lambda: pl.check_microbatches("1F1B", 4, 2), r"number of stages \(4\)"),
+        ("DualPipeV too few", lambda: pl.check_microbatches("DualPipeV", 2, 3), "at least as"),
+        ("rounds", lambda: pl.check_microbatches("Interleaved1F1B", 2, 5), r"rounds \(2\)"),
+        ("pp 0", lambda: pl.action_order("1F1B", 0, 4), "pp must be a whole number from 1"),
+        ("pp True", lambda: pl.action_order("1F1B", True, 4), r"\(bool\)"),
+        ("microbatches 0", lambda: pl.action_order("GPipe", 2, 0), "microbatches must be"),
+        ("microbatches 2**64", lambda: pl.action_order("GPipe", 2, 2**64), "to 1,024"),
+        ("rank out of range", lambda: pl.rank_stages("1F1B", 4, 4), r"from 0 to 3 \(pp is 4\)"),
+        ("action text", lambda: pl.Action.from_str("4X3"), "not STAGE KIND MICROBATCH"),
+        ("action comm", lambda: pl.Action.from_str("0SEND_F1"), "not a compute action"),
+        (
+            "no stage cost",
+            lambda: simulate(pl.action_order("1F1B", 2, 2), costs(1)),
+            r"no StageCost for stage 1 \(costs cover \[0\]\)",
+        ),
+        (
+            "I on a B-only stage",
+            lambda: simulate(pl.action_order("ZBVZeroBubble", 1, 1), costs(2)),
+            "needs the backward split into I and W",
+        ),
+        ("phase bytes -1", lambda: PhaseCost(1.0, -1, 0), "peak_bytes must be a whole number"),
+        ("phase seconds nan", lambda: PhaseCost(float("nan"), 0, 0), "seconds >= 0"),
+        ("phase seconds inf", lambda: PhaseCost(float("inf"), 0, 0), "must be finite"),
+        ("no backward", lambda: StageCost(0, 0, 0, {"F": phase}), "give F and B, or F, I and W"),
+        ("B residue", lambda: StageCost(0, 0, 0, {"F": phase, "B": phase}), "leaves residue"),
+        (
+            "bandwidth 0",
+            lambda: simulate(pl.action_order("1F1B", 2, 2), costs(2), 0.0),
+            "bandwidth must be > 0",
+        ),
+        (
+            "latency -1",
+            lambda: simulate(pl.action_order("1F1B", 2, 2), costs(2), None, -1.0),
+            "p2p latency must be",
+        ),
+        ("empty order", lambda: simulate({0: []}, costs(1)), "order holds no actions"),
+        (
+            "cost of another stage",
+            lambda: simulate(pl.action_order("GPipe", 2, 1), {0: costs(2)[1], 1: costs(2)[1]}),
+            r"costs\[0\] is the StageCost of stage 1",
+        ),
+        (
+            "order with a gap",
+            lambda: simulate(
+                {0: [pl.Action.from_str(a) for a in ("0F0", "0B0", "0F2", "0B2")]}, costs(1)
+            ),
+            "stage 0 microbatch 1 runs nothing",
+        ),
+        (
+            "order that hangs",
+            lambda: simulate(
+                {
+                    0: [pl.Action.from_str(a) for a in ("0F0", "0B0", "0F1", "0B1")],
+                    1: [pl.Action.from_str(a) for a in ("1F0", "1F1", "1B0", "1B1")],
+                },
+                costs(2),
+            ),
+            "deadlocks: rank 0 at 0B0, rank 1 at 1F1 wait forever",
+        ),
+    ]
+
+
+SCHEDULE_CASES = [c[0] for c in _schedule_cases()]
+
+
+@pytest.mark.parametrize("name", SCHEDULE_CASES)
+def test_pipeline_schedule_inputs(name: str) -> None:
+    _, call, message = next(c for c in _schedule_cases() if c[0] == name)
+    with pytest.raises(WorkbenchError, match=message) as raised:
+        call()
+    assert "\n" not in str(raised.value)
