@@ -74,12 +74,16 @@ def test_per_rank_stages_trace(schedule: str) -> None:
 
 
 def test_bad_pipelines() -> None:
-    with pytest.raises(WorkbenchError, match="unknown schedule 'Zigzag'.*1F1B"):
+    with pytest.raises(WorkbenchError, match="unknown pipeline schedule 'Zigzag'.*1F1B"):
         Pipeline(pp=2, schedule="Zigzag")
     with pytest.raises(WorkbenchError, match="cannot split 4 layers"):
         Pipeline(pp=8).layout(4)
     with pytest.raises(WorkbenchError, match="--pp 3 does\\s+not divide"):
         Pipeline(pp=3, schedule="Interleaved1F1B", layers_per_stage=2).layout(6)
+    with pytest.raises(WorkbenchError, match="gives 4 stages per rank.*runs 2"):
+        Pipeline(pp=2, schedule="Interleaved1F1B", layers_per_stage=1).layout(6)
+    with pytest.raises(WorkbenchError, match="microbatches"):
+        Pipeline(pp=4, microbatches=2).layout(8)
     layout = Pipeline(pp=2, microbatches=3).layout(4)
     workload = load_workload("llama3-debug", layers=4, batch=2, seq=32)
     with pytest.raises(WorkbenchError, match="--microbatches 3 does not divide the batch of 2"):

@@ -22,7 +22,12 @@ from torch import nn
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import DTYPES, Workload
 from workbench.capture.models.llama3 import Llama3
-from workbench.capture.pipeline import rank_stages, schedule_class, stage_style, stages_per_rank
+from workbench.capture.pipeline import (
+    check_microbatches,
+    rank_stages,
+    schedule_class,
+    stages_per_rank,
+)
 from workbench.capture.tracing import Mode
 from workbench.capture.workload import StageRole
 from workbench.errors import WorkbenchError, check_int
@@ -81,22 +86,15 @@ class Pipeline:
                     f"of {n_layers} layers (+1 embedding, +1 output), which --pp {self.pp} does "
                     f"not divide; choose a --layers-per-stage giving a multiple of {self.pp} stages"
                 )
-            per_rank = n_stages // self.pp
-            wanted = stages_per_rank(self.schedule)
-            if (wanted == 1) != (per_rank == 1) or (
-                stage_style(self.schedule) == "v" and per_rank != 2
-            ):
-                need = (
-                    "exactly 1"
-                    if wanted == 1
-                    else ("exactly 2" if stage_style(self.schedule) == "v" else "at least 2")
-                )
+            if n_stages != self.pp * per_rank:
                 raise WorkbenchError(
-                    f"--pp-schedule {self.schedule} runs {need} stage(s) per rank, but "
-                    f"--layers-per-stage {self.layers_per_stage} gives {per_rank}; choose "
-                    "another --layers-per-stage or schedule"
+                    f"--layers-per-stage {self.layers_per_stage} gives {n_stages // self.pp} "
+                    f"stages per rank; --pp-schedule {self.schedule} runs {per_rank} (torch's "
+                    f"schedules here run 1 or 2): choose a --layers-per-stage near "
+                    f"{math.ceil((n_layers + INPUT_WEIGHT + OUTPUT_WEIGHT) / (self.pp * per_rank))}"
                 )
         microbatches = self.microbatches or n_stages
+        check_microbatches(self.schedule, self.pp, microbatches)
         return StageLayout(self, tuple(split_layers(n_layers, n_stages)), microbatches)
 
     def to_json(self) -> dict[str, Any]:

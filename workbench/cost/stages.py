@@ -187,7 +187,7 @@ class PipelineEstimate:
 
     @property
     def peak_bytes(self) -> int:
-        return max(row["peak_bytes"] for row in self.schedule.stages)
+        return self.schedule.peak_bytes
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -197,9 +197,12 @@ class PipelineEstimate:
     def to_json(self) -> dict[str, Any]:
         stages = []
         for row, cost, est in zip(self.schedule.stages, self.costs, self.estimates, strict=True):
-            stage = row["stage"]
+            stage = row.stage
             stages.append({
-                **row,
+                "stage": stage,
+                "rank": row.rank,
+                "peak_bytes": row.peak_bytes,
+                "inflight_microbatches": row.inflight_microbatches,
                 "layers": list(self.layout.layers[stage]),
                 "resident_bytes": cost.resident_bytes,
                 "grad_bytes": cost.grad_bytes,
@@ -213,7 +216,10 @@ class PipelineEstimate:
             "profile": self.profile,
             "pipeline": self.layout.to_json(),
             "stages": stages,
-            "ranks": self.schedule.ranks,
+            "ranks": [
+                {k: v for k, v in r.to_json().items() if k != "timeline"}
+                for r in self.schedule.ranks
+            ],
             "est_step_seconds": self.schedule.step_seconds,
             "est_tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
         }

@@ -99,15 +99,15 @@ def solve_stages(
     at = [0] * len(rungs)
     est = model.estimate([r[0] for r, _ in zip(rungs, at, strict=True)])
     while est.peak_bytes > budget:
-        worst = max(est.schedule.stages, key=lambda row: row["peak_bytes"])
-        rank = worst["rank"]
+        worst = max(est.schedule.stages, key=lambda row: row.peak_bytes)
+        rank = worst.rank
         best: tuple[float, int, PipelineEstimate] | None = None
         for stage in model.layout.stages_of(rank):
             if at[stage] + 1 >= len(rungs[stage]):
                 continue
             trial = [rungs[s][at[s] + (s == stage)] for s in range(len(rungs))]
             candidate = model.estimate(trial)
-            saved = worst["peak_bytes"] - _rank_peak(candidate, rank)
+            saved = worst.peak_bytes - _rank_peak(candidate, rank)
             added = max(candidate.schedule.step_seconds - est.schedule.step_seconds, 1e-12)
             if saved > 0 and (best is None or saved / added > best[0]):
                 best = (saved / added, stage, candidate)
@@ -120,7 +120,7 @@ def solve_stages(
 
 
 def _rank_peak(estimate: PipelineEstimate, rank: int) -> int:
-    return max(row["peak_bytes"] for row in estimate.schedule.stages if row["rank"] == rank)
+    return max(row.peak_bytes for row in estimate.schedule.stages if row.rank == rank)
 
 
 def _uniform(model: PipelineModel, budget: int, rungs: list[list[Policy]]) -> StagePlan:
