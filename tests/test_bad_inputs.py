@@ -1453,3 +1453,36 @@ def test_pipeline_schedule_inputs(name: str) -> None:
     with pytest.raises(WorkbenchError, match=message) as raised:
         call()
     assert "\n" not in str(raised.value)
+
+
+# --- pipeline parallelism on the command line (--pp) ---------------------------------------
+
+PP = ["estimate", "--model", "llama3-debug", "--layers", "4", "--seq", "32", "--mode", "fake"]
+PIPELINE_FLAGS: list[tuple[list[str], str]] = [
+    (["--pp", "0"], r"--pp must be"),
+    (["--pp", "8"], r"8 pipeline stages cannot split 4 layers .*at most 6 stages"),
+    (["--pp", "4", "--layers-per-stage", "2"], r"3 virtual stages .*--pp 4 does not divide"),
+    (["--pp", "3", "--layers-per-stage", "2", "--pp-schedule", "Interleaved1F1B"], "runs 2"),
+    (["--pp", "2", "--pp-schedule", "Zigzag"], r"unknown pipeline schedule 'Zigzag'.*1F1B"),
+    (["--pp", "2", "--microbatches", "1"], r"microbatches"),
+    (["--pp", "2", "--microbatches", "2", "--batch", "3"], r"does not divide the batch of 3"),
+    (["--pp", "2", "--stage", "2"], r"--stage must be .*0.*1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"), PIPELINE_FLAGS, ids=[" ".join(f) for f, _ in PIPELINE_FLAGS]
+)
+def test_bad_pipeline_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    command = ["trace", *PP[1:]] if "--stage" in flags else PP
+    fails(capsys, [*command, *flags], message)
+
+
+def test_pipeline_refuses_torchtitan_models(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--pp", "2"],
+        r"--pp on 'torchtitan:llama3/debugmodel'.*graph_pp",
+    )

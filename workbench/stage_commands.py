@@ -46,7 +46,7 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
 
 def pipelined(cmd: Command, cmd_stages: Command) -> Command:
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        return cmd_stages(args) if args.pp > 1 else cmd(args)
+        return cmd(args) if args.pp == 1 else cmd_stages(args)
 
     run.__doc__ = cmd.__doc__
     return run

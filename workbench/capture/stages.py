@@ -178,6 +178,14 @@ def split_layers(
 
 def n_layers(workload: Workload) -> int:
     """The layers a pipeline splits; refuses a model not laid out as torchtitan's."""
+    from workbench.capture.titan_rank import is_titan_workload
+
+    if is_titan_workload(workload):
+        raise WorkbenchError(
+            f"--pp on {workload.name!r}: torchtitan models pipeline through graph trainer's "
+            "graph_pp, which the workbench does not trace yet; use a reference model "
+            "(llama3-*, dsv3-*) with --pp"
+        )
     model = workload.model
     if not isinstance(model, Llama3) or not isinstance(model.layers, nn.ModuleDict):
         raise WorkbenchError(
@@ -272,15 +280,8 @@ def trace_stages(
     stages: list[int] | None = None,
 ) -> list[JointGraph]:
     """The joint graph of each stage in `stages` (all by default), in stage order."""
-    from workbench.capture.titan_rank import is_titan_workload
     from workbench.capture.trace import trace
 
-    if is_titan_workload(workload):
-        raise WorkbenchError(
-            f"--pp on {workload.name!r}: torchtitan models pipeline through graph trainer's "
-            "graph_pp, which the workbench does not trace yet; use a reference model "
-            "(llama3-*, dsv3-*) with --pp"
-        )
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
     return [trace(stage_workload(workload, layout, s, parallel), mode, parallel) for s in chosen]
