@@ -15,6 +15,7 @@ its forward to its backward: what the forward saves, its output (kept for backwa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -260,12 +261,17 @@ class PipelineModel:
         self.gpus = layout.pipeline.pp * ranks
         seq = int(graphs[0].config.get("seq", 0)) or graphs[0].tokens
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
+        self._costs: dict[tuple[int, str], tuple[StageCost, Estimate]] = {}
 
     def stage_cost(self, stage: int, policy: Policy) -> tuple[StageCost, Estimate]:
-        estimator = self.estimators[stage]
-        estimate = estimator.estimate(policy)
-        graph = self.graphs[stage]
-        return stage_cost(graph, estimate, estimator, self.profile, stage), estimate
+        """Stage `stage`'s cost and estimate for `policy` (kept: a search asks again)."""
+        key = (stage, json.dumps(policy.to_json(), sort_keys=True))
+        if key not in self._costs:
+            estimator = self.estimators[stage]
+            estimate = estimator.estimate(policy)
+            cost = stage_cost(self.graphs[stage], estimate, estimator, self.profile, stage)
+            self._costs[key] = (cost, estimate)
+        return self._costs[key]
 
     def estimate(self, policies: Policy | Sequence[Policy]) -> PipelineEstimate:
         """One policy for every stage, or one per stage (in stage order)."""

@@ -40,8 +40,16 @@ def stage_ladders(
     recompute's peak to no AC's on that stage's graph, least recompute time first."""
     check_int("points", points, 2, 64, "each point is a solve")
     options = options or SolveOptions(profile=model.profile)
-    ladders = []
+    ladders: list[list[Policy]] = []
+    shapes: dict[tuple[Any, ...], list[Policy]] = {}
     for stage, (graph, estimator) in enumerate(zip(model.graphs, model.estimators, strict=True)):
+        # the solver's keys are layer-relative (`layers.*`): stages of the same role and
+        # layer count get the same choices
+        role = graph.config["stage"]
+        shape = (role["first"], role["last"], len(role["layers"]))
+        if shape in shapes:
+            ladders.append(shapes[shape])
+            continue
         solver = Solver(graph, options, estimator)
         found = {_key(p): p for p in (Policy(name) for name in BASE_PRESETS)}
         for budget in np.linspace(solver.floor_bytes, solver.top_bytes, points):
@@ -51,7 +59,8 @@ def stage_ladders(
             key: model.stage_cost(stage, p)[1].recompute_seconds[model.profile]
             for key, p in found.items()
         }
-        ladders.append([found[k] for k in sorted(found, key=lambda k: (seconds[k], k))])
+        shapes[shape] = [found[k] for k in sorted(found, key=lambda k: (seconds[k], k))]
+        ladders.append(shapes[shape])
     return ladders
 
 
@@ -83,9 +92,9 @@ def solve_stages(
     ladders: Sequence[Sequence[Policy]] | None = None,
 ) -> StagePlan:
     """The fastest step whose every rank's peak is within `budget_bytes`. Per stage: start
-    each stage at its least recompute, then, while a rank is over, move one of its stages one
-    rung down its ladder, the move saving that rank most bytes per second of step time it
-    adds. Uniform (`per_stage=False`): the one policy of all the ladders that, given to every
+    each stage at its least recompute, then, while a rank is over, move one of its stages
+    down its ladder to the rung saving that rank most bytes per second of step time added.
+    Uniform (`per_stage=False`): the one policy of all the ladders that, given to every
     stage, fits with the fastest step. Infeasible plans come back with `feasible=False`
     holding the lowest-peak choice found."""
     budget = check_int("budget_bytes", budget_bytes, 1, INT64_MAX, "int64")
@@ -97,24 +106,22 @@ def solve_stages(
     if not per_stage:
         return _uniform(model, budget, rungs)
     at = [0] * len(rungs)
-    est = model.estimate([r[0] for r, _ in zip(rungs, at, strict=True)])
+    est = model.estimate([r[0] for r in rungs])
     while est.peak_bytes > budget:
         worst = max(est.schedule.stages, key=lambda row: row.peak_bytes)
-        rank = worst.rank
-        best: tuple[float, int, PipelineEstimate] | None = None
-        for stage in model.layout.stages_of(rank):
-            if at[stage] + 1 >= len(rungs[stage]):
-                continue
-            trial = [rungs[s][at[s] + (s == stage)] for s in range(len(rungs))]
-            candidate = model.estimate(trial)
-            saved = worst.peak_bytes - _rank_peak(candidate, rank)
-            added = max(candidate.schedule.step_seconds - est.schedule.step_seconds, 1e-12)
-            if saved > 0 and (best is None or saved / added > best[0]):
-                best = (saved / added, stage, candidate)
-        if best is None:  # every stage of the worst rank is at its lowest rung
+        best: tuple[float, int, int, PipelineEstimate] | None = None
+        for stage in model.layout.stages_of(worst.rank):
+            for rung in range(at[stage] + 1, len(rungs[stage])):
+                trial = [rungs[s][rung if s == stage else at[s]] for s in range(len(rungs))]
+                candidate = model.estimate(trial)
+                saved = worst.peak_bytes - _rank_peak(candidate, worst.rank)
+                added = max(candidate.schedule.step_seconds - est.schedule.step_seconds, 1e-12)
+                if saved > 0 and (best is None or saved / added > best[0]):
+                    best = (saved / added, stage, rung, candidate)
+        if best is None:  # no rung of the worst rank's stages lowers its peak
             break
-        at[best[1]] += 1
-        est = best[2]
+        at[best[1]] = best[2]
+        est = best[3]
     policies = [rungs[s][at[s]] for s in range(len(rungs))]
     return StagePlan(policies, est, budget, est.peak_bytes <= budget, per_stage=True)
 
