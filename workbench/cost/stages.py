@@ -197,6 +197,7 @@ class PipelineEstimate:
 
     def to_json(self) -> dict[str, Any]:
         stages = []
+        ranks = {r.rank: r for r in self.schedule.ranks}
         for row, cost, est in zip(self.schedule.stages, self.costs, self.estimates, strict=True):
             stage = row.stage
             stages.append({
@@ -204,6 +205,8 @@ class PipelineEstimate:
                 "rank": row.rank,
                 "peak_bytes": row.peak_bytes,
                 "inflight_microbatches": row.inflight_microbatches,
+                "bubble_seconds": ranks[row.rank].bubble_seconds,
+                "bubble_fraction": ranks[row.rank].bubble_fraction,
                 "layers": list(self.layout.layers[stage]),
                 "resident_bytes": cost.resident_bytes,
                 "grad_bytes": cost.grad_bytes,
