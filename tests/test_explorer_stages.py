@@ -18,7 +18,7 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.show.viz.stages import layers_words, stage_rows, stage_strip
 from workbench.show.widgets import PolicyExplorer
-from workbench.show.widgets.stages import StagesModel
+from workbench.show.widgets.stages import STAGES_STATE, StagesModel
 
 Job = tuple[list[JointGraph], StageLayout]
 
@@ -156,6 +156,8 @@ def test_widget_opens_stages_and_flips_within_one(one_f_one_b: Job) -> None:
     assert widget.stages[0]["peak_bytes"] == peaks[0]
     assert widget.stages[1]["peak_bytes"] != peaks[1]
     assert _figures(widget.stages) == _expected(one_f_one_b, widget.stages_model.policies)
+    for state in STAGES_STATE:
+        assert getattr(widget, state) == getattr(widget.stages_model, state), state
     widget._on_msg(widget, {"type": "stage", "stage": 7}, None)
     assert widget.stage == 1 and "--stage" in widget.message
     assert "stage 1" in repr(widget)

@@ -35,7 +35,7 @@ from workbench.interop.export import FORMATS
 from workbench.show.viz.arrange import PANEL_ASPECT
 from workbench.show.widgets.model import STATE, ExplorerModel
 from workbench.show.widgets.session import policy_label
-from workbench.show.widgets.stages import StagesModel
+from workbench.show.widgets.stages import STAGES_STATE, StagesModel
 
 __all__ = ["PolicyExplorer"]
 
@@ -118,7 +118,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     # stage shown (-1: none)
     stages: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     stages_svg = traitlets.Unicode("").tag(sync=True)
-    stage = traitlets.Int(-1).tag(sync=True)
+    stage = traitlets.Int(-1).tag(sync=True)  # every name in STAGES_STATE
 
     def __init__(
         self,
@@ -354,7 +354,10 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.model.on_change = lambda: None
             self.model = opened
             self.model.on_change = self._sync
-            self.model.message = f"stage {stage} open: its flips change its policy only"
+            self.model.message = (
+                f"stage {stage} open: its edits change its policy only; the metrics are its "
+                "one-microbatch graph's, the strip's peaks each rank's pipelined peak"
+            )
 
     # --- messages and traitlets from the front end ------------------------------------------
 
@@ -439,9 +442,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self.hold_sync():
             for name in STATE:
                 setattr(self, name, getattr(self.model, name))
-            stages = self.stages_model
-            if stages is not None:
-                stages.sync()
-                self.stages = stages.rows
-                self.stages_svg = stages.strip().svg()
-                self.stage = -1 if stages.stage is None else stages.stage
+            if self.stages_model is not None:
+                self.stages_model.sync()
+                for name in STAGES_STATE:
+                    setattr(self, name, getattr(self.stages_model, name))

@@ -25,7 +25,11 @@ from workbench.show.viz.stages import StageStrip, stage_rows, stage_strip
 from workbench.show.widgets.model import ExplorerModel
 from workbench.show.widgets.session import Autosave, default_autosave, policy_label, start_policy
 
-__all__ = ["StagesModel"]
+__all__ = ["STAGES_STATE", "StagesModel"]
+
+# What a front end shows of a pipelined job: attributes of `StagesModel`, each mirrored into a
+# traitlet of that name (the open stage's own state is `model.STATE`'s).
+STAGES_STATE: tuple[str, ...] = ("stages", "stages_svg", "stage")
 
 
 def _start_policies(policy: Policy | str | Sequence[Policy | str], stages: int) -> list[Policy]:
@@ -66,7 +70,7 @@ class StagesModel:
         self.budget_bytes: int | None = None
         self.set_budget(budget_bytes)
         self.explorers: dict[int, ExplorerModel] = {}
-        self.stage: int | None = None  # the stage open in the explorer
+        self.stage = -1  # the stage open in the explorer (-1: none yet)
         self._autosaves = [Autosave(default_autosave(g)) for g in self.graphs]
         self.notes: list[str] = []  # what recovering each stage's autosave said
         self.policies: list[Policy] = []
@@ -107,7 +111,17 @@ class StagesModel:
 
     def strip(self) -> StageStrip:
         """The stages side by side (SVG), the open one outlined."""
-        return stage_strip(self.estimate, self._labels(), self.budget_bytes, self.stage)
+        selected = self.stage if self.stage >= 0 else None
+        return stage_strip(self.estimate, self._labels(), self.budget_bytes, selected)
+
+    @property
+    def stages(self) -> list[dict[str, Any]]:
+        """The rows, under the name the widget's traitlet has."""
+        return self.rows
+
+    @property
+    def stages_svg(self) -> str:
+        return self.strip().svg()
 
     def _labels(self) -> list[str]:
         return [policy_label(p.to_json()) for p in self.policies]
@@ -117,7 +131,7 @@ class StagesModel:
         return {
             **self.estimate.to_json(),
             "budget_bytes": self.budget_bytes,
-            "open_stage": self.stage,
+            "open_stage": self.stage if self.stage >= 0 else None,
             "rows": self.rows,
             "policies": [p.to_json() for p in self.policies],
         }
