@@ -19,7 +19,12 @@ from workbench.units import format_bytes
 
 __all__ = ["StageStrip", "layers_words", "stage_rows", "stage_strip"]
 
-_CELL_W, _CELL_H, _GAP, _TOP, _PAD = 168, 112, 8, 26, 8
+_CELL_W, _CELL_H, _GAP, _TOP, _PAD = 168, 112, 8, 40, 8
+# what the cells' peak is, under the title: the open stage's explorer shows another quantity
+_NOTE = (
+    "rank peak: the pipelined peak of the stage's rank over the schedule (stages of one rank "
+    "share it); click a stage to open its graph"
+)
 _BAR_Y, _BAR_H = 88, 12
 
 
@@ -89,14 +94,16 @@ class StageStrip:
 
     def svg(self) -> str:
         cells = _PAD * 2 + len(self.rows) * (_CELL_W + _GAP) - _GAP
-        width = max(cells, _PAD * 2 + round(6.6 * len(self.title)))  # the title on one line
+        # the title and the note each on one line
+        width = max(cells, _PAD * 2 + round(6.6 * max(len(self.title), len(_NOTE))))
         height = _TOP + _CELL_H + _PAD
         scale = max([self.budget_bytes or 0] + [r["peak_bytes"] for r in self.rows]) or 1
         parts = [
             f'<svg xmlns="http://www.w3.org/2000/svg" class="stage-strip" width="{width}" '
             f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" '
             'font-size="11">',
-            f'<text x="{_PAD}" y="16" font-size="12">{html.escape(self.title)}</text>',
+            f'<text x="{_PAD}" y="14" font-size="12">{html.escape(self.title)}</text>',
+            f'<text x="{_PAD}" y="30" fill="#555">{html.escape(_NOTE)}</text>',
         ]
         for i, row in enumerate(self.rows):
             parts.append(self._cell(row, _PAD + i * (_CELL_W + _GAP), scale))
