@@ -97,6 +97,18 @@ def test_opening_a_stage_shows_its_graph_and_policy(one_f_one_b: Job) -> None:
         assert explorer.svg and explorer.metrics["peak_bytes"] > 0
     assert model.policies == [Policy("default"), Policy("full")]
     assert model.open(1) is model.explorers[1]  # kept, with its undo stack
+    data = model.to_json()
+    assert data["open_stage"] == 1 and data["policies"][1]["preset"] == "full"
+    assert data["peak_bytes"] == max(r["peak_bytes"] for r in data["rows"])
+    assert [r["peak_bytes"] for r in data["stages"]] == [r["peak_bytes"] for r in model.rows]
+    assert repr(model) == "StagesModel(1F1B, pp 2, 2 stages)"
+
+
+def test_tracing_a_workload_gives_the_same_strip(one_f_one_b: Job) -> None:
+    workload = load_workload("llama3-debug", layers=2, batch=4, seq=32, device="meta")
+    traced = StagesModel.trace(workload, Pipeline(pp=2, microbatches=4), policy="full")
+    assert _figures(traced.rows) == _expected(one_f_one_b, [Policy("full")] * 2)
+    assert traced.strip()._repr_svg_() == traced.stages_svg
 
 
 def test_set_policy_is_per_stage_and_kept_by_the_next_session(one_f_one_b: Job) -> None:
@@ -160,7 +172,9 @@ def test_widget_opens_stages_and_flips_within_one(one_f_one_b: Job) -> None:
         assert getattr(widget, state) == getattr(widget.stages_model, state), state
     widget._on_msg(widget, {"type": "stage", "stage": 7}, None)
     assert widget.stage == 1 and "--stage" in widget.message
-    assert "stage 1" in repr(widget)
+    widget.open_stage(0)
+    assert widget.stage == 0 and widget.policy == Policy("default")
+    assert repr(widget) == "PolicyExplorer(llama3-debug, stage 0, policy default)"
 
 
 def test_widget_refuses_stages_on_one_graph(one_f_one_b: Job) -> None:
