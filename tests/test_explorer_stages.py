@@ -174,6 +174,8 @@ def test_widget_opens_stages_and_flips_within_one(one_f_one_b: Job) -> None:
     assert widget.stage == 1 and "--stage" in widget.message
     widget.open_stage(0)
     assert widget.stage == 0 and widget.policy == Policy("default")
+    widget.set_stage_budget(widget.stages[0]["peak_bytes"] // 2)
+    assert widget.stages[0]["fits"] is False and "budget" in widget.stages_svg
     assert repr(widget) == "PolicyExplorer(llama3-debug, stage 0, policy default)"
 
 
@@ -181,4 +183,6 @@ def test_widget_refuses_stages_on_one_graph(one_f_one_b: Job) -> None:
     widget = PolicyExplorer(one_f_one_b[0][0])
     with pytest.raises(WorkbenchError, match="PolicyExplorer.pipeline"):
         widget.open_stage(1)
+    with pytest.raises(WorkbenchError, match="PolicyExplorer.pipeline"):
+        widget.set_stage_budget(2**30)
     assert widget.stages == [] and widget.stage == -1

@@ -343,13 +343,21 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self._synced():
             self._open_stage(stage)
 
-    def _open_stage(self, stage: int) -> None:
+    def set_stage_budget(self, budget_bytes: int | None) -> None:
+        """The per-GPU budget the stages' bars are drawn against (None: no budget)."""
+        with self._synced():
+            self._stages().set_budget(budget_bytes)
+
+    def _stages(self) -> StagesModel:
         if self.stages_model is None:
             raise WorkbenchError(
                 "this explorer shows one graph; open a pipelined job with "
                 "PolicyExplorer.pipeline(workload, Pipeline(pp=...)) to switch stages"
             )
-        opened = self.stages_model.open(stage, like=self.model)
+        return self.stages_model
+
+    def _open_stage(self, stage: int) -> None:
+        opened = self._stages().open(stage, like=self.model)
         if opened is not self.model:
             self.model.on_change = lambda: None
             self.model = opened
