@@ -1486,3 +1486,81 @@ def test_pipeline_refuses_torchtitan_models(capsys: pytest.CaptureFixture[str]) 
         ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--pp", "2"],
         r"--pp on 'torchtitan:llama3/debugmodel'.*graph_pp",
     )
+
+
+# The explorer on a pipelined job (`StagesModel`, `PolicyExplorer.pipeline`): a stage out of
+# range, a policy list of the wrong length, a bad budget or preset, a source and split that do
+# not go together; each refused with one line, the stages' policies as they were.
+@pytest.fixture(scope="module")
+def pp_job() -> Any:
+    from workbench.capture.models import load_workload
+    from workbench.capture.stages import Pipeline, trace_stages
+
+    pipeline = Pipeline(pp=2, microbatches=2)
+    workload = load_workload("llama3-debug", layers=2, batch=2, seq=32, device="meta")
+    return workload, pipeline, trace_stages(workload, "fake", None, pipeline)
+
+
+def _pipeline_explorer(*args: Any) -> Any:
+    from workbench.show.widgets import PolicyExplorer
+
+    return PolicyExplorer.pipeline(*args)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("call", "kind", "message"),
+    [
+        (lambda m, job: m.open(2), WorkbenchError, r"--stage must be .* 0 to 1 .*, got 2"),
+        (lambda m, job: m.open("1"), WorkbenchError, r"--stage must be .*got '1' \(str\)"),
+        (lambda m, job: m.set_policy(0, "nope"), WorkbenchError, "unknown preset 'nope'"),
+        (lambda m, job: m.set_policy(0, 3), TypeError, "policy must be a preset name"),
+        (lambda m, job: m.set_budget(0), WorkbenchError, r"budget must be .* from 1"),
+        (lambda m, job: m.flip(1, "no_such_op"), WorkbenchError, "no_such_op"),
+        (
+            lambda m, job: type(m)(job[2], m.layout, ["full"] * 3),
+            WorkbenchError,
+            r"one per stage \(2 stages\); got 3",
+        ),
+        (
+            lambda m, job: type(m)(job[2][:1], m.layout),
+            WorkbenchError,
+            "a pipeline of 2 stages needs a graph per stage, got 1",
+        ),
+        (
+            lambda m, job: _pipeline_explorer(job[0], m.layout),
+            WorkbenchError,
+            r"a workload is split by a Pipeline\(pp=...\), not a layout",
+        ),
+        (
+            lambda m, job: _pipeline_explorer(job[2], job[1]),
+            WorkbenchError,
+            r"stage graphs come with their StageLayout",
+        ),
+    ],
+    ids=[
+        "stage out of range",
+        "stage str",
+        "preset unknown",
+        "policy int",
+        "budget 0",
+        "op unknown",
+        "policies 3 of 2",
+        "graphs 1 of 2",
+        "workload with a layout",
+        "graphs with a pipeline",
+    ],  # fmt: skip
+)
+def test_pipeline_explorer(
+    pp_job: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: Any, kind: type,
+    message: str,
+) -> None:  # fmt: skip
+    from workbench.show.widgets.stages import StagesModel
+
+    monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
+    workload, pipeline, graphs = pp_job
+    model = StagesModel(graphs, pipeline.layout(2))
+    before = list(model.policies)
+    with pytest.raises(kind, match=message):
+        call(model, pp_job)
+    assert model.policies == before
