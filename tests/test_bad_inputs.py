@@ -1373,3 +1373,205 @@ def test_ep_overlap_on_a_graph_without_expert_parallelism(
         "EP overlap needs expert-parallel all-to-alls, and llama3-debug has none: trace an "
         "MoE torchtitan model with --ep 2 or more$",
     )
+
+
+# --- pipeline schedules (issue 25) -----------------------------------------------------
+
+
+def _schedule_cases() -> list[tuple[str, Any, str]]:
+    from workbench.capture import pipeline as pl
+    from workbench.cost.schedule import PhaseCost, StageCost, simulate
+
+    names = "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
+    phase = PhaseCost(1.0, 0, 10)
+    one_backward = {"F": phase, "B": PhaseCost(1.0, 0, 0)}
+
+    def costs(n: int, phases: dict[str, Any] = one_backward) -> dict[int, Any]:
+        return {s: StageCost(s, 0, 0, phases) for s in range(n)}
+
+    return [
+        ("unknown schedule", lambda: pl.action_order("ZBV", 2, 4), f"schedules are {names}"),
+        ("close schedule", lambda: pl.schedule_class("gpip"), "did you mean 'GPipe'"),
+        ("schedule None", lambda: pl.schedule_class(None), "must be a name, one of GPipe"),
+        ("1F1B too few", lambda: pl.check_microbatches("1F1B", 4, 2), r"number of stages \(4\)"),
+        ("DualPipeV too few", lambda: pl.check_microbatches("DualPipeV", 2, 3), "at least as"),
+        ("rounds", lambda: pl.check_microbatches("Interleaved1F1B", 2, 5), r"rounds \(2\)"),
+        ("pp 0", lambda: pl.action_order("1F1B", 0, 4), "pp must be a whole number from 1"),
+        ("pp True", lambda: pl.action_order("1F1B", True, 4), r"\(bool\)"),
+        ("microbatches 0", lambda: pl.action_order("GPipe", 2, 0), "microbatches must be"),
+        ("microbatches 2**64", lambda: pl.action_order("GPipe", 2, 2**64), "to 1,024"),
+        ("rank out of range", lambda: pl.rank_stages("1F1B", 4, 4), r"from 0 to 3 \(pp is 4\)"),
+        ("action text", lambda: pl.Action.from_str("4X3"), "not STAGE KIND MICROBATCH"),
+        ("action comm", lambda: pl.Action.from_str("0SEND_F1"), "not a compute action"),
+        (
+            "no stage cost",
+            lambda: simulate(pl.action_order("1F1B", 2, 2), costs(1)),
+            r"no StageCost for stage 1 \(costs cover \[0\]\)",
+        ),
+        (
+            "I on a B-only stage",
+            lambda: simulate(pl.action_order("ZBVZeroBubble", 1, 1), costs(2)),
+            "needs the backward split into I and W",
+        ),
+        ("phase bytes -1", lambda: PhaseCost(1.0, -1, 0), "peak_bytes must be a whole number"),
+        ("phase seconds nan", lambda: PhaseCost(float("nan"), 0, 0), "seconds >= 0"),
+        ("phase seconds inf", lambda: PhaseCost(float("inf"), 0, 0), "must be finite"),
+        ("no backward", lambda: StageCost(0, 0, 0, {"F": phase}), "give F and B, or F, I and W"),
+        ("B residue", lambda: StageCost(0, 0, 0, {"F": phase, "B": phase}), "leaves residue"),
+        (
+            "bandwidth 0",
+            lambda: simulate(pl.action_order("1F1B", 2, 2), costs(2), 0.0),
+            "bandwidth must be > 0",
+        ),
+        (
+            "latency -1",
+            lambda: simulate(pl.action_order("1F1B", 2, 2), costs(2), None, -1.0),
+            "p2p latency must be",
+        ),
+        ("empty order", lambda: simulate({0: []}, costs(1)), "order holds no actions"),
+        (
+            "cost of another stage",
+            lambda: simulate(pl.action_order("GPipe", 2, 1), {0: costs(2)[1], 1: costs(2)[1]}),
+            r"costs\[0\] is the StageCost of stage 1",
+        ),
+        (
+            "order with a gap",
+            lambda: simulate(
+                {0: [pl.Action.from_str(a) for a in ("0F0", "0B0", "0F2", "0B2")]}, costs(1)
+            ),
+            "stage 0 microbatch 1 runs nothing",
+        ),
+        (
+            "order that hangs",
+            lambda: simulate(
+                {
+                    0: [pl.Action.from_str(a) for a in ("0F0", "0B0", "0F1", "0B1")],
+                    1: [pl.Action.from_str(a) for a in ("1F0", "1F1", "1B0", "1B1")],
+                },
+                costs(2),
+            ),
+            "deadlocks: rank 0 at 0B0, rank 1 at 1F1 wait forever",
+        ),
+    ]
+
+
+SCHEDULE_CASES = [c[0] for c in _schedule_cases()]
+
+
+@pytest.mark.parametrize("name", SCHEDULE_CASES)
+def test_pipeline_schedule_inputs(name: str) -> None:
+    _, call, message = next(c for c in _schedule_cases() if c[0] == name)
+    with pytest.raises(WorkbenchError, match=message) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+# --- pipeline parallelism on the command line (--pp) ---------------------------------------
+
+PP = ["estimate", "--model", "llama3-debug", "--layers", "4", "--seq", "32", "--mode", "fake"]
+PIPELINE_FLAGS: list[tuple[list[str], str]] = [
+    (["--pp", "0"], r"--pp must be"),
+    (["--pp", "8"], r"8 pipeline stages cannot split 4 layers .*at most 6 stages"),
+    (["--pp", "4", "--layers-per-stage", "2"], r"3 virtual stages .*--pp 4 does not divide"),
+    (["--pp", "3", "--layers-per-stage", "2", "--pp-schedule", "Interleaved1F1B"], "runs 2"),
+    (["--pp", "2", "--pp-schedule", "Zigzag"], r"unknown pipeline schedule 'Zigzag'.*1F1B"),
+    (["--pp", "2", "--microbatches", "1"], r"microbatches"),
+    (["--pp", "2", "--microbatches", "2", "--batch", "3"], r"does not divide the batch of 3"),
+    (["--pp", "2", "--stage", "2"], r"--stage must be .*0.*1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"), PIPELINE_FLAGS, ids=[" ".join(f) for f, _ in PIPELINE_FLAGS]
+)
+def test_bad_pipeline_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    command = ["trace", *PP[1:]] if "--stage" in flags else PP
+    fails(capsys, [*command, *flags], message)
+
+
+def test_pipeline_refuses_torchtitan_models(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--pp", "2"],
+        r"--pp on 'torchtitan:llama3/debugmodel'.*graph_pp",
+    )
+
+
+# The explorer on a pipelined job (`StagesModel`, `PolicyExplorer.pipeline`): a stage out of
+# range, a policy list of the wrong length, a bad budget or preset, a source and split that do
+# not go together; each refused with one line, the stages' policies as they were.
+@pytest.fixture(scope="module")
+def pp_job() -> Any:
+    from workbench.capture.models import load_workload
+    from workbench.capture.stages import Pipeline, trace_stages
+
+    pipeline = Pipeline(pp=2, microbatches=2)
+    workload = load_workload("llama3-debug", layers=2, batch=2, seq=32, device="meta")
+    return workload, pipeline, trace_stages(workload, "fake", None, pipeline)
+
+
+def _pipeline_explorer(*args: Any) -> Any:
+    from workbench.show.widgets import PolicyExplorer
+
+    return PolicyExplorer.pipeline(*args)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("call", "kind", "message"),
+    [
+        (lambda m, job: m.open(2), WorkbenchError, r"--stage must be .* 0 to 1 .*, got 2"),
+        (lambda m, job: m.open("1"), WorkbenchError, r"--stage must be .*got '1' \(str\)"),
+        (lambda m, job: m.set_policy(0, "nope"), WorkbenchError, "unknown preset 'nope'"),
+        (lambda m, job: m.set_policy(0, 3), TypeError, "policy must be a preset name"),
+        (lambda m, job: m.set_budget(0), WorkbenchError, r"budget must be .* from 1"),
+        (lambda m, job: m.flip(1, "no_such_op"), WorkbenchError, "no_such_op"),
+        (
+            lambda m, job: type(m)(job[2], m.layout, ["full"] * 3),
+            WorkbenchError,
+            r"one per stage \(2 stages\); got 3",
+        ),
+        (
+            lambda m, job: type(m)(job[2][:1], m.layout),
+            WorkbenchError,
+            "a pipeline of 2 stages needs a graph per stage, got 1",
+        ),
+        (
+            lambda m, job: _pipeline_explorer(job[0], m.layout),
+            WorkbenchError,
+            r"a workload is split by a Pipeline\(pp=...\), not a layout",
+        ),
+        (
+            lambda m, job: _pipeline_explorer(job[2], job[1]),
+            WorkbenchError,
+            r"stage graphs come with their StageLayout",
+        ),
+    ],
+    ids=[
+        "stage out of range",
+        "stage str",
+        "preset unknown",
+        "policy int",
+        "budget 0",
+        "op unknown",
+        "policies 3 of 2",
+        "graphs 1 of 2",
+        "workload with a layout",
+        "graphs with a pipeline",
+    ],  # fmt: skip
+)
+def test_pipeline_explorer(
+    pp_job: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: Any, kind: type,
+    message: str,
+) -> None:  # fmt: skip
+    from workbench.show.widgets.stages import StagesModel
+
+    monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
+    workload, pipeline, graphs = pp_job
+    model = StagesModel(graphs, pipeline.layout(2))
+    before = list(model.policies)
+    with pytest.raises(kind, match=message):
+        call(model, pp_job)
+    assert model.policies == before

@@ -376,3 +376,67 @@ def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None
             assert ticks and all(t.split()[-1] in ("B", "KiB", "MiB", "GiB") for t in ticks)
         finally:
             browser.close()
+
+
+# A pipelined job: the stages side by side above the explorer of stage 0.
+PIPELINE_EXPLORER = [
+    "import os\n"
+    'os.environ["SAC_WORKBENCH_AUTOSAVE_DIR"] = "."\n'
+    "from workbench.capture.models import load_workload\n"
+    "from workbench.capture.stages import Pipeline\n"
+    "from workbench.show.widgets import PolicyExplorer",
+    'job = load_workload("llama3-debug", layers=2, batch=4, seq=32, device="meta")\n'
+    "pp = PolicyExplorer.pipeline(job, Pipeline(pp=2, microbatches=4), budget_bytes=2**25)\n"
+    "pp",
+]
+
+
+def _rank_peak(text: str) -> str:
+    """`rank peak 21.3 MiB` of a stage cell's text."""
+    return text.split("rank peak ", 1)[1].split("B", 1)[0]
+
+
+@pytest.fixture
+def pipeline_lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The same, serving `PIPELINE_EXPLORER`."""
+    yield from _served(tmp_path, PIPELINE_EXPLORER)
+
+
+def test_a_click_on_a_stage_opens_it_and_a_flip_moves_its_peak(
+    pipeline_lab: tuple[str, Path],
+) -> None:
+    """The strip shows one cell per stage; clicking stage 1 opens its graph (its cell
+    outlined), and a flip there changes stage 1's policy and rank peak in the strip."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = pipeline_lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = open_notebook(browser, url, 1500, 1100)
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page.wait_for_selector(".sacwb-stages svg", timeout=180_000)
+            strip = page.locator(".sacwb-stages")
+            assert strip.locator("g.stage-cell").count() == 2
+            assert "stage 0 · rank 0 · open" in (strip.text_content() or "")
+            cell = strip.locator('g.stage-cell[data-stage="1"]')
+            before = _rank_peak(cell.text_content() or "")
+            cell.click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-stages').textContent"
+                ".includes('stage 1 · rank 1 · open')", timeout=60_000,
+            )  # fmt: skip
+            assert "stage 1 open" in page.locator(".sacwb-message").inner_text()
+            # the output projection: its saved logits set much of stage 1's peak
+            _find(page, page.locator(".sacwb"), "mm_7")
+            page.locator(f'[id="{svg_id("n", "mm_7")}"]').click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-stages').textContent"
+                ".includes('policy default + 1 edits')", timeout=60_000,
+            )  # fmt: skip
+            after = page.locator('.sacwb-stages g.stage-cell[data-stage="1"]').text_content()
+            assert _rank_peak(after or "") != before
+            page.screenshot(path=str(SHOTS / "explorer-stages.png"))
+        finally:
+            browser.close()

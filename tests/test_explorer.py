@@ -21,6 +21,7 @@ from workbench.show.viz import render_overview, svg_id
 from workbench.show.widgets import PolicyExplorer
 from workbench.show.widgets.model import STATE
 from workbench.show.widgets.session import Autosave, Edits, History, Point, graph_key
+from workbench.show.widgets.stages import STAGES_STATE
 from workbench.units import byte_ticks, format_bytes
 
 Fixture = tuple[Workload, JointGraph]
@@ -614,7 +615,7 @@ def test_every_model_state_is_a_synced_traitlet_and_repr_names_the_session(
     ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
     synced = set(ex.keys) - {"presets", "profiles", "export_formats"}
     assert {n for n in synced if not n.startswith("_") and n not in ("layout", "tabbable",
-            "tooltip")} == set(STATE)  # fmt: skip
+            "tooltip")} == set(STATE) | set(STAGES_STATE)  # fmt: skip
     for name in STATE:
         assert getattr(ex, name) == getattr(ex.model, name), name
     assert repr(ex) == "PolicyExplorer(llama3-debug, policy eager)"

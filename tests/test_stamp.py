@@ -109,6 +109,23 @@ def test_middle_stage_without_embedding_or_output() -> None:
     assert_same_graph(stamped, trace(stage, "fake", stamp=False))
 
 
+@pytest.mark.parametrize("parallel", [None, Parallel(fsdp=2, tp=2)])
+def test_pipeline_stages_stamped_from_kept_templates(parallel: Any) -> None:
+    """Four stages of 18 layers (4, 5, 5, 4): the first, the middle two (one template) and
+    the last, each equal to its full trace; received hidden states, output gradients and the
+    input's gradient among the outputs."""
+    from workbench.capture.stages import Pipeline, stage_workload
+
+    workload = load_workload("llama3-debug", layers=18, seq=16, batch=4, device="meta")
+    layout = Pipeline(pp=4).layout(18)
+    templates: dict[Any, Any] = {}
+    for stage in range(4):
+        part = stage_workload(workload, layout, stage, parallel)
+        stamped = trace(part, "fake", parallel, templates=templates)
+        assert_same_graph(stamped, trace(part, "fake", parallel, stamp=False))
+    assert len(templates) == 3  # first, middle, last
+
+
 def _dsv3(dense: int) -> Workload:
     config = replace(DSV3_FLAVORS["debugmodel"], n_layers=5, n_dense_layers=dense)
     with torch.device("meta"):

@@ -38,6 +38,14 @@ from workbench.commands import (
 )
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError, torch_logs_held
+from workbench.stage_commands import (
+    add_pipeline_args,
+    cmd_bench_trace_stages,
+    cmd_estimate_stages,
+    cmd_solve_stages,
+    cmd_trace_stages,
+    pipelined,
+)
 from workbench.units import format_value
 
 if TYPE_CHECKING:
@@ -308,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     trace = commands.add_parser("trace", help="trace a train step and summarise the graph")
     _add_model_args(trace)
-    trace.set_defaults(run=cmd_trace)
+    add_pipeline_args(trace)
+    trace.set_defaults(run=pipelined(cmd_trace, cmd_trace_stages))
 
     verify = commands.add_parser("verify", help="remat a policy and check numerics bitwise")
     _add_model_args(verify)
@@ -367,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimizer_arg(estimate)
     _add_passes_arg(estimate)
     _add_cost_args(estimate, calibrate=True)
-    estimate.set_defaults(run=cmd_estimate)
+    add_pipeline_args(estimate)
+    estimate.set_defaults(run=pipelined(cmd_estimate, cmd_estimate_stages))
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
     _add_model_args(measure)
@@ -387,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--budget-bytes", type=int, help="estimated peak must fit this")
     budget.add_argument("--budget-frac", type=float, help="fraction of the no-AC peak")
     _add_passes_arg(solve)
-    solve.set_defaults(run=cmd_solve)
+    add_pipeline_args(solve)
+    solve.set_defaults(run=pipelined(cmd_solve, cmd_solve_stages))
 
     pareto = commands.add_parser("pareto", help="memory-vs-recompute front and the presets")
     _add_model_args(pareto)
@@ -400,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_trace = benches.add_parser("trace", help="time tracing (median of --repeat runs)")
     _add_model_args(bench_trace)
     bench_trace.add_argument("--repeat", type=int, default=1)
-    bench_trace.set_defaults(run=cmd_bench_trace)
+    add_pipeline_args(bench_trace)
+    bench_trace.set_defaults(run=pipelined(cmd_bench_trace, cmd_bench_trace_stages))
     bench_whatif = benches.add_parser("whatif", help="time what-if flips against the full path")
     _add_model_args(bench_whatif)
     _add_policy_arg(bench_whatif)

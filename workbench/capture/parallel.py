@@ -31,20 +31,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.fx.traceback import annotate
 
 from workbench.capture.fits import available_bytes
-from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
+from workbench.capture.graph import InputKind, JointGraph
 from workbench.capture.models import DTYPES, Workload
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import Llama3
 from workbench.capture.tp_plan import check_tp_plan
 from workbench.capture.tracing import (
     Mode,
-    backward_without_stack_traces,
-    check_grads,
+    last_input,
+    last_input_kind,
+    step_outputs,
     trace_step,
-    traced_loss,
 )
 from workbench.errors import WorkbenchError, check_int, describe
 
@@ -255,7 +254,7 @@ def check_tp_shapes(workload: Workload, parallel: Parallel) -> None:
     if tp == 1 or not isinstance(model, Llama3):
         return
     config = model.config
-    seq = int(workload.inputs[0].shape[1])
+    seq = workload.stage.seq if workload.stage else int(workload.inputs[0].shape[1])
     sizes = {
         "heads": config.n_heads,
         "kv heads": config.n_kv_heads,
@@ -501,7 +500,6 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
     """Trace one rank's step: placeholders are the mesh (opaque), the local parameter
     shards (re-wrapped as DTensors inside the step), buffers, inputs and target."""
     workload, shards, parallel = rank.workload, rank.shards, rank.parallel
-    assert workload.loss_fn is not None
     buffers = dict(workload.model.named_buffers())
     n_params, n_buffers, n_inputs = len(shards), len(buffers), len(workload.inputs)
 
@@ -517,26 +515,24 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
         inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
         with _loss_context(rank):
             output = torch.func.functional_call(workload.model, state, inputs)
-            with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-                loss = traced_loss(workload, output, flat[-1])
-            with backward_without_stack_traces():
-                grads = torch.autograd.grad(loss, local, allow_unused=True)
-        check_grads(workload, [s.fqn for s in shards], grads)
-        return [_local(loss), *grads]
+            first, *grads = step_outputs(
+                workload, output, flat[-1], local, [s.fqn for s in shards], inputs[0]
+            )
+        return [_local(first), *grads]
 
     args = [
         rank.mesh,
         *rank.local_params(),
         *buffers.values(),
         *workload.inputs,
-        workload.target,
+        last_input(workload),
     ]
     kinds: list[tuple[InputKind, str]] = [
         ("mesh", "mesh"),
         *(("param", s.fqn) for s in shards),
         *(("buffer", name) for name in buffers),
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
-        ("target", "target"),
+        last_input_kind(workload),
     ]
     graph = trace_step(workload, step, args, kinds, mode)
     graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in MESH_DIMS}

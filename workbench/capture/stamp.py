@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from workbench.capture.fresh import FreshValues, flat
 from workbench.capture.graph import InputSpec, JointGraph, describe_nodes
 from workbench.capture.ops import layer_of
-from workbench.capture.tracing import Mode, collector_paused
+from workbench.capture.tracing import Mode, collector_paused, last_input
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
 
@@ -122,8 +122,9 @@ def template_key(
 ) -> Hashable:
     """What a template's graph depends on, its layers' ids aside: the model's module types
     and parameter and buffer shapes (layer ids replaced by their place in `ids`), the batch,
-    the loss, the mode and the parallel layout. Not the workload's name, config or notes:
-    a stamped graph takes those from `build(layers)`."""
+    the loss, a pipeline stage's place (first, last), the mode and the parallel layout. Not
+    the workload's name, config or notes, nor the stage's number: a stamped graph takes those
+    from `build(layers)`."""
 
     def local(path: str) -> str:
         layer = layer_of(path)
@@ -133,10 +134,12 @@ def template_key(
 
     model = workload.model
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    batch = [*workload.inputs, workload.target]
+    batch = [*workload.inputs, last_input(workload)]
+    stage = workload.stage
     return (
         type(model),
         workload.loss_fn,
+        (stage.first, stage.last) if stage is not None else None,
         mode,
         parallel,
         tuple((local(path), type(m).__name__) for path, m in model.named_modules()),
@@ -267,12 +270,16 @@ def _node_layers(template: JointGraph, ids: Sequence[int]) -> dict[fx.Node, int 
 
 
 def _segments(template: JointGraph, ids: Sequence[int]) -> _Cut:
-    """Cut the template into runs and check that they come as the three layers in a row."""
+    """Cut the template into runs and check that they come as the three layers in a row. A
+    run is one layer's, in forward or in backward (the last layer's backward follows its
+    forward at once on a stage without the loss)."""
     cut = _Cut(layer=_node_layers(template, ids))
     runs: list[tuple[int | None, list[fx.Node]]] = []
+    backward = False
     for node in template.gm.graph.nodes:
-        owner = cut.layer[node]
-        if runs and runs[-1][0] == owner:
+        owner, was_backward = cut.layer[node], backward
+        backward = bool(node.meta.get("autograd_backward"))
+        if runs and runs[-1][0] == owner and backward == was_backward:
             runs[-1][1].append(node)
         else:
             runs.append((owner, [node]))
@@ -572,15 +579,13 @@ class _Stamper:
         k = 0
         while k < len(runs):
             owner, values = runs[k]
-            if owner is None:
-                new_outputs += [self._outside(v) if isinstance(v, fx.Node) else v for v in values]
-                k += 1
-                continue
             triple = dict(runs[k : k + TEMPLATE_LAYERS])
             if list(triple) != list(self.ids) or len(triple[self.ids[1]]) != len(
                 triple[self.ids[2]]
-            ):
-                raise StampRefused(f"the outputs of layers {list(triple)} do not line up")
+            ):  # outside the layers, or one layer's value (a stage's output)
+                new_outputs += [self._outside(v) if isinstance(v, fx.Node) else v for v in values]
+                k += 1
+                continue
             for unit in self.copies:
                 new_outputs += [unit.env[v] for v in triple[unit.source]]
             k += TEMPLATE_LAYERS

@@ -10,19 +10,19 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.fx.traceback import annotate
 
-from workbench.capture.graph import LOSS_MODULE, InputKind, JointGraph
+from workbench.capture.graph import InputKind, JointGraph
 from workbench.capture.stamp import TEMPLATE_LAYERS, keep_layers, trace_layers
 from workbench.capture.tracing import (
     Mode,
-    backward_without_stack_traces,
-    check_grads,
+    last_input,
+    last_input_kind,
+    step_outputs,
     trace_step,
-    traced_loss,
 )
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 
 def trace(
-    workload: Workload, mode: Mode = "real", parallel: Parallel | None = None, stamp: bool = True
+    workload: Workload,
+    mode: Mode = "real",
+    parallel: Parallel | None = None,
+    stamp: bool = True,
+    templates: dict[Hashable, Any] | None = None,
 ) -> JointGraph:
     """Trace `workload`'s train step.
 
@@ -44,7 +48,9 @@ def trace(
     `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`). A reference model
     (Llama3, DeepSeek-V3) in fake mode with more than three layers traces three and stamps
     the others, node for node the full trace (`workbench.capture.stamp.trace_layers`;
-    `config["stamped"]` counts them); `stamp=False` traces every layer.
+    `config["stamped"]` counts them); `stamp=False` traces every layer. `templates` (a dict
+    kept across calls, e.g. over pipeline stages) lets a later call stamp from an earlier
+    template whose layers differ only in their ids.
     """
     if not isinstance(workload, Workload):
         raise TypeError(
@@ -61,6 +67,7 @@ def trace(
             mode,
             parallel,
             trace_fn=functools.partial(trace, stamp=False),
+            templates=templates,
         )
     if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
         from workbench.capture.parallel import Parallel, trace_rank
@@ -77,9 +84,8 @@ def trace(
     model = workload.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    real = [*params.values(), *buffers.values(), *workload.inputs, workload.target]
+    real = [*params.values(), *buffers.values(), *workload.inputs, last_input(workload)]
     n_params, n_buffers, n_inputs = len(params), len(buffers), len(workload.inputs)
-    assert workload.loss_fn is not None
 
     def step(*flat: Any) -> list[torch.Tensor]:
         p = flat[:n_params]
@@ -87,18 +93,13 @@ def trace(
         state.update(zip(buffers, flat[n_params : n_params + n_buffers], strict=True))
         inputs = flat[n_params + n_buffers : n_params + n_buffers + n_inputs]
         output = torch.func.functional_call(model, state, inputs)
-        with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
-            loss = traced_loss(workload, output, flat[-1])
-        with backward_without_stack_traces():
-            grads = torch.autograd.grad(loss, p, allow_unused=True)
-        check_grads(workload, list(params), grads)
-        return [loss, *grads]
+        return step_outputs(workload, output, flat[-1], p, list(params), inputs[0])
 
     kinds: list[tuple[InputKind, str]] = [
         *(("param", name) for name in params),
         *(("buffer", name) for name in buffers),
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
-        ("target", "target"),
+        last_input_kind(workload),
     ]
     return trace_step(workload, step, real, kinds, mode)
 

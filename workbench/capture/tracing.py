@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.traceback import annotate, preserve_node_meta
 
-from workbench.capture.graph import InputKind, InputSpec, JointGraph, describe_nodes
+from workbench.capture.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError, describe
 
@@ -141,6 +141,50 @@ def traced_loss(workload: Workload, output: Any, target: Any) -> torch.Tensor:
         return loss_fn(output, target)
 
     return check_loss(workload, forward())
+
+
+def step_outputs(
+    workload: Workload,
+    output: Any,
+    last: Any,
+    params: Sequence[torch.Tensor],
+    names: list[str],
+    received: torch.Tensor | None = None,
+) -> list[Any]:
+    """The traced step's outputs: `[loss, *param grads]`. A pipeline stage's
+    (`workload.stage`) are `[loss or its output, *param grads, its input's grad]`: it
+    differentiates its output against `last` (the received gradient, `grad_output`) unless it
+    is the last stage, and `received` (its `inputs[0]`) unless it is the first."""
+    stage = workload.stage
+    wrt = list(params)
+    if stage is not None and not stage.first:
+        assert received is not None
+        wrt.append(received)
+    if stage is None or stage.last:
+        with annotate({"module": LOSS_MODULE, "phase_hint": LOSS_MODULE}):
+            first = traced_loss(workload, output, last)
+        with backward_without_stack_traces():
+            grads = torch.autograd.grad(first, wrt, allow_unused=True)
+    else:
+        first = output
+        with backward_without_stack_traces():
+            grads = torch.autograd.grad(output, wrt, grad_outputs=last, allow_unused=True)
+    check_grads(workload, names, grads[: len(params)])
+    return [first, *grads]
+
+
+def last_input(workload: Workload) -> Any:
+    """The step's last argument: the target, or a pipeline stage's received output gradient
+    when it has no loss."""
+    stage = workload.stage
+    return workload.grad_output if stage is not None and not stage.last else workload.target
+
+
+def last_input_kind(workload: Workload) -> tuple[InputKind, str]:
+    stage = workload.stage
+    return (
+        ("input", "grad_output") if stage is not None and not stage.last else ("target", "target")
+    )
 
 
 def check_grads(workload: Workload, names: list[str], grads: Sequence[Any]) -> None:

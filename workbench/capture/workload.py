@@ -16,7 +16,14 @@ from torch import nn
 
 from workbench.errors import WorkbenchError
 
-__all__ = ["LossFn", "Workload", "eager_step", "token_cross_entropy", "token_workload"]
+__all__ = [
+    "LossFn",
+    "StageRole",
+    "Workload",
+    "eager_step",
+    "token_cross_entropy",
+    "token_workload",
+]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -30,9 +37,40 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 MAX_LAYERS = 1024
 
 
+@dataclass(frozen=True)
+class StageRole:
+    """A pipeline stage's place in the model (`workbench.capture.stages`). A stage after the
+    first receives hidden states (their gradient is one of its outputs); one before the last
+    receives its output's gradient instead of computing a loss."""
+
+    stage: int
+    stages: int
+    layers: tuple[int, ...]
+    tokens: int  # of one microbatch
+    seq: int
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "stages": self.stages,
+            "layers": list(self.layers),
+            "first": self.first,
+            "last": self.last,
+        }
+
+
 @dataclass
 class Workload:
-    """What one training step needs: `loss_fn(model(*inputs), target)`."""
+    """What one training step needs: `loss_fn(model(*inputs), target)`; for a pipeline
+    stage before the last, `grad_output` stands in for the loss (`stage`)."""
 
     model: nn.Module
     inputs: tuple[torch.Tensor, ...]
@@ -44,6 +82,8 @@ class Workload:
     # a reference one: {module path: ParallelStyle} or a callable(model, tp_mesh).
     tp_plan: Any = None
     notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
+    stage: StageRole | None = None
+    grad_output: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -66,12 +106,21 @@ class Workload:
                 f"workload {self.name!r}: model must be a torch.nn.Module, "
                 f"got {type(self.model).__name__}"
             )
-        if self.loss_fn is None:
+        if self.stage is not None and not self.stage.last:
+            if not isinstance(self.grad_output, torch.Tensor):
+                raise WorkbenchError(
+                    f"workload {self.name!r}: pipeline stage {self.stage.stage} is not the last, "
+                    "so it needs grad_output (its output's gradient) in place of a loss"
+                )
+        elif self.loss_fn is None:
             self.loss_fn = _default_loss(self.name, self.target)
 
     @property
     def tokens(self) -> int:
-        """Tokens (or samples) per step: the first input's leading two dims for token ids."""
+        """Tokens (or samples) per step: the first input's leading two dims for token ids
+        (a pipeline stage's: its microbatch's)."""
+        if self.stage is not None:
+            return self.stage.tokens
         first = self.inputs[0]
         if first.dtype in (torch.int32, torch.int64) and first.dim() >= 2:
             return int(first.shape[0] * first.shape[1])

@@ -112,6 +112,7 @@ class Estimate:
     # per profile: bytes a rank holds outside the allocator (CUDA context, NCCL buffers)
     outside_allocator_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     allocator_input: _AllocatorInput | None = field(default=None, repr=False, compare=False)
+    device_storages: DeviceStorages | None = field(default=None, repr=False, compare=False)
     _allocator: AllocatorReplay | None = field(default=None, repr=False, compare=False)
 
     def allocator(self) -> AllocatorReplay:
@@ -182,6 +183,18 @@ class Estimate:
         return result
 
 
+class DeviceStorages(NamedTuple):
+    """Every device storage of a walk: bytes, birth and free steps (inclusive), category
+    (index into `CATEGORIES`) and the graph node owning it (an index into `GraphIndex`).
+    What a caller splitting the step into phases sums (`workbench.cost.stages`)."""
+
+    sizes: np.ndarray
+    born: np.ndarray
+    freed: np.ndarray
+    category: np.ndarray
+    node: np.ndarray
+
+
 class _AllocatorInput(NamedTuple):
     """What `replay_allocator` replays: device storages' sizes, birth and free steps, the
     step count, the optimizer state's tensors (allocated first), the allocator settings."""
@@ -212,6 +225,7 @@ class _Walk(NamedTuple):
     offloaded: dict[int, int]
     allocations: _AllocatorInput
     reads: tuple[np.ndarray, np.ndarray]
+    device: DeviceStorages
 
 
 class Estimator:
@@ -436,6 +450,13 @@ class Estimator:
                     self._optimizer_tensors,
                     self.allocator,
                 ),  # fmt: skip
+                device=DeviceStorages(
+                    sizes[device],
+                    born[device],
+                    freed[device],
+                    category[device],
+                    index.entry_node(table.owner[device]),
+                ),
             )
         )
 
@@ -536,6 +557,7 @@ class Estimator:
                 p.name: p.outside_allocator_bytes(communicators) for p in self.profiles
             },
             allocator_input=walk.allocations,
+            device_storages=walk.device,
         )
 
     def _transfers(

@@ -162,7 +162,9 @@ class Llama3(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
+        # hidden states a stage receives may be a sequence shard (TP): their positions span
+        # the sequence the model was built for
+        seq = tokens.shape[1] if self.tok_embeddings is not None else self.rope_cos.shape[0]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():

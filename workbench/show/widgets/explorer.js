@@ -287,7 +287,18 @@ function render({ model, el }) {
     h("div", { class: "sacwb-title" }, "Export"), h("div", {}, exportFmt, " ", exportPath, " ", save, " ", copy, " ", copyNote), code);
   const side = h("div", { class: "sacwb-side" }, metrics, timeline, details, policyRows, suggester, switches, scatter, exporter);
 
-  el.append(toolbar, message, status,
+  // --- a pipelined job: the stages side by side (Python's SVG); a click opens one -----
+  const strip = h("div", { class: "sacwb-stages", title: "click a stage to open its graph",
+    onclick: (e) => {
+      const cell = e.target.closest?.("[data-stage]");
+      if (cell) send({ type: "stage", stage: Number(cell.dataset.stage) });
+    } });
+  const drawStages = () => {
+    strip.innerHTML = model.get("stages_svg");
+    strip.style.display = model.get("stages_svg") ? "" : "none";
+  };
+
+  el.append(strip, toolbar, message, status,
     h("div", { class: "sacwb-main" }, h("div", { class: "sacwb-left" }, legend, graphTools, graph), side));
 
   // --- drawing from state ------------------------------------------------------------
@@ -456,9 +467,10 @@ function render({ model, el }) {
   };
 
   const drawAll = () => {
-    drawBudget(); drawControls(); drawLegend(); drawGraph(); drawMetrics(); drawTimeline(); drawDetails(); drawPolicy(); drawHistory(); };
+    drawStages(); drawBudget(); drawControls(); drawLegend(); drawGraph(); drawMetrics(); drawTimeline(); drawDetails(); drawPolicy(); drawHistory(); };
   drawAll();
   model.on("change:svg", drawGraph);
+  model.on("change:stages_svg", drawStages);
   for (const name of ["selected_id", "peak_ids"]) model.on(`change:${name}`, markGraph);
   model.on("change:focus", applyFocus);
   model.on("change:legend", drawLegend);

@@ -3,15 +3,17 @@ traitlets `explorer.js` draws, sends front-end messages to the model's actions, 
 the model back after each; the session itself (plain Python) is
 `workbench.show.widgets.model`.
 
-Entry point: `PolicyExplorer(graph_or_workload_or_model_name, policy=...)`. Every action is a
-method (`flip`, `search`, `suggest`, `run`, ...), so it is driven the same from a browser, a
-notebook cell or a test.
+Entry points: `PolicyExplorer(graph_or_workload_or_model_name, policy=...)`, and
+`PolicyExplorer.pipeline(workload, Pipeline(pp=...))` for a pipelined job (the stages side by
+side above the explorer of the open one, `workbench.show.widgets.stages`). Every action is a
+method (`flip`, `search`, `suggest`, `run`, `open_stage`, ...), so it is driven the same from
+a browser, a notebook cell or a test.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,9 @@ import traitlets
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.stages import Pipeline, StageLayout
+from workbench.capture.tracing import Mode
 from workbench.cost.estimate import BudgetKind, Estimator
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions
@@ -30,6 +35,7 @@ from workbench.interop.export import FORMATS
 from workbench.show.viz.arrange import PANEL_ASPECT
 from workbench.show.widgets.model import STATE, ExplorerModel
 from workbench.show.widgets.session import policy_label
+from workbench.show.widgets.stages import STAGES_STATE, StagesModel
 
 __all__ = ["PolicyExplorer"]
 
@@ -108,10 +114,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     fsdp_reshard = traitlets.Bool(True).tag(sync=True)
     # the picture panel's width / height, set by the front end: views are arranged to fill it
     graph_aspect = traitlets.Float(PANEL_ASPECT).tag(sync=True)
+    # a pipelined job (`PolicyExplorer.pipeline`): the stages' rows and strip, and the
+    # stage shown (-1: none)
+    stages: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
+    stages_svg = traitlets.Unicode("").tag(sync=True)
+    stage = traitlets.Int(-1).tag(sync=True)  # every name in STAGES_STATE
 
     def __init__(
         self,
-        source: JointGraph | Workload | str,
+        source: JointGraph | Workload | str | ExplorerModel,
         policy: Policy | str = "default",
         *,
         profile: str = "h100",
@@ -119,35 +130,83 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         workload: Workload | None = None,
         passes: str = "workbench",
         budget_kind: BudgetKind = "allocated",
+        stages_model: StagesModel | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.model = ExplorerModel(
-            source,
-            policy,
-            profile=profile,
-            autosave=autosave,
-            workload=workload,
-            passes=passes,
-            budget_kind=budget_kind,
-        )
+        self.stages_model = stages_model  # the stages of a pipelined job (None: one graph)
+        if isinstance(source, ExplorerModel):
+            self.model = source
+        else:
+            self.model = ExplorerModel(
+                source,
+                policy,
+                profile=profile,
+                autosave=autosave,
+                workload=workload,
+                passes=passes,
+                budget_kind=budget_kind,
+            )
         self.model.on_change = self._sync
         self._sync()
         # traitlets the front end (or a notebook cell) sets: each forwarded to the model
+        # shown (looked up at each set: opening another stage shows another model)
         self._setters: dict[str, Callable[[Any], None]] = {
-            "profile": self.model.set_profile,
+            "profile": lambda name: self.model.set_profile(name),
             "all_layers": lambda on: setattr(self.model, "all_layers", bool(on)),
-            "export_format": self.model.set_export_format,
+            "export_format": lambda fmt: self.model.set_export_format(fmt),
             "export_path": lambda path: setattr(self.model.exports, "path", Path(path)),
             "suggest_method": lambda method: setattr(self.model, "suggest_method", method),
-            "suggest_host_budget_bytes": self.model.set_host_budget,
-            "graph_aspect": self.model.set_graph_aspect,
+            "suggest_host_budget_bytes": lambda n: self.model.set_host_budget(n),
+            "graph_aspect": lambda aspect: self.model.set_graph_aspect(aspect),
         }
         self.observe(self._on_set, names=list(self._setters))
         self.on_msg(self._on_msg)
 
+    @classmethod
+    def pipeline(
+        cls,
+        source: Workload | Sequence[JointGraph],
+        pipeline: Pipeline | StageLayout,
+        policy: Policy | str | Sequence[Policy | str] = "default",
+        *,
+        mode: Mode = "fake",
+        parallel: Parallel | None = None,
+        profile: str = "h100",
+        budget_bytes: int | None = None,
+        stage: int = 0,
+        **kwargs: Any,
+    ) -> PolicyExplorer:
+        """The explorer of a pipelined job: a workload traced stage by stage under
+        `pipeline` (or its stage graphs and their `StageLayout`), one policy per stage
+        (`policy` for all, or one each), the stages side by side with each rank's
+        pipelined peak against `budget_bytes`, and stage `stage` open."""
+        if isinstance(source, Workload):
+            if not isinstance(pipeline, Pipeline):
+                raise WorkbenchError("a workload is split by a Pipeline(pp=...), not a layout")
+            stages = StagesModel.trace(
+                source, pipeline, mode=mode, parallel=parallel,
+                policy=policy, profile=profile, budget_bytes=budget_bytes,
+            )  # fmt: skip
+        else:
+            layout = pipeline if isinstance(pipeline, StageLayout) else None
+            if layout is None:
+                raise WorkbenchError(
+                    "stage graphs come with their StageLayout (Pipeline.layout(n_layers)); "
+                    "give a Workload to trace them under a Pipeline"
+                )
+            stages = StagesModel(source, layout, policy, profile=profile,
+                                 budget_bytes=budget_bytes)  # fmt: skip
+        widget = cls(stages.open(stage), stages_model=stages, **kwargs)
+        if stages.notes:
+            widget.model.message = " · ".join(stages.notes)
+            widget._sync()
+        return widget
+
     def __repr__(self) -> str:
-        return f"PolicyExplorer({self.graph.model_name}, policy {policy_label(self.policy_json)})"
+        where = f", stage {self.stage}" if self.stages_model is not None else ""
+        label = policy_label(self.policy_json)
+        return f"PolicyExplorer({self.graph.model_name}{where}, policy {label})"
 
     @property
     def graph(self) -> JointGraph:
@@ -278,6 +337,36 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self._synced():
             return self.model.run(repeats)
 
+    def open_stage(self, stage: int) -> None:
+        """Show stage `stage` of a pipelined job (its own policy and undo stack); the
+        profile, layer switch and panel shape carry over."""
+        with self._synced():
+            self._open_stage(stage)
+
+    def set_stage_budget(self, budget_bytes: int | None) -> None:
+        """The per-GPU budget the stages' bars are drawn against (None: no budget)."""
+        with self._synced():
+            self._stages().set_budget(budget_bytes)
+
+    def _stages(self) -> StagesModel:
+        if self.stages_model is None:
+            raise WorkbenchError(
+                "this explorer shows one graph; open a pipelined job with "
+                "PolicyExplorer.pipeline(workload, Pipeline(pp=...)) to switch stages"
+            )
+        return self.stages_model
+
+    def _open_stage(self, stage: int) -> None:
+        opened = self._stages().open(stage, like=self.model)
+        if opened is not self.model:
+            self.model.on_change = lambda: None
+            self.model = opened
+            self.model.on_change = self._sync
+            self.model.message = (
+                f"stage {stage} open: its edits change its policy only; the metrics are its "
+                "one-microbatch graph's, the strip's peaks each rank's pipelined peak"
+            )
+
     # --- messages and traitlets from the front end ------------------------------------------
 
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
@@ -322,6 +411,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "suggest": lambda: m.suggest(_field(c, "budget", int)),
             "sweep": m.sweep,
             "host_budget": lambda: m.set_host_budget(_field(c, "bytes", int)),
+            "stage": lambda: self._open_stage(_field(c, "stage", int)),
         }
         action = c.get("type")
         with self._synced():
@@ -355,7 +445,12 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self._sync()
 
     def _sync(self) -> None:
-        """Every traitlet from the model (traitlets send only the ones that changed)."""
+        """Every traitlet from the model (traitlets send only the ones that changed); for a
+        pipelined job the shown stage's policy goes into the pipeline's estimate first."""
         with self.hold_sync():
             for name in STATE:
                 setattr(self, name, getattr(self.model, name))
+            if self.stages_model is not None:
+                self.stages_model.sync()
+                for name in STAGES_STATE:
+                    setattr(self, name, getattr(self.stages_model, name))

@@ -397,6 +397,10 @@ class ExplorerModel:
         """Back to the preset alone, keeping its FSDP choice (undoable)."""
         self._edit(edited(self.policy, selectors=[], overrides={}))
 
+    def load(self, policy: Policy) -> None:
+        """Make `policy` current (undoable, autosaved): a stage's policy set from outside."""
+        self._edit(policy, f"loaded policy {policy_label(policy.to_json())}")
+
     def restore(self, index: int) -> None:
         """Load the policy of a point in the history (undoable), and the host budget its
         offloads were solved for."""

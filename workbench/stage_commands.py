@@ -1,0 +1,190 @@
+"""`trace`, `estimate`, `solve` and `bench trace` of a pipelined job (`--pp`): one graph per
+stage, figures per stage over torch's schedule.
+
+Entry points: `add_pipeline_args(parser)` and `pipelined(cmd, cmd_stages)`, which runs
+`cmd_stages` when `--pp` is given (the cmd_* of `workbench.commands` otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
+from workbench.commands import _parallel_from_args, _solve_options_from_args
+from workbench.decide.policy import Policy, parse_policy
+from workbench.errors import WorkbenchError
+from workbench.files import read_file
+
+__all__ = ["add_pipeline_args", "pipelined"]
+
+Command = Callable[[argparse.Namespace], dict[str, Any]]
+POLICY_FILE_LIMIT = 16 * 2**20
+
+
+def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("pipeline parallelism")
+    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (ranks)")
+    group.add_argument(
+        "--pp-schedule",
+        default="1F1B",
+        help="torch.distributed.pipelining schedule: 1F1B (default), GPipe, Interleaved1F1B, "
+        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
+    )
+    group.add_argument(
+        "--microbatches", type=int, help="microbatches per step (default: one per stage)"
+    )
+    group.add_argument("--stage", type=int, help="only this stage's graph (default: all)")
+    group.add_argument(
+        "--layers-per-stage", type=int, help="torchtitan's pipeline_parallel_layers_per_stage"
+    )
+
+
+def pipelined(cmd: Command, cmd_stages: Command) -> Command:
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        return cmd(args) if args.pp == 1 else cmd_stages(args)
+
+    run.__doc__ = cmd.__doc__
+    return run
+
+
+def _pipeline(args: argparse.Namespace) -> Pipeline:
+    return Pipeline(
+        pp=args.pp,
+        schedule=args.pp_schedule,
+        microbatches=args.microbatches,
+        layers_per_stage=args.layers_per_stage,
+    )
+
+
+def _stages_from_args(args: argparse.Namespace) -> tuple[list[JointGraph], StageLayout, float]:
+    """The stage graphs (one with --stage); without --batch one sequence per microbatch."""
+    from workbench.capture.models import is_user_factory, load_workload
+
+    pipeline = _pipeline(args)
+    parallel = _parallel_from_args(args)
+    device = "meta" if args.mode == "fake" and not is_user_factory(args.model) else "cpu"
+
+    def load(batch: int | None) -> Any:
+        return load_workload(
+            args.model,
+            layers=args.layers,
+            seq=args.seq,
+            batch=batch,
+            dtype=args.dtype,
+            device=device,
+        )
+
+    layers = n_layers(load(args.batch or 1))
+    layout = pipeline.layout(layers)
+    if args.stage is not None:
+        layout.check_stage(args.stage)
+    workload = load(args.batch or layout.microbatches)
+    start = time.perf_counter()
+    stages = None if args.stage is None else [args.stage]
+    graphs = trace_stages(workload, args.mode, parallel, pipeline, stages)
+    return graphs, layout, time.perf_counter() - start
+
+
+def cmd_trace_stages(args: argparse.Namespace) -> dict[str, Any]:
+    graphs, layout, seconds = _stages_from_args(args)
+    return {
+        "pipeline": layout.to_json(),
+        "stages": [g.summary() for g in graphs],
+        "seconds": round(seconds, 3),
+    }
+
+
+def cmd_bench_trace_stages(args: argparse.Namespace) -> dict[str, Any]:
+    from workbench.bench import bench_trace
+    from workbench.preflight import check_positive
+
+    check_positive("--repeat", args.repeat)
+    shapes: dict[str, Any] = {}
+
+    def run() -> tuple[Any, float]:
+        graphs, layout, seconds = _stages_from_args(args)
+        shapes.update(stages=layout.n_stages, nodes=sum(len(g.nodes) for g in graphs))
+        return graphs[0], seconds
+
+    result = bench_trace(run, args.repeat)
+    return {**result, **shapes}
+
+
+def stage_policies(spec: str, stages: int) -> list[Policy]:
+    """`--policy` for a pipeline: a preset or policy file for every stage, or a JSON file
+    {"stages": [policy, ...]} (one per stage) or {"stages": {"3": policy, "default": policy}}."""
+    if not spec.endswith(".json"):
+        return [parse_policy(spec)] * stages
+    data = json.loads(read_file(spec, "policy file", POLICY_FILE_LIMIT))
+    if not isinstance(data, dict) or "stages" not in data:
+        return [Policy.from_json(data, spec)] * stages
+    given = data["stages"]
+    if isinstance(given, list):
+        if len(given) != stages:
+            raise WorkbenchError(
+                f"{spec} holds {len(given)} stage policies; this pipeline has {stages} stages"
+            )
+        return [Policy.from_json(p, f"{spec} stage {i}") for i, p in enumerate(given)]
+    if not isinstance(given, dict):
+        raise WorkbenchError(f"{spec}: 'stages' must be a list or an object keyed by stage")
+    unknown = [k for k in given if k != "default" and k not in {str(s) for s in range(stages)}]
+    if unknown:
+        raise WorkbenchError(
+            f"{spec} names stage {unknown[0]!r}; stages are 0-{stages - 1} (or 'default')"
+        )
+    default = Policy.from_json(given["default"], spec) if "default" in given else Policy()
+    return [
+        Policy.from_json(given[str(s)], f"{spec} stage {s}") if str(s) in given else default
+        for s in range(stages)
+    ]
+
+
+def _model(args: argparse.Namespace, profile: str) -> tuple[Any, list[JointGraph], float]:
+    from workbench.cost.stages import PipelineModel
+
+    if args.stage is not None:
+        raise WorkbenchError("--stage picks one stage's graph for trace; estimate all stages")
+    graphs, layout, seconds = _stages_from_args(args)
+    return PipelineModel(graphs, layout, profile, args.optimizer), graphs, seconds
+
+
+def cmd_estimate_stages(args: argparse.Namespace) -> dict[str, Any]:
+    """Per stage: the peak of its rank over the schedule and the microbatches in flight
+    then; the top-level peak is the largest."""
+    profile = args.profile.split(",")[0]
+    model, graphs, seconds = _model(args, profile)
+    est = model.estimate(stage_policies(args.policy, len(graphs)))
+    return {"model": graphs[0].model_name, "trace_seconds": round(seconds, 3), **est.to_json()}
+
+
+def cmd_solve_stages(args: argparse.Namespace) -> dict[str, Any]:
+    """One policy per stage under the per-GPU budget, beside the best single policy."""
+    from workbench.search.stages import solve_stages, stage_ladders
+
+    options = _solve_options_from_args(args)
+    model, graphs, seconds = _model(args, args.profile)
+    ladders = stage_ladders(model, options=options)
+    if args.budget_bytes is not None:
+        budget = args.budget_bytes
+    else:
+        top = model.estimate([ladder[0] for ladder in ladders]).peak_bytes
+        budget = int(top * args.budget_frac)
+    plan = solve_stages(model, budget, ladders=ladders)
+    one = solve_stages(model, budget, per_stage=False, ladders=ladders)
+    return {
+        "model": graphs[0].model_name,
+        "trace_seconds": round(seconds, 3),
+        **plan.to_json(),
+        "one_policy": {
+            "feasible": one.feasible,
+            "peak_bytes": one.estimate.peak_bytes,
+            "est_step_seconds": one.estimate.schedule.step_seconds,
+            "est_tokens_per_second_per_gpu": one.estimate.tokens_per_second_per_gpu,
+            "policy": one.policies[0].to_json(),
+        },
+    }
