@@ -184,7 +184,7 @@ class PipelineEstimate:
     schedule: ScheduleResult
     profile: str
     tokens: int  # per step of one pipeline (its local batch)
-    gpus: int  # of one pipeline: pp x the ranks of one stage
+    gpus: int  # sharing one rank's tokens: pp x tp (x cp)
 
     @property
     def peak_bytes(self) -> int:
@@ -261,7 +261,9 @@ class PipelineModel:
             if ranks >= device.ranks_per_node
             else device.intra_node_bytes_per_s
         )
-        self.gpus = layout.pipeline.pp * ranks
+        # torchtitan's tokens/s/GPU: a rank's tokens over the ranks sharing them (all but
+        # the data-parallel ones: pp x tp x cp)
+        self.gpus = layout.pipeline.pp * ranks // int(graphs[0].config.get("fsdp", 1))
         seq = int(graphs[0].config.get("seq", 0)) or graphs[0].tokens
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
         self._costs: dict[tuple[int, str], tuple[StageCost, Estimate]] = {}
