@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -108,7 +109,16 @@ def cmd_bench_trace_stages(args: argparse.Namespace) -> dict[str, Any]:
 
     def run() -> tuple[Any, float]:
         graphs, layout, seconds = _stages_from_args(args)
-        shapes.update(stages=layout.n_stages, nodes=sum(len(g.nodes) for g in graphs))
+        collectives: Counter[str] = Counter()
+        for graph in graphs:
+            collectives.update(graph.summary()["collectives"])
+        shapes.update(
+            stages=len(graphs),
+            nodes=sum(len(g.nodes) for g in graphs),
+            collectives=dict(collectives),
+            stamped=sum(int(g.config.get("stamped", 0)) for g in graphs),
+            pipeline=layout.to_json(),
+        )
         return graphs[0], seconds
 
     result = bench_trace(run, args.repeat)

@@ -284,4 +284,8 @@ def trace_stages(
 
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
-    return [trace(stage_workload(workload, layout, s, parallel), mode, parallel) for s in chosen]
+    templates: dict[Any, Any] = {}  # stages of one role stamp from one traced template
+    return [
+        trace(stage_workload(workload, layout, s, parallel), mode, parallel, templates=templates)
+        for s in chosen
+    ]
