@@ -132,7 +132,12 @@ def _rank_peak(estimate: PipelineEstimate, rank: int) -> int:
 
 def _uniform(model: PipelineModel, budget: int, rungs: list[list[Policy]]) -> StagePlan:
     choices = {_key(p): p for ladder in rungs for p in ladder}
-    results = [(p, model.estimate(p)) for p in choices.values()]
+    results = []
+    for policy in choices.values():
+        try:
+            results.append((policy, model.estimate(policy)))
+        except WorkbenchError:  # names ops of one stage only (the loss's): not for all
+            continue
     fits = [(p, e) for p, e in results if e.peak_bytes <= budget]
     if fits:
         policy, est = min(fits, key=lambda pe: (pe[1].schedule.step_seconds, pe[1].peak_bytes))
