@@ -187,3 +187,23 @@ def test_widget_refuses_stages_on_one_graph(one_f_one_b: Job) -> None:
     with pytest.raises(WorkbenchError, match="PolicyExplorer.pipeline"):
         widget.set_stage_budget(2**30)
     assert widget.stages == [] and widget.stage == -1
+
+
+def test_suggest_gives_each_stage_the_solver_policy(one_f_one_b: Job) -> None:
+    """Suggest puts `solve_stages`' policies on the stages, and the strip's peaks fit."""
+    from workbench.search.stages import solve_stages
+
+    model = StagesModel(*one_f_one_b, policy="none")
+    with pytest.raises(WorkbenchError, match="needs a per-GPU budget"):
+        model.suggest()
+    full = PipelineModel(*one_f_one_b).estimate(Policy("full")).peak_bytes
+    none = model.estimate.peak_bytes
+    budget = (full + none) // 2
+    model.set_budget(budget)
+    assert "within" in model.suggest()
+    plan = solve_stages(PipelineModel(*one_f_one_b), budget)
+    assert model.policies == plan.policies
+    assert all(row["fits"] for row in model.rows)
+    widget = PolicyExplorer.pipeline(*one_f_one_b, policy="none", budget_bytes=budget)
+    assert "within" in widget.suggest_stages()
+    assert widget.policy == plan.policies[0] and all(r["fits"] for r in widget.stages)

@@ -348,6 +348,13 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self._synced():
             self._stages().set_budget(budget_bytes)
 
+    def suggest_stages(self, budget_bytes: int | None = None) -> str:
+        """One policy per stage within the per-GPU budget (the stages' budget by default),
+        each given to its stage; the message says whether they fit."""
+        with self._synced():
+            message = self._stages().suggest(budget_bytes)
+        return message
+
     def _stages(self) -> StagesModel:
         if self.stages_model is None:
             raise WorkbenchError(

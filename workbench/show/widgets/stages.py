@@ -21,9 +21,11 @@ from workbench.cost.stages import PipelineEstimate, PipelineModel
 from workbench.decide.decider import restrict
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, check_int
+from workbench.search.stages import solve_stages
 from workbench.show.viz.stages import StageStrip, stage_rows, stage_strip
 from workbench.show.widgets.model import ExplorerModel
 from workbench.show.widgets.session import Autosave, default_autosave, policy_label, start_policy
+from workbench.units import format_bytes
 
 __all__ = ["STAGES_STATE", "StagesModel"]
 
@@ -202,3 +204,17 @@ class StagesModel:
         explorer.flip(name)
         self.sync()
         return explorer
+
+    def suggest(self, budget_bytes: int | None = None) -> str:
+        """One policy per stage for the per-GPU budget (`solve_stages`; the strip's budget by
+        default), each given to its stage as `set_policy` does; the words for the message."""
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        if budget is None:
+            raise WorkbenchError("suggest needs a per-GPU budget: set_budget(bytes) first")
+        plan = solve_stages(self.pipeline, budget)
+        for stage, policy in enumerate(plan.policies):
+            self.set_policy(stage, policy)
+        peak = format_bytes(self.estimate.peak_bytes)
+        if not plan.feasible:
+            return f"no per-stage policies fit {format_bytes(budget)}: the lowest peak is {peak}"
+        return f"one policy per stage within {format_bytes(budget)}: peak {peak}"
