@@ -30,6 +30,10 @@ def _memory_bytes(gib: float | None) -> int | None:
     return int(gib * GIB)
 
 
+def _names(schedules: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in schedules.split(",") if name.strip())
+
+
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Enumerate, prune, trace and solve every layout (`planner.plan`); `--plot` draws the
     layouts' memory against tokens/s per GPU with the feasible front."""
@@ -43,7 +47,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         seq=args.seq,
         global_batch=args.global_batch,
         layers=args.layers,
-        schedules=tuple(args.schedules.split(",")) if args.schedules else PLAN_SCHEDULES,
+        schedules=PLAN_SCHEDULES if args.schedules is None else _names(args.schedules),
     )
     if args.plot:
         check_writable(args.plot, overwrite=args.overwrite)
