@@ -124,7 +124,7 @@ def test_alike_stages_are_traced_once_and_estimate_as_fresh_traces(tiny: Plan) -
         candidate.pipeline(),
     )
     estimate = PipelineModel(fresh, candidate.pipeline().layout(2)).estimate(zbv.policies)
-    assert [row["peak_bytes"] for row in estimate.schedule.stages] == zbv.stage_peaks
+    assert [row.peak_bytes for row in estimate.schedule.stages] == zbv.stage_peaks
     assert estimate.schedule.step_seconds == pytest.approx(zbv.step_seconds)
 
 

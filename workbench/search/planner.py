@@ -24,8 +24,19 @@ from torch import nn
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import DTYPES, Workload, load_workload
 from workbench.capture.parallel import Parallel, check_tp_shapes
-from workbench.capture.pipeline import SCHEDULES, action_order, schedule_class, stages_per_rank
-from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
+from workbench.capture.pipeline import (
+    SCHEDULES,
+    check_microbatches,
+    schedule_class,
+    stages_per_rank,
+)
+from workbench.capture.stages import (
+    Pipeline,
+    StageLayout,
+    n_layers,
+    split_layers,
+    trace_stages,
+)
 from workbench.capture.trace import trace
 from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, Estimator, OptimizerName
 from workbench.cost.profiles import get_profile
@@ -246,8 +257,8 @@ def _microbatch_counts(schedule: str, pp: int, n_stages: int, local: int) -> lis
         if count > local or local % count:
             continue
         try:
-            action_order(schedule, pp, count)
-        except (WorkbenchError, ValueError):  # torch's own rule on the count
+            check_microbatches(schedule, pp, count)
+        except WorkbenchError:  # torch's own rule on the count
             continue
         counts.append(count)
     return counts
@@ -289,10 +300,11 @@ def _layout(
     if schedule is not None:
         total, n_stages = len(counts.layers), pp * stages_per_rank(schedule)
         try:
-            layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
+            split_layers(total, n_stages)
         except WorkbenchError:
             reason = f"{n_stages} stages cannot split {total} layers (+embedding, output)"
             return Pruned(fsdp, tp, pp, schedule, reason)
+        layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
     bound = lower_bound_bytes(counts, Candidate(fsdp, tp, pp, schedule, 1, local), layout)
     if bound > options.budget_bytes:
         reason = "parameters, optimizer state and gradients exceed the memory"
@@ -484,7 +496,7 @@ def _plan_pipeline(
     return PlannedConfig(
         candidate,
         list(found.policies),
-        [row["peak_bytes"] for row in found.estimate.schedule.stages],
+        [row.peak_bytes for row in found.estimate.schedule.stages],
         step,
         tokens_per_second_per_gpu(candidate, options.seq, step),
         found.feasible,
