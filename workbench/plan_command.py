@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import time
 from typing import Any
 
 from workbench.errors import WorkbenchError
@@ -37,7 +39,7 @@ def _names(schedules: str) -> tuple[str, ...]:
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Enumerate, prune, trace and solve every layout (`planner.plan`); `--plot` draws the
     layouts' memory against tokens/s per GPU with the feasible front."""
-    from workbench.search.planner import PLAN_SCHEDULES, PlanOptions, plan
+    from workbench.search.planner import PLAN_SCHEDULES, PlannedConfig, PlanOptions, plan
 
     options = PlanOptions(
         model=args.model,
@@ -51,7 +53,20 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.plot:
         check_writable(args.plot, overwrite=args.overwrite)
-    result = plan(options).to_json()
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, config: PlannedConfig) -> None:
+        c = config.candidate
+        print(
+            f"[{done}/{total}] {c.describe()} {c.schedule or '-'} {c.microbatches}x"
+            f"{c.microbatch_size}: peak {config.peak_bytes / GIB:.1f} GiB, "
+            f"{config.tokens_per_second_per_gpu:,.0f} tokens/s/GPU "
+            f"({time.perf_counter() - start:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    result = plan(options, progress).to_json()
     if args.plot:
         from workbench.show.viz.plots import plot_plan, save_figure
 

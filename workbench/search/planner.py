@@ -51,6 +51,8 @@ __all__ = [
     "ParamCounts",
     "Plan",
     "PlanOptions",
+    "PlannedConfig",
+    "Progress",
     "Pruned",
     "layouts",
     "lower_bound_bytes",
@@ -402,7 +404,8 @@ def tokens_per_second_per_gpu(candidate: Candidate, seq: int, step_seconds: floa
 
 class _Traces:
     """Stage graphs by what makes them alike: fsdp, tp, the stage's microbatch, layer count
-    and first/last role. Graphs are shared, not copied: estimates never change a graph."""
+    and first/last role. Graphs are shared, not copied: estimates never change a graph.
+    `traced` counts every graph traced (the cache may have been cleared since)."""
 
     def __init__(self, options: PlanOptions) -> None:
         self.options = options
@@ -410,6 +413,7 @@ class _Traces:
         self.workloads: dict[int, Workload] = {}
         self.seconds = 0.0
         self.reused = 0
+        self.traced = 0
 
     def workload(self, batch: int) -> Workload:
         if batch not in self.workloads:
@@ -428,6 +432,7 @@ class _Traces:
             return self.graphs[key]
         start = time.perf_counter()
         self.graphs[key] = build()
+        self.traced += 1
         self.seconds += time.perf_counter() - start
         return self.graphs[key]
 
@@ -456,6 +461,10 @@ class _Traces:
         workload = self.workload(candidate.local_batch)
         key = (candidate.fsdp, candidate.tp, candidate.local_batch, "whole")
         return self.get(key, lambda: trace(workload, "fake", _parallel(candidate)))
+
+
+def _group(candidate: Candidate) -> tuple[int, int, int]:
+    return (candidate.fsdp, candidate.tp, candidate.microbatch_size)
 
 
 def _parallel(candidate: Candidate) -> Parallel | None:
@@ -503,7 +512,11 @@ def _plan_pipeline(
     )
 
 
-def plan(options: PlanOptions) -> Plan:
+# Called after each layout: (layouts done, layouts in all, that layout's figures).
+Progress = Callable[[int, int, "PlannedConfig"], None]
+
+
+def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     """Enumerate, prune, trace what is left (alike stages once), solve each layout's
     policies under the memory, rank. Refuses when nothing is left to trace, or nothing fits."""
     start = time.perf_counter()
@@ -520,13 +533,21 @@ def plan(options: PlanOptions) -> Plan:
         )
     total = n_layers(workload)
     configs = []
-    for candidate in candidates:
+    # Alike stages share fsdp, tp and the microbatch size: evaluated group by group, a
+    # group's graphs are dropped when the next starts (a 70B plan holds hundreds otherwise).
+    group = None
+    for candidate in sorted(candidates, key=_group):
+        if _group(candidate) != group:
+            group = _group(candidate)
+            traces.graphs.clear()
         if candidate.schedule is None:
             configs.append(_plan_whole(candidate, traces.whole(candidate), options))
-            continue
-        layout = candidate.pipeline().layout(total)
-        graphs = traces.stage_graphs(candidate, layout)
-        configs.append(_plan_pipeline(candidate, graphs, layout, options))
+        else:
+            layout = candidate.pipeline().layout(total)
+            graphs = traces.stage_graphs(candidate, layout)
+            configs.append(_plan_pipeline(candidate, graphs, layout, options))
+        if progress is not None:
+            progress(len(configs), len(candidates), configs[-1])
     if not any(c.feasible for c in configs):
         best = min(configs, key=lambda c: c.peak_bytes)
         raise WorkbenchError(
@@ -547,7 +568,7 @@ def plan(options: PlanOptions) -> Plan:
         pruned,
         time.perf_counter() - start,
         traces.seconds,
-        len(traces.graphs),
+        traces.traced,
         traces.reused,
         notes,
     )
