@@ -120,7 +120,7 @@ def test_alike_stages_are_traced_once_and_estimate_as_fresh_traces(tiny: Plan) -
     fresh = trace_stages(
         _workload(candidate.local_batch),
         "fake",
-        Parallel(fsdp=candidate.fsdp, tp=candidate.tp) if candidate.fsdp > 1 else None,
+        Parallel(fsdp=candidate.fsdp, tp=candidate.tp),
         candidate.pipeline(),
     )
     estimate = PipelineModel(fresh, candidate.pipeline().layout(2)).estimate(zbv.policies)

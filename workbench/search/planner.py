@@ -467,9 +467,9 @@ def _group(candidate: Candidate) -> tuple[int, int, int]:
     return (candidate.fsdp, candidate.tp, candidate.microbatch_size)
 
 
-def _parallel(candidate: Candidate) -> Parallel | None:
-    if candidate.fsdp == candidate.tp == 1:
-        return None
+def _parallel(candidate: Candidate) -> Parallel:
+    """Always a `Parallel`, one rank included: every layout computes in the same mixed
+    precision (bf16 parameters gathered from fp32 shards), as torchtitan trains."""
     return Parallel(fsdp=candidate.fsdp, tp=candidate.tp)
 
 
