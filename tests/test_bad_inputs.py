@@ -1593,7 +1593,10 @@ PLAN = ["plan", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
         (["--gpus", "2", "--memory-gib", "-1"], r"--memory-gib must be a positive number"),
         (["--gpus", "2", "--memory-gib", "nan"], r"--memory-gib must be a positive number"),
         (["--gpus", "2", "--memory-gib", "inf"], r"--memory-gib must be a positive number"),
-        (["--gpus", "2", "--schedules", "Bogus"], r"unknown schedule 'Bogus'; choose one of"),
+        (
+            ["--gpus", "2", "--schedules", "Bogus"],
+            r"unknown pipeline schedule 'Bogus'; torch's schedules are",
+        ),
         (["--gpus", "2", "--schedules", ""], r"--schedules names none"),
         (["--gpus", "2", "--seq", "0"], r"--seq must be a whole number from 1"),
         (["--gpus", "2", "--global-batch", "0"], r"--global-batch must be a whole number"),
@@ -1619,6 +1622,14 @@ def test_plan_counts_are_whole_numbers(
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.rstrip().endswith(f"argument {flag}: invalid int value: '{value}'")
+
+
+def test_plan_needs_a_model_laid_out_as_torchtitans(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["plan", *MLP, "--gpus", "2"],
+        r"plan splits reference models.*'user_models:mlp' is not one: choose one of dsv3-debug",
+    )
 
 
 def test_plan_keeps_an_existing_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from workbench.capture.graph import JointGraph
-from workbench.capture.models import DTYPES, Workload, load_workload
+from workbench.capture.models import DTYPES, Workload, load_workload, model_names
 from workbench.capture.parallel import Parallel, check_tp_shapes
 from workbench.capture.pipeline import (
     SCHEDULES,
@@ -92,6 +92,11 @@ class PlanOptions:
     schedules: tuple[str, ...] = PLAN_SCHEDULES
 
     def __post_init__(self) -> None:
+        if self.model not in model_names():
+            raise WorkbenchError(
+                f"plan splits reference models, laid out as torchtitan's; {self.model!r} is not "
+                f"one: choose one of {', '.join(model_names())}"
+            )
         check_int("--gpus", self.gpus, 1, MAX_GPUS, "GPUs in one job")
         profile = get_profile(self.gpu)  # one line listing the profiles if unknown
         if self.memory_bytes is None and profile.memory_bytes is None:
