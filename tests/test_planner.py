@@ -158,3 +158,13 @@ def test_plan_front_keeps_what_nothing_beats() -> None:
     assert plan_front([a, b, c, d]) == [a, b]
     figure = plot_plan([a, b, c, d], 60)
     assert figure.axes[0].get_xlabel() == "estimated tokens/s per GPU"
+
+
+def test_moe_models_say_expert_parallelism_is_not_planned(tiny: Plan) -> None:
+    options = PlanOptions(
+        model="dsv3-debug", gpus=1, layers=2, seq=32, memory_bytes=GIB, schedules=("1F1B",)
+    )
+    found = plan(options)
+    assert [c.candidate.pp for c in found.configs] == [1]
+    assert any("expert parallelism is not planned" in note for note in found.notes)
+    assert tiny.notes == []  # a dense model: nothing to say

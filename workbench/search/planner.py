@@ -562,7 +562,7 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
         )
     configs.sort(key=lambda c: (not c.feasible, -c.tokens_per_second_per_gpu, c.peak_bytes))
     notes = []
-    if getattr(workload.model.config, "n_experts", 0):
+    if hasattr(workload.model, "moe_config"):
         notes.append(
             "expert parallelism is not planned: the reference models shard by FSDP and TP "
             "only (EP runs through torchtitan models)"
