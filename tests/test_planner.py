@@ -156,8 +156,10 @@ def test_plan_front_keeps_what_nothing_beats() -> None:
 
     a, b, c, d = point(10, 50), point(8, 40), point(7, 45), point(20, 10, feasible=False)
     assert plan_front([a, b, c, d]) == [a, b]
+    a |= {"fsdp": 4, "tp": 2, "pp": 2, "schedule": "1F1B"}
     figure = plot_plan([a, b, c, d], 60)
     assert figure.axes[0].get_xlabel() == "estimated tokens/s per GPU"
+    assert [t.get_text() for t in figure.axes[0].texts] == ["4x2x2 1F1B"]  # b has no layout
 
 
 def test_moe_models_say_expert_parallelism_is_not_planned(tiny: Plan) -> None:
