@@ -5,6 +5,7 @@ as fresh traces do, and `plan --json` ranks its configs best first."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,9 @@ def test_layouts_divide_the_gpus_and_the_model() -> None:
     assert not tried & dropped
     # 2 layers + embedding + output cannot make the 16 stages of pp 8 interleaved
     assert any(p.pp == 8 and "cannot split" in p.reason for p in pruned)
+    twice = replace(options, microbatch_multiples=(2,), schedules=("1F1B",))
+    piped = [c for c in layouts(twice, _workload())[0] if c.schedule]
+    assert piped and all(c.microbatches == 2 * c.pp for c in piped)
 
 
 def test_memory_prunes_before_tracing() -> None:

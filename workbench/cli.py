@@ -489,6 +489,9 @@ def _add_plan_parser(commands: Any) -> None:
         "--schedules",
         help="comma-separated pipeline schedules (default 1F1B,Interleaved1F1B,ZBVZeroBubble)",
     )
+    plan.add_argument(
+        "--microbatch-multiples", help="microbatches tried, as multiples of the stages (1,2,4)"
+    )
     plan.add_argument("--plot", help="draw memory vs tokens/s per GPU to this file (.svg, .png)")
     plan.add_argument("--overwrite", action="store_true", help="replace an existing --plot")
     plan.add_argument("--json", action="store_true", help="print one JSON object")

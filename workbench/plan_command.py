@@ -36,10 +36,26 @@ def _names(schedules: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in schedules.split(",") if name.strip())
 
 
+def _multiples(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise WorkbenchError(
+            f"--microbatch-multiples takes whole numbers separated by commas (e.g. 1,2,4), "
+            f"got {text!r}"
+        ) from None
+
+
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Enumerate, prune, trace and solve every layout (`planner.plan`); `--plot` draws the
     layouts' memory against tokens/s per GPU with the feasible front."""
-    from workbench.search.planner import PLAN_SCHEDULES, PlannedConfig, PlanOptions, plan
+    from workbench.search.planner import (
+        MICROBATCH_MULTIPLES,
+        PLAN_SCHEDULES,
+        PlannedConfig,
+        PlanOptions,
+        plan,
+    )
 
     options = PlanOptions(
         model=args.model,
@@ -50,6 +66,9 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         global_batch=args.global_batch,
         layers=args.layers,
         schedules=PLAN_SCHEDULES if args.schedules is None else _names(args.schedules),
+        microbatch_multiples=MICROBATCH_MULTIPLES
+        if args.microbatch_multiples is None
+        else _multiples(args.microbatch_multiples),
     )
     if args.plot:
         check_writable(args.plot, overwrite=args.overwrite)

@@ -46,6 +46,7 @@ from workbench.errors import WorkbenchError, check_int
 from workbench.search.stages import solve_stages
 
 __all__ = [
+    "MICROBATCH_MULTIPLES",
     "PLAN_SCHEDULES",
     "Candidate",
     "ParamCounts",
@@ -90,6 +91,8 @@ class PlanOptions:
     layers: int | None = None
     """Override the model's layer count (small plans, tests)."""
     schedules: tuple[str, ...] = PLAN_SCHEDULES
+    microbatch_multiples: tuple[int, ...] = MICROBATCH_MULTIPLES
+    """Microbatches tried: these multiples of the stage count (each a stage graph to trace)."""
 
     def __post_init__(self) -> None:
         if self.model not in model_names():
@@ -115,6 +118,10 @@ class PlanOptions:
             raise WorkbenchError(f"--schedules names none; choose from {', '.join(SCHEDULES)}")
         names = tuple(schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
         object.__setattr__(self, "schedules", names)
+        if not self.microbatch_multiples:
+            raise WorkbenchError("--microbatch-multiples names none; e.g. 1,2,4")
+        for multiple in self.microbatch_multiples:
+            check_int("--microbatch-multiples", multiple, 1, 1024, "multiples of the stages")
         check_int("--seq", self.seq, 1, 2**31 - 1, "tokens")
         if self.global_batch is not None:
             check_int("--global-batch", self.global_batch, 1, 2**31 - 1, "sequences")
@@ -256,10 +263,12 @@ def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
     return None
 
 
-def _microbatch_counts(schedule: str, pp: int, n_stages: int, local: int) -> list[int]:
+def _microbatch_counts(
+    multiples: tuple[int, ...], schedule: str, pp: int, n_stages: int, local: int
+) -> list[int]:
     """Multiples of the stage count dividing the local batch that torch's schedule takes."""
     counts = []
-    for multiple in MICROBATCH_MULTIPLES:
+    for multiple in multiples:
         count = n_stages * multiple
         if count > local or local % count:
             continue
@@ -318,11 +327,12 @@ def _layout(
         return Pruned(fsdp, tp, pp, schedule, reason, bound)
     if schedule is None:
         return [Candidate(fsdp, tp, pp, None, 1, local)]
-    micro = _microbatch_counts(schedule, pp, pp * stages_per_rank(schedule), local)
+    multiples = options.microbatch_multiples
+    micro = _microbatch_counts(multiples, schedule, pp, pp * stages_per_rank(schedule), local)
     if not micro:
         reason = (
-            f"no multiple ({', '.join(map(str, MICROBATCH_MULTIPLES))}) of the stages divides "
-            f"the local batch of {local}"
+            f"no multiple ({', '.join(map(str, multiples))}) of the stages divides the local "
+            f"batch of {local}"
         )
         return Pruned(fsdp, tp, pp, schedule, reason)
     return [Candidate(fsdp, tp, pp, schedule, m, local) for m in micro]
