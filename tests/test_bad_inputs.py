@@ -1604,6 +1604,11 @@ PLAN = ["plan", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
         (["--gpus", "2", "--microbatch-multiples", ","], r"--microbatch-multiples names none"),
         (["--gpus", "2", "--global-batch", "0"], r"--global-batch must be a whole number"),
         (["--gpus", "2", "--memory-gib", "1e-6"], r"no layout of llama3-debug on 2 GPUs fits"),
+        (
+            # above the 16 bytes per parameter the bound counts, below every policy's peak
+            ["--gpus", "1", "--memory-gib", "0.0285", "--layers", "1", "--seq", "8"],
+            r"fits 0.0285 GiB; the lowest peak is [\d.]+ GiB \(fsdp 1 x tp 1 x pp 1, \w+\)",
+        ),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )

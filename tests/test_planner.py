@@ -172,7 +172,8 @@ def test_moe_models_say_expert_parallelism_is_not_planned(tiny: Plan) -> None:
     options = PlanOptions(
         model="dsv3-debug", gpus=1, layers=2, seq=32, memory_bytes=GIB, schedules=("1F1B",)
     )
-    found = plan(options)
-    assert [c.candidate.pp for c in found.configs] == [1]
+    calls: list[tuple[int, int]] = []
+    found = plan(options, progress=lambda done, total, _config: calls.append((done, total)))
+    assert [c.candidate.pp for c in found.configs] == [1] and calls == [(1, 1)]
     assert any("expert parallelism is not planned" in note for note in found.notes)
     assert tiny.notes == []  # a dense model: nothing to say

@@ -19,6 +19,7 @@ from workbench.files import check_writable
 __all__ = ["cmd_plan", "plan_table"]
 
 GIB = 2**30
+CLEAR_LINE = "\r\033[K"  # back to the line's start and erase it
 MAX_MEMORY_GIB = 2**20  # far above any GPU's memory
 
 
@@ -73,19 +74,25 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         check_writable(args.plot, overwrite=args.overwrite)
     start = time.perf_counter()
+    # On a terminal, one progress line rewritten in place and cleared at the end, so an
+    # error is still the one line left; elsewhere (a pipe, a log, tests) none.
+    terminal = sys.stderr.isatty()
 
     def progress(done: int, total: int, config: PlannedConfig) -> None:
         c = config.candidate
-        print(
-            f"[{done}/{total}] {c.describe()} {c.schedule or '-'} {c.microbatches}x"
-            f"{c.microbatch_size}: peak {config.peak_bytes / GIB:.1f} GiB, "
+        sys.stderr.write(
+            f"{CLEAR_LINE}[{done}/{total}] {c.describe()} {c.schedule or '-'} "
+            f"{c.microbatches}x{c.microbatch_size}: peak {config.peak_bytes / GIB:.1f} GiB, "
             f"{config.tokens_per_second_per_gpu:,.0f} tokens/s/GPU "
-            f"({time.perf_counter() - start:.1f} s)",
-            file=sys.stderr,
-            flush=True,
+            f"({time.perf_counter() - start:.1f} s)"
         )
+        sys.stderr.flush()
 
-    result = plan(options, progress).to_json()
+    try:
+        result = plan(options, progress if terminal else None).to_json()
+    finally:
+        if terminal:
+            sys.stderr.write(CLEAR_LINE)
     if args.plot:
         from workbench.show.viz.plots import plot_plan, save_figure
 

@@ -542,8 +542,8 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     if not candidates:
         lowest = min((p.lower_bound_bytes or 0 for p in pruned), default=0) / GIB
         raise WorkbenchError(
-            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.1f} GiB: "
-            f"parameters, optimizer state and gradients alone need at least {lowest:.1f} GiB "
+            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.3g} GiB: "
+            f"parameters, optimizer state and gradients alone need at least {lowest:.3g} GiB "
             "per GPU; give more --gpus or --memory-gib"
         )
     total = n_layers(workload)
@@ -566,9 +566,9 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     if not any(c.feasible for c in configs):
         best = min(configs, key=lambda c: c.peak_bytes)
         raise WorkbenchError(
-            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.1f} GiB; "
-            f"the lowest peak is {best.peak_bytes / GIB:.1f} GiB ({best.candidate.describe()}, "
-            "full recompute); give more --gpus or --memory-gib"
+            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.3g} GiB; "
+            f"the lowest peak is {best.peak_bytes / GIB:.3g} GiB ({best.candidate.describe()}, "
+            f"{best.policy_summary()}); give more --gpus or --memory-gib"
         )
     configs.sort(key=lambda c: (not c.feasible, -c.tokens_per_second_per_gpu, c.peak_bytes))
     notes = []
