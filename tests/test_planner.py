@@ -25,7 +25,6 @@ from workbench.search.planner import (
     layouts,
     lower_bound_bytes,
     plan,
-    tokens_per_second_per_gpu,
 )
 from workbench.show.viz.plots import plan_front, plot_plan
 
@@ -132,12 +131,16 @@ def test_alike_stages_are_traced_once_and_estimate_as_fresh_traces(tiny: Plan) -
     estimate = PipelineModel(fresh, candidate.pipeline().layout(2)).estimate(zbv.policies)
     assert [row.peak_bytes for row in estimate.schedule.stages] == zbv.stage_peaks
     assert estimate.schedule.step_seconds == pytest.approx(zbv.step_seconds)
+    assert estimate.tokens_per_second_per_gpu == pytest.approx(zbv.tokens_per_second_per_gpu)
 
 
-def test_tokens_per_second_per_gpu_counts_one_replica() -> None:
-    candidate = Candidate(fsdp=4, tp=2, pp=2, schedule="1F1B", microbatches=4, local_batch=8)
-    assert tokens_per_second_per_gpu(candidate, 100, 2.0) == 8 * 100 / 2.0 / 4
-    assert tokens_per_second_per_gpu(candidate, 100, 0.0) == 0.0
+def test_tokens_per_second_per_gpu_counts_one_replica(tiny: Plan) -> None:
+    """A rank's tokens (its local batch) over the pp x tp GPUs sharing them, whatever fsdp."""
+    for c in tiny.configs:
+        local = c.candidate.local_batch * TINY.seq
+        assert c.tokens_per_second_per_gpu == pytest.approx(
+            local / c.step_seconds / (c.candidate.pp * c.candidate.tp)
+        )
 
 
 def test_plan_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

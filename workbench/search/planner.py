@@ -411,12 +411,6 @@ class Plan:
         }
 
 
-def tokens_per_second_per_gpu(candidate: Candidate, seq: int, step_seconds: float) -> float:
-    """One data-parallel rank's tokens (its local batch) over its pp x tp GPUs per second."""
-    tokens = candidate.local_batch * seq
-    return tokens / step_seconds / (candidate.pp * candidate.tp) if step_seconds > 0 else 0.0
-
-
 class _Traces:
     """Stage graphs by what makes them alike: fsdp, tp, the stage's microbatch, layer count
     and first/last role. Graphs are shared, not copied: estimates never change a graph.
@@ -499,14 +493,10 @@ def _plan_whole(candidate: Candidate, graph: JointGraph, options: PlanOptions) -
         if fits
         else min(tried, key=lambda pe: pe[1].peak_bytes)
     )
-    step = est.step_seconds[name]
+    # torchtitan's count, as `PipelineEstimate`'s: a rank's tokens over the tp ranks sharing them
+    rate = est.tokens_per_second[name] / candidate.tp
     return PlannedConfig(
-        candidate,
-        [policy],
-        [est.peak_bytes],
-        step,
-        tokens_per_second_per_gpu(candidate, options.seq, step),
-        bool(fits),
+        candidate, [policy], [est.peak_bytes], est.step_seconds[name], rate, bool(fits)
     )
 
 
@@ -516,13 +506,12 @@ def _plan_pipeline(
     model = PipelineModel(graphs, layout, profile=options.gpu, optimizer=OPTIMIZER)
     ladders = [[Policy(p) for p in LADDER]] * layout.n_stages
     found = solve_stages(model, options.budget_bytes, per_stage=True, ladders=ladders)
-    step = found.estimate.schedule.step_seconds
     return PlannedConfig(
         candidate,
         list(found.policies),
         [row.peak_bytes for row in found.estimate.schedule.stages],
-        step,
-        tokens_per_second_per_gpu(candidate, options.seq, step),
+        found.estimate.schedule.step_seconds,
+        found.estimate.tokens_per_second_per_gpu,
         found.feasible,
     )
 
