@@ -235,7 +235,7 @@ def plan_front(configs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 def plot_plan(configs: Sequence[Mapping[str, Any]], memory_bytes: int) -> Figure:
     """Peak memory per GPU against tokens/s per GPU for each planned layout (`plan --json`'s
     configs): those that fit filled, the rest hollow, the GPU's memory as a line and the
-    feasible front as a dashed step line, its layouts named (fsdp x tp x pp schedule)."""
+    feasible front as a dashed step line, its fastest layout named (fsdp x tp x pp schedule)."""
     if not configs:
         raise WorkbenchError("no planned layouts to plot")
     front = plan_front(configs)
@@ -267,16 +267,16 @@ def plot_plan(configs: Sequence[Mapping[str, Any]], memory_bytes: int) -> Figure
             label="feasible front",
             zorder=2,
         )
-        for c in front:
-            if {"fsdp", "tp", "pp"} <= set(c):
-                name = f"{c['fsdp']}x{c['tp']}x{c['pp']} {c.get('schedule') or ''}".rstrip()
-                ax.annotate(
-                    name,
-                    (c[rate], c["peak_bytes"] / scale),
-                    xytext=(5, 5),
-                    textcoords="offset points",
-                    fontsize="small",
-                )
+        best = front[0]  # the fastest that fits is named (a long front's names would overlap)
+        if {"fsdp", "tp", "pp"} <= set(best):
+            name = f"{best['fsdp']}x{best['tp']}x{best['pp']} {best.get('schedule') or ''}"
+            ax.annotate(
+                name.rstrip(),
+                (best[rate], best["peak_bytes"] / scale),
+                xytext=(5, 5),
+                textcoords="offset points",
+                fontsize="small",
+            )
     ax.margins(0.08)
     ax.set_xlabel("estimated tokens/s per GPU")
     ax.set_ylabel(f"peak memory per GPU ({unit})")
