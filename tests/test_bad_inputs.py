@@ -1575,3 +1575,73 @@ def test_pipeline_explorer(
     with pytest.raises(kind, match=message):
         call(model, pp_job)
     assert model.policies == before
+
+
+# --- plan -------------------------------------------------------------------------------
+
+PLAN = ["plan", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpus", "0"], r"--gpus must be a whole number from 1"),
+        (["--gpus", "-4"], r"--gpus must be a whole number from 1"),
+        (["--gpus", "2", "--gpu", "a100"], r"unknown device profile 'a100'; choose one of"),
+        (["--gpus", "2", "--gpu", "cpu"], r"--gpu cpu has no fixed memory size; give --memory-gib"),
+        (["--gpus", "2", "--memory-gib", "0"], r"--memory-gib must be a positive number"),
+        (["--gpus", "2", "--memory-gib", "-1"], r"--memory-gib must be a positive number"),
+        (["--gpus", "2", "--memory-gib", "nan"], r"--memory-gib must be a positive number"),
+        (["--gpus", "2", "--memory-gib", "inf"], r"--memory-gib must be a positive number"),
+        (
+            ["--gpus", "2", "--schedules", "Bogus"],
+            r"unknown pipeline schedule 'Bogus'; torch's schedules are",
+        ),
+        (["--gpus", "2", "--schedules", ""], r"--schedules names none"),
+        (["--gpus", "2", "--seq", "0"], r"--seq must be a whole number from 1"),
+        (["--gpus", "2", "--microbatch-multiples", "0"], r"--microbatch-multiples must be"),
+        (["--gpus", "2", "--microbatch-multiples", "a"], r"--microbatch-multiples takes whole"),
+        (["--gpus", "2", "--microbatch-multiples", ","], r"--microbatch-multiples names none"),
+        (["--gpus", "2", "--global-batch", "0"], r"--global-batch must be a whole number"),
+        (["--gpus", "2", "--memory-gib", "1e-6"], r"no layout of llama3-debug on 2 GPUs fits"),
+        (
+            # above the 16 bytes per parameter the bound counts, below every policy's peak
+            ["--gpus", "1", "--memory-gib", "0.0285", "--layers", "1", "--seq", "8"],
+            r"fits 0.0285 GiB; the lowest peak is [\d.]+ GiB \(fsdp 1 x tp 1 x pp 1, \w+\)",
+        ),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_plan_bad_inputs(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    fails(capsys, [*PLAN, *flags], message)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--gpus", "two"), ("--global-batch", "1.5")])
+def test_plan_counts_are_whole_numbers(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    """argparse's own refusal, in its one-line form (`PROG: error: ...`, exit 2)."""
+    flags = [flag, value] if flag == "--gpus" else ["--gpus", "2", flag, value]
+    with pytest.raises(SystemExit) as exited:
+        main([*PLAN, *flags, "--json"])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.rstrip().endswith(f"argument {flag}: invalid int value: '{value}'")
+
+
+def test_plan_needs_a_model_laid_out_as_torchtitans(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["plan", *MLP, "--gpus", "2"],
+        r"plan splits reference models.*'user_models:mlp' is not one: choose one of dsv3-debug",
+    )
+
+
+def test_plan_keeps_an_existing_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "plan.svg"
+    plot.write_text("mine")
+    fails(capsys, [*PLAN, "--gpus", "1", "--plot", str(plot)], r"exists")
+    assert plot.read_text() == "mine"

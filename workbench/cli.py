@@ -38,6 +38,7 @@ from workbench.commands import (
 )
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError, torch_logs_held
+from workbench.plan_command import cmd_plan, plan_table
 from workbench.stage_commands import (
     add_pipeline_args,
     cmd_bench_trace_stages,
@@ -463,9 +464,38 @@ def build_parser() -> argparse.ArgumentParser:
     bench_offload = benches.add_parser("offload", help="deprecated: the old name of `floor`")
     _add_floor_args(bench_offload)
     bench_offload.set_defaults(run=cmd_bench_offload)
+    _add_plan_parser(commands)
     for owner, choices in ((parser, commands), (policy, policies), (bench, benches)):
         owner.commands = tuple(choices.choices or ())
     return parser
+
+
+def _add_plan_parser(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan", help="rank the parallel layouts of a job on N GPUs by tokens/s per GPU"
+    )
+    plan.add_argument("--model", required=True, help="reference model (llama3-*, dsv3-*)")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    plan.add_argument("--gpu", default="h100", help="device profile (h100, h200)")
+    plan.add_argument(
+        "--memory-gib", type=float, help="memory per GPU in GiB (default: the profile's)"
+    )
+    plan.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    plan.add_argument(
+        "--global-batch", type=int, help="sequences per step over all ranks (default 2 per GPU)"
+    )
+    plan.add_argument("--layers", type=int, help="override the model's number of layers")
+    plan.add_argument(
+        "--schedules",
+        help="comma-separated pipeline schedules (default 1F1B,Interleaved1F1B,ZBVZeroBubble)",
+    )
+    plan.add_argument(
+        "--microbatch-multiples", help="microbatches tried, as multiples of the stages (1,2,4)"
+    )
+    plan.add_argument("--plot", help="draw memory vs tokens/s per GPU to this file (.svg, .png)")
+    plan.add_argument("--overwrite", action="store_true", help="replace an existing --plot")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=cmd_plan)
 
 
 @contextlib.contextmanager
@@ -519,6 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(floor_table(result))
         print(f"{result['seconds']:.1f} s (trace {result['trace_seconds']:.1f} s)")
+    elif args.command == "plan":
+        print(plan_table(result))
     elif args.command == "policy":
         from workbench.show.explain import explain_text
 

@@ -77,6 +77,8 @@ class DeviceProfile:
     cuda_context_bytes: int = 0
     nccl_buffer_bytes: int = 0
     outside_sources: str = "none: CPU processes"
+    # The device's memory as its driver reports it (None: not a fixed size, as a CPU's)
+    memory_bytes: int | None = None
 
     def host_rate(self) -> float:
         """Bytes per second per direction a copy reaches in a step."""
@@ -137,6 +139,8 @@ H100 = DeviceProfile(
     cuda_context_bytes=CUDA_CONTEXT_LAZY_BYTES,
     nccl_buffer_bytes=NCCL_BUFFSIZE * HOPPER_NCCL_CHANNELS,
     outside_sources=OUTSIDE_SOURCES,
+    # nvidia-smi's memory.total of an H100 80GB HBM3: 81559 MiB (modal-labs/modal-client#2797)
+    memory_bytes=81559 * 2**20,
 )
 # The same compute as the H100, with HBM3e's bandwidth.
 H200 = replace(
@@ -145,6 +149,7 @@ H200 = replace(
     description="NVIDIA H200 SXM datasheet peaks: bf16 989 TFLOP/s, fp32 67 TFLOP/s, 4.8 TB/s",
     bytes_per_s=4.8e12,
     gpu_name="H200",
+    memory_bytes=141 * 10**9,  # H200 datasheet: 141 GB HBM3e
 )  # same NVLink 4 (900 GB/s bidirectional, H200 datasheet) and NDR400 links as the H100
 
 

@@ -2,8 +2,9 @@
 memory-vs-step-time trade-off with its Pareto front.
 
 Entry points: `plot_memory_timeline`, `plot_layer_saved_bytes`, `plot_tradeoff`,
-`pareto_front(points)` and `save_figure(fig, path)` (deterministic SVG/PDF/PNG). Figures
-are bare `Figure`s drawn by Agg: the global pyplot backend is left alone.
+`pareto_front(points)`, `plot_plan` and `plan_front` (the planner's layouts) and
+`save_figure(fig, path)` (deterministic SVG/PDF/PNG). Figures are bare `Figure`s drawn by
+Agg: the global pyplot backend is left alone.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from workbench.show.viz.style import BLUE, ORANGE, PURPLE, SKY, VERMILLION, YELL
 
 __all__ = [
     "PALETTE",
+    "PLAN_KEYS",
     "TRADEOFF_KEYS",
     "pareto_front",
+    "plan_front",
     "plot_layer_saved_bytes",
     "plot_memory_timeline",
+    "plot_plan",
     "plot_tradeoff",
     "save_figure",
 ]
@@ -205,3 +209,79 @@ def save_figure(fig: Figure, path: str | Path, overwrite: bool = False) -> Path:
     with matplotlib.rc_context({"svg.hashsalt": "sac-workbench"}):
         fig.savefig(buffer, format=fmt or None, metadata=metadata)
     return write_file(target, buffer.getvalue(), overwrite=overwrite)
+
+
+PLAN_KEYS = ("peak_bytes", "est_tokens_per_second_per_gpu", "feasible")
+
+
+def plan_front(configs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The layouts that fit and that no other fitting one beats on both tokens/s per GPU
+    (higher) and peak memory (lower), fastest first."""
+    for i, config in enumerate(configs):
+        missing = [k for k in PLAN_KEYS if k not in config]
+        if missing:
+            raise WorkbenchError(f"plan config {i} lacks {', '.join(missing)}")
+    rate = "est_tokens_per_second_per_gpu"
+    ordered = sorted(
+        (c for c in configs if c["feasible"]), key=lambda c: (-c[rate], c["peak_bytes"])
+    )
+    front: list[Mapping[str, Any]] = []
+    for config in ordered:
+        if not front or config["peak_bytes"] < front[-1]["peak_bytes"]:
+            front.append(config)
+    return front
+
+
+def plot_plan(configs: Sequence[Mapping[str, Any]], memory_bytes: int) -> Figure:
+    """Peak memory per GPU against tokens/s per GPU for each planned layout (`plan --json`'s
+    configs): those that fit filled, the rest hollow, the GPU's memory as a line and the
+    feasible front as a dashed step line, its fastest layout named (fsdp x tp x pp schedule)."""
+    if not configs:
+        raise WorkbenchError("no planned layouts to plot")
+    front = plan_front(configs)
+    rate = "est_tokens_per_second_per_gpu"
+    scale, unit = _unit(max(max(c["peak_bytes"] for c in configs), memory_bytes))
+    fig = Figure(figsize=(7, 5))
+    ax = fig.add_subplot()
+    for feasible, label in ((True, "fits"), (False, "over memory")):
+        chosen = [c for c in configs if bool(c["feasible"]) == feasible]
+        if chosen:
+            ax.scatter(
+                [c[rate] for c in chosen],
+                [c["peak_bytes"] / scale for c in chosen],
+                s=40,
+                facecolors=BLUE if feasible else "none",
+                edgecolors=BLUE if feasible else VERMILLION,
+                label=label,
+                zorder=3,
+            )
+    ax.axhline(memory_bytes / scale, color=VERMILLION, lw=1, label="GPU memory")
+    if front:
+        ax.step(
+            [c[rate] for c in front],
+            [c["peak_bytes"] / scale for c in front],
+            where="post",
+            color=ORANGE,
+            ls="--",
+            lw=1.5,
+            label="feasible front",
+            zorder=2,
+        )
+        best = front[0]  # the fastest that fits is named (a long front's names would overlap)
+        if {"fsdp", "tp", "pp"} <= set(best):
+            name = f"{best['fsdp']}x{best['tp']}x{best['pp']} {best.get('schedule') or ''}"
+            ax.annotate(
+                name.rstrip(),
+                (best[rate], best["peak_bytes"] / scale),
+                xytext=(5, 5),
+                textcoords="offset points",
+                fontsize="small",
+            )
+    ax.margins(0.08)
+    ax.set_xlabel("estimated tokens/s per GPU")
+    ax.set_ylabel(f"peak memory per GPU ({unit})")
+    ax.set_title("Planned layouts: memory vs throughput (upper left is worse)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,182 @@
+"""The planner on a tiny model: the enumeration divides the GPUs and the model, the memory
+bound stays below what the estimate holds, alike stage graphs are traced once and estimate
+as fresh traces do, and `plan --json` ranks its configs best first."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.stages import trace_stages
+from workbench.cli import main
+from workbench.cost.stages import PipelineModel
+from workbench.decide.policy import Policy
+from workbench.plan_command import plan_table
+from workbench.search.planner import (
+    Candidate,
+    ParamCounts,
+    Plan,
+    PlanOptions,
+    layouts,
+    lower_bound_bytes,
+    plan,
+)
+from workbench.show.viz.plots import plan_front, plot_plan
+
+GIB = 2**30
+# Two GPUs, two layers, short sequences: every layout traces in about a second.
+TINY = PlanOptions(
+    model="llama3-debug",
+    gpus=2,
+    layers=2,
+    seq=32,
+    memory_bytes=GIB,
+    schedules=("1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Plan:
+    return plan(TINY)
+
+
+def _workload(batch: int = 1) -> Workload:
+    return load_workload("llama3-debug", layers=2, seq=TINY.seq, batch=batch, device="meta")
+
+
+def test_layouts_divide_the_gpus_and_the_model() -> None:
+    options = PlanOptions(model="llama3-debug", gpus=8, layers=2, seq=32, memory_bytes=GIB)
+    kept, pruned = layouts(options, _workload())
+    assert kept
+    heads = _workload().model.config.n_heads
+    for c in kept:
+        assert c.fsdp * c.tp * c.pp == options.gpus
+        assert heads % c.tp == 0 and c.tp <= 8
+        assert c.local_batch * c.fsdp == options.batch
+        assert c.local_batch % c.microbatches == 0
+        if c.schedule is not None:
+            stages = c.pp * (1 if c.schedule == "1F1B" else 2)
+            assert c.microbatches % stages == 0
+    tried = {(c.fsdp, c.tp, c.pp, c.schedule) for c in kept}
+    dropped = {(p.fsdp, p.tp, p.pp, p.schedule) for p in pruned}
+    assert not tried & dropped
+    # 2 layers + embedding + output cannot make the 16 stages of pp 8 interleaved
+    assert any(p.pp == 8 and "cannot split" in p.reason for p in pruned)
+    twice = replace(options, microbatch_multiples=(2,), schedules=("1F1B",))
+    piped = [c for c in layouts(twice, _workload())[0] if c.schedule]
+    assert piped and all(c.microbatches == 2 * c.pp for c in piped)
+
+
+def test_memory_prunes_before_tracing() -> None:
+    options = PlanOptions(model="llama3-debug", gpus=4, layers=2, seq=32, memory_bytes=2**20)
+    kept, pruned = layouts(options, _workload())
+    counts = ParamCounts.of(_workload().model)
+    memory = [p for p in pruned if p.lower_bound_bytes is not None]
+    assert memory and all(p.lower_bound_bytes > options.budget_bytes for p in memory)
+    for c in kept:
+        layout = c.pipeline().layout(2) if c.schedule else None
+        assert lower_bound_bytes(counts, c, layout) <= options.budget_bytes
+
+
+def test_param_counts_cover_the_model() -> None:
+    model = _workload().model
+    counts = ParamCounts.of(model)
+    assert counts.stage((0, 1), True, True) == sum(p.numel() for p in model.parameters())
+    assert counts.itemsize == 4
+
+
+def test_lower_bound_is_below_the_estimate() -> None:
+    """What the bound counts is a part of what the pipeline estimate holds, at any policy."""
+    candidate = Candidate(fsdp=2, tp=1, pp=2, schedule="1F1B", microbatches=2, local_batch=2)
+    layout = candidate.pipeline().layout(2)
+    workload = _workload(candidate.local_batch)
+    graphs = trace_stages(workload, "fake", Parallel(fsdp=2), candidate.pipeline())
+    estimate = PipelineModel(graphs, layout).estimate(Policy("full"))
+    bound = lower_bound_bytes(ParamCounts.of(workload.model), candidate, layout)
+    assert 0 < bound <= estimate.peak_bytes
+    whole = Candidate(fsdp=2, tp=1, pp=1, schedule=None, microbatches=1, local_batch=2)
+    params = sum(p.numel() for p in workload.model.parameters())
+    assert lower_bound_bytes(ParamCounts.of(workload.model), whole, None) == params * 16 // 2
+
+
+def test_plan_ranks_best_first(tiny: Plan) -> None:
+    rows = [c for c in tiny.configs if c.feasible]
+    assert rows and rows == tiny.configs[: len(rows)]
+    rates = [c.tokens_per_second_per_gpu for c in rows]
+    assert rates == sorted(rates, reverse=True)
+    for c in tiny.configs:
+        assert c.feasible == (c.peak_bytes <= TINY.budget_bytes)
+        stages = 1 if c.candidate.schedule is None else len(c.candidate.pipeline().layout(2).layers)
+        assert len(c.stage_peaks) == len(c.policies) == stages
+    schedules = {c.candidate.schedule for c in tiny.configs}
+    assert schedules == {None, "1F1B", "Interleaved1F1B", "ZBVZeroBubble"}
+
+
+def test_alike_stages_are_traced_once_and_estimate_as_fresh_traces(tiny: Plan) -> None:
+    """Interleaved 1F1B traces its four stages first; ZBV's (the same split) are reused."""
+    assert tiny.traces_reused >= 4
+    zbv = next(c for c in tiny.configs if c.candidate.schedule == "ZBVZeroBubble")
+    candidate = zbv.candidate
+    fresh = trace_stages(
+        _workload(candidate.local_batch),
+        "fake",
+        Parallel(fsdp=candidate.fsdp, tp=candidate.tp),
+        candidate.pipeline(),
+    )
+    estimate = PipelineModel(fresh, candidate.pipeline().layout(2)).estimate(zbv.policies)
+    assert [row.peak_bytes for row in estimate.schedule.stages] == zbv.stage_peaks
+    assert estimate.schedule.step_seconds == pytest.approx(zbv.step_seconds)
+    assert estimate.tokens_per_second_per_gpu == pytest.approx(zbv.tokens_per_second_per_gpu)
+
+
+def test_tokens_per_second_per_gpu_counts_one_replica(tiny: Plan) -> None:
+    """A rank's tokens (its local batch) over the pp x tp GPUs sharing them, whatever fsdp."""
+    for c in tiny.configs:
+        local = c.candidate.local_batch * TINY.seq
+        assert c.tokens_per_second_per_gpu == pytest.approx(
+            local / c.step_seconds / (c.candidate.pp * c.candidate.tp)
+        )
+
+
+def test_plan_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["plan", "--model", "llama3-debug", "--gpus", "2", "--layers", "2", "--seq", "32"]
+    argv += ["--memory-gib", "1", "--schedules", "1F1B", "--plot", str(tmp_path / "plan.svg")]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    configs = result["configs"]
+    assert configs and (tmp_path / "plan.svg").stat().st_size > 0
+    keys = {"fsdp", "tp", "pp", "schedule", "microbatches", "peak_bytes", "stage_peaks"}
+    assert keys | {"est_tokens_per_second_per_gpu", "feasible", "policy"} <= set(configs[0])
+    assert all(c["peak_bytes"] == max(c["stage_peaks"]) for c in configs)
+    assert result["seconds"] >= result["trace_seconds"] > 0
+    table = plan_table(result)
+    assert table.count("\n") >= len(configs) + 2
+    assert f"{configs[0]['est_tokens_per_second_per_gpu']:,.0f}" in table.splitlines()[2]
+
+
+def test_plan_front_keeps_what_nothing_beats() -> None:
+    def point(rate: float, peak: int, feasible: bool = True) -> dict[str, object]:
+        return {"est_tokens_per_second_per_gpu": rate, "peak_bytes": peak, "feasible": feasible}
+
+    a, b, c, d = point(10, 50), point(8, 40), point(7, 45), point(20, 10, feasible=False)
+    assert plan_front([a, b, c, d]) == [a, b]
+    a |= {"fsdp": 4, "tp": 2, "pp": 2, "schedule": "1F1B"}
+    figure = plot_plan([a, b, c, d], 60)
+    assert figure.axes[0].get_xlabel() == "estimated tokens/s per GPU"
+    assert [t.get_text() for t in figure.axes[0].texts] == ["4x2x2 1F1B"]  # b has no layout
+
+
+def test_moe_models_say_expert_parallelism_is_not_planned(tiny: Plan) -> None:
+    options = PlanOptions(
+        model="dsv3-debug", gpus=1, layers=2, seq=32, memory_bytes=GIB, schedules=("1F1B",)
+    )
+    calls: list[tuple[int, int]] = []
+    found = plan(options, progress=lambda done, total, _config: calls.append((done, total)))
+    assert [c.candidate.pp for c in found.configs] == [1] and calls == [(1, 1)]
+    assert any("expert parallelism is not planned" in note for note in found.notes)
+    assert tiny.notes == []  # a dense model: nothing to say

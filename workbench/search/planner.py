@@ -1,0 +1,578 @@
+"""The planner: every parallel layout of a job over N GPUs (FSDP x TP x PP, schedule,
+microbatches), each with its fastest checkpointing policy under the GPU's memory, ranked by
+estimated tokens/s per GPU.
+
+Entry points: `PlanOptions`, `layouts(options) -> (candidates, pruned)` (the enumeration and
+the analytic lower bound that prunes before tracing) and `plan(options) -> Plan`.
+
+Layouts that cannot fit even without activations (parameter shards, optimizer state,
+gradients and, under PP with FSDP, the stage's unsharded parameters and gradients, as
+`cost.stages` holds them) are pruned before anything is traced. Stage graphs that are alike
+(same fsdp, tp, microbatch, layer count and first/last role) are traced once and shared by
+every layout that holds such a stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import DTYPES, Workload, load_workload, model_names
+from workbench.capture.parallel import Parallel, check_tp_shapes
+from workbench.capture.pipeline import (
+    SCHEDULES,
+    check_microbatches,
+    schedule_class,
+    stages_per_rank,
+)
+from workbench.capture.stages import (
+    Pipeline,
+    StageLayout,
+    n_layers,
+    split_layers,
+    trace_stages,
+)
+from workbench.capture.trace import trace
+from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, Estimator, OptimizerName
+from workbench.cost.profiles import get_profile
+from workbench.cost.stages import PipelineModel
+from workbench.decide.policy import Policy
+from workbench.errors import WorkbenchError, check_int
+from workbench.search.stages import solve_stages
+
+__all__ = [
+    "MICROBATCH_MULTIPLES",
+    "PLAN_SCHEDULES",
+    "Candidate",
+    "ParamCounts",
+    "Plan",
+    "PlanOptions",
+    "PlannedConfig",
+    "Progress",
+    "Pruned",
+    "layouts",
+    "lower_bound_bytes",
+    "plan",
+]
+
+GIB = 2**30
+MAX_GPUS = 2**20
+# The schedules tried by default: one stage per rank, looped virtual stages, and a V
+# zero-bubble schedule (input and weight gradients apart).
+PLAN_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+# Microbatches tried per layout: these multiples of the stage count (those dividing the
+# local batch).
+MICROBATCH_MULTIPLES = (1, 2, 4)
+# Each stage's choices, least recompute first (`solve_stages` walks down them).
+LADDER = ("none", "default", "full")
+# torchtitan's Llama3 70B benchmark: 256 H100s, FSDP 32 x TP 8, local batch 16 -> 512
+# sequences a step, two per GPU.
+SEQUENCES_PER_GPU = 2
+OPTIMIZER: OptimizerName = "adamw"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What to plan: a reference model on `gpus` GPUs of profile `gpu`."""
+
+    model: str
+    gpus: int
+    gpu: str = "h100"
+    memory_bytes: int | None = None
+    """Per-GPU memory the peak must fit (None: the profile's `memory_bytes`)."""
+    seq: int = 8192
+    global_batch: int | None = None
+    """Sequences per step over all data-parallel ranks (None: 2 per GPU)."""
+    layers: int | None = None
+    """Override the model's layer count (small plans, tests)."""
+    schedules: tuple[str, ...] = PLAN_SCHEDULES
+    microbatch_multiples: tuple[int, ...] = MICROBATCH_MULTIPLES
+    """Microbatches tried: these multiples of the stage count (each a stage graph to trace)."""
+
+    def __post_init__(self) -> None:
+        if self.model not in model_names():
+            raise WorkbenchError(
+                f"plan splits reference models, laid out as torchtitan's; {self.model!r} is not "
+                f"one: choose one of {', '.join(model_names())}"
+            )
+        check_int("--gpus", self.gpus, 1, MAX_GPUS, "GPUs in one job")
+        profile = get_profile(self.gpu)  # one line listing the profiles if unknown
+        if self.memory_bytes is None and profile.memory_bytes is None:
+            raise WorkbenchError(
+                f"--gpu {self.gpu} has no fixed memory size; give --memory-gib, or use h100, h200"
+            )
+        if self.memory_bytes is not None and (
+            isinstance(self.memory_bytes, bool)
+            or not isinstance(self.memory_bytes, int)
+            or self.memory_bytes <= 0
+        ):
+            raise WorkbenchError(
+                f"--memory-gib must be a positive number of GiB, got {self.memory_bytes!r} bytes"
+            )
+        if not self.schedules:
+            raise WorkbenchError(f"--schedules names none; choose from {', '.join(SCHEDULES)}")
+        names = tuple(schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
+        object.__setattr__(self, "schedules", names)
+        if not self.microbatch_multiples:
+            raise WorkbenchError("--microbatch-multiples names none; e.g. 1,2,4")
+        for multiple in self.microbatch_multiples:
+            check_int("--microbatch-multiples", multiple, 1, 1024, "multiples of the stages")
+        check_int("--seq", self.seq, 1, 2**31 - 1, "tokens")
+        if self.global_batch is not None:
+            check_int("--global-batch", self.global_batch, 1, 2**31 - 1, "sequences")
+
+    @property
+    def budget_bytes(self) -> int:
+        profile_bytes = get_profile(self.gpu).memory_bytes
+        chosen = self.memory_bytes if self.memory_bytes is not None else profile_bytes
+        assert chosen is not None
+        return chosen
+
+    @property
+    def batch(self) -> int:
+        return self.global_batch or SEQUENCES_PER_GPU * self.gpus
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: fsdp x tp x pp ranks, the schedule (None without PP) and microbatches
+    per step of one data-parallel rank (`local_batch` sequences)."""
+
+    fsdp: int
+    tp: int
+    pp: int
+    schedule: str | None
+    microbatches: int
+    local_batch: int
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.local_batch // self.microbatches
+
+    def pipeline(self) -> Pipeline:
+        assert self.schedule is not None
+        return Pipeline(pp=self.pp, schedule=self.schedule, microbatches=self.microbatches)
+
+    def describe(self) -> str:
+        return f"fsdp {self.fsdp} x tp {self.tp} x pp {self.pp}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fsdp": self.fsdp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "local_batch": self.local_batch,
+        }
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """A layout dropped before tracing, and why."""
+
+    fsdp: int
+    tp: int
+    pp: int
+    schedule: str | None
+    reason: str
+    lower_bound_bytes: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fsdp": self.fsdp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "reason": self.reason,
+            "lower_bound_bytes": self.lower_bound_bytes,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of each layer, of the embedding and of the norm and output: what a stage
+    holds, counted once per model (tied weights once, as `parameters()` yields them)."""
+
+    layers: tuple[int, ...]
+    embedding: int
+    head: int
+    itemsize: int  # of the master weights
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ParamCounts:
+        def count(*modules: nn.Module | None) -> int:
+            seen = {id(p): p.numel() for m in modules if m is not None for p in m.parameters()}
+            return sum(seen.values())
+
+        blocks = model.layers  # a ModuleDict keyed by index (`capture.stages.n_layers`)
+        return cls(
+            layers=tuple(count(blocks[str(i)]) for i in range(len(blocks))),  # type: ignore[index, arg-type]
+            embedding=count(model.tok_embeddings),  # type: ignore[arg-type]
+            head=count(model.norm, model.output),  # type: ignore[arg-type]
+            itemsize=next(model.parameters()).dtype.itemsize,
+        )
+
+    def stage(self, layers: tuple[int, ...], first: bool, last: bool) -> int:
+        held = sum(self.layers[i] for i in layers)
+        return held + (self.embedding if first else 0) + (self.head if last else 0)
+
+
+def lower_bound_bytes(counts: ParamCounts, candidate: Candidate, layout: StageLayout | None) -> int:
+    """The most any rank holds before activations: fp32 parameter shards and the
+    optimizer's state; under PP with FSDP the stage's unsharded parameters (compute dtype)
+    and unsharded gradients (reduce dtype), as torch's `PipelineStage` keeps them; else the
+    gradients (shards with FSDP). Every parameter counted as split by TP (norms are not, so
+    this stays below)."""
+    master, state = counts.itemsize, OPTIMIZER_STATE_BYTES[OPTIMIZER]
+    parallel = Parallel()
+    low, reduce = DTYPES[parallel.param_dtype].itemsize, DTYPES[parallel.reduce_dtype].itemsize
+    shards = candidate.fsdp * candidate.tp
+    if layout is None:
+        params = counts.stage(tuple(range(len(counts.layers))), True, True)
+        return params * (master + state + master) // shards
+    worst = 0
+    for rank in range(candidate.pp):
+        held = 0
+        for stage in layout.stages_of(rank):
+            params = counts.stage(layout.layers[stage], stage == 0, stage == layout.n_stages - 1)
+            held += params * (master + state) // shards
+            unsharded = (low + reduce) if candidate.fsdp > 1 else master
+            held += params * unsharded // candidate.tp
+        worst = max(worst, held)
+    return worst
+
+
+def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
+    if tp > max_tp:
+        return f"tp {tp} spans more than one node of {max_tp} GPUs"
+    try:
+        check_tp_shapes(workload, Parallel(tp=tp))
+    except WorkbenchError as err:
+        return str(err).split(";")[0]
+    return None
+
+
+def _microbatch_counts(
+    multiples: tuple[int, ...], schedule: str, pp: int, n_stages: int, local: int
+) -> list[int]:
+    """Multiples of the stage count dividing the local batch that torch's schedule takes."""
+    counts = []
+    for multiple in multiples:
+        count = n_stages * multiple
+        if count > local or local % count:
+            continue
+        try:
+            check_microbatches(schedule, pp, count)
+        except WorkbenchError:  # torch's own rule on the count
+            continue
+        counts.append(count)
+    return counts
+
+
+def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], list[Pruned]]:
+    """Every fsdp x tp x pp x schedule x microbatches dividing the model and the GPUs,
+    and those pruned before tracing (with the reason and, for memory, the lower bound)."""
+    counts = ParamCounts.of(workload.model)
+    max_tp = get_profile(options.gpu).ranks_per_node
+    kept: list[Candidate] = []
+    pruned: list[Pruned] = []
+    for tp in _divisors(options.gpus):
+        refusal = _tp_refusal(workload, tp, max_tp)
+        for pp in _divisors(options.gpus // tp):
+            fsdp = options.gpus // (tp * pp)
+            for schedule in options.schedules if pp > 1 else (None,):
+                if refusal:
+                    pruned.append(Pruned(fsdp, tp, pp, schedule, refusal))
+                    continue
+                found = _layout(options, counts, fsdp, tp, pp, schedule)
+                if isinstance(found, Pruned):
+                    pruned.append(found)
+                else:
+                    kept += found
+    return kept, pruned
+
+
+def _layout(
+    options: PlanOptions, counts: ParamCounts, fsdp: int, tp: int, pp: int, schedule: str | None
+) -> list[Candidate] | Pruned:
+    """One fsdp x tp x pp x schedule: its microbatch choices, or why it is dropped (the
+    memory bound first: building torch's schedule for large pp takes seconds)."""
+    if options.batch % fsdp:
+        reason = f"fsdp {fsdp} does not divide the global batch of {options.batch}"
+        return Pruned(fsdp, tp, pp, schedule, reason)
+    local = options.batch // fsdp
+    layout = None
+    if schedule is not None:
+        total, n_stages = len(counts.layers), pp * stages_per_rank(schedule)
+        try:
+            split_layers(total, n_stages)
+        except WorkbenchError:
+            reason = f"{n_stages} stages cannot split {total} layers (+embedding, output)"
+            return Pruned(fsdp, tp, pp, schedule, reason)
+        layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
+    bound = lower_bound_bytes(counts, Candidate(fsdp, tp, pp, schedule, 1, local), layout)
+    if bound > options.budget_bytes:
+        reason = "parameters, optimizer state and gradients exceed the memory"
+        return Pruned(fsdp, tp, pp, schedule, reason, bound)
+    if schedule is None:
+        return [Candidate(fsdp, tp, pp, None, 1, local)]
+    multiples = options.microbatch_multiples
+    micro = _microbatch_counts(multiples, schedule, pp, pp * stages_per_rank(schedule), local)
+    if not micro:
+        reason = (
+            f"no multiple ({', '.join(map(str, multiples))}) of the stages divides the local "
+            f"batch of {local}"
+        )
+        return Pruned(fsdp, tp, pp, schedule, reason)
+    return [Candidate(fsdp, tp, pp, schedule, m, local) for m in micro]
+
+
+@dataclass
+class PlannedConfig:
+    """A layout's best policy under the memory and its figures (one stage when pp is 1)."""
+
+    candidate: Candidate
+    policies: list[Policy]
+    stage_peaks: list[int]
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    feasible: bool
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.stage_peaks)
+
+    def policy_summary(self) -> str:
+        """`default` when one policy, else runs of stages: `s0-2 none, s3 full`."""
+        names = [p.preset if not (p.selectors or p.overrides) else "custom" for p in self.policies]
+        if len(set(names)) == 1:
+            return names[0]
+        runs: list[tuple[int, int, str]] = []
+        for s, name in enumerate(names):
+            if runs and runs[-1][2] == name:
+                runs[-1] = (runs[-1][0], s, name)
+            else:
+                runs.append((s, s, name))
+        return ", ".join(f"s{a}" + (f"-{b}" if b > a else "") + f" {n}" for a, b, n in runs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.candidate.to_json(),
+            "peak_bytes": self.peak_bytes,
+            "stage_peaks": self.stage_peaks,
+            "est_step_seconds": self.step_seconds,
+            "est_tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "feasible": self.feasible,
+            "policy_summary": self.policy_summary(),
+            "policy": [p.to_json() for p in self.policies],
+        }
+
+
+@dataclass
+class Plan:
+    """Layouts ranked best first (those that fit, fastest first; then the rest, lowest
+    peak first), the pruned ones, and where the time went."""
+
+    options: PlanOptions
+    configs: list[PlannedConfig]
+    pruned: list[Pruned]
+    seconds: float
+    trace_seconds: float
+    traces: int
+    traces_reused: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.options.model,
+            "gpus": self.options.gpus,
+            "gpu": self.options.gpu,
+            "memory_bytes": self.options.budget_bytes,
+            "seq": self.options.seq,
+            "global_batch": self.options.batch,
+            "configs": [c.to_json() for c in self.configs],
+            "pruned": [p.to_json() for p in self.pruned],
+            "traces": self.traces,
+            "traces_reused": self.traces_reused,
+            "trace_seconds": round(self.trace_seconds, 3),
+            "seconds": round(self.seconds, 3),
+            "notes": self.notes,
+        }
+
+
+class _Traces:
+    """Stage graphs by what makes them alike: fsdp, tp, the stage's microbatch, layer count
+    and first/last role. Graphs are shared, not copied: estimates never change a graph.
+    `traced` counts every graph traced (the cache may have been cleared since)."""
+
+    def __init__(self, options: PlanOptions) -> None:
+        self.options = options
+        self.graphs: dict[tuple[Any, ...], JointGraph] = {}
+        self.workloads: dict[int, Workload] = {}
+        self.seconds = 0.0
+        self.reused = 0
+        self.traced = 0
+
+    def workload(self, batch: int) -> Workload:
+        if batch not in self.workloads:
+            self.workloads[batch] = load_workload(
+                self.options.model,
+                layers=self.options.layers,
+                seq=self.options.seq,
+                batch=batch,
+                device="meta",
+            )
+        return self.workloads[batch]
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], JointGraph]) -> JointGraph:
+        if key in self.graphs:
+            self.reused += 1
+            return self.graphs[key]
+        start = time.perf_counter()
+        self.graphs[key] = build()
+        self.traced += 1
+        self.seconds += time.perf_counter() - start
+        return self.graphs[key]
+
+    def stage_graphs(self, candidate: Candidate, layout: StageLayout) -> list[JointGraph]:
+        workload = self.workload(candidate.local_batch)
+        parallel = _parallel(candidate)
+        graphs = []
+        for stage, layers in enumerate(layout.layers):
+            key = (
+                candidate.fsdp,
+                candidate.tp,
+                candidate.microbatch_size,
+                len(layers),
+                stage == 0,
+                stage == layout.n_stages - 1,
+            )
+
+            def build(stage: int = stage) -> JointGraph:
+                pipeline = candidate.pipeline()
+                return trace_stages(workload, "fake", parallel, pipeline, [stage])[0]
+
+            graphs.append(self.get(key, build))
+        return graphs
+
+    def whole(self, candidate: Candidate) -> JointGraph:
+        workload = self.workload(candidate.local_batch)
+        key = (candidate.fsdp, candidate.tp, candidate.local_batch, "whole")
+        return self.get(key, lambda: trace(workload, "fake", _parallel(candidate)))
+
+
+def _group(candidate: Candidate) -> tuple[int, int, int]:
+    return (candidate.fsdp, candidate.tp, candidate.microbatch_size)
+
+
+def _parallel(candidate: Candidate) -> Parallel:
+    """Always a `Parallel`, one rank included: every layout computes in the same mixed
+    precision (bf16 parameters gathered from fp32 shards), as torchtitan trains."""
+    return Parallel(fsdp=candidate.fsdp, tp=candidate.tp)
+
+
+def _plan_whole(candidate: Candidate, graph: JointGraph, options: PlanOptions) -> PlannedConfig:
+    """Without PP: the fastest preset that fits, else the lowest peak."""
+    estimator = Estimator(graph, profiles=[options.gpu], optimizer=OPTIMIZER)
+    name = get_profile(options.gpu).name
+    tried = [(Policy(p), estimator.estimate(Policy(p))) for p in LADDER]
+    fits = [(p, e) for p, e in tried if e.peak_bytes <= options.budget_bytes]
+    policy, est = (
+        min(fits, key=lambda pe: pe[1].step_seconds[name])
+        if fits
+        else min(tried, key=lambda pe: pe[1].peak_bytes)
+    )
+    # torchtitan's count, as `PipelineEstimate`'s: a rank's tokens over the tp ranks sharing them
+    rate = est.tokens_per_second[name] / candidate.tp
+    return PlannedConfig(
+        candidate, [policy], [est.peak_bytes], est.step_seconds[name], rate, bool(fits)
+    )
+
+
+def _plan_pipeline(
+    candidate: Candidate, graphs: list[JointGraph], layout: StageLayout, options: PlanOptions
+) -> PlannedConfig:
+    model = PipelineModel(graphs, layout, profile=options.gpu, optimizer=OPTIMIZER)
+    ladders = [[Policy(p) for p in LADDER]] * layout.n_stages
+    found = solve_stages(model, options.budget_bytes, per_stage=True, ladders=ladders)
+    return PlannedConfig(
+        candidate,
+        list(found.policies),
+        [row.peak_bytes for row in found.estimate.schedule.stages],
+        found.estimate.schedule.step_seconds,
+        found.estimate.tokens_per_second_per_gpu,
+        found.feasible,
+    )
+
+
+# Called after each layout: (layouts done, layouts in all, that layout's figures).
+Progress = Callable[[int, int, "PlannedConfig"], None]
+
+
+def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
+    """Enumerate, prune, trace what is left (alike stages once), solve each layout's
+    policies under the memory, rank. Refuses when nothing is left to trace, or nothing fits."""
+    start = time.perf_counter()
+    traces = _Traces(options)
+    workload = traces.workload(1)
+    candidates, pruned = layouts(options, workload)
+    budget_gib = options.budget_bytes / GIB
+    if not candidates:
+        lowest = min((p.lower_bound_bytes or 0 for p in pruned), default=0) / GIB
+        raise WorkbenchError(
+            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.3g} GiB: "
+            f"parameters, optimizer state and gradients alone need at least {lowest:.3g} GiB "
+            "per GPU; give more --gpus or --memory-gib"
+        )
+    total = n_layers(workload)
+    configs = []
+    # Alike stages share fsdp, tp and the microbatch size: evaluated group by group, a
+    # group's graphs are dropped when the next starts (a 70B plan holds hundreds otherwise).
+    group = None
+    for candidate in sorted(candidates, key=_group):
+        if _group(candidate) != group:
+            group = _group(candidate)
+            traces.graphs.clear()
+        if candidate.schedule is None:
+            configs.append(_plan_whole(candidate, traces.whole(candidate), options))
+        else:
+            layout = candidate.pipeline().layout(total)
+            graphs = traces.stage_graphs(candidate, layout)
+            configs.append(_plan_pipeline(candidate, graphs, layout, options))
+        if progress is not None:
+            progress(len(configs), len(candidates), configs[-1])
+    if not any(c.feasible for c in configs):
+        best = min(configs, key=lambda c: c.peak_bytes)
+        raise WorkbenchError(
+            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.3g} GiB; "
+            f"the lowest peak is {best.peak_bytes / GIB:.3g} GiB ({best.candidate.describe()}, "
+            f"{best.policy_summary()}); give more --gpus or --memory-gib"
+        )
+    configs.sort(key=lambda c: (not c.feasible, -c.tokens_per_second_per_gpu, c.peak_bytes))
+    notes = []
+    if hasattr(workload.model, "moe_config"):
+        notes.append(
+            "expert parallelism is not planned: the reference models shard by FSDP and TP "
+            "only (EP runs through torchtitan models)"
+        )
+    return Plan(
+        options,
+        configs,
+        pruned,
+        time.perf_counter() - start,
+        traces.seconds,
+        traces.traced,
+        traces.reused,
+        notes,
+    )
