@@ -205,6 +205,8 @@ def simulate(
     costs: Mapping[int, StageCost],
     p2p_bytes_per_s: float | None = None,
     p2p_latency_s: float = 0.0,
+    *,
+    checked: bool = False,
 ) -> ScheduleResult:
     """Each rank's memory over its actions and the step's critical path.
 
@@ -217,7 +219,8 @@ def simulate(
     Raises `WorkbenchError` for an order `check_order` refuses, a stage without a cost, I or W
     on a stage costed with B only, or an order that deadlocks.
     """
-    check_order(order)
+    if not checked:  # `checked`: the caller ran `check_order` on this order already
+        check_order(order)
     bandwidth = (
         None
         if p2p_bytes_per_s is None

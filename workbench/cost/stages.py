@@ -16,6 +16,7 @@ its forward to its backward: what the forward saves, its output (kept for backwa
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import DTYPES
-from workbench.capture.pipeline import action_order
+from workbench.capture.pipeline import action_order, check_order
 from workbench.capture.stages import StageLayout
 from workbench.cost.estimate import CATEGORIES, Estimate, Estimator, OptimizerName
 from workbench.cost.overlap import OverlapOptions
@@ -173,6 +174,31 @@ def _grad_bytes(graph: JointGraph, storages: Any, param_grad: np.ndarray) -> int
     )
 
 
+# A graph's split form and estimators, kept while the graph lives: a planner builds many
+# pipelines over the same stage graphs (one layout's stages serve another's).
+_SPLIT: weakref.WeakKeyDictionary[JointGraph, JointGraph] = weakref.WeakKeyDictionary()
+_ESTIMATORS: weakref.WeakKeyDictionary[JointGraph, dict[Any, Estimator]] = (
+    weakref.WeakKeyDictionary()
+)
+_COSTS: weakref.WeakKeyDictionary[Estimator, dict[tuple[int, str], tuple[StageCost, Estimate]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _split(graph: JointGraph) -> JointGraph:
+    if graph not in _SPLIT:
+        _SPLIT[graph] = split_di_dw(graph)
+    return _SPLIT[graph]
+
+
+def _estimator(graph: JointGraph, key: tuple[str, str, OverlapOptions | None]) -> Estimator:
+    held = _ESTIMATORS.setdefault(graph, {})
+    if key not in held:
+        profile, optimizer, overlap = key
+        held[key] = Estimator(graph, profiles=[profile], optimizer=optimizer, overlap=overlap)  # type: ignore[arg-type]
+    return held[key]
+
+
 @dataclass
 class PipelineEstimate:
     """Figures of one pipelined step: each stage's graph estimate and cost, the schedule's
@@ -247,13 +273,12 @@ class PipelineModel:
             )
         self.layout = layout
         self.order = action_order(layout.pipeline.schedule, layout.pipeline.pp, layout.microbatches)
+        check_order(self.order, layout.microbatches)
         kinds = {a.kind for actions in self.order.values() for a in actions}
-        self.graphs = [split_di_dw(g) if "W" in kinds else g for g in graphs]
+        self.graphs = [_split(g) if "W" in kinds else g for g in graphs]
         self.profile = get_profile(profile).name
-        self.estimators = [
-            Estimator(g, profiles=[self.profile], optimizer=optimizer, overlap=overlap)
-            for g in self.graphs
-        ]
+        key = (self.profile, optimizer, overlap)
+        self.estimators = [_estimator(g, key) for g in self.graphs]
         device = get_profile(profile)
         ranks = int(graphs[0].config.get("world_size", 1))
         self.p2p_bytes_per_s = (
@@ -266,17 +291,16 @@ class PipelineModel:
         self.gpus = layout.pipeline.pp * ranks // int(graphs[0].config.get("fsdp", 1))
         seq = int(graphs[0].config.get("seq", 0)) or graphs[0].tokens
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
-        self._costs: dict[tuple[int, str], tuple[StageCost, Estimate]] = {}
 
     def stage_cost(self, stage: int, policy: Policy) -> tuple[StageCost, Estimate]:
         """Stage `stage`'s cost and estimate for `policy` (kept: a search asks again)."""
+        graph, estimator = self.graphs[stage], self.estimators[stage]
+        held = _COSTS.setdefault(estimator, {})
         key = (stage, json.dumps(policy.to_json(), sort_keys=True))
-        if key not in self._costs:
-            estimator = self.estimators[stage]
+        if key not in held:
             estimate = estimator.estimate(policy)
-            cost = stage_cost(self.graphs[stage], estimate, estimator, self.profile, stage)
-            self._costs[key] = (cost, estimate)
-        return self._costs[key]
+            held[key] = (stage_cost(graph, estimate, estimator, self.profile, stage), estimate)
+        return held[key]
 
     def estimate(self, policies: Policy | Sequence[Policy]) -> PipelineEstimate:
         """One policy for every stage, or one per stage (in stage order)."""
@@ -287,7 +311,7 @@ class PipelineModel:
             )
         figures = [self.stage_cost(s, p) for s, p in enumerate(chosen)]
         costs = {cost.stage: cost for cost, _ in figures}
-        result = simulate(self.order, costs, p2p_bytes_per_s=self.p2p_bytes_per_s)
+        result = simulate(self.order, costs, p2p_bytes_per_s=self.p2p_bytes_per_s, checked=True)
         return PipelineEstimate(
             layout=self.layout,
             estimates=[e for _, e in figures],

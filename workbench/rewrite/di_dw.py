@@ -40,10 +40,11 @@ def weight_grad_nodes(graph: JointGraph) -> set[str]:
             if isinstance(node, fx.Node) and node not in needed:
                 needed.add(node)
                 todo.extend(node.all_input_nodes)
+    needed_names = {n.name for n in needed}
     return {
         name
         for name, info in graph.nodes.items()
-        if info.phase == "backward" and name not in {n.name for n in needed}
+        if info.phase == "backward" and name not in needed_names
     }
 
 
