@@ -271,7 +271,7 @@ def test_trace_speedups_leave_the_graph_as_it_was(
         "workbench.capture.tracing"
     )  # the package's `trace` is the function
     fast = rank_graphs["llama3-debug"]
-    monkeypatch.setattr(parallel_module, "backward_without_stack_traces", contextlib.nullcontext)
+    monkeypatch.setattr(trace_module, "backward_without_stack_traces", contextlib.nullcontext)
     monkeypatch.setattr(trace_module, "collector_paused", contextlib.nullcontext)
     slow = trace(
         load_workload("llama3-debug", device="meta", **SMALL), "fake", Parallel(fsdp=2, tp=2)

@@ -169,8 +169,12 @@ def compile_eager_sac(
         assert policy_fn is not None
         name = f"plain policy_fn {getattr(policy_fn, '__name__', 'policy_fn')!r}"
         blocks = getattr(model, layers_attr)
-        for i, block in enumerate(list(blocks)):
-            blocks[i] = _Checkpointed(block, lambda: _recording(policy_fn(), choices, lambda: ""))
+        for name, block in list(blocks.named_children()):  # a ModuleList's or ModuleDict's
+            setattr(
+                blocks,
+                name,
+                _Checkpointed(block, lambda: _recording(policy_fn(), choices, lambda: "")),
+            )
     if skip_fwd_side_effects:
         name += " (side effects skipped)"
     torch._dynamo.reset()
