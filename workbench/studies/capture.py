@@ -169,10 +169,10 @@ def compile_eager_sac(
         assert policy_fn is not None
         name = f"plain policy_fn {getattr(policy_fn, '__name__', 'policy_fn')!r}"
         blocks = getattr(model, layers_attr)
-        for name, block in list(blocks.named_children()):  # a ModuleList's or ModuleDict's
+        for key, block in list(blocks.named_children()):  # a ModuleList's or ModuleDict's
             setattr(
                 blocks,
-                name,
+                key,
                 _Checkpointed(block, lambda: _recording(policy_fn(), choices, lambda: "")),
             )
     if skip_fwd_side_effects:
