@@ -16,7 +16,6 @@ its forward to its backward: what the forward saves, its output (kept for backwa
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ from workbench.errors import WorkbenchError
 from workbench.rewrite.di_dw import WEIGHT_GRADS_FROM, split_di_dw
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX
 
-__all__ = ["PipelineEstimate", "PipelineModel", "stage_cost"]
+__all__ = ["PipelineEstimate", "PipelineModel", "StageCache", "stage_cost"]
 
 _PARAMS = CATEGORIES.index("parameters")
 _INPUTS = CATEGORIES.index("inputs")
@@ -174,29 +173,34 @@ def _grad_bytes(graph: JointGraph, storages: Any, param_grad: np.ndarray) -> int
     )
 
 
-# A graph's split form and estimators, kept while the graph lives: a planner builds many
-# pipelines over the same stage graphs (one layout's stages serve another's).
-_SPLIT: weakref.WeakKeyDictionary[JointGraph, JointGraph] = weakref.WeakKeyDictionary()
-_ESTIMATORS: weakref.WeakKeyDictionary[JointGraph, dict[Any, Estimator]] = (
-    weakref.WeakKeyDictionary()
-)
-_COSTS: weakref.WeakKeyDictionary[Estimator, dict[tuple[int, str], tuple[StageCost, Estimate]]] = (
-    weakref.WeakKeyDictionary()
-)
+class StageCache:
+    """What pipelines over the same stage graph objects share: each graph's di/dw split, its
+    estimators and its costs per policy. A planner keeps one per group of layouts sharing
+    graphs and drops it with them; a `PipelineModel` alone gets its own."""
 
+    def __init__(self) -> None:
+        # by id, each entry holding its graph: an id is not reused while the graph lives
+        self._split: dict[int, tuple[JointGraph, JointGraph]] = {}
+        self._estimators: dict[tuple[int, Any], tuple[JointGraph, Estimator]] = {}
+        self.costs: dict[tuple[int, int, str], tuple[StageCost, Estimate]] = {}
 
-def _split(graph: JointGraph) -> JointGraph:
-    if graph not in _SPLIT:
-        _SPLIT[graph] = split_di_dw(graph)
-    return _SPLIT[graph]
+    def split(self, graph: JointGraph) -> JointGraph:
+        if id(graph) not in self._split:
+            self._split[id(graph)] = (graph, split_di_dw(graph))
+        return self._split[id(graph)][1]
 
-
-def _estimator(graph: JointGraph, key: tuple[str, str, OverlapOptions | None]) -> Estimator:
-    held = _ESTIMATORS.setdefault(graph, {})
-    if key not in held:
-        profile, optimizer, overlap = key
-        held[key] = Estimator(graph, profiles=[profile], optimizer=optimizer, overlap=overlap)  # type: ignore[arg-type]
-    return held[key]
+    def estimator(
+        self,
+        graph: JointGraph,
+        profile: str,
+        optimizer: OptimizerName,
+        overlap: OverlapOptions | None,
+    ) -> Estimator:
+        key = (id(graph), (profile, optimizer, overlap))
+        if key not in self._estimators:
+            estimator = Estimator(graph, profiles=[profile], optimizer=optimizer, overlap=overlap)
+            self._estimators[key] = (graph, estimator)
+        return self._estimators[key][1]
 
 
 @dataclass
@@ -266,6 +270,7 @@ class PipelineModel:
         profile: str = "h100",
         optimizer: OptimizerName = "adamw",
         overlap: OverlapOptions | None = None,
+        cache: StageCache | None = None,
     ) -> None:
         if len(graphs) != layout.n_stages:
             raise WorkbenchError(
@@ -275,10 +280,12 @@ class PipelineModel:
         self.order = action_order(layout.pipeline.schedule, layout.pipeline.pp, layout.microbatches)
         check_order(self.order, layout.microbatches)
         kinds = {a.kind for actions in self.order.values() for a in actions}
-        self.graphs = [_split(g) if "W" in kinds else g for g in graphs]
+        self.cache = cache or StageCache()
+        self.graphs = [self.cache.split(g) if "W" in kinds else g for g in graphs]
         self.profile = get_profile(profile).name
-        key = (self.profile, optimizer, overlap)
-        self.estimators = [_estimator(g, key) for g in self.graphs]
+        self.estimators = [
+            self.cache.estimator(g, self.profile, optimizer, overlap) for g in self.graphs
+        ]
         device = get_profile(profile)
         ranks = int(graphs[0].config.get("world_size", 1))
         self.p2p_bytes_per_s = (
@@ -295,12 +302,12 @@ class PipelineModel:
     def stage_cost(self, stage: int, policy: Policy) -> tuple[StageCost, Estimate]:
         """Stage `stage`'s cost and estimate for `policy` (kept: a search asks again)."""
         graph, estimator = self.graphs[stage], self.estimators[stage]
-        held = _COSTS.setdefault(estimator, {})
-        key = (stage, json.dumps(policy.to_json(), sort_keys=True))
-        if key not in held:
+        key = (id(estimator), stage, json.dumps(policy.to_json(), sort_keys=True))
+        if key not in self.cache.costs:
             estimate = estimator.estimate(policy)
-            held[key] = (stage_cost(graph, estimate, estimator, self.profile, stage), estimate)
-        return held[key]
+            cost = stage_cost(graph, estimate, estimator, self.profile, stage)
+            self.cache.costs[key] = (cost, estimate)
+        return self.cache.costs[key]
 
     def estimate(self, policies: Policy | Sequence[Policy]) -> PipelineEstimate:
         """One policy for every stage, or one per stage (in stage order)."""

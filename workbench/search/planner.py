@@ -40,7 +40,7 @@ from workbench.capture.stages import (
 from workbench.capture.trace import trace
 from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, Estimator, OptimizerName
 from workbench.cost.profiles import get_profile
-from workbench.cost.stages import PipelineModel
+from workbench.cost.stages import PipelineModel, StageCache
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, check_int
 from workbench.search.stages import solve_stages
@@ -501,9 +501,13 @@ def _plan_whole(candidate: Candidate, graph: JointGraph, options: PlanOptions) -
 
 
 def _plan_pipeline(
-    candidate: Candidate, graphs: list[JointGraph], layout: StageLayout, options: PlanOptions
+    candidate: Candidate,
+    graphs: list[JointGraph],
+    layout: StageLayout,
+    options: PlanOptions,
+    cache: StageCache,
 ) -> PlannedConfig:
-    model = PipelineModel(graphs, layout, profile=options.gpu, optimizer=OPTIMIZER)
+    model = PipelineModel(graphs, layout, profile=options.gpu, optimizer=OPTIMIZER, cache=cache)
     ladders = [[Policy(p) for p in LADDER]] * layout.n_stages
     found = solve_stages(model, options.budget_bytes, per_stage=True, ladders=ladders)
     return PlannedConfig(
@@ -539,17 +543,17 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     configs = []
     # Alike stages share fsdp, tp and the microbatch size: evaluated group by group, a
     # group's graphs are dropped when the next starts (a 70B plan holds hundreds otherwise).
-    group = None
+    group, cache = None, StageCache()
     for candidate in sorted(candidates, key=_group):
         if _group(candidate) != group:
-            group = _group(candidate)
+            group, cache = _group(candidate), StageCache()
             traces.graphs.clear()
         if candidate.schedule is None:
             configs.append(_plan_whole(candidate, traces.whole(candidate), options))
         else:
             layout = candidate.pipeline().layout(total)
             graphs = traces.stage_graphs(candidate, layout)
-            configs.append(_plan_pipeline(candidate, graphs, layout, options))
+            configs.append(_plan_pipeline(candidate, graphs, layout, options, cache))
         if progress is not None:
             progress(len(configs), len(candidates), configs[-1])
     if not any(c.feasible for c in configs):
