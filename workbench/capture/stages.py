@@ -278,13 +278,16 @@ def trace_stages(
     parallel: Parallel | None,
     pipeline: Pipeline,
     stages: list[int] | None = None,
+    templates: dict[Any, Any] | None = None,
 ) -> list[JointGraph]:
-    """The joint graph of each stage in `stages` (all by default), in stage order."""
+    """The joint graph of each stage in `stages` (all by default), in stage order. Stages
+    of one role stamp from one traced template (`templates`: kept by a caller tracing more
+    pipelines of the same job, such as the planner)."""
     from workbench.capture.trace import trace
 
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
-    templates: dict[Any, Any] = {}  # stages of one role stamp from one traced template
+    templates = {} if templates is None else templates
     return [
         trace(stage_workload(workload, layout, s, parallel), mode, parallel, templates=templates)
         for s in chosen

@@ -419,6 +419,8 @@ class _Traces:
     def __init__(self, options: PlanOptions) -> None:
         self.options = options
         self.graphs: dict[tuple[Any, ...], JointGraph] = {}
+        # traced 3-layer templates by role: a stage of any layer count is stamped from one
+        self.templates: dict[Any, Any] = {}
         self.workloads: dict[int, Workload] = {}
         self.seconds = 0.0
         self.reused = 0
@@ -461,7 +463,10 @@ class _Traces:
 
             def build(stage: int = stage) -> JointGraph:
                 pipeline = candidate.pipeline()
-                return trace_stages(workload, "fake", parallel, pipeline, [stage])[0]
+                graphs = trace_stages(
+                    workload, "fake", parallel, pipeline, [stage], templates=self.templates
+                )
+                return graphs[0]
 
             graphs.append(self.get(key, build))
         return graphs
@@ -548,6 +553,7 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
         if _group(candidate) != group:
             group, cache = _group(candidate), StageCache()
             traces.graphs.clear()
+            traces.templates.clear()
         if candidate.schedule is None:
             configs.append(_plan_whole(candidate, traces.whole(candidate), options))
         else:
