@@ -96,3 +96,16 @@ def torch_logs_held() -> Iterator[None]:
             for target in targets:
                 if record.levelno >= target.level:
                     target.handle(record)
+
+
+@contextlib.contextmanager
+def logger_level(name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Logger `name` at `level` while the block runs (torch's chatter on a path whose
+    result already says what matters), its own level restored after."""
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

@@ -8,10 +8,8 @@ Entry points: `schedule_class(name)`, `stages_per_rank`, `stage_style`, `rank_st
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -20,7 +18,7 @@ from typing import Any, Literal, cast
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from workbench.errors import WorkbenchError, check_int, describe
+from workbench.errors import WorkbenchError, check_int, describe, logger_level
 
 __all__ = [
     "KINDS",
@@ -171,18 +169,6 @@ def rank_stages(name: str, pp: int, rank: int) -> list[int]:
     return sorted(s for s, r in stage_ranks(name, pp).items() if r == rank)
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """torch's pipelining logger set to errors only while a schedule is built from stand-ins."""
-    logger = logging.getLogger("torch.distributed.pipelining")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _build(short: str, pp: int, microbatches: int, stages: list[int]) -> Any:
     """torch's schedule built for rank 0 from stand-in stages (torch reads only their indices
     and group; it computes every rank's order in `__init__`)."""
@@ -201,7 +187,7 @@ def _build(short: str, pp: int, microbatches: int, stages: list[int]) -> Any:
     ]
     cls = SCHEDULES[short]
     single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
-    with _quiet():
+    with logger_level("torch.distributed.pipelining"):
         return cls(
             stand_ins[0] if single else stand_ins,
             n_microbatches=microbatches,

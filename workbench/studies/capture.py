@@ -7,10 +7,8 @@ loss compiled as one graph, backward through AOTAutograd) and reports what happe
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import functools
-import logging
 import sys
 import types
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from workbench.decide.engine import eager_tag
 from workbench.decide.facts import OpCounter
 from workbench.decide.policy import Policy
 from workbench.decide.presets import preset_rule
+from workbench.errors import logger_level
 from workbench.interop.export import export
 
 PolicyFnFactory = Callable[[], Callable[..., CheckpointPolicy]]
@@ -127,19 +126,6 @@ def _recording(
 _SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
-@contextlib.contextmanager
-def _quiet_checkpoint_warning() -> Any:
-    """torch warns once per process that a context_fn under compile must avoid in-place ops
-    (a log line with a timestamp and pid); the result reports what matters instead."""
-    logger = logging.getLogger("torch._higher_order_ops.wrap")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def compile_eager_sac(
     workload: Workload,
     policy: Policy | None = None,
@@ -183,7 +169,7 @@ def compile_eager_sac(
     assert workload.loss_fn is not None
     try:
         with (
-            _quiet_checkpoint_warning(),
+            logger_level("torch._higher_order_ops.wrap"),  # its once-per-process in-place warning
             torch._dynamo.config.patch(
                 skip_fwd_side_effects_in_bwd_under_checkpoint=skip_fwd_side_effects
             ),
