@@ -1645,3 +1645,19 @@ def test_plan_keeps_an_existing_plot(capsys: pytest.CaptureFixture[str], tmp_pat
     plot.write_text("mine")
     fails(capsys, [*PLAN, "--gpus", "1", "--plot", str(plot)], r"exists")
     assert plot.read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([{}], r"holds 1 stage policies; this pipeline has 2 stages"),
+        ({"5": {}}, r"names stage '5'; stages are 0-1 \(or 'default'\)"),
+        ("full", r"'stages' must be a list or an object keyed by stage"),
+    ],
+)
+def test_bad_stage_policy_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, stages: Any, message: str
+) -> None:
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"stages": stages}))
+    fails(capsys, [*PP, "--pp", "2", "--policy", str(path)], message)
