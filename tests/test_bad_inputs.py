@@ -308,8 +308,32 @@ TITAN_FLAGS: list[tuple[list[str], str]] = [
         ],
         "--ep-imbalance must be a number from 1",
     ),  # fmt: skip
-    (["--model", "llama3-debug", "--fsdp", "2", "--ep", "2"], "run through graph trainer's"),
+    (["--model", "llama3-debug", "--fsdp", "2", "--cp", "2"], "runs through graph trainer's"),
 ]
+
+# Expert parallelism of the reference MoE: a degree that does not divide the routed experts
+# or the fsdp x cp x tp ranks it borrows, or a dense model, each one line naming what is valid.
+REFERENCE_EP_FLAGS: list[tuple[list[str], str]] = [
+    (
+        ["--model", "dsv3-debug", "--fsdp", "3", "--ep", "3"],
+        r"--ep 3 does not divide the 8 routed experts of 'dsv3-debug'; choose an ep dividing "
+        r"both 8 and fsdp x cp x tp = 3: 1$",
+    ),
+    (
+        ["--model", "dsv3-debug", "--fsdp", "2", "--tp", "2", "--ep", "8"],
+        r"--ep 8 must divide fsdp x cp x tp = 4 .*: choose one of 1, 2, 4, or",
+    ),
+    (["--model", "llama3-debug", "--fsdp", "2", "--ep", "2"], "has no routed experts"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"), REFERENCE_EP_FLAGS, ids=[" ".join(f[1:]) for f, _ in REFERENCE_EP_FLAGS]
+)
+def test_bad_reference_ep_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    fails(capsys, ["trace", *TITAN, *flags], message)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")

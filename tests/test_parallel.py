@@ -302,3 +302,44 @@ def test_parallel_json_names_ep_and_cp_only_when_used() -> None:
     assert ep.world_size == 8 and ep.to_json()["ep"] == 8 and ep.to_json()["ep_imbalance"] == 1.5
     assert ep.describe() == "fsdp 8 x ep 8"
     assert Parallel(fsdp=2, cp=2, tp=2).world_size == 8
+
+
+def test_ep_rank_graph_holds_the_all_to_alls_and_its_experts() -> None:
+    """The reference MoE with EP 2 over fsdp 2 x tp 2 (one MoE layer): a token-count
+    exchange, a dispatch and a combine all-to-all on the "ep" group in forward, the two token
+    exchanges reversed in backward, each waited on; routed experts gathered over "efsdp" to
+    1/ep of them, this rank holding 1/(fsdp x tp); the what-if equals torch's remat."""
+    workload = load_workload("dsv3-debug", device="meta", **SMALL)
+    parallel = Parallel(fsdp=2, tp=2, ep=2, ep_imbalance=1.5)
+    graph = trace(workload, "fake", parallel)
+    a2a = [c for c in graph.collectives() if c.kind == "all_to_all"]
+    assert Counter((c.mesh_dim, c.phase) for c in a2a) == {
+        ("ep", "forward"): 3,
+        ("ep", "backward"): 2,
+    }
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    waited = {str(n.args[0]) for n in nodes.values() if "wait_tensor" in str(n.target)}
+    assert {c.node for c in a2a} <= waited
+    # 2 x 32 tokens, 16 per tp rank, top 3: 96 copies, 48 to each EP rank, 1.5 x 48 back
+    dispatch = [graph.nodes[c.node] for c in a2a if c.phase == "forward" and c.bytes > 64]
+    assert [d.shapes[0] for d in dispatch] == [(144, 256), (96, 256)]
+    experts = {
+        s.fqn: graph.nodes[s.placeholder]
+        for s in graph.inputs
+        if s.kind == "param" and ".experts." in s.fqn
+    }
+    n_experts, dim, hidden = 8, 256, 256
+    assert {e.shapes[0] for e in experts.values()} == {(n_experts // 4, dim, hidden)}
+    assert sum(e.bytes for e in experts.values()) == 3 * n_experts * dim * hidden * 4 // 4
+    gathers = [graph.nodes[c.node] for c in graph.collectives() if c.mesh_dim == "efsdp"]
+    assert {g.shapes[0] for g in gathers if g.phase == "forward"} == {(n_experts // 2, dim, hidden)}
+    assert graph.mesh_dims and set(graph.mesh_dims.values()) == {"fsdp", "tp", "efsdp", "ep"}
+    assert [s.kind for s in graph.inputs[:2]] == ["mesh", "mesh"]
+    assert any(note.startswith("expert routing: fake tensors cannot route") for note in graph.notes)
+    estimator = Estimator(graph, ("h100",))
+    for preset in ("none", "full"):
+        fast = estimator.estimate(Policy(preset))
+        assert (
+            fast.peak_bytes
+            == estimate_remat(graph, remat(graph, Policy(preset)), estimator).peak_bytes
+        )

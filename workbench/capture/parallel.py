@@ -1,7 +1,8 @@
-"""One rank of a sharded train step: FSDP x TP on a 2-D device mesh, traced in one process.
+"""One rank of a sharded train step: FSDP x TP on a 2-D device mesh (and EP of the reference
+MoE's routed experts on torchtitan's ("efsdp", "ep") mesh), traced in one process.
 
-Entry points: `Parallel(fsdp=F, tp=T)`, `trace_rank(workload, mode, parallel, mesh=None)` (what
-`trace(..., parallel=)` calls), and for callers that run ranks: `fake_process_group`,
+Entry points: `Parallel(fsdp=F, tp=T, ep=E)`, `trace_rank(workload, mode, parallel, mesh=None)`
+(what `trace(..., parallel=)` calls), and for callers that run ranks: `fake_process_group`,
 `device_mesh`, `shard_workload` -> `RankWorkload`, `trace_sharded`, `eager_rank_step`.
 """
 
@@ -9,17 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -30,13 +29,25 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from workbench.capture.expert_parallel import (
+    EXPERT_MESH_DIMS,
+    apply_expert_parallel,
+    check_expert_parallel,
+    expert_mesh,
+    routing_note,
+)
 from workbench.capture.fits import available_bytes
 from workbench.capture.graph import InputKind, JointGraph
 from workbench.capture.models import DTYPES, Workload
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import Llama3
+from workbench.capture.param_shards import (
+    ParamShard,
+    retie,
+    shard_parameters,
+    tied_parameters,
+)
 from workbench.capture.tp_plan import check_tp_plan
 from workbench.capture.tracing import (
     Mode,
@@ -77,7 +88,8 @@ class Parallel:
     """How one job shards a train step, as torchtitan runs it: FSDP x CP x TP ranks (EP
     borrows its ranks from them, as torchtitan's `ParallelDims` does), fp32 master shards
     cast to `param_dtype` before the all-gather, gradients reduce-scattered in
-    `reduce_dtype`. EP and CP run through graph trainer's `parallelize` (torchtitan models)."""
+    `reduce_dtype`. CP runs through graph trainer's `parallelize` (torchtitan models), EP
+    there and on the reference MoE (`workbench.capture.expert_parallel`)."""
 
     fsdp: int = 1
     """FSDP degree: ranks each parameter is sharded over (torchtitan's
@@ -113,8 +125,9 @@ class Parallel:
         if shards % self.ep:
             raise WorkbenchError(
                 f"--ep {self.ep} must divide fsdp x cp x tp = {shards} (expert parallelism "
-                f"borrows its ranks from them, as in torchtitan); e.g. --fsdp {self.ep} --ep "
-                f"{self.ep}"
+                f"borrows its ranks from them, as in torchtitan): choose one of "
+                f"{', '.join(str(d) for d in range(1, shards + 1) if shards % d == 0)}, or "
+                f"e.g. --fsdp {self.ep} --ep {self.ep}"
             )
         imbalance = self.ep_imbalance
         if (
@@ -202,11 +215,12 @@ def device_mesh(parallel: Parallel, device_type: str = "cpu") -> DeviceMesh:
     return init_device_mesh(device_type, (parallel.fsdp, parallel.tp), mesh_dim_names=MESH_DIMS)
 
 
-def reference_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
+def reference_tp_plan(model: nn.Module, ep: int = 1) -> dict[str, ParallelStyle] | None:
     """Megatron-style TP with sequence-parallel norms for the reference Llama3/DeepSeek-V3:
     q/k/v and w1/w3 column-wise, wo and w2 row-wise into sequence shards, the output
     projection column-wise over the vocabulary (for `loss_parallel`). MoE blocks stay
-    replicated over TP: they get the whole sequence and hand back their sequence shard."""
+    replicated over TP: they get the whole sequence and hand back their sequence shard;
+    under EP (`ep` > 1) they route their sequence shard, as torchtitan's EP with SP does."""
     if not isinstance(model, Llama3):
         return None
     ends: dict[str, ParallelStyle] = {
@@ -229,11 +243,12 @@ def reference_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
         plan[f"{p}.attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
         plan[f"{p}.ffn_norm"] = SequenceParallel()
         if isinstance(layer.feed_forward, MoE):
+            seen: Placement = Shard(1) if ep > 1 else Replicate()
             plan[f"{p}.feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
+                desired_input_layouts=(seen,),
                 use_local_input=True,
-                output_layouts=(Replicate(),),
+                output_layouts=(seen,),
                 desired_output_layouts=(Shard(1),),
                 use_local_output=True,
             )
@@ -270,58 +285,16 @@ def check_tp_shapes(workload: Workload, parallel: Parallel) -> None:
             )
 
 
-@dataclass(frozen=True)
-class ParamShard:
-    """Where one parameter's local shard sits: the state key functional_call swaps, the
-    2-D placements and the global shape."""
-
-    fqn: str
-    key: str
-    placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-
-class GatherParameter(nn.Module):
-    """FSDP in forward, the SimpleFSDP way: a parametrization turning the fsdp-sharded
-    parameter into its tp-local whole. The cast to `param_dtype` comes before the
-    all-gather (half the bytes on the wire); its backward reduce-scatters the gradient
-    in `reduce_dtype`."""
-
-    def __init__(
-        self,
-        meshes: tuple[DeviceMesh, DeviceMesh],
-        tp_placement: Placement | None,
-        param_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        self.fsdp_mesh, self.tp_mesh = meshes  # `mesh["fsdp"]`, `mesh["tp"]`
-        self.tp_placement = tp_placement
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-
-    def forward(self, sharded: torch.Tensor) -> torch.Tensor:
-        local = sharded.to_local() if isinstance(sharded, DTensor) else sharded
-        on_fsdp = DTensor.from_local(local, self.fsdp_mesh, (Shard(0),), run_check=False)
-        whole = on_fsdp.redistribute(
-            placements=(Replicate(),),
-            forward_dtype=self.param_dtype,
-            backward_dtype=self.reduce_dtype,
-        ).to_local(grad_placements=(Partial(),))
-        if self.tp_placement is None:
-            return whole
-        return DTensor.from_local(whole, self.tp_mesh, (self.tp_placement,), run_check=False)
-
-
 @dataclass
 class RankWorkload:
-    """A workload sharded for one rank: its model holds 2-D DTensor parameters."""
+    """A workload sharded for one rank: its model holds 2-D DTensor parameters (routed
+    experts' on `experts_mesh`, under EP)."""
 
     workload: Workload
     parallel: Parallel
     mesh: DeviceMesh
     shards: list[ParamShard] = field(default_factory=list)
+    experts_mesh: DeviceMesh | None = None
 
     def local_params(self) -> list[torch.Tensor]:
         """This rank's parameter shards, detached leaves in `shards` order."""
@@ -332,14 +305,6 @@ class RankWorkload:
         ]
 
 
-_PARAMETRIZED = re.compile(r"\.?parametrizations\.([^.]+)\.original$")
-
-
-def _clean_fqn(key: str) -> str:
-    """`wq.parametrizations.weight.original` -> `wq.weight`: the name the user knows."""
-    return _PARAMETRIZED.sub(lambda m: ("." if m.start() else "") + m.group(1), key)
-
-
 def shard_workload(
     workload: Workload,
     parallel: Parallel,
@@ -348,18 +313,23 @@ def shard_workload(
 ) -> RankWorkload:
     """A copy of `workload` whose model is TP-parallelized on `mesh["tp"]` and whose every
     parameter is an fsdp-sharded DTensor gathered by `GatherParameter`. `tp_plan` (or the
-    workload's `tp_plan` attribute) is needed for TP on models other than the references."""
+    workload's `tp_plan` attribute) is needed for TP on models other than the references.
+    Under EP the routed experts are split over an ("efsdp", "ep") mesh made here."""
     check_tp_shapes(workload, parallel)
+    check_expert_parallel(workload, parallel)
     model = copy.deepcopy(workload.model)
+    experts_mesh = expert_mesh(parallel, mesh.device_type) if parallel.ep > 1 else None
+    if experts_mesh is not None:
+        apply_expert_parallel(model, experts_mesh, parallel)
     if parallel.tp > 1:
-        plan = tp_plan or workload.tp_plan or reference_tp_plan(model)
+        plan = tp_plan or workload.tp_plan or reference_tp_plan(model, parallel.ep)
         if plan is None:
             raise WorkbenchError(
                 f"--tp {parallel.tp}: model {workload.name!r} has no tensor-parallel plan; give "
                 "one as workload.tp_plan (or shard_workload's tp_plan): a dict {module path: "
                 "ParallelStyle} for parallelize_module or a callable(model, tp_mesh); or use --tp 1"
             )
-        tied = _tied_parameters(model)
+        tied = tied_parameters(model)
         check_tp_plan(plan, model, workload.name)
         try:
             if callable(plan):
@@ -372,106 +342,12 @@ def shard_workload(
             raise WorkbenchError(
                 f"the tensor-parallel plan of {workload.name!r} failed: {describe(err)}"
             ) from None
-        _retie(tied, workload.name)
-    shards = _shard_parameters(model, workload.name, parallel, mesh)
+        retie(tied, workload.name)
+    shards = shard_parameters(model, workload.name, parallel, mesh, experts_mesh)
     sharded = copy.copy(workload)
     sharded.model = model
     sharded.config = {**workload.config, **parallel.to_json()}
-    return RankWorkload(sharded, parallel, mesh, shards)
-
-
-def _tied_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
-    """Parameters shared by several modules (tied embeddings), as (path, module, name)."""
-    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for path, module in model.named_modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), []).append((path, module, name))
-    return [group for group in owners.values() if len(group) > 1]
-
-
-def _retie(tied: list[list[tuple[str, nn.Module, str]]], model_name: str) -> None:
-    """parallelize_module gives each module its own DTensor parameter: tie them again
-    when TP placed them alike, and refuse when it did not."""
-    for (path, module, name), *others in tied:
-        first = module._parameters[name]
-        for other_path, other, other_name in others:
-            param = other._parameters[other_name]
-            if getattr(param, "placements", None) != getattr(first, "placements", None):
-                raise WorkbenchError(
-                    f"tied parameters {path}.{name} and {other_path}.{other_name} of "
-                    f"{model_name!r} get different tensor-parallel placements; untie them "
-                    "or give both modules the same sharding"
-                )
-            other._parameters[other_name] = first
-
-
-def _shard_parameters(
-    model: nn.Module, name: str, parallel: Parallel, mesh: DeviceMesh
-) -> list[ParamShard]:
-    """Replace each parameter by its fsdp shard (of its tp shard) as a 2-D DTensor and
-    register the gather; tied parameters stay tied."""
-    fsdp, rank = parallel.fsdp, mesh.get_local_rank("fsdp")
-    meshes = (mesh["fsdp"], mesh["tp"])  # sliced once: a slice costs a millisecond
-    done: dict[int, nn.Parameter] = {}
-    gathers: dict[int, GatherParameter] = {}
-    owners = [
-        (path, module, pname, param)
-        for path, module in model.named_modules()
-        for pname, param in list(module._parameters.items())
-        if param is not None
-    ]
-    for path, module, pname, param in owners:
-        if id(param) not in done:
-            tp_placement = param.placements[0] if isinstance(param, DTensor) else None
-            local = param.to_local() if isinstance(param, DTensor) else param.detach()
-            fqn = f"{path}.{pname}" if path else pname
-            if local.dim() == 0 or local.shape[0] % fsdp:
-                rows = local.shape[0] if local.dim() else "no"
-                raise WorkbenchError(
-                    f"--fsdp {fsdp} does not divide parameter {fqn} of {name!r} "
-                    f"({rows} rows per tp rank, shape {tuple(local.shape)}); "
-                    f"choose an fsdp that divides {rows}"
-                )
-            shard = local.chunk(fsdp, dim=0)[rank].clone()
-            same_dim = isinstance(tp_placement, Shard) and tp_placement.dim == 0
-            placements: tuple[Placement, ...] = (
-                _StridedShard(0, split_factor=parallel.tp) if same_dim else Shard(0),
-                tp_placement or Replicate(),
-            )
-            full_shape = param.shape
-            dtensor = DTensor.from_local(
-                shard,
-                mesh,
-                placements,
-                run_check=False,
-                shape=full_shape,
-                stride=_contiguous_stride(full_shape),
-            )
-            done[id(param)] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-            gathers[id(param)] = GatherParameter(
-                meshes, tp_placement, DTYPES[parallel.param_dtype], DTYPES[parallel.reduce_dtype]
-            )
-        module._parameters[pname] = done[id(param)]
-        parametrize.register_parametrization(module, pname, gathers[id(param)], unsafe=True)
-    return [
-        ParamShard(
-            fqn=_clean_fqn(key),
-            key=key,
-            placements=tuple(p.placements) if isinstance(p, DTensor) else (),
-            shape=p.shape,
-            stride=tuple(p.stride()),
-        )
-        for key, p in model.named_parameters()
-    ]
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
+    return RankWorkload(sharded, parallel, mesh, shards, experts_mesh)
 
 
 def _loss_context(rank: RankWorkload) -> contextlib.AbstractContextManager[None]:
@@ -502,12 +378,20 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
     workload, shards, parallel = rank.workload, rank.shards, rank.parallel
     buffers = dict(workload.model.named_buffers())
     n_params, n_buffers, n_inputs = len(shards), len(buffers), len(workload.inputs)
+    meshes = [rank.mesh] if rank.experts_mesh is None else [rank.mesh, rank.experts_mesh]
 
-    def step(mesh: DeviceMesh, *flat: Any) -> list[torch.Tensor]:
+    def step(*given: Any) -> list[torch.Tensor]:
+        mesh, experts_mesh = given[0], given[len(meshes) - 1]
+        flat = given[len(meshes) :]
         local = flat[:n_params]
         state: dict[str, Any] = {
             s.key: DTensor.from_local(
-                t, mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride
+                t,
+                experts_mesh if s.expert else mesh,
+                s.placements,
+                run_check=False,
+                shape=s.shape,
+                stride=s.stride,
             )
             for s, t in zip(shards, local, strict=True)
         }
@@ -521,14 +405,15 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
         return [_local(first), *grads]
 
     args = [
-        rank.mesh,
+        *meshes,
         *rank.local_params(),
         *buffers.values(),
         *workload.inputs,
         last_input(workload),
     ]
+    mesh_kinds: list[tuple[InputKind, str]] = [("mesh", "mesh"), ("mesh", "experts_mesh")]
     kinds: list[tuple[InputKind, str]] = [
-        ("mesh", "mesh"),
+        *mesh_kinds[: len(meshes)],
         *(("param", s.fqn) for s in shards),
         *(("buffer", name) for name in buffers),
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
@@ -536,6 +421,9 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
     ]
     graph = trace_step(workload, step, args, kinds, mode)
     graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in MESH_DIMS}
+    if rank.experts_mesh is not None:
+        graph.mesh_dims |= {rank.experts_mesh.get_group(d).group_name: d for d in EXPERT_MESH_DIMS}
+        graph.notes.append(routing_note("one per MoE layer", parallel))
     graph.config.update(parallel.to_json())
     return graph
 
@@ -568,12 +456,13 @@ def trace_rank(
     traced that way can run only inside such a group (trace and run inside
     `fake_process_group`, or a real one, and pass its mesh). `trace` shards torchtitan
     models with graph trainer's own `parallelize` instead (`workbench.capture.titan_rank`)."""
-    if parallel.ep > 1 or parallel.cp > 1:
+    if parallel.cp > 1:
         raise WorkbenchError(
-            f"--ep/--cp on {workload.name!r}: expert and context parallelism run through "
-            "graph trainer's parallelize, for torchtitan models (e.g. --model "
-            "torchtitan:deepseek_v3/debugmodel); use --fsdp/--tp here"
+            f"--cp on {workload.name!r}: context parallelism runs through graph trainer's "
+            "parallelize, for torchtitan models (e.g. --model torchtitan:deepseek_v3/"
+            "debugmodel); use --fsdp/--tp/--ep here"
         )
+    check_expert_parallel(workload, parallel)  # before a process group exists
     if mode == "real":
         check_fits_rank(workload, parallel)
     if mesh is not None:

@@ -91,7 +91,8 @@ def trace_layers(
         graph.notes.append(f"layers not stamped ({why}): all {len(ids)} traced")
         return graph
     graph.model_name = full.name
-    graph.notes = [*full.notes, *graph.notes[len(template.notes) :]]
+    # the workload's notes, then what tracing added (an EP graph's routing) and the stamp's
+    graph.notes = [*full.notes, *graph.notes[len(head.notes) :]]
     graph.config = {**template.config, **full.config, "stamped": len(ids) - TEMPLATE_LAYERS}
     return graph
 

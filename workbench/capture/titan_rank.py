@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 import sys
 import types
 import warnings
@@ -26,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
+from workbench.capture.expert_parallel import ep_token_splits, routing_note
 from workbench.capture.graph import InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.capture.models.torchtitan import adapt_config, parse_spec
 from workbench.capture.tracing import Mode
@@ -400,8 +400,7 @@ def bind_token_counts(gm: fx.GraphModule, parallel: Parallel) -> list[str]:
         exchanges += 1
         sent = int(node.args[0].meta["val"].shape[0])
         receive, send = node.args[1], node.args[2]
-        balanced = _split(sent, len(send))
-        hottest = [min(sent, math.ceil(parallel.ep_imbalance * n)) for n in balanced]
+        balanced, hottest = ep_token_splits(sent, len(send), parallel.ep_imbalance)
         for sizes, values in ((send, balanced), (receive, hottest)):
             for size, value in zip(sizes, values, strict=True):
                 symbol = _symbol(size)
@@ -410,17 +409,7 @@ def bind_token_counts(gm: fx.GraphModule, parallel: Parallel) -> list[str]:
     if not hints:
         return []
     _concretize(gm, hints)
-    return [
-        f"expert routing: fake tensors cannot route, so each EP dispatch all-to-all "
-        f"({exchanges} here) sends its routed token copies evenly to the {parallel.ep} EP "
-        f"ranks and receives {parallel.ep_imbalance:g} x the balanced count from each "
-        f"(ep_imbalance {parallel.ep_imbalance:g}; 1 = balanced)"
-    ]
-
-
-def _split(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (i < extra) for i in range(parts)]
+    return [routing_note(f"{exchanges} here", parallel)]
 
 
 def _symbol(size: Any) -> sympy.Symbol | None:

@@ -8,6 +8,7 @@ grouped-query attention, not multi-head latent attention, which SAC decisions do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,10 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(
             config.dim, config.expert_hidden * config.n_shared_experts
         )
+        # (experts, routed token copies, tokens per expert) -> outputs over expert
+        # parallelism (`workbench.capture.expert_parallel.ExpertDispatch`); None: all local
+        self.dispatch: Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor] | None
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape
@@ -121,9 +126,13 @@ class MoE(nn.Module):
         counts = torch.histc(
             flat_experts.float(), bins=self.n_experts, min=0, max=self.n_experts - 1
         )
-        offsets = counts.cumsum(0).to(torch.int32)
-        token_of_slot = order // self.top_k
-        routed = self.experts(tokens[token_of_slot], offsets)
+        if self.dispatch is None:
+            offsets = counts.cumsum(0).to(torch.int32)
+            token_of_slot = order // self.top_k
+            routed = self.experts(tokens[token_of_slot], offsets)
+        else:  # the counts travel to the experts' ranks with the tokens
+            token_of_slot = order // self.top_k
+            routed = self.dispatch(self.experts, tokens[token_of_slot], counts)
         routed = routed * scores.flatten()[order].unsqueeze(-1)
         out = torch.zeros_like(tokens).index_add(0, token_of_slot, routed)
         return (out + self.shared_experts(tokens)).view(bs, seq, dim)
