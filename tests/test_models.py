@@ -24,6 +24,7 @@ from workbench.errors import WorkbenchError
 
 def test_registry_has_published_llama3_shapes() -> None:
     assert model_names() == [
+        "dsv3-16b",
         "dsv3-debug",
         "llama3-1b",
         "llama3-3b",
@@ -43,6 +44,22 @@ def test_8b_on_meta_has_8b_parameters() -> None:
     n = sum(p.numel() for p in workload.model.parameters())
     assert 8.0e9 < n < 8.1e9
     assert all(p.is_meta for p in workload.model.parameters())
+
+
+def test_dsv3_16b_on_meta_has_torchtitans_moe_shape() -> None:
+    """torchtitan's deepseek_v3 16B: 27 layers (one dense), 64 routed experts of hidden 1408
+    over dim 2048, top 6, its training batch; 14.39B routed-expert parameters, 15.79B in all
+    (GQA attention, not MLA: attention's count is not torchtitan's)."""
+    workload = load_workload("dsv3-16b", device="meta")
+    model = workload.model
+    moe = model.layers["1"].feed_forward
+    assert isinstance(moe, MoE) and not isinstance(model.layers["0"].feed_forward, MoE)
+    assert tuple(moe.experts.w1.shape) == (64, 2048, 1408) and moe.top_k == 6
+    assert len(model.layers) == 27 and tuple(workload.inputs[0].shape) == (4, 4096)
+    named = dict(model.named_parameters())
+    routed = sum(p.numel() for name, p in named.items() if ".experts." in name)
+    assert routed == 26 * 3 * 64 * 2048 * 1408
+    assert sum(p.numel() for p in named.values()) == 15_787_866_112
 
 
 @pytest.mark.parametrize(
@@ -136,7 +153,7 @@ def test_rope_rotation_preserves_norm() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"spec": "llama9"}, "unknown model 'llama9'; choose one of dsv3-debug"),
+        ({"spec": "llama9"}, "unknown model 'llama9'; choose one of dsv3-16b, dsv3-debug"),
         ({"spec": "llama3-debug", "seq": 0}, "seq must be a positive integer"),
         ({"spec": "llama3-debug", "layers": -1}, "layers must be a positive integer"),
         ({"spec": "llama3-debug", "dtype": "float8"}, "unknown dtype 'float8'"),

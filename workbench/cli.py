@@ -89,7 +89,8 @@ def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> N
         "--model",
         required=required,
         help="reference model (llama3-debug, llama3-1b, llama3-3b, llama3-8b, llama3-70b, "
-        "llama3-405b, dsv3-debug), torchtitan:FAMILY/FLAVOR (e.g. torchtitan:llama3/debugmodel) "
+        "llama3-405b, dsv3-debug, dsv3-16b), torchtitan:FAMILY/FLAVOR (e.g. "
+        "torchtitan:llama3/debugmodel) "
         "or package.module:callable",
     )
     parser.add_argument("--mode", choices=("real", "fake"), default="real")

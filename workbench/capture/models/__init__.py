@@ -1,8 +1,9 @@
 """Reference models and the `Workload` (model + example batch + loss) that tracing consumes.
 
 Entry point: `load_workload(spec, layers=, seq=, batch=, dtype=, device=)`, where `spec` is
-a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, ...), `package.module:callable`
-or `torchtitan:FAMILY/FLAVOR` (torchtitan's own models, `workbench.capture.models.torchtitan`).
+a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, `dsv3-16b`, ...),
+`package.module:callable` or `torchtitan:FAMILY/FLAVOR` (torchtitan's own models,
+`workbench.capture.models.torchtitan`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ REFERENCE_MODELS: dict[str, tuple[Callable[..., nn.Module], Any, Shape]] = {
     "llama3-70b": (Llama3, LLAMA3_FLAVORS["70B"], Shape(batch=1, seq=8192)),
     "llama3-405b": (Llama3, LLAMA3_FLAVORS["405B"], Shape(batch=1, seq=8192)),
     "dsv3-debug": (DeepSeekV3, DSV3_FLAVORS["debugmodel"], Shape(batch=2, seq=128)),
+    # torchtitan's deepseek_v3_16b training shape (local batch 4, seq 4096); GQA, not MLA
+    "dsv3-16b": (DeepSeekV3, DSV3_FLAVORS["16B"], Shape(batch=4, seq=4096)),
 }
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}

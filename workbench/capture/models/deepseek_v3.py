@@ -60,6 +60,24 @@ DSV3_FLAVORS: dict[str, DeepSeekV3Config] = {
         expert_hidden=256,
         n_shared_experts=2,
     ),
+    # torchtitan's deepseek_v3 "16B" (DeepSeek-MoE 16B) shape: dim, layers (the first
+    # dense), heads, vocabulary, dense FFN, 64 routed experts of hidden 1408, top 6, 2 shared.
+    # Attention is Llama3-style GQA with 16 heads of 128 (no kv sharing), not its multi-head
+    # latent attention (kv_lora_rank 512, rope dim 64), and the router scores by sigmoid, not
+    # its softmax: the experts' and the FFN's parameters are its, attention's are not.
+    # Built on meta (fake-mode traces, the planner); ~16B parameters do not fit a CPU run.
+    "16B": DeepSeekV3Config(
+        dim=2048,
+        n_layers=27,
+        n_dense_layers=1,
+        n_heads=16,
+        vocab_size=102400,
+        dense_ffn_hidden=10944,
+        n_experts=64,
+        top_k=6,
+        expert_hidden=1408,
+        n_shared_experts=2,
+    ),
 }
 
 
