@@ -1,6 +1,6 @@
 """The planner on a tiny model: the enumeration divides the GPUs and the model, the memory
 bound stays below what the estimate holds, alike stage graphs are traced once and estimate
-as fresh traces do, and `plan --json` ranks its configs best first."""
+as fresh traces do, `plan --json` ranks its configs best first, and MoE models add EP."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from workbench.search.planner import (
     ParamCounts,
     Plan,
     PlanOptions,
+    ep_degrees,
     layouts,
     lower_bound_bytes,
     plan,
@@ -171,12 +172,93 @@ def test_plan_front_keeps_what_nothing_beats() -> None:
     assert [t.get_text() for t in figure.axes[0].texts] == ["4x2x2 1F1B"]  # b has no layout
 
 
-def test_moe_models_say_expert_parallelism_is_not_planned(tiny: Plan) -> None:
-    options = PlanOptions(
-        model="dsv3-debug", gpus=1, layers=2, seq=32, memory_bytes=GIB, schedules=("1F1B",)
+# The reference MoE on four GPUs, one microbatch count, 1F1B only: EP 2 and 4 beside ep 1,
+# with and without PP (its first stage holds only the dense layer 0).
+MOE = PlanOptions(
+    model="dsv3-debug",
+    gpus=4,
+    layers=2,
+    seq=32,
+    memory_bytes=GIB,
+    schedules=("1F1B",),
+    microbatch_multiples=(1,),
+)
+
+
+@pytest.fixture(scope="module")
+def moe() -> Plan:
+    return plan(MOE)
+
+
+def _moe_workload() -> Workload:
+    return load_workload("dsv3-debug", layers=2, seq=32, device="meta")
+
+
+def test_moe_plan_lists_ep_layouts_with_their_peaks(moe: Plan) -> None:
+    result = moe.to_json()
+    eps = {(c["fsdp"], c["tp"], c["pp"], c["ep"]) for c in result["configs"]}
+    assert {(4, 1, 1, 4), (2, 2, 1, 2), (2, 1, 2, 2)} <= eps  # EP with TP, with PP
+    assert {ep for *_, ep in eps} == {1, 2, 4}
+    for c in result["configs"]:
+        assert c["fsdp"] * c["tp"] % c["ep"] == 0 and 8 % c["ep"] == 0
+        assert c["peak_bytes"] == max(c["stage_peaks"]) > 0
+    counts = ParamCounts.of(_moe_workload().model)
+    for config in moe.configs:  # the bound stays below what each EP layout holds
+        c = config.candidate
+        if c.ep == 1:
+            continue
+        layout = c.pipeline().layout(2) if c.schedule else None
+        assert lower_bound_bytes(counts, c, layout) <= config.peak_bytes
+    ep4 = next(c for c in moe.configs if c.candidate.ep == 4 and c.candidate.fsdp == 4)
+    assert ep4.candidate.describe() == "fsdp 4 x tp 1 x pp 1 x ep 4"
+    assert any(line.split()[1:6] == ["4", "x", "1", "x", "1"] and "ep 4" in line
+               for line in plan_table(result, rows=100).splitlines())  # fmt: skip
+    assert [n for n in moe.notes if n.startswith("expert routing: fake tensors cannot route")]
+    assert not any("not planned" in note for note in moe.notes)
+
+
+def test_ep_lower_bound_by_hand() -> None:
+    """dsv3-debug, 2 layers: layer 1's routed experts (3 x 8 x 256 x 256) sharded over
+    fsdp alone without EP (replicated over TP), over ep x efsdp with it, gathered to 1/ep
+    under PP; every other parameter over fsdp x tp. AdamW: 4 + 8 bytes a parameter, plus an
+    fp32 gradient shard (no PP) or the unsharded bf16 weight and fp32 gradient (PP, FSDP)."""
+    model = _moe_workload().model
+    counts = ParamCounts.of(model)
+    routed = 3 * 8 * 256 * 256
+    total = sum(p.numel() for p in model.parameters())
+    assert counts.experts == (0, routed)
+    dense = total - routed
+
+    def whole(fsdp: int, tp: int, ep: int) -> int:
+        return lower_bound_bytes(counts, Candidate(fsdp, tp, 1, None, 1, 2, ep), None)
+
+    assert whole(2, 2, 1) == dense * 16 // 4 + routed * 16 // 2
+    assert whole(2, 2, 2) == whole(2, 2, 4) == dense * 16 // 4 + routed * 16 // 4
+    candidate = Candidate(2, 2, 2, "1F1B", 2, 2, ep=2)  # efsdp = 2 x 2 / 2 = 2
+    layout = candidate.pipeline().layout(2)
+    assert layout.layers == ((0,), (1,))
+    last = counts.stage((1,), False, True) - routed
+    held = last * 12 // 4 + last * 6 // 2 + routed * 12 // 4 + routed * 6 // 2
+    first = counts.stage((0,), True, False)
+    assert lower_bound_bytes(counts, candidate, layout) == max(
+        held, first * 12 // 4 + first * 6 // 2
     )
-    calls: list[tuple[int, int]] = []
-    found = plan(options, progress=lambda done, total, _config: calls.append((done, total)))
-    assert [c.candidate.pp for c in found.configs] == [1] and calls == [(1, 1)]
-    assert any("expert parallelism is not planned" in note for note in found.notes)
+    no_ep = Candidate(2, 2, 2, "1F1B", 2, 2)
+    held = last * 12 // 4 + last * 6 // 2 + routed * 12 // 2 + routed * 6 // 1
+    assert lower_bound_bytes(counts, no_ep, layout) == max(held, first * 12 // 4 + first * 6 // 2)
+
+
+def test_ep_degrees_divide_the_experts_and_the_ranks() -> None:
+    assert ep_degrees(_moe_workload(), 16) == [1, 2, 4, 8]
+    assert ep_degrees(_moe_workload(), 6) == [1, 2]
+    assert ep_degrees(_workload(), 16) == [1]
+
+
+def test_dense_models_plan_ep_1_only(tiny: Plan) -> None:
+    options = PlanOptions(model="llama3-debug", gpus=8, layers=2, seq=32, memory_bytes=GIB)
+    kept, pruned = layouts(options, _workload())
+    assert {c.ep for c in kept} == {p.ep for p in pruned} == {1}
+    assert {c.candidate.ep for c in tiny.configs} == {1}
+    assert all(c["ep"] == 1 for c in tiny.to_json()["configs"])
     assert tiny.notes == []  # a dense model: nothing to say
+    assert "ep" not in plan_table(tiny.to_json()).split("\n")[2]

@@ -102,9 +102,10 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plan_table(result: dict[str, Any], rows: int = 20) -> str:
-    """The ranked layouts (best first, the first `rows`), then the pruned count and time."""
+    """The ranked layouts (best first, the first `rows`), then the pruned count and time;
+    a layout with expert parallelism ends `ep E`."""
     head = (
-        f"{'#':>3}  {'fsdp x tp x pp':<16} {'schedule':<16} {'mb':>8}  "
+        f"{'#':>3}  {'fsdp x tp x pp':<21} {'schedule':<16} {'mb':>8}  "
         f"{'peak GiB (min)':>15}  {'tok/s/GPU':>10}  fits  policy"
     )
     lines = [
@@ -115,12 +116,14 @@ def plan_table(result: dict[str, Any], rows: int = 20) -> str:
     ]
     for i, c in enumerate(result["configs"][:rows], start=1):
         layout = f"{c['fsdp']} x {c['tp']} x {c['pp']}"
+        if c.get("ep", 1) > 1:
+            layout += f" ep {c['ep']}"
         micro = f"{c['microbatches']}x{c['microbatch_size']}"
         peaks = f"{c['peak_bytes'] / GIB:.1f}"
         if len(c["stage_peaks"]) > 1:
             peaks += f" ({min(c['stage_peaks']) / GIB:.1f})"
         lines.append(
-            f"{i:>3}  {layout:<16} {c['schedule'] or '-':<16} {micro:>8}  {peaks:>15}  "
+            f"{i:>3}  {layout:<21} {c['schedule'] or '-':<16} {micro:>8}  {peaks:>15}  "
             f"{c['est_tokens_per_second_per_gpu']:>10,.0f}  {'yes' if c['feasible'] else 'no':<4}  "
             f"{c['policy_summary']}"
         )

@@ -1,14 +1,16 @@
-"""The planner: every parallel layout of a job over N GPUs (FSDP x TP x PP, schedule,
+"""The planner: every parallel layout of a job over N GPUs (FSDP x TP x PP x EP, schedule,
 microbatches), each with its fastest checkpointing policy under the GPU's memory, ranked by
-estimated tokens/s per GPU.
+estimated tokens/s per GPU. EP (routed experts over `ep` of the fsdp x tp ranks, as
+torchtitan borrows them) is tried on MoE models only.
 
-Entry points: `PlanOptions`, `layouts(options) -> (candidates, pruned)` (the enumeration and
-the analytic lower bound that prunes before tracing) and `plan(options) -> Plan`.
+Entry points: `PlanOptions` and `plan(options) -> Plan`; the enumeration and the analytic
+lower bound that prunes before tracing (`layouts(options, workload) -> (candidates, pruned)`,
+`Candidate`, `ParamCounts`, `lower_bound_bytes`) live in `workbench.search.layouts`.
 
 Layouts that cannot fit even without activations (parameter shards, optimizer state,
 gradients and, under PP with FSDP, the stage's unsharded parameters and gradients, as
 `cost.stages` holds them) are pruned before anything is traced. Stage graphs that are alike
-(same fsdp, tp, microbatch, layer count and first/last role) are traced once and shared by
+(same fsdp, tp, ep, microbatch, layer count and first/last role) are traced once and shared by
 every layout that holds such a stage.
 """
 
@@ -19,30 +21,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
+from workbench.capture.expert_parallel import routing_note
 from workbench.capture.graph import JointGraph
-from workbench.capture.models import DTYPES, Workload, load_workload, model_names
-from workbench.capture.parallel import Parallel, check_tp_shapes
-from workbench.capture.pipeline import (
-    SCHEDULES,
-    check_microbatches,
-    schedule_class,
-    stages_per_rank,
-)
-from workbench.capture.stages import (
-    Pipeline,
-    StageLayout,
-    n_layers,
-    split_layers,
-    trace_stages,
-)
+from workbench.capture.models import Workload, load_workload, model_names
+from workbench.capture.parallel import Parallel
+from workbench.capture.pipeline import SCHEDULES, schedule_class
+from workbench.capture.stages import StageLayout, n_layers, trace_stages
 from workbench.capture.trace import trace
-from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, Estimator, OptimizerName
+from workbench.cost.estimate import Estimator
 from workbench.cost.profiles import get_profile
 from workbench.cost.stages import PipelineModel, StageCache
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, check_int
+from workbench.search.layouts import (
+    OPTIMIZER,
+    Candidate,
+    ParamCounts,
+    Pruned,
+    ep_degrees,
+    layouts,
+    lower_bound_bytes,
+)
 from workbench.search.stages import solve_stages
 
 __all__ = [
@@ -55,6 +54,7 @@ __all__ = [
     "PlannedConfig",
     "Progress",
     "Pruned",
+    "ep_degrees",
     "layouts",
     "lower_bound_bytes",
     "plan",
@@ -73,7 +73,6 @@ LADDER = ("none", "default", "full")
 # torchtitan's Llama3 70B benchmark: 256 H100s, FSDP 32 x TP 8, local batch 16 -> 512
 # sequences a step, two per GPU.
 SEQUENCES_PER_GPU = 2
-OPTIMIZER: OptimizerName = "adamw"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,206 +135,6 @@ class PlanOptions:
     @property
     def batch(self) -> int:
         return self.global_batch or SEQUENCES_PER_GPU * self.gpus
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout: fsdp x tp x pp ranks, the schedule (None without PP) and microbatches
-    per step of one data-parallel rank (`local_batch` sequences)."""
-
-    fsdp: int
-    tp: int
-    pp: int
-    schedule: str | None
-    microbatches: int
-    local_batch: int
-
-    @property
-    def microbatch_size(self) -> int:
-        return self.local_batch // self.microbatches
-
-    def pipeline(self) -> Pipeline:
-        assert self.schedule is not None
-        return Pipeline(pp=self.pp, schedule=self.schedule, microbatches=self.microbatches)
-
-    def describe(self) -> str:
-        return f"fsdp {self.fsdp} x tp {self.tp} x pp {self.pp}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fsdp": self.fsdp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "microbatches": self.microbatches,
-            "microbatch_size": self.microbatch_size,
-            "local_batch": self.local_batch,
-        }
-
-
-@dataclass(frozen=True)
-class Pruned:
-    """A layout dropped before tracing, and why."""
-
-    fsdp: int
-    tp: int
-    pp: int
-    schedule: str | None
-    reason: str
-    lower_bound_bytes: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fsdp": self.fsdp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "reason": self.reason,
-            "lower_bound_bytes": self.lower_bound_bytes,
-        }
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters of each layer, of the embedding and of the norm and output: what a stage
-    holds, counted once per model (tied weights once, as `parameters()` yields them)."""
-
-    layers: tuple[int, ...]
-    embedding: int
-    head: int
-    itemsize: int  # of the master weights
-
-    @classmethod
-    def of(cls, model: nn.Module) -> ParamCounts:
-        def count(*modules: nn.Module | None) -> int:
-            seen = {id(p): p.numel() for m in modules if m is not None for p in m.parameters()}
-            return sum(seen.values())
-
-        blocks = model.layers  # a ModuleDict keyed by index (`capture.stages.n_layers`)
-        return cls(
-            layers=tuple(count(blocks[str(i)]) for i in range(len(blocks))),  # type: ignore[index, arg-type]
-            embedding=count(model.tok_embeddings),  # type: ignore[arg-type]
-            head=count(model.norm, model.output),  # type: ignore[arg-type]
-            itemsize=next(model.parameters()).dtype.itemsize,
-        )
-
-    def stage(self, layers: tuple[int, ...], first: bool, last: bool) -> int:
-        held = sum(self.layers[i] for i in layers)
-        return held + (self.embedding if first else 0) + (self.head if last else 0)
-
-
-def lower_bound_bytes(counts: ParamCounts, candidate: Candidate, layout: StageLayout | None) -> int:
-    """The most any rank holds before activations: fp32 parameter shards and the
-    optimizer's state; under PP with FSDP the stage's unsharded parameters (compute dtype)
-    and unsharded gradients (reduce dtype), as torch's `PipelineStage` keeps them; else the
-    gradients (shards with FSDP). Every parameter counted as split by TP (norms are not, so
-    this stays below)."""
-    master, state = counts.itemsize, OPTIMIZER_STATE_BYTES[OPTIMIZER]
-    parallel = Parallel()
-    low, reduce = DTYPES[parallel.param_dtype].itemsize, DTYPES[parallel.reduce_dtype].itemsize
-    shards = candidate.fsdp * candidate.tp
-    if layout is None:
-        params = counts.stage(tuple(range(len(counts.layers))), True, True)
-        return params * (master + state + master) // shards
-    worst = 0
-    for rank in range(candidate.pp):
-        held = 0
-        for stage in layout.stages_of(rank):
-            params = counts.stage(layout.layers[stage], stage == 0, stage == layout.n_stages - 1)
-            held += params * (master + state) // shards
-            unsharded = (low + reduce) if candidate.fsdp > 1 else master
-            held += params * unsharded // candidate.tp
-        worst = max(worst, held)
-    return worst
-
-
-def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
-    if tp > max_tp:
-        return f"tp {tp} spans more than one node of {max_tp} GPUs"
-    try:
-        check_tp_shapes(workload, Parallel(tp=tp))
-    except WorkbenchError as err:
-        return str(err).split(";")[0]
-    return None
-
-
-def _microbatch_counts(
-    multiples: tuple[int, ...], schedule: str, pp: int, n_stages: int, local: int
-) -> list[int]:
-    """Multiples of the stage count dividing the local batch that torch's schedule takes."""
-    counts = []
-    for multiple in multiples:
-        count = n_stages * multiple
-        if count > local or local % count:
-            continue
-        try:
-            check_microbatches(schedule, pp, count)
-        except WorkbenchError:  # torch's own rule on the count
-            continue
-        counts.append(count)
-    return counts
-
-
-def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], list[Pruned]]:
-    """Every fsdp x tp x pp x schedule x microbatches dividing the model and the GPUs,
-    and those pruned before tracing (with the reason and, for memory, the lower bound)."""
-    counts = ParamCounts.of(workload.model)
-    max_tp = get_profile(options.gpu).ranks_per_node
-    kept: list[Candidate] = []
-    pruned: list[Pruned] = []
-    for tp in _divisors(options.gpus):
-        refusal = _tp_refusal(workload, tp, max_tp)
-        for pp in _divisors(options.gpus // tp):
-            fsdp = options.gpus // (tp * pp)
-            for schedule in options.schedules if pp > 1 else (None,):
-                if refusal:
-                    pruned.append(Pruned(fsdp, tp, pp, schedule, refusal))
-                    continue
-                found = _layout(options, counts, fsdp, tp, pp, schedule)
-                if isinstance(found, Pruned):
-                    pruned.append(found)
-                else:
-                    kept += found
-    return kept, pruned
-
-
-def _layout(
-    options: PlanOptions, counts: ParamCounts, fsdp: int, tp: int, pp: int, schedule: str | None
-) -> list[Candidate] | Pruned:
-    """One fsdp x tp x pp x schedule: its microbatch choices, or why it is dropped (the
-    memory bound first: building torch's schedule for large pp takes seconds)."""
-    if options.batch % fsdp:
-        reason = f"fsdp {fsdp} does not divide the global batch of {options.batch}"
-        return Pruned(fsdp, tp, pp, schedule, reason)
-    local = options.batch // fsdp
-    layout = None
-    if schedule is not None:
-        total, n_stages = len(counts.layers), pp * stages_per_rank(schedule)
-        try:
-            split_layers(total, n_stages)
-        except WorkbenchError:
-            reason = f"{n_stages} stages cannot split {total} layers (+embedding, output)"
-            return Pruned(fsdp, tp, pp, schedule, reason)
-        layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
-    bound = lower_bound_bytes(counts, Candidate(fsdp, tp, pp, schedule, 1, local), layout)
-    if bound > options.budget_bytes:
-        reason = "parameters, optimizer state and gradients exceed the memory"
-        return Pruned(fsdp, tp, pp, schedule, reason, bound)
-    if schedule is None:
-        return [Candidate(fsdp, tp, pp, None, 1, local)]
-    multiples = options.microbatch_multiples
-    micro = _microbatch_counts(multiples, schedule, pp, pp * stages_per_rank(schedule), local)
-    if not micro:
-        reason = (
-            f"no multiple ({', '.join(map(str, multiples))}) of the stages divides the local "
-            f"batch of {local}"
-        )
-        return Pruned(fsdp, tp, pp, schedule, reason)
-    return [Candidate(fsdp, tp, pp, schedule, m, local) for m in micro]
 
 
 @dataclass
@@ -412,8 +211,8 @@ class Plan:
 
 
 class _Traces:
-    """Stage graphs by what makes them alike: fsdp, tp, the stage's microbatch, layer count
-    and first/last role. Graphs are shared, not copied: estimates never change a graph.
+    """Stage graphs by what makes them alike: fsdp, tp, ep, the stage's microbatch, layer
+    count and first/last role. Graphs are shared, not copied: estimates never change a graph.
     `traced` counts every graph traced (the cache may have been cleared since)."""
 
     def __init__(self, options: PlanOptions) -> None:
@@ -455,6 +254,7 @@ class _Traces:
             key = (
                 candidate.fsdp,
                 candidate.tp,
+                candidate.ep,
                 candidate.microbatch_size,
                 len(layers),
                 stage == 0,
@@ -473,18 +273,19 @@ class _Traces:
 
     def whole(self, candidate: Candidate) -> JointGraph:
         workload = self.workload(candidate.local_batch)
-        key = (candidate.fsdp, candidate.tp, candidate.local_batch, "whole")
+        key = (candidate.fsdp, candidate.tp, candidate.ep, candidate.local_batch, "whole")
         return self.get(key, lambda: trace(workload, "fake", _parallel(candidate)))
 
 
-def _group(candidate: Candidate) -> tuple[int, int, int]:
-    return (candidate.fsdp, candidate.tp, candidate.microbatch_size)
+def _group(candidate: Candidate) -> tuple[int, int, int, int]:
+    return (candidate.fsdp, candidate.tp, candidate.ep, candidate.microbatch_size)
 
 
 def _parallel(candidate: Candidate) -> Parallel:
     """Always a `Parallel`, one rank included: every layout computes in the same mixed
-    precision (bf16 parameters gathered from fp32 shards), as torchtitan trains."""
-    return Parallel(fsdp=candidate.fsdp, tp=candidate.tp)
+    precision (bf16 parameters gathered from fp32 shards), as torchtitan trains. EP routes
+    balanced (`ep_imbalance` 1)."""
+    return Parallel(fsdp=candidate.fsdp, tp=candidate.tp, ep=candidate.ep)
 
 
 def _plan_whole(candidate: Candidate, graph: JointGraph, options: PlanOptions) -> PlannedConfig:
@@ -571,11 +372,9 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
         )
     configs.sort(key=lambda c: (not c.feasible, -c.tokens_per_second_per_gpu, c.peak_bytes))
     notes = []
-    if hasattr(workload.model, "moe_config"):
-        notes.append(
-            "expert parallelism is not planned: the reference models shard by FSDP and TP "
-            "only (EP runs through torchtitan models)"
-        )
+    ep = max(c.candidate.ep for c in configs)
+    if ep > 1:  # every EP layout routes balanced: the rank graphs' own note, once
+        notes.append(routing_note("one per MoE layer", Parallel(fsdp=ep, ep=ep)))
     return Plan(
         options,
         configs,

@@ -269,7 +269,8 @@ def plot_plan(configs: Sequence[Mapping[str, Any]], memory_bytes: int) -> Figure
         )
         best = front[0]  # the fastest that fits is named (a long front's names would overlap)
         if {"fsdp", "tp", "pp"} <= set(best):
-            name = f"{best['fsdp']}x{best['tp']}x{best['pp']} {best.get('schedule') or ''}"
+            ep = f" ep {best['ep']}" if best.get("ep", 1) > 1 else ""
+            name = f"{best['fsdp']}x{best['tp']}x{best['pp']}{ep} {best.get('schedule') or ''}"
             ax.annotate(
                 name.rstrip(),
                 (best[rate], best["peak_bytes"] / scale),

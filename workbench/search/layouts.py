@@ -1,0 +1,301 @@
+"""The layouts a planner tries: every fsdp x tp x pp x ep x schedule x microbatches dividing
+the model and the GPUs, and the analytic memory bound that prunes before anything is traced.
+
+Entry points: `Candidate`, `Pruned`, `ParamCounts.of(model)`, `lower_bound_bytes(counts,
+candidate, layout)`, `ep_degrees(workload, ranks)` and `layouts(options, workload) ->
+(candidates, pruned)` (what `workbench.search.planner.plan` enumerates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from workbench.capture.expert_parallel import check_expert_parallel
+from workbench.capture.models import DTYPES, Workload
+from workbench.capture.models.deepseek_v3 import GroupedExperts
+from workbench.capture.parallel import Parallel, check_tp_shapes
+from workbench.capture.pipeline import check_microbatches, stages_per_rank
+from workbench.capture.stages import Pipeline, StageLayout, split_layers
+from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, OptimizerName
+from workbench.cost.profiles import get_profile
+from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    from workbench.search.planner import PlanOptions
+
+__all__ = [
+    "OPTIMIZER",
+    "Candidate",
+    "ParamCounts",
+    "Pruned",
+    "ep_degrees",
+    "layouts",
+    "lower_bound_bytes",
+]
+
+OPTIMIZER: OptimizerName = "adamw"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: fsdp x tp x pp ranks, the schedule (None without PP), microbatches per
+    step of one data-parallel rank (`local_batch` sequences) and the EP degree (routed
+    experts over `ep` of the fsdp x tp ranks; 1 on dense models)."""
+
+    fsdp: int
+    tp: int
+    pp: int
+    schedule: str | None
+    microbatches: int
+    local_batch: int
+    ep: int = 1
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.local_batch // self.microbatches
+
+    def pipeline(self) -> Pipeline:
+        assert self.schedule is not None
+        return Pipeline(pp=self.pp, schedule=self.schedule, microbatches=self.microbatches)
+
+    def describe(self) -> str:
+        """`fsdp 4 x tp 2 x pp 1`, `... x ep 8` when EP is used."""
+        ep = f" x ep {self.ep}" if self.ep > 1 else ""
+        return f"fsdp {self.fsdp} x tp {self.tp} x pp {self.pp}{ep}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fsdp": self.fsdp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "ep": self.ep,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "local_batch": self.local_batch,
+        }
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """A layout dropped before tracing, and why."""
+
+    fsdp: int
+    tp: int
+    pp: int
+    schedule: str | None
+    reason: str
+    lower_bound_bytes: int | None = None
+    ep: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fsdp": self.fsdp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "ep": self.ep,
+            "schedule": self.schedule,
+            "reason": self.reason,
+            "lower_bound_bytes": self.lower_bound_bytes,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of each layer, of the embedding and of the norm and output: what a stage
+    holds, counted once per model (tied weights once, as `parameters()` yields them); and
+    of each layer, its routed experts' (sharded apart from the rest under EP)."""
+
+    layers: tuple[int, ...]
+    embedding: int
+    head: int
+    itemsize: int  # of the master weights
+    experts: tuple[int, ...] = ()
+    """Routed-expert parameters of each layer (a part of `layers`; empty: none)."""
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ParamCounts:
+        def count(*modules: nn.Module | None) -> int:
+            seen = {id(p): p.numel() for m in modules if m is not None for p in m.parameters()}
+            return sum(seen.values())
+
+        blocks: Any = model.layers  # a ModuleDict keyed by index (`capture.stages.n_layers`)
+        ids = [str(i) for i in range(len(blocks))]
+        experts = [
+            count(*(m for m in blocks[i].modules() if isinstance(m, GroupedExperts))) for i in ids
+        ]
+        return cls(
+            layers=tuple(count(blocks[i]) for i in ids),
+            embedding=count(model.tok_embeddings),  # type: ignore[arg-type]
+            head=count(model.norm, model.output),  # type: ignore[arg-type]
+            itemsize=next(model.parameters()).dtype.itemsize,
+            experts=tuple(experts) if any(experts) else (),
+        )
+
+    def stage(self, layers: tuple[int, ...], first: bool, last: bool) -> int:
+        held = sum(self.layers[i] for i in layers)
+        return held + (self.embedding if first else 0) + (self.head if last else 0)
+
+    def stage_experts(self, layers: tuple[int, ...]) -> int:
+        """The routed-expert part of `stage(layers, ...)`."""
+        return sum(self.experts[i] for i in layers) if self.experts else 0
+
+
+def lower_bound_bytes(counts: ParamCounts, candidate: Candidate, layout: StageLayout | None) -> int:
+    """The most any rank holds before activations: fp32 parameter shards and the
+    optimizer's state; under PP with FSDP the stage's unsharded parameters (compute dtype)
+    and unsharded gradients (reduce dtype), as torch's `PipelineStage` keeps them; else the
+    gradients (shards with FSDP). Dense parameters are counted as split by TP (norms, the
+    router and shared experts are not, so this stays below); routed experts as the reference
+    MoE shards them: replicated over TP and sharded over fsdp without EP; with EP, as
+    torchtitan does, split over ep and the efsdp = fsdp x tp / ep ranks left, gathered to
+    1/ep of them."""
+    master, state = counts.itemsize, OPTIMIZER_STATE_BYTES[OPTIMIZER]
+    parallel = Parallel()
+    low, reduce = DTYPES[parallel.param_dtype].itemsize, DTYPES[parallel.reduce_dtype].itemsize
+    fsdp, tp, ep = candidate.fsdp, candidate.tp, candidate.ep
+    efsdp = fsdp * tp // ep if ep > 1 else fsdp
+    # (ranks a shard is split over, ranks the gathered whole is split over, FSDP degree)
+    dense, experts = (fsdp * tp, tp, fsdp), (efsdp * ep, ep, efsdp)
+    if layout is None:
+        params = counts.stage(tuple(range(len(counts.layers))), True, True)
+        routed = counts.stage_experts(tuple(range(len(counts.layers))))
+        held = [(params - routed, dense), (routed, experts)]
+        return sum(n * (master + state + master) // shards for n, (shards, _, _) in held)
+    worst = 0
+    for rank in range(candidate.pp):
+        total = 0
+        for stage in layout.stages_of(rank):
+            layers = layout.layers[stage]
+            params = counts.stage(layers, stage == 0, stage == layout.n_stages - 1)
+            routed = counts.stage_experts(layers)
+            for n, (shards, split, degree) in ((params - routed, dense), (routed, experts)):
+                unsharded = (low + reduce) if degree > 1 else master
+                total += n * (master + state) // shards + n * unsharded // split
+        worst = max(worst, total)
+    return worst
+
+
+def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
+    if tp > max_tp:
+        return f"tp {tp} spans more than one node of {max_tp} GPUs"
+    try:
+        check_tp_shapes(workload, Parallel(tp=tp))
+    except WorkbenchError as err:
+        return str(err).split(";")[0]
+    return None
+
+
+def _microbatch_counts(
+    multiples: tuple[int, ...], schedule: str, pp: int, n_stages: int, local: int
+) -> list[int]:
+    """Multiples of the stage count dividing the local batch that torch's schedule takes."""
+    counts = []
+    for multiple in multiples:
+        count = n_stages * multiple
+        if count > local or local % count:
+            continue
+        try:
+            check_microbatches(schedule, pp, count)
+        except WorkbenchError:  # torch's own rule on the count
+            continue
+        counts.append(count)
+    return counts
+
+
+def ep_degrees(workload: Workload, ranks: int) -> list[int]:
+    """The EP degrees to try with `ranks` = fsdp x tp: those dividing both the routed
+    experts and the ranks EP borrows from; [1] on a dense model.
+
+    >>> from workbench.capture.models import load_workload
+    >>> ep_degrees(load_workload("dsv3-debug", layers=2, device="meta"), 12)
+    [1, 2, 4]
+    >>> ep_degrees(load_workload("llama3-debug", layers=2, device="meta"), 8)
+    [1]
+    """
+    config = getattr(workload.model, "moe_config", None)
+    if config is None:
+        return [1]
+    return [ep for ep in _divisors(ranks) if config.n_experts % ep == 0]
+
+
+def _ep_refusal(workload: Workload, fsdp: int, tp: int, ep: int) -> str | None:
+    """Why the reference MoE cannot shard its experts so (efsdp divides none of their sizes)."""
+    try:
+        check_expert_parallel(workload, Parallel(fsdp=fsdp, tp=tp, ep=ep))
+    except WorkbenchError as err:
+        return str(err).split(";")[0]
+    return None
+
+
+def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], list[Pruned]]:
+    """Every fsdp x tp x pp x ep x schedule x microbatches dividing the model and the GPUs,
+    and those pruned before tracing (with the reason and, for memory, the lower bound)."""
+    counts = ParamCounts.of(workload.model)
+    max_tp = get_profile(options.gpu).ranks_per_node
+    kept: list[Candidate] = []
+    pruned: list[Pruned] = []
+    for tp in _divisors(options.gpus):
+        refusal = _tp_refusal(workload, tp, max_tp)
+        for pp in _divisors(options.gpus // tp):
+            fsdp = options.gpus // (tp * pp)
+            for ep in [1] if refusal else ep_degrees(workload, fsdp * tp):
+                why = refusal or (_ep_refusal(workload, fsdp, tp, ep) if ep > 1 else None)
+                for schedule in options.schedules if pp > 1 else (None,):
+                    if why:
+                        pruned.append(Pruned(fsdp, tp, pp, schedule, why, ep=ep))
+                        continue
+                    found = _layout(options, counts, fsdp, tp, pp, schedule, ep)
+                    if isinstance(found, Pruned):
+                        pruned.append(found)
+                    else:
+                        kept += found
+    return kept, pruned
+
+
+def _layout(
+    options: PlanOptions,
+    counts: ParamCounts,
+    fsdp: int,
+    tp: int,
+    pp: int,
+    schedule: str | None,
+    ep: int = 1,
+) -> list[Candidate] | Pruned:
+    """One fsdp x tp x pp x ep x schedule: its microbatch choices, or why it is dropped (the
+    memory bound first: building torch's schedule for large pp takes seconds)."""
+    if options.batch % fsdp:
+        reason = f"fsdp {fsdp} does not divide the global batch of {options.batch}"
+        return Pruned(fsdp, tp, pp, schedule, reason, ep=ep)
+    local = options.batch // fsdp
+    layout = None
+    if schedule is not None:
+        total, n_stages = len(counts.layers), pp * stages_per_rank(schedule)
+        try:
+            split_layers(total, n_stages)
+        except WorkbenchError:
+            reason = f"{n_stages} stages cannot split {total} layers (+embedding, output)"
+            return Pruned(fsdp, tp, pp, schedule, reason, ep=ep)
+        layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
+    bound = lower_bound_bytes(counts, Candidate(fsdp, tp, pp, schedule, 1, local, ep), layout)
+    if bound > options.budget_bytes:
+        reason = "parameters, optimizer state and gradients exceed the memory"
+        return Pruned(fsdp, tp, pp, schedule, reason, bound, ep)
+    if schedule is None:
+        return [Candidate(fsdp, tp, pp, None, 1, local, ep)]
+    multiples = options.microbatch_multiples
+    micro = _microbatch_counts(multiples, schedule, pp, pp * stages_per_rank(schedule), local)
+    if not micro:
+        reason = (
+            f"no multiple ({', '.join(map(str, multiples))}) of the stages divides the local "
+            f"batch of {local}"
+        )
+        return Pruned(fsdp, tp, pp, schedule, reason, ep=ep)
+    return [Candidate(fsdp, tp, pp, schedule, m, local, ep) for m in micro]
