@@ -324,6 +324,10 @@ REFERENCE_EP_FLAGS: list[tuple[list[str], str]] = [
         r"--ep 8 must divide fsdp x cp x tp = 4 .*: choose one of 1, 2, 4, or",
     ),
     (["--model", "llama3-debug", "--fsdp", "2", "--ep", "2"], "has no routed experts"),
+    (
+        ["--model", "dsv3-debug", "--fsdp", "3", "--tp", "2", "--ep", "2"],
+        r"--ep 2 leaves expert FSDP over 3 ranks .* does not divide dimension 0 \(4\)",
+    ),
 ]
 
 
@@ -334,6 +338,11 @@ def test_bad_reference_ep_flags(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
     fails(capsys, ["trace", *TITAN, *flags], message)
+
+
+def test_verify_refuses_reference_ep_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["verify", "--model", "dsv3-debug", "--mode", "real", "--fsdp", "2", "--ep", "2"]
+    fails(capsys, [*argv, "--policy", "full"], "verify with --ep 2: the reference MoE's")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")

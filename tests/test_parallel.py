@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import workbench.capture.parallel as parallel_module
+from workbench.capture.expert_parallel import expert_mesh, expert_shard
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.models.llama3 import Llama3, Llama3Config
@@ -343,3 +344,24 @@ def test_ep_rank_graph_holds_the_all_to_alls_and_its_experts() -> None:
             fast.peak_bytes
             == estimate_remat(graph, remat(graph, Policy(preset)), estimator).peak_bytes
         )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "rows", "dim", "shape"),
+    [  # 8 experts: 4 on each of ep 2, then efsdp 2 splits them (torchtitan's dim 0)
+        (Parallel(fsdp=2, tp=2, ep=2), slice(0, 2), 0, (2, 16, 6)),
+        # efsdp 8 x ep 2 > 8 experts: efsdp splits dimension 1 of this rank's 4 experts
+        (Parallel(fsdp=4, tp=4, ep=2), slice(0, 4), 1, (4, 2, 6)),
+    ],
+)
+def test_expert_shard_is_this_ranks_experts_then_its_efsdp_slice(
+    parallel: Parallel, rows: slice, dim: int, shape: tuple[int, ...]
+) -> None:
+    weight = torch.arange(8 * 16 * 6.0).view(8, 16, 6)
+    with fake_process_group(parallel):
+        mesh = expert_mesh(parallel)
+        assert mesh.mesh_dim_names == ("efsdp", "ep")
+        assert mesh.shape == (parallel.world_size // parallel.ep, parallel.ep)
+        shard, found = expert_shard(weight, parallel, mesh)
+    assert found == dim and tuple(shard.shape) == shape
+    assert torch.equal(shard, weight[rows].narrow(dim, 0, shape[dim]))

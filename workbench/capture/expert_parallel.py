@@ -3,7 +3,7 @@ over `ep` ranks, token copies sent to them and back by all-to-alls, as torchtita
 `AllToAllTokenDispatcher` runs them, with the static token counts a fake trace needs.
 
 Entry points: `check_expert_parallel(workload, parallel)`, `expert_mesh(parallel)` (the
-("efsdp", "ep") mesh), `expert_shard(param, parallel, n_experts)` (a rank's slice of a
+("efsdp", "ep") mesh), `expert_shard(param, parallel, mesh)` (a rank's slice of a
 routed-expert weight), `ExpertDispatch` (set on each MoE by `apply_expert_parallel`), and
 the token counts shared with torchtitan models: `ep_token_splits`, `routing_note`.
 """
@@ -91,13 +91,14 @@ def expert_mesh(parallel: Parallel, device_type: str = "cpu") -> DeviceMesh:
     return init_device_mesh(device_type, (efsdp, parallel.ep), mesh_dim_names=EXPERT_MESH_DIMS)
 
 
-def expert_shard(param: torch.Tensor, parallel: Parallel, n_experts: int) -> tuple[Any, int]:
-    """Rank 0's shard of a stacked routed-expert weight (experts, ., .): its `n / ep`
-    experts, then its efsdp slice of them (on the dimension `_efsdp_dim` picks), with that
-    dimension. Sizes are checked by `check_expert_parallel`."""
-    local = param.detach().chunk(parallel.ep, dim=0)[0]
-    dim = _efsdp_dim(parallel, n_experts)
-    return local.chunk(parallel.world_size // parallel.ep, dim=dim)[0].clone(), dim
+def expert_shard(param: torch.Tensor, parallel: Parallel, mesh: DeviceMesh) -> tuple[Any, int]:
+    """This rank's shard of a stacked routed-expert weight (experts, ., .) on the experts'
+    `mesh`: its `n / ep` experts, then its efsdp slice of them (on the dimension
+    `_efsdp_dim` picks), with that dimension. Sizes are checked by `check_expert_parallel`."""
+    local = param.detach().chunk(parallel.ep, dim=0)[mesh.get_local_rank("ep")]
+    dim = _efsdp_dim(parallel, param.shape[0])
+    efsdp = parallel.world_size // parallel.ep
+    return local.chunk(efsdp, dim=dim)[mesh.get_local_rank("efsdp")].clone(), dim
 
 
 def ep_token_splits(sent: int, ep: int, imbalance: float) -> tuple[list[int], list[int]]:

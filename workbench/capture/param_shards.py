@@ -210,7 +210,7 @@ def _shard_experts(
 ) -> tuple[nn.Parameter, GatherParameter]:
     """A routed-expert weight as torchtitan shards it: its experts split over "ep", this
     rank's experts over "efsdp" (`expert_shard`); gathered over efsdp alone."""
-    shard, dim = expert_shard(param, parallel, param.shape[0])
+    shard, dim = expert_shard(param, parallel, mesh)
     efsdp: Placement = _StridedShard(0, split_factor=parallel.ep) if dim == 0 else Shard(dim)
     shape = param.shape
     dtensor = DTensor.from_local(
