@@ -422,7 +422,8 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
     graph = trace_step(workload, step, args, kinds, mode)
     graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in MESH_DIMS}
     if rank.experts_mesh is not None:
-        graph.mesh_dims |= {rank.experts_mesh.get_group(d).group_name: d for d in EXPERT_MESH_DIMS}
+        for dim in EXPERT_MESH_DIMS:  # a dimension spanning the world is WORLD in both
+            graph.mesh_dims.setdefault(rank.experts_mesh.get_group(dim).group_name, dim)
         if any(isinstance(m, MoE) for m in workload.model.modules()):
             graph.notes.append(routing_note("one per MoE layer", parallel))
     graph.config.update(parallel.to_json())
