@@ -115,14 +115,21 @@ def ep_token_splits(sent: int, ep: int, imbalance: float) -> tuple[list[int], li
     return balanced, [min(sent, math.ceil(imbalance * n)) for n in balanced]
 
 
-def routing_note(exchanges: str, parallel: Parallel) -> str:
+def routing_note(exchanges: str, imbalance: float, ep: int | None = None) -> str:
     """What the graph binds about routing, in the note every EP graph carries; `exchanges`
-    says how many dispatches there are (`3 here`, `one per MoE layer`)."""
+    says how many dispatches there are (`3 here`, `one per MoE layer`), `ep` the EP ranks
+    (None: layouts of several degrees, as a plan's).
+
+    >>> print(routing_note("3 here", 1.5, 4))
+    expert routing: fake tensors cannot route, so each EP dispatch all-to-all (3 here) sends ...
+    the 4 EP ranks and receives 1.5 x the balanced count ... (ep_imbalance 1.5; 1 = balanced)
+    """
+    ranks = f"{ep} EP ranks" if ep is not None else "EP ranks"
     return (
         f"expert routing: fake tensors cannot route, so each EP dispatch all-to-all "
-        f"({exchanges}) sends its routed token copies evenly to the {parallel.ep} EP "
-        f"ranks and receives {parallel.ep_imbalance:g} x the balanced count from each "
-        f"(ep_imbalance {parallel.ep_imbalance:g}; 1 = balanced)"
+        f"({exchanges}) sends its routed token copies evenly to the {ranks} and receives "
+        f"{imbalance:g} x the balanced count from each (ep_imbalance {imbalance:g}; "
+        "1 = balanced)"
     )
 
 

@@ -425,7 +425,9 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
         for dim in EXPERT_MESH_DIMS:  # a dimension spanning the world is WORLD in both
             graph.mesh_dims.setdefault(rank.experts_mesh.get_group(dim).group_name, dim)
         if any(isinstance(m, MoE) for m in workload.model.modules()):
-            graph.notes.append(routing_note("one per MoE layer", parallel))
+            graph.notes.append(
+                routing_note("one per MoE layer", parallel.ep_imbalance, parallel.ep)
+            )
     graph.config.update(parallel.to_json())
     return graph
 

@@ -409,7 +409,7 @@ def bind_token_counts(gm: fx.GraphModule, parallel: Parallel) -> list[str]:
     if not hints:
         return []
     _concretize(gm, hints)
-    return [routing_note(f"{exchanges} here", parallel)]
+    return [routing_note(f"{exchanges} here", parallel.ep_imbalance, parallel.ep)]
 
 
 def _symbol(size: Any) -> sympy.Symbol | None:

@@ -372,9 +372,8 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
         )
     configs.sort(key=lambda c: (not c.feasible, -c.tokens_per_second_per_gpu, c.peak_bytes))
     notes = []
-    ep = max(c.candidate.ep for c in configs)
-    if ep > 1:  # every EP layout routes balanced: the rank graphs' own note, once
-        notes.append(routing_note("one per MoE layer", Parallel(fsdp=ep, ep=ep)))
+    if any(c.candidate.ep > 1 for c in configs):  # the EP rank graphs' own note, once
+        notes.append(routing_note("one per MoE layer", Parallel().ep_imbalance))
     return Plan(
         options,
         configs,
