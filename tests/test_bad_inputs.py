@@ -1669,7 +1669,8 @@ def test_plan_needs_a_model_laid_out_as_torchtitans(capsys: pytest.CaptureFixtur
     fails(
         capsys,
         ["plan", *MLP, "--gpus", "2"],
-        r"plan splits reference models.*'user_models:mlp' is not one: choose one of dsv3-16b, dsv3-debug",
+        r"plan splits reference models.*'user_models:mlp' is not one: choose one of "
+        r"dsv3-16b, dsv3-debug",
     )
 
 
