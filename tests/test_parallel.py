@@ -15,9 +15,15 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import workbench.capture.parallel as parallel_module
-from workbench.capture.expert_parallel import expert_mesh, expert_shard
+from workbench.capture.expert_parallel import (
+    ExpertDispatch,
+    apply_expert_parallel,
+    expert_mesh,
+    expert_shard,
+)
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
+from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import Llama3, Llama3Config
 from workbench.capture.parallel import (
     Parallel,
@@ -365,3 +371,22 @@ def test_expert_shard_is_this_ranks_experts_then_its_efsdp_slice(
         shard, found = expert_shard(weight, parallel, mesh)
     assert found == dim and tuple(shard.shape) == shape
     assert torch.equal(shard, weight[rows].narrow(dim, 0, shape[dim]))
+
+
+def test_apply_expert_parallel_gives_every_moe_one_dispatch_over_ep() -> None:
+    """dsv3-debug, 3 layers: the dense first layer keeps its FFN, both MoE layers get the
+    same dispatch on the "ep" group; the model the caller sharded is untouched."""
+    workload = load_workload("dsv3-debug", layers=3, seq=32, device="meta")
+    parallel = Parallel(fsdp=2, tp=2, ep=4, ep_imbalance=2.0)
+    rank = None
+    with fake_process_group(parallel) as mesh:
+        rank = shard_workload(workload, parallel, mesh)
+        assert rank.experts_mesh is not None
+        group = rank.experts_mesh.get_group("ep").group_name
+        copy = load_workload("dsv3-debug", layers=3, seq=32, device="meta").model
+        assert apply_expert_parallel(copy, rank.experts_mesh, parallel) == 2
+    moes = [m for m in rank.workload.model.modules() if isinstance(m, MoE)]
+    assert len(moes) == 2
+    assert {m.dispatch for m in moes} == {ExpertDispatch(group, 4, 2.0)}
+    assert all(m.dispatch is None for m in workload.model.modules() if isinstance(m, MoE))
+    assert [s.expert for s in rank.shards].count(True) == 6  # w1, w2, w3 of two MoE layers

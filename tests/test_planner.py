@@ -227,6 +227,8 @@ def test_ep_lower_bound_by_hand() -> None:
     routed = 3 * 8 * 256 * 256
     total = sum(p.numel() for p in model.parameters())
     assert counts.experts == (0, routed)
+    assert counts.stage_experts((0, 1)) == counts.stage_experts((1,)) == routed
+    assert ParamCounts.of(_workload().model).stage_experts((0, 1)) == 0  # dense
     dense = total - routed
 
     def whole(fsdp: int, tp: int, ep: int) -> int:

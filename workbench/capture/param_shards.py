@@ -96,7 +96,11 @@ _PARAMETRIZED = re.compile(r"\.?parametrizations\.([^.]+)\.original$")
 
 
 def clean_fqn(key: str) -> str:
-    """`wq.parametrizations.weight.original` -> `wq.weight`: the name the user knows."""
+    """`wq.parametrizations.weight.original` -> `wq.weight`: the name the user knows.
+
+    >>> clean_fqn("layers.0.attention.wq.parametrizations.weight.original")
+    'layers.0.attention.wq.weight'
+    """
     return _PARAMETRIZED.sub(lambda m: ("." if m.start() else "") + m.group(1), key)
 
 
@@ -232,6 +236,11 @@ def _shard_experts(
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (a DTensor's global view).
+
+    >>> contiguous_stride(torch.Size([8, 256, 128]))
+    (32768, 128, 1)
+    """
     stride, step = [], 1
     for size in reversed(shape):
         stride.append(step)
