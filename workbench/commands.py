@@ -70,14 +70,7 @@ def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
 
 def _refuse_titan_ranks(args: argparse.Namespace, parallel: Parallel | None) -> None:
     """verify's ranks run on gloo with the workbench's own sharding; a torchtitan model's
-    rank is graph trainer's (`titan_rank`), which no gloo run reproduces yet; and the
-    reference MoE's EP exchanges static token counts, not a router's."""
-    if parallel is not None and parallel.ep > 1 and not args.model.startswith("torchtitan:"):
-        raise WorkbenchError(
-            f"verify with --ep {parallel.ep}: the reference MoE's all-to-alls move the static "
-            "token counts a fake trace assumes (--ep-imbalance), not a router's, so gloo ranks "
-            "would not agree on them; verify with --fsdp/--tp and estimate the EP rank"
-        )
+    rank is graph trainer's (`titan_rank`), which no gloo run reproduces yet."""
     if parallel is not None and args.model.startswith("torchtitan:"):
         raise WorkbenchError(
             f"verify with --fsdp/--tp/--ep: {args.model}'s rank is sharded by graph trainer's "

@@ -23,7 +23,7 @@ from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
 
 if TYPE_CHECKING:
-    from workbench.capture.parallel import Parallel
+    from workbench.capture.degrees import Parallel
 
 __all__ = [
     "EXPERT_MESH_DIMS",

@@ -26,7 +26,7 @@ from workbench.capture.models.deepseek_v3 import GroupedExperts, MoE
 from workbench.errors import WorkbenchError
 
 if TYPE_CHECKING:
-    from workbench.capture.parallel import Parallel
+    from workbench.capture.degrees import Parallel
 
 __all__ = [
     "GatherParameter",

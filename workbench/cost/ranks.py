@@ -44,7 +44,14 @@ RANKS_PER_CORE = 4
 
 
 def check_rank_count(parallel: Parallel) -> None:
-    """Refuse more ranks than this machine runs at once (`RANKS_PER_CORE` per core)."""
+    """Refuse more ranks than this machine runs at once (`RANKS_PER_CORE` per core), and
+    EP: the reference MoE's all-to-alls move the static token counts of a fake trace."""
+    if parallel.ep > 1:
+        raise WorkbenchError(
+            f"verify with --ep {parallel.ep}: the reference MoE's all-to-alls move the static "
+            "token counts a fake trace assumes (--ep-imbalance), not a router's, so gloo ranks "
+            "would not agree on them; verify with --fsdp/--tp and estimate the EP rank"
+        )
     cores = os.cpu_count() or 1
     if parallel.world_size > RANKS_PER_CORE * cores:
         raise WorkbenchError(

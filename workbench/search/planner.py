@@ -3,9 +3,10 @@ microbatches), each with its fastest checkpointing policy under the GPU's memory
 estimated tokens/s per GPU. EP (routed experts over `ep` of the fsdp x tp ranks, as
 torchtitan borrows them) is tried on MoE models only.
 
-Entry points: `PlanOptions` and `plan(options) -> Plan`; the enumeration and the analytic
-lower bound that prunes before tracing (`layouts(options, workload) -> (candidates, pruned)`,
-`Candidate`, `ParamCounts`, `lower_bound_bytes`) live in `workbench.search.layouts`.
+Entry points: `plan(options) -> Plan`; what to plan (`PlanOptions`), the enumeration and the
+analytic lower bound that prunes before tracing (`layouts(options, workload) -> (candidates,
+pruned)`, `Candidate`, `ParamCounts`, `lower_bound_bytes`) live in `workbench.search.layouts`
+and are re-exported here.
 
 Layouts that cannot fit even without activations (parameter shards, optimizer state,
 gradients and, under PP with FSDP, the stage's unsharded parameters and gradients, as
@@ -23,20 +24,22 @@ from typing import Any
 
 from workbench.capture.expert_parallel import routing_note
 from workbench.capture.graph import JointGraph
-from workbench.capture.models import Workload, load_workload, model_names
+from workbench.capture.models import Workload, load_workload
 from workbench.capture.parallel import Parallel
-from workbench.capture.pipeline import SCHEDULES, schedule_class
 from workbench.capture.stages import StageLayout, n_layers, trace_stages
 from workbench.capture.trace import trace
 from workbench.cost.estimate import Estimator
 from workbench.cost.profiles import get_profile
 from workbench.cost.stages import PipelineModel, StageCache
 from workbench.decide.policy import Policy
-from workbench.errors import WorkbenchError, check_int
+from workbench.errors import WorkbenchError
 from workbench.search.layouts import (
+    MICROBATCH_MULTIPLES,
     OPTIMIZER,
+    PLAN_SCHEDULES,
     Candidate,
     ParamCounts,
+    PlanOptions,
     Pruned,
     ep_degrees,
     layouts,
@@ -61,80 +64,8 @@ __all__ = [
 ]
 
 GIB = 2**30
-MAX_GPUS = 2**20
-# The schedules tried by default: one stage per rank, looped virtual stages, and a V
-# zero-bubble schedule (input and weight gradients apart).
-PLAN_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-# Microbatches tried per layout: these multiples of the stage count (those dividing the
-# local batch).
-MICROBATCH_MULTIPLES = (1, 2, 4)
 # Each stage's choices, least recompute first (`solve_stages` walks down them).
 LADDER = ("none", "default", "full")
-# torchtitan's Llama3 70B benchmark: 256 H100s, FSDP 32 x TP 8, local batch 16 -> 512
-# sequences a step, two per GPU.
-SEQUENCES_PER_GPU = 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanOptions:
-    """What to plan: a reference model on `gpus` GPUs of profile `gpu`."""
-
-    model: str
-    gpus: int
-    gpu: str = "h100"
-    memory_bytes: int | None = None
-    """Per-GPU memory the peak must fit (None: the profile's `memory_bytes`)."""
-    seq: int = 8192
-    global_batch: int | None = None
-    """Sequences per step over all data-parallel ranks (None: 2 per GPU)."""
-    layers: int | None = None
-    """Override the model's layer count (small plans, tests)."""
-    schedules: tuple[str, ...] = PLAN_SCHEDULES
-    microbatch_multiples: tuple[int, ...] = MICROBATCH_MULTIPLES
-    """Microbatches tried: these multiples of the stage count (each a stage graph to trace)."""
-
-    def __post_init__(self) -> None:
-        if self.model not in model_names():
-            raise WorkbenchError(
-                f"plan splits reference models, laid out as torchtitan's; {self.model!r} is not "
-                f"one: choose one of {', '.join(model_names())}"
-            )
-        check_int("--gpus", self.gpus, 1, MAX_GPUS, "GPUs in one job")
-        profile = get_profile(self.gpu)  # one line listing the profiles if unknown
-        if self.memory_bytes is None and profile.memory_bytes is None:
-            raise WorkbenchError(
-                f"--gpu {self.gpu} has no fixed memory size; give --memory-gib, or use h100, h200"
-            )
-        if self.memory_bytes is not None and (
-            isinstance(self.memory_bytes, bool)
-            or not isinstance(self.memory_bytes, int)
-            or self.memory_bytes <= 0
-        ):
-            raise WorkbenchError(
-                f"--memory-gib must be a positive number of GiB, got {self.memory_bytes!r} bytes"
-            )
-        if not self.schedules:
-            raise WorkbenchError(f"--schedules names none; choose from {', '.join(SCHEDULES)}")
-        names = tuple(schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
-        object.__setattr__(self, "schedules", names)
-        if not self.microbatch_multiples:
-            raise WorkbenchError("--microbatch-multiples names none; e.g. 1,2,4")
-        for multiple in self.microbatch_multiples:
-            check_int("--microbatch-multiples", multiple, 1, 1024, "multiples of the stages")
-        check_int("--seq", self.seq, 1, 2**31 - 1, "tokens")
-        if self.global_batch is not None:
-            check_int("--global-batch", self.global_batch, 1, 2**31 - 1, "sequences")
-
-    @property
-    def budget_bytes(self) -> int:
-        profile_bytes = get_profile(self.gpu).memory_bytes
-        chosen = self.memory_bytes if self.memory_bytes is not None else profile_bytes
-        assert chosen is not None
-        return chosen
-
-    @property
-    def batch(self) -> int:
-        return self.global_batch or SEQUENCES_PER_GPU * self.gpus
 
 
 @dataclass
