@@ -1403,7 +1403,7 @@ def test_ep_overlap_on_a_graph_without_expert_parallelism(
     fails(
         capsys,
         [command, *PASSES_ARGV, "--passes", "graph-trainer", "--ep-overlap"],
-        "EP overlap needs expert-parallel all-to-alls, and llama3-debug has none: trace an "
+        "EP overlap needs graph trainer's EP all-to-alls, and llama3-debug has none: trace an "
         "MoE torchtitan model with --ep 2 or more$",
     )
 

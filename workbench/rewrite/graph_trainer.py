@@ -370,10 +370,11 @@ def run_pipeline(
 
 
 def check_ep_overlap(graph: JointGraph) -> None:
-    """Graph trainer's EP-overlap passes need an expert-parallel graph: EP all-to-alls."""
+    """Graph trainer's EP-overlap passes need an expert-parallel graph: EP all-to-alls its
+    parallelize annotated (the reference MoE's EP has none of its annotations)."""
     if not any(_is_ep_all_to_all(node) for node in graph.gm.graph.nodes):
         raise WorkbenchError(
-            f"EP overlap needs expert-parallel all-to-alls, and {graph.model_name} has none: "
+            f"EP overlap needs graph trainer's EP all-to-alls, and {graph.model_name} has none: "
             "trace an MoE torchtitan model with --ep 2 or more"
         )
 
