@@ -203,10 +203,8 @@ def test_moe_plan_lists_ep_layouts_with_their_peaks(moe: Plan) -> None:
         assert c["fsdp"] * c["tp"] % c["ep"] == 0 and 8 % c["ep"] == 0
         assert c["peak_bytes"] == max(c["stage_peaks"]) > 0
     counts = ParamCounts.of(_moe_workload().model)
-    for config in moe.configs:  # the bound stays below what each EP layout holds
+    for config in moe.configs:  # the bound stays below what each layout holds
         c = config.candidate
-        if c.ep == 1:
-            continue
         layout = c.pipeline().layout(2) if c.schedule else None
         assert lower_bound_bytes(counts, c, layout) <= config.peak_bytes
     ep4 = next(c for c in moe.configs if c.candidate.ep == 4 and c.candidate.fsdp == 4)
@@ -215,6 +213,23 @@ def test_moe_plan_lists_ep_layouts_with_their_peaks(moe: Plan) -> None:
                for line in plan_table(result, rows=100).splitlines())  # fmt: skip
     assert [n for n in moe.notes if n.startswith("expert routing: fake tensors cannot route")]
     assert not any("not planned" in note for note in moe.notes)
+
+
+def test_moe_stages_of_dense_and_moe_layers_are_not_shared(moe: Plan) -> None:
+    """pp 4 over dsv3-debug's 2 layers: the middle stages hold the dense layer 0 and the MoE
+    layer 1, alike in count and role but not in graph; each estimates as its fresh trace."""
+    config = next(c for c in moe.configs if c.candidate.pp == 4)
+    candidate = config.candidate
+    fresh = trace_stages(
+        load_workload("dsv3-debug", layers=2, seq=32, batch=candidate.local_batch, device="meta"),
+        "fake",
+        Parallel(fsdp=candidate.fsdp, tp=candidate.tp, ep=candidate.ep),
+        candidate.pipeline(),
+    )
+    layout = candidate.pipeline().layout(2)
+    assert layout.layers[1:3] == ((0,), (1,))
+    estimate = PipelineModel(fresh, layout).estimate(config.policies)
+    assert [row.peak_bytes for row in estimate.schedule.stages] == config.stage_peaks
 
 
 def test_ep_lower_bound_by_hand() -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from workbench.capture.expert_parallel import routing_note
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
+from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.parallel import Parallel
 from workbench.capture.stages import StageLayout, n_layers, trace_stages
 from workbench.capture.trace import trace
@@ -143,8 +144,9 @@ class Plan:
 
 class _Traces:
     """Stage graphs by what makes them alike: fsdp, tp, ep, the stage's microbatch, layer
-    count and first/last role. Graphs are shared, not copied: estimates never change a graph.
-    `traced` counts every graph traced (the cache may have been cleared since)."""
+    count (and how many are dense) and first/last role. Graphs are shared, not copied:
+    estimates never change a graph. `traced` counts every graph traced (the cache may have
+    been cleared since)."""
 
     def __init__(self, options: PlanOptions) -> None:
         self.options = options
@@ -188,6 +190,7 @@ class _Traces:
                 candidate.ep,
                 candidate.microbatch_size,
                 len(layers),
+                _dense_layers(workload, layers),
                 stage == 0,
                 stage == layout.n_stages - 1,
             )
@@ -206,6 +209,13 @@ class _Traces:
         workload = self.workload(candidate.local_batch)
         key = (candidate.fsdp, candidate.tp, candidate.ep, candidate.local_batch, "whole")
         return self.get(key, lambda: trace(workload, "fake", _parallel(candidate)))
+
+
+def _dense_layers(workload: Workload, layers: tuple[int, ...]) -> int:
+    """How many of a stage's layers have no MoE: DeepSeek-V3's dense first layers make a
+    stage of as many layers another graph (an MoE model's dense ones come first)."""
+    blocks: Any = getattr(workload.model, "layers", {})
+    return sum(not isinstance(blocks[str(i)].feed_forward, MoE) for i in layers)
 
 
 def _group(candidate: Candidate) -> tuple[int, int, int, int]:
