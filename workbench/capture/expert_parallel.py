@@ -67,13 +67,15 @@ def check_expert_parallel(workload: Workload, parallel: Parallel) -> None:
         )
     efsdp = parallel.world_size // parallel.ep
     dim = _efsdp_dim(parallel, experts)
-    sizes = (experts // parallel.ep, config.dim, config.expert_hidden)
-    if sizes[dim] % efsdp:
-        raise WorkbenchError(
-            f"--ep {parallel.ep} leaves expert FSDP over {efsdp} ranks (fsdp x cp x tp / ep), "
-            f"which does not divide dimension {dim} ({sizes[dim]}) of {workload.name!r}'s "
-            f"routed-expert weights {sizes}; choose an ep that leaves a divisor of {sizes[dim]}"
-        )
+    # w1, w3: (experts, dim, hidden); w2: (experts, hidden, dim)
+    sizes = [experts // parallel.ep] if dim == 0 else [config.dim, config.expert_hidden]
+    for size in sizes:
+        if size % efsdp:
+            raise WorkbenchError(
+                f"--ep {parallel.ep} leaves expert FSDP over {efsdp} ranks (fsdp x cp x tp / "
+                f"ep), which does not divide dimension {dim} ({size}) of {workload.name!r}'s "
+                f"routed-expert weights; choose an ep that leaves a divisor of {size}"
+            )
 
 
 def _efsdp_dim(parallel: Parallel, experts: int) -> int:
