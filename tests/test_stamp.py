@@ -130,6 +130,21 @@ def test_pipeline_stages_stamped_from_kept_templates(parallel: Any) -> None:
     assert len(templates) == 3  # first, middle, last
 
 
+def test_ep_pipeline_stages_stamped_as_full_traces() -> None:
+    """DeepSeek-V3 stages with routed experts over EP: a first stage of the dense layer and
+    MoE layers, a last of MoE layers only, each equal to its full trace."""
+    from workbench.capture.stages import Pipeline, stage_workload
+
+    workload = load_workload("dsv3-debug", layers=10, seq=16, batch=2, device="meta")
+    layout = Pipeline(pp=2).layout(10)
+    parallel = Parallel(fsdp=2, ep=2)
+    for stage in range(2):
+        part = stage_workload(workload, layout, stage, parallel)
+        stamped = trace(part, "fake", parallel)
+        assert stamped.config["stamped"] == 2
+        assert_same_graph(stamped, trace(part, "fake", parallel, stamp=False))
+
+
 def _dsv3(dense: int) -> Workload:
     config = replace(DSV3_FLAVORS["debugmodel"], n_layers=5, n_dense_layers=dense)
     with torch.device("meta"):
