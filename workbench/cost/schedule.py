@@ -2,8 +2,10 @@
 
 Entry point: `simulate(order, costs, p2p_bytes_per_s, p2p_latency_s) -> ScheduleResult`, with
 `order` from `workbench.capture.pipeline.action_order` and one `StageCost` per stage (plain
-numbers: what one microbatch's F, B, I and W of that stage cost). Plain Python over the action
-lists, so a planner can call it for hundreds of configurations.
+numbers: what one microbatch's F, B, I and W of that stage cost). What does not depend on the
+costs (which action waits for which, in-flight counts) is walked once (`ScheduleWalk.of`);
+a simulation is then one pass over the actions for time and array sums for memory, so a
+planner can call it for thousands of configurations.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from workbench.capture.pipeline import Action, check_order
 from workbench.errors import INT64_MAX, WorkbenchError, check_int
 
@@ -20,6 +24,7 @@ __all__ = [
     "PhaseCost",
     "RankTimeline",
     "ScheduleResult",
+    "ScheduleWalk",
     "StageCost",
     "StagePeak",
     "simulate",
@@ -119,11 +124,22 @@ class RankTimeline:
     busy_seconds: float
     bubble_seconds: float
     bubble_fraction: float
-    timeline: list[tuple[str, float, float, int]] = field(repr=False)
-    """(action, start, end, live bytes after it) in run order."""
+    actions: list[str] = field(repr=False)
+    starts: list[float] = field(repr=False)
+    ends: list[float] = field(repr=False)
+    lives: list[int] = field(repr=False)
+    """Live bytes after each action."""
+
+    @property
+    def timeline(self) -> list[tuple[str, float, float, int]]:
+        """(action, start, end, live bytes after it) in run order (built when asked: a
+        planner simulates hundreds of steps and reads none)."""
+        return list(zip(self.actions, self.starts, self.ends, self.lives, strict=True))
 
     def to_json(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        names = ("rank", "stages", "peak_bytes", "peak_action", "inflight_microbatches",
+                 "busy_seconds", "bubble_seconds", "bubble_fraction")  # fmt: skip
+        data = {name: getattr(self, name) for name in names}
         return {**data, "timeline": [list(t) for t in self.timeline]}
 
 
@@ -150,58 +166,164 @@ class ScheduleResult:
         }
 
 
-def _phases(action: Action, cost: StageCost) -> list[PhaseCost]:
-    """The phases `action` runs: a B on a stage costed as I and W runs I then W."""
-    phases = cost.phases
-    if action.kind in phases:
-        return [phases[action.kind]]
-    if action.kind == "B":
-        return [phases["I"], phases["W"]]
-    raise WorkbenchError(
-        f"the schedule runs {action} but stage {action.stage} has only "
-        f"{', '.join(sorted(phases))} phases; a zero-bubble schedule needs the backward split "
-        "into I and W (graph trainer's split_di_dw)"
+_KINDS = {"F": 0, "B": 1, "I": 2, "W": 3}
+_NO_PHASE = -(2**62)  # the second phase of an action that runs one: never the peak
+
+
+@dataclass(frozen=True)
+class ScheduleWalk:
+    """What simulating `order` does whatever the costs: the order in which actions resolve
+    across ranks (an action waits for the one it needs), and per rank its actions' stages,
+    kinds, labels, the in-flight microbatches of each of its stages before each action and
+    the action at which each stage first holds its gradients. A pipeline builds it once and
+    simulates it for every policy its search tries.
+
+    Built by `ScheduleWalk.of(order)`; raises `WorkbenchError` for an order that deadlocks.
+    """
+
+    order: Mapping[int, Sequence[Action]]
+    ranks: list[int]
+    rank_of: dict[int, int]
+    steps: list[tuple[int, int, int, int, int, int]]
+    """(rank, stage, kind, key needed or -1, hop index, key produced or -1) in resolve order."""
+    keys: int
+    first: dict[tuple[int, str], Action]
+    """Each (stage, kind)'s first action in resolve order (errors name it)."""
+    labels: dict[int, list[str]]
+    stages: dict[int, np.ndarray]
+    kinds: dict[int, np.ndarray]
+    grads_from: dict[int, np.ndarray]
+    """Per rank and action: its stage's gradients are first held from this action on."""
+    inflight: dict[int, np.ndarray]
+    """Per rank: (actions, stages of the rank) counts of in-flight microbatches before each."""
+    columns: dict[int, list[int]]
+    """Per rank: the stage of each `inflight` column."""
+
+    @classmethod
+    def of(cls, order: Mapping[int, Sequence[Action]]) -> ScheduleWalk:
+        ranks = sorted(order)
+        rank_of = {a.stage: r for r in ranks for a in order[r]}
+        last = max(rank_of)
+        span = 1 + max(a.microbatch for r in ranks for a in order[r])
+        # Keys: 2 * (stage * span + mb) for F, + 1 for B or I (the input gradient).
+        done: set[int] = set()
+        waiting: dict[int, list[int]] = {}
+        position = dict.fromkeys(ranks, 0)
+        steps: list[tuple[int, int, int, int, int, int]] = []
+        first: dict[tuple[int, str], Action] = {}
+        ready = list(ranks)
+        while ready:
+            rank = ready.pop()
+            actions, at = order[rank], position[rank]
+            while at < len(actions):
+                action = actions[at]
+                s, kind = action.stage, action.kind
+                base = 2 * (s * span + action.microbatch)
+                if kind == "F":
+                    need, hop = (base - 2 * span, s - 1) if s > 0 else (-1, last + 1)
+                elif kind == "W":
+                    need, hop = base + 1, last + 1
+                else:
+                    need, hop = (base + 2 * span + 1, s) if s < last else (-1, last + 1)
+                if need >= 0 and need not in done:
+                    waiting.setdefault(need, []).append(rank)
+                    break
+                produced = -1 if kind == "W" else base + (kind != "F")
+                steps.append((rank, s, _KINDS[kind], need, hop, produced))
+                first.setdefault((s, kind), action)
+                at += 1
+                if produced >= 0:
+                    done.add(produced)
+                    ready.extend(waiting.pop(produced, ()))
+            position[rank] = at
+        stuck = [
+            f"rank {r} at {order[r][position[r]]}" for r in ranks if position[r] < len(order[r])
+        ]
+        if stuck:
+            raise WorkbenchError(f"the action order deadlocks: {', '.join(stuck)} wait forever")
+        per_rank = {rank: _rank_facts(order[rank]) for rank in ranks}
+        return cls(
+            order=order,
+            ranks=ranks,
+            rank_of=rank_of,
+            steps=steps,
+            keys=2 * (last + 1) * span + 2,
+            first=first,
+            labels={r: f[0] for r, f in per_rank.items()},
+            stages={r: f[1] for r, f in per_rank.items()},
+            kinds={r: f[2] for r, f in per_rank.items()},
+            grads_from={r: f[3] for r, f in per_rank.items()},
+            inflight={r: f[4] for r, f in per_rank.items()},
+            columns={r: f[5] for r, f in per_rank.items()},
+        )
+
+
+def _rank_facts(
+    actions: Sequence[Action],
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """One rank's labels, stages, kinds, gradient starts, in-flight counts and columns
+    (`ScheduleWalk`'s fields)."""
+    columns = sorted({a.stage for a in actions})
+    column = {s: c for c, s in enumerate(columns)}
+    counts = np.zeros((len(actions) + 1, len(columns)), dtype=np.int64)
+    grads_from = np.zeros(len(actions), dtype=bool)
+    holding: set[int] = set()
+    for k, action in enumerate(actions):
+        counts[k + 1] = counts[k]
+        if action.kind == "F":
+            counts[k + 1, column[action.stage]] += 1
+        elif action.kind != "I":
+            counts[k + 1, column[action.stage]] -= 1
+        if action.kind not in "FI" and action.stage not in holding:
+            holding.add(action.stage)
+            grads_from[k] = True
+    return (
+        [str(a) for a in actions],
+        np.array([a.stage for a in actions], dtype=np.int64),
+        np.array([_KINDS[a.kind] for a in actions], dtype=np.int64),
+        grads_from,
+        counts[:-1],
+        columns,
     )
 
 
-@dataclass(slots=True)
-class _Memory:
-    """One rank's live bytes over its own action order (time plays no part)."""
-
-    live: int
-    peak: int
-    peak_action: str = ""
-    peak_inflight: dict[int, int] = field(default_factory=dict)
-    grads_held: set[int] = field(default_factory=set)
-    residue: dict[tuple[int, int], int] = field(default_factory=dict)
-    inflight: dict[int, int] = field(default_factory=dict)
-
-    def run(self, action: Action, cost: StageCost, phases: list[PhaseCost]) -> int:
-        """Live bytes after `action`; records the rank's peak at its run."""
-        key = (action.stage, action.microbatch)
-        kind = action.kind
-        if kind != "F" and kind != "I" and action.stage not in self.grads_held:
-            self.grads_held.add(action.stage)
-            self.live += cost.grad_bytes
-        held = self.residue.pop(key, 0)
-        for phase in phases:
-            if self.live + phase.peak_bytes > self.peak:
-                self.peak = self.live + phase.peak_bytes
-                self.peak_action = str(action)
-                self.peak_inflight = dict(self.inflight)
-            self.live += phase.residue_bytes - held
+def _phase_table(
+    walk: ScheduleWalk, costs: Mapping[int, StageCost]
+) -> tuple[list[list[float]], np.ndarray]:
+    """Per stage and kind: the action's seconds, and (first phase's peak, its change of the
+    pair's held bytes, second phase's peak, its change): a B on a stage costed as I and W
+    runs I then W; an action of one phase has no second."""
+    n = max(walk.rank_of) + 1
+    seconds = [[0.0] * 4 for _ in range(n)]
+    table = np.zeros((n, 4, 4), dtype=np.int64)
+    table[:, :, 2] = _NO_PHASE
+    for (s, kind), action in walk.first.items():
+        phases = costs[s].phases
+        if kind in phases:
+            runs = [phases[kind]]
+        elif kind == "B":
+            runs = [phases["I"], phases["W"]]
+        else:
+            raise WorkbenchError(
+                f"the schedule runs {action} but stage {action.stage} has only "
+                f"{', '.join(sorted(phases))} phases; a zero-bubble schedule needs the backward "
+                "split into I and W (graph trainer's split_di_dw)"
+            )
+        # what the pair holds before it: F's residue before B or I, I's before W
+        held = {"F": 0, "W": phases["I"].residue_bytes if "I" in phases else 0}.get(
+            kind, phases["F"].residue_bytes
+        )
+        k = _KINDS[kind]
+        seconds[s][k] = sum(p.seconds for p in runs)
+        for p, phase in enumerate(runs):
+            table[s, k, 2 * p] = phase.peak_bytes
+            table[s, k, 2 * p + 1] = phase.residue_bytes - held
             held = phase.residue_bytes
-        if kind == "F":
-            self.inflight[action.stage] = self.inflight.get(action.stage, 0) + 1
-        elif kind != "I":
-            self.inflight[action.stage] -= 1
-        if held:
-            self.residue[key] = held
-        return self.live
+    return seconds, table
 
 
 def simulate(
-    order: Mapping[int, Sequence[Action]],
+    order: Mapping[int, Sequence[Action]] | ScheduleWalk,
     costs: Mapping[int, StageCost],
     p2p_bytes_per_s: float | None = None,
     p2p_latency_s: float = 0.0,
@@ -215,12 +337,17 @@ def simulate(
     at its start + its phase's peak_bytes, then the pair's residue becomes the phase's.
     Time: F(s,m) waits for F(s-1,m); B or I(s,m) for B or I(s+1,m) and F(s,m); W(s,m) for
     I(s,m); across ranks plus latency + send_bytes / bandwidth (no bandwidth: latency only).
+    `order` may be its `ScheduleWalk`, built once for many simulations.
 
     Raises `WorkbenchError` for an order `check_order` refuses, a stage without a cost, I or W
     on a stage costed with B only, or an order that deadlocks.
     """
-    if not checked:  # `checked`: the caller ran `check_order` on this order already
-        check_order(order)
+    if isinstance(order, ScheduleWalk):
+        walk = order
+    else:
+        if not checked:  # `checked`: the caller ran `check_order` on this order already
+            check_order(order)
+        walk = ScheduleWalk.of(order)
     bandwidth = (
         None
         if p2p_bytes_per_s is None
@@ -229,8 +356,7 @@ def simulate(
     if bandwidth is not None and bandwidth <= 0:
         raise WorkbenchError(f"p2p bandwidth must be > 0 bytes/s, got {p2p_bytes_per_s!r}")
     latency = _check_number("p2p latency", p2p_latency_s)
-    ranks = sorted(order)
-    rank_of = {a.stage: r for r in ranks for a in order[r]}
+    rank_of = walk.rank_of
     missing = sorted(set(rank_of) - set(costs))
     if missing:
         raise WorkbenchError(f"no StageCost for stage {missing[0]} (costs cover {sorted(costs)})")
@@ -238,95 +364,65 @@ def simulate(
     if wrong is not None:
         raise WorkbenchError(f"costs[{wrong}] is the StageCost of stage {costs[wrong].stage}")
     last = max(rank_of)
-    # Seconds to move stage s's output to s + 1, or its gradient back from s + 1.
+    # Seconds to move stage s's output to s + 1, or its gradient back from s + 1 (the last
+    # entry: no hop).
     hop = [
         0.0
         if s == last or rank_of[s] == rank_of[s + 1]
         else latency + (costs[s].send_bytes / bandwidth if bandwidth else 0.0)
         for s in range(last + 1)
-    ]
-    plans: dict[tuple[int, str], tuple[list[PhaseCost], float]] = {}
-    span = 1 + max(a.microbatch for r in ranks for a in order[r])
-    resident = {r: sum(costs[s].resident_bytes for s in {a.stage for a in order[r]}) for r in ranks}
-    memory = {r: _Memory(resident[r], resident[r]) for r in ranks}
-    timelines: dict[int, list[tuple[str, float, float, int]]] = {r: [] for r in ranks}
-    # Ends by key: 2 * (stage * span + mb) for F, + 1 for B or I (the input gradient).
-    done: dict[int, float] = {}
-    waiting: dict[int, list[int]] = {}
-    position = dict.fromkeys(ranks, 0)
-    free = dict.fromkeys(ranks, 0.0)
-    ready = list(ranks)
-    while ready:
-        rank = ready.pop()
-        actions, mem, line = order[rank], memory[rank], timelines[rank]
-        at, start = position[rank], free[rank]
-        while at < len(actions):
-            action = actions[at]
-            s, kind = action.stage, action.kind
-            base = 2 * (s * span + action.microbatch)
-            if kind == "F":
-                need, extra = (base - 2 * span, hop[s - 1]) if s > 0 else (-1, 0.0)
-            elif kind == "W":
-                need, extra = base + 1, 0.0
-            else:
-                need, extra = (base + 2 * span + 1, hop[s]) if s < last else (-1, 0.0)
-            if need >= 0:
-                ended = done.get(need)
-                if ended is None:
-                    waiting.setdefault(need, []).append(rank)
-                    break
-                start = max(start, ended + extra)
-            plan = plans.get((s, kind))
-            if plan is None:
-                phases = _phases(action, costs[s])
-                plan = plans[(s, kind)] = (phases, sum(p.seconds for p in phases))
-            end = start + plan[1]
-            line.append((str(action), start, end, mem.run(action, costs[s], plan[0])))
-            at += 1
-            start = end
-            if kind != "W":
-                produced = base + (kind != "F")
-                done[produced] = end
-                ready.extend(waiting.pop(produced, ()))
-        position[rank], free[rank] = at, start
-    stuck = [f"rank {r} at {order[r][position[r]]}" for r in ranks if position[r] < len(order[r])]
-    if stuck:
-        raise WorkbenchError(f"the action order deadlocks: {', '.join(stuck)} wait forever")
-    return _result(ranks, rank_of, memory, timelines)
-
-
-def _result(
-    ranks: list[int],
-    rank_of: dict[int, int],
-    memory: dict[int, _Memory],
-    timelines: dict[int, list[tuple[str, float, float, int]]],
-) -> ScheduleResult:
-    step = max((t[-1][2] for t in timelines.values() if t), default=0.0)
-    rows = []
-    for rank in ranks:
-        busy = sum(end - start for _, start, end, _ in timelines[rank])
+    ] + [0.0]
+    seconds, table = _phase_table(walk, costs)
+    done = [0.0] * walk.keys
+    free = dict.fromkeys(walk.ranks, 0.0)
+    starts: dict[int, list[float]] = {r: [] for r in walk.ranks}
+    ends: dict[int, list[float]] = {r: [] for r in walk.ranks}
+    for rank, s, kind, need, h, produced in walk.steps:
+        start = free[rank]
+        if need >= 0:
+            ready = done[need] + hop[h]
+            if ready > start:
+                start = ready
+        end = start + seconds[s][kind]
+        starts[rank].append(start)
+        ends[rank].append(end)
+        free[rank] = end
+        if produced >= 0:
+            done[produced] = end
+    step = max((e[-1] for e in ends.values() if e), default=0.0)
+    rows, stage_rows = [], {}
+    for rank in walk.ranks:
+        stages, kinds = walk.stages[rank], walk.kinds[rank]
+        resident = sum(costs[s].resident_bytes for s in walk.columns[rank])
+        grads = np.array([costs[s].grad_bytes for s in range(last + 1)], dtype=np.int64)
+        phase = table[stages, kinds]  # (actions, 4)
+        change = phase[:, 1] + np.where(phase[:, 2] == _NO_PHASE, 0, phase[:, 3])
+        after = resident + np.cumsum(np.where(walk.grads_from[rank], grads[stages], 0) + change)
+        before = after - change
+        tops = np.maximum(before + phase[:, 0], before + phase[:, 1] + phase[:, 2])
+        k = int(np.argmax(tops)) if len(tops) else 0
+        peak, label, inflight = resident, "", np.zeros(len(walk.columns[rank]), dtype=np.int64)
+        if len(tops) and tops[k] > resident:
+            peak, label, inflight = int(tops[k]), walk.labels[rank][k], walk.inflight[rank][k]
+        busy = sum(e - b for b, e in zip(starts[rank], ends[rank], strict=True))
         bubble = max(step - busy, 0.0)
-        mem = memory[rank]
         rows.append(
             RankTimeline(
                 rank=rank,
-                stages=sorted(s for s, r in rank_of.items() if r == rank),
-                peak_bytes=mem.peak,
-                peak_action=mem.peak_action,
-                inflight_microbatches=sum(mem.peak_inflight.values()),
+                stages=walk.columns[rank],
+                peak_bytes=peak,
+                peak_action=label,
+                inflight_microbatches=int(inflight.sum()),
                 busy_seconds=busy,
                 bubble_seconds=bubble,
                 bubble_fraction=bubble / step if step > 0 else 0.0,
-                timeline=timelines[rank],
+                actions=walk.labels[rank],
+                starts=starts[rank],
+                ends=ends[rank],
+                lives=after.tolist(),
             )
         )
-    stages = [
-        StagePeak(
-            stage=s,
-            rank=rank_of[s],
-            peak_bytes=memory[rank_of[s]].peak,
-            inflight_microbatches=memory[rank_of[s]].peak_inflight.get(s, 0),
-        )
-        for s in sorted(rank_of)
-    ]
-    return ScheduleResult(ranks=rows, stages=stages, step_seconds=step)
+        for column, s in enumerate(walk.columns[rank]):
+            stage_rows[s] = StagePeak(s, rank, peak, int(inflight[column]))
+    stages_list = [stage_rows[s] for s in sorted(stage_rows)]
+    return ScheduleResult(ranks=rows, stages=stages_list, step_seconds=step)

@@ -29,7 +29,13 @@ from workbench.capture.stages import StageLayout
 from workbench.cost.estimate import CATEGORIES, Estimate, Estimator, OptimizerName
 from workbench.cost.overlap import OverlapOptions
 from workbench.cost.profiles import get_profile
-from workbench.cost.schedule import PhaseCost, ScheduleResult, StageCost, simulate
+from workbench.cost.schedule import (
+    PhaseCost,
+    ScheduleResult,
+    ScheduleWalk,
+    StageCost,
+    simulate,
+)
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.rewrite.di_dw import WEIGHT_GRADS_FROM, split_di_dw
@@ -279,6 +285,7 @@ class PipelineModel:
         self.layout = layout
         self.order = action_order(layout.pipeline.schedule, layout.pipeline.pp, layout.microbatches)
         check_order(self.order, layout.microbatches)
+        self.walk = ScheduleWalk.of(self.order)  # walked once, simulated for every policy
         kinds = {a.kind for actions in self.order.values() for a in actions}
         self.cache = cache or StageCache()
         self.graphs = [self.cache.split(g) if "W" in kinds else g for g in graphs]
@@ -318,7 +325,7 @@ class PipelineModel:
             )
         figures = [self.stage_cost(s, p) for s, p in enumerate(chosen)]
         costs = {cost.stage: cost for cost, _ in figures}
-        result = simulate(self.order, costs, p2p_bytes_per_s=self.p2p_bytes_per_s, checked=True)
+        result = simulate(self.walk, costs, p2p_bytes_per_s=self.p2p_bytes_per_s)
         return PipelineEstimate(
             layout=self.layout,
             estimates=[e for _, e in figures],
