@@ -4,4 +4,5 @@ import sys
 
 from workbench.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in `plan --jobs`'s spawned workers, which import it again
+    sys.exit(main())

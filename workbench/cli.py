@@ -493,6 +493,11 @@ def _add_plan_parser(commands: Any) -> None:
     plan.add_argument(
         "--microbatch-multiples", help="microbatches tried, as multiples of the stages (1,2,4)"
     )
+    plan.add_argument(
+        "--jobs",
+        type=int,
+        help="worker processes evaluating layouts side by side (default: one per CPU)",
+    )
     plan.add_argument("--plot", help="draw memory vs tokens/s per GPU to this file (.svg, .png)")
     plan.add_argument("--overwrite", action="store_true", help="replace an existing --plot")
     plan.add_argument("--json", action="store_true", help="print one JSON object")

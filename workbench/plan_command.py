@@ -55,6 +55,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         PLAN_SCHEDULES,
         PlannedConfig,
         PlanOptions,
+        default_jobs,
         plan,
     )
 
@@ -70,6 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         microbatch_multiples=MICROBATCH_MULTIPLES
         if args.microbatch_multiples is None
         else _multiples(args.microbatch_multiples),
+        jobs=default_jobs() if args.jobs is None else args.jobs,
     )
     if args.plot:
         check_writable(args.plot, overwrite=args.overwrite)
@@ -139,7 +141,8 @@ def plan_table(result: dict[str, Any], rows: int = 20) -> str:
     if "plot" in result:
         lines.append(f"plot: {result['plot']}")
     lines.append(
-        f"{result['seconds']:.1f} s ({result['traces']} stage graphs traced in "
-        f"{result['trace_seconds']:.1f} s, {result['traces_reused']} reused)"
+        f"{result['seconds']:.1f} s on {result['jobs']} worker(s) ({result['traces']} stage "
+        f"graphs traced in {result['trace_seconds']:.1f} s summed over them, "
+        f"{result['traces_reused']} reused)"
     )
     return "\n".join(lines)

@@ -44,6 +44,7 @@ __all__ = [
 
 OPTIMIZER: OptimizerName = "adamw"
 MAX_GPUS = 2**20
+MAX_JOBS = 256  # worker processes; each holds one group's stage graphs
 # The schedules tried by default: one stage per rank, looped virtual stages, and a V
 # zero-bubble schedule (input and weight gradients apart).
 PLAN_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
@@ -72,6 +73,9 @@ class PlanOptions:
     schedules: tuple[str, ...] = PLAN_SCHEDULES
     microbatch_multiples: tuple[int, ...] = MICROBATCH_MULTIPLES
     """Microbatches tried: these multiples of the stage count (each a stage graph to trace)."""
+    jobs: int = 1
+    """Worker processes evaluating groups of layouts side by side (1: all in this process;
+    `plan --jobs` defaults to one per CPU). The plan is the same for any count."""
 
     def __post_init__(self) -> None:
         if self.model not in model_names():
@@ -104,6 +108,7 @@ class PlanOptions:
         check_int("--seq", self.seq, 1, 2**31 - 1, "tokens")
         if self.global_batch is not None:
             check_int("--global-batch", self.global_batch, 1, 2**31 - 1, "sequences")
+        check_int("--jobs", self.jobs, 1, MAX_JOBS, "worker processes")
 
     @property
     def budget_bytes(self) -> int:

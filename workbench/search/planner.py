@@ -17,10 +17,16 @@ every layout that holds such a stage.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from workbench.capture.expert_parallel import routing_note
 from workbench.capture.graph import JointGraph
@@ -58,6 +64,7 @@ __all__ = [
     "PlannedConfig",
     "Progress",
     "Pruned",
+    "default_jobs",
     "ep_degrees",
     "layouts",
     "lower_bound_bytes",
@@ -120,8 +127,10 @@ class Plan:
     pruned: list[Pruned]
     seconds: float
     trace_seconds: float
+    """Summed over the worker processes (each traces its own groups)."""
     traces: int
     traces_reused: int
+    jobs: int
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -138,6 +147,7 @@ class Plan:
             "traces_reused": self.traces_reused,
             "trace_seconds": round(self.trace_seconds, 3),
             "seconds": round(self.seconds, 3),
+            "jobs": self.jobs,
             "notes": self.notes,
         }
 
@@ -271,12 +281,102 @@ def _plan_pipeline(
 Progress = Callable[[int, int, "PlannedConfig"], None]
 
 
+@dataclass
+class _GroupResult:
+    """One group's layouts evaluated (in the group's order) and its tracing figures."""
+
+    configs: list[PlannedConfig]
+    trace_seconds: float
+    traced: int
+    reused: int
+
+
+def _plan_group(
+    options: PlanOptions,
+    total: int,
+    candidates: list[Candidate],
+    progress: Callable[[PlannedConfig], None] | None = None,
+) -> _GroupResult:
+    """Evaluate layouts sharing fsdp, tp, ep and the microbatch size (so their stage graphs
+    and templates), then drop the graphs: a worker process's unit of work."""
+    traces, cache = _Traces(options), StageCache()
+    configs = []
+    for candidate in candidates:
+        if candidate.schedule is None:
+            configs.append(_plan_whole(candidate, traces.whole(candidate), options))
+        else:
+            layout = candidate.pipeline().layout(total)
+            graphs = traces.stage_graphs(candidate, layout)
+            configs.append(_plan_pipeline(candidate, graphs, layout, options, cache))
+        if progress is not None:
+            progress(configs[-1])
+    return _GroupResult(configs, traces.seconds, traces.traced, traces.reused)
+
+
+def _worker_start() -> None:
+    """A worker traces on one thread: the CPUs are shared among the workers."""
+    torch.set_num_threads(1)
+
+
+def default_jobs() -> int:
+    """One worker per CPU this process may run on (`plan --jobs`'s default)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _jobs(options: PlanOptions, groups: int) -> int:
+    return max(1, min(options.jobs, groups))
+
+
+def _work(group: list[Candidate]) -> int:
+    """A group's rough cost, to hand out the largest first: its schedule actions (the
+    simulation walks them for every trial) and its stage graphs."""
+    return sum(c.microbatches * c.pp + c.pp for c in group)
+
+
+def _evaluate(
+    options: PlanOptions, total: int, groups: list[list[Candidate]], progress: Progress | None
+) -> list[_GroupResult]:
+    """Each group's result, in `groups`' order: in this process for one job, else in worker
+    processes (spawned: a forked torch may hold locks of threads that did not follow)."""
+    count = sum(map(len, groups))
+    done = 0
+
+    def report(config: PlannedConfig) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, count, config)
+
+    jobs = _jobs(options, len(groups))
+    if jobs == 1:
+        return [_plan_group(options, total, g, report) for g in groups]
+    results: list[_GroupResult | None] = [None] * len(groups)
+    context = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start) as pool:
+            order = sorted(range(len(groups)), key=lambda k: -_work(groups[k]))
+            futures = {pool.submit(_plan_group, options, total, groups[k]): k for k in order}
+            for future in as_completed(futures):
+                result = results[futures[future]] = future.result()
+                for config in result.configs:
+                    report(config)
+    except BrokenProcessPool:
+        raise WorkbenchError(
+            f"a worker process of plan (jobs={jobs}) stopped before answering: workers import "
+            "the calling script again, so a script must call plan under `if __name__ == "
+            "'__main__':`; or plan with jobs=1 (one process)"
+        ) from None
+    return [r for r in results if r is not None]
+
+
 def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     """Enumerate, prune, trace what is left (alike stages once), solve each layout's
-    policies under the memory, rank. Refuses when nothing is left to trace, or nothing fits."""
+    policies under the memory, rank. Groups of layouts sharing stage graphs run in
+    `options.jobs` worker processes. Refuses when nothing is left to trace, or nothing fits."""
     start = time.perf_counter()
-    traces = _Traces(options)
-    workload = traces.workload(1)
+    workload = _Traces(options).workload(1)
     candidates, pruned = layouts(options, workload)
     budget_gib = options.budget_bytes / GIB
     if not candidates:
@@ -286,24 +386,13 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
             f"parameters, optimizer state and gradients alone need at least {lowest:.3g} GiB "
             "per GPU; give more --gpus or --memory-gib"
         )
-    total = n_layers(workload)
-    configs = []
-    # Alike stages share fsdp, tp and the microbatch size: evaluated group by group, a
-    # group's graphs are dropped when the next starts (a 70B plan holds hundreds otherwise).
-    group, cache = None, StageCache()
+    # Alike stages share fsdp, tp, ep and the microbatch size: evaluated group by group, a
+    # group's graphs are dropped when it ends (a 70B plan holds hundreds otherwise).
+    groups: dict[tuple[int, ...], list[Candidate]] = {}
     for candidate in sorted(candidates, key=_group):
-        if _group(candidate) != group:
-            group, cache = _group(candidate), StageCache()
-            traces.graphs.clear()
-            traces.templates.clear()
-        if candidate.schedule is None:
-            configs.append(_plan_whole(candidate, traces.whole(candidate), options))
-        else:
-            layout = candidate.pipeline().layout(total)
-            graphs = traces.stage_graphs(candidate, layout)
-            configs.append(_plan_pipeline(candidate, graphs, layout, options, cache))
-        if progress is not None:
-            progress(len(configs), len(candidates), configs[-1])
+        groups.setdefault(_group(candidate), []).append(candidate)
+    results = _evaluate(options, n_layers(workload), list(groups.values()), progress)
+    configs = [c for r in results for c in r.configs]
     if not any(c.feasible for c in configs):
         best = min(configs, key=lambda c: c.peak_bytes)
         raise WorkbenchError(
@@ -320,8 +409,9 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
         configs,
         pruned,
         time.perf_counter() - start,
-        traces.seconds,
-        traces.traced,
-        traces.reused,
+        sum(r.trace_seconds for r in results),
+        sum(r.traced for r in results),
+        sum(r.reused for r in results),
+        _jobs(options, len(groups)),
         notes,
     )
