@@ -14,6 +14,8 @@ import os
 import random
 import re
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -1640,6 +1642,7 @@ PLAN = ["plan", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
         (["--gpus", "2", "--microbatch-multiples", "a"], r"--microbatch-multiples takes whole"),
         (["--gpus", "2", "--microbatch-multiples", ","], r"--microbatch-multiples names none"),
         (["--gpus", "2", "--global-batch", "0"], r"--global-batch must be a whole number"),
+        (["--gpus", "2", "--jobs", "0"], r"--jobs must be a whole number from 1 to 256"),
         (["--gpus", "2", "--memory-gib", "1e-6"], r"no layout of llama3-debug on 2 GPUs fits"),
         (
             # above the 16 bytes per parameter the bound counts, below every policy's peak
@@ -1667,6 +1670,26 @@ def test_plan_counts_are_whole_numbers(
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.rstrip().endswith(f"argument {flag}: invalid int value: '{value}'")
+
+
+def test_plan_in_workers_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    """Spawned workers import the calling script again: one without `if __name__ ==
+    '__main__':` gets one line saying so, not a pool's traceback."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from workbench.search.planner import PlanOptions, plan\n"
+        "from workbench.errors import WorkbenchError\n"
+        "try:\n"
+        "    plan(PlanOptions(model='llama3-debug', gpus=2, layers=2, seq=32, jobs=2))\n"
+        "except WorkbenchError as err:\n"
+        "    print('REFUSED', err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    refused = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert refused and "must call plan under `if __name__ == '__main__':`" in refused[0]
+    assert "or plan with jobs=1" in refused[0]
 
 
 def test_plan_needs_a_model_laid_out_as_torchtitans(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ from workbench.capture.pipeline import (
     stage_style,
     stages_per_rank,
 )
-from workbench.cost.schedule import PhaseCost, StageCost, simulate
+from workbench.cost.schedule import PhaseCost, ScheduleWalk, StageCost, simulate
 from workbench.errors import WorkbenchError
 
 
@@ -283,6 +283,44 @@ def test_zero_bubble_keeps_what_w_needs_between_i_and_w() -> None:
     ]
     assert (rank0.peak_bytes, rank0.peak_action, rank0.inflight_microbatches) == (211, "3I0", 3)
     assert [s.inflight_microbatches for s in result.stages if s.rank == 0] == [2, 1]
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "microbatches"),
+    [("1F1B", 4, 8), ("Interleaved1F1B", 2, 4), ("ZBVZeroBubble", 2, 4), ("DualPipeV", 2, 4)],
+)
+def test_one_walk_serves_every_cost(name: str, pp: int, microbatches: int) -> None:
+    """A pipeline walks its order once (`ScheduleWalk`) and simulates it for every policy:
+    each simulation of the kept walk is the simulation of the order itself, timelines
+    included, whatever the costs."""
+    order = action_order(name, pp, microbatches)
+    walk = ScheduleWalk.of(order)
+    n = 1 + max(a.stage for acts in order.values() for a in acts)
+    for scale in (1, 3, 7):
+        costs = {
+            s: stage(
+                s,
+                resident=1000 * scale,
+                grads=50 + s,
+                send=scale,
+                F=PhaseCost(1.0 + s / scale, 3 * scale, 100 + 10 * s),
+                B=PhaseCost(2.0, 20 * scale, 0),
+                I=PhaseCost(1.5, s * scale, 40 + s),
+                W=PhaseCost(0.5 * scale, 7, 0),
+            )
+            for s in range(n)
+        }
+        kept, fresh = simulate(walk, costs, 100.0, 0.01), simulate(order, costs, 100.0, 0.01)
+        assert kept.to_json() == fresh.to_json()
+        assert [r.timeline for r in kept.ranks] == [r.timeline for r in fresh.ranks]
+    assert sum(map(len, walk.labels.values())) == len(walk.steps) == sum(map(len, order.values()))
+
+
+def test_a_walk_refuses_an_order_that_deadlocks() -> None:
+    # 0B0 waits for 1B0, which runs after 1F0, which waits for 0F0, which runs after 0B0
+    order = {0: actions("0B0 0F0"), 1: actions("1F0 1B0")}
+    with pytest.raises(WorkbenchError, match="deadlocks: rank 0 at 0B0, rank 1 at 1F0"):
+        ScheduleWalk.of(order)
 
 
 def test_a_full_backward_on_a_split_stage_runs_i_then_w() -> None:

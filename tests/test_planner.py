@@ -46,6 +46,20 @@ def tiny() -> Plan:
     return plan(TINY)
 
 
+def test_worker_processes_plan_as_one_process(tiny: Plan) -> None:
+    """Groups of layouts evaluated in two spawned workers give the plan one process gives,
+    config for config and in the same ranking; only the clock differs."""
+    pooled = plan(replace(TINY, jobs=2))
+    assert (tiny.jobs, pooled.jobs) == (1, 2)
+
+    def figures(result: Plan) -> dict[str, object]:
+        clock = ("seconds", "trace_seconds", "jobs")
+        return {k: v for k, v in result.to_json().items() if k not in clock}
+
+    assert figures(pooled) == figures(tiny)
+    assert pooled.traces == tiny.traces and pooled.traces_reused == tiny.traces_reused
+
+
 def _workload(batch: int = 1) -> Workload:
     return load_workload("llama3-debug", layers=2, seq=TINY.seq, batch=batch, device="meta")
 
