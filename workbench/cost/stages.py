@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -188,7 +188,7 @@ class StageCache:
         # by id, each entry holding its graph: an id is not reused while the graph lives
         self._split: dict[int, tuple[JointGraph, JointGraph]] = {}
         self._estimators: dict[tuple[int, Any], tuple[JointGraph, Estimator]] = {}
-        self.costs: dict[tuple[int, int, str], tuple[StageCost, Estimate]] = {}
+        self.costs: dict[tuple[int, str], tuple[StageCost, Estimate]] = {}
 
     def split(self, graph: JointGraph) -> JointGraph:
         if id(graph) not in self._split:
@@ -307,14 +307,16 @@ class PipelineModel:
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
 
     def stage_cost(self, stage: int, policy: Policy) -> tuple[StageCost, Estimate]:
-        """Stage `stage`'s cost and estimate for `policy` (kept: a search asks again)."""
+        """Stage `stage`'s cost and estimate for `policy`, kept per graph and policy: a
+        search asks again, and stages sharing a graph (alike middle stages) share them."""
         graph, estimator = self.graphs[stage], self.estimators[stage]
-        key = (id(estimator), stage, json.dumps(policy.to_json(), sort_keys=True))
+        key = (id(estimator), json.dumps(policy.to_json(), sort_keys=True))
         if key not in self.cache.costs:
             estimate = estimator.estimate(policy)
             cost = stage_cost(graph, estimate, estimator, self.profile, stage)
             self.cache.costs[key] = (cost, estimate)
-        return self.cache.costs[key]
+        cost, estimate = self.cache.costs[key]
+        return (cost if cost.stage == stage else replace(cost, stage=stage)), estimate
 
     def estimate(self, policies: Policy | Sequence[Policy]) -> PipelineEstimate:
         """One policy for every stage, or one per stage (in stage order)."""

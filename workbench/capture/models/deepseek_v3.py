@@ -144,12 +144,11 @@ class MoE(nn.Module):
         counts = torch.histc(
             flat_experts.float(), bins=self.n_experts, min=0, max=self.n_experts - 1
         )
+        token_of_slot = order // self.top_k
         if self.dispatch is None:
             offsets = counts.cumsum(0).to(torch.int32)
-            token_of_slot = order // self.top_k
             routed = self.experts(tokens[token_of_slot], offsets)
         else:  # the counts travel to the experts' ranks with the tokens
-            token_of_slot = order // self.top_k
             routed = self.dispatch(self.experts, tokens[token_of_slot], counts)
         routed = routed * scores.flatten()[order].unsqueeze(-1)
         out = torch.zeros_like(tokens).index_add(0, token_of_slot, routed)
