@@ -384,7 +384,7 @@ def test_ep_overlap_runs_graph_trainers_ep_passes(ep_rank: JointGraph) -> None:
 
 
 def test_ep_overlap_is_refused_without_ep_or_graph_trainer(ep_rank: JointGraph) -> None:
-    with pytest.raises(WorkbenchError, match=r"needs expert-parallel all-to-alls, and .* none"):
+    with pytest.raises(WorkbenchError, match=r"needs graph trainer's EP all-to-alls, and .* none"):
         prepare(traced(MODELS[0]), "graph-trainer", ep_overlap=True)
     with pytest.raises(WorkbenchError, match="the workbench pipeline does not run"):
         prepare(ep_rank, "workbench", ep_overlap=True)

@@ -125,6 +125,10 @@ def stage_cost(
     )
 
 
+def _policy_key(policy: Policy) -> str:
+    return json.dumps(policy.to_json(), sort_keys=True)
+
+
 def _storage_owner(graph: JointGraph, node: Any) -> str:
     """The node whose output storage `node`'s value views (itself if not a view)."""
     while graph.nodes[node.name].is_view and node.all_input_nodes:
@@ -306,11 +310,14 @@ class PipelineModel:
         seq = int(graphs[0].config.get("seq", 0)) or graphs[0].tokens
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
 
-    def stage_cost(self, stage: int, policy: Policy) -> tuple[StageCost, Estimate]:
-        """Stage `stage`'s cost and estimate for `policy`, kept per graph and policy: a
-        search asks again, and stages sharing a graph (alike middle stages) share them."""
+    def stage_cost(
+        self, stage: int, policy: Policy, policy_key: str | None = None
+    ) -> tuple[StageCost, Estimate]:
+        """Stage `stage`'s cost and estimate for `policy` (`policy_key`: its JSON, when the
+        caller has it), kept per graph and policy: a search asks again, and stages sharing a
+        graph (alike middle stages) share them."""
         graph, estimator = self.graphs[stage], self.estimators[stage]
-        key = (id(estimator), json.dumps(policy.to_json(), sort_keys=True))
+        key = (id(estimator), policy_key or _policy_key(policy))
         if key not in self.cache.costs:
             estimate = estimator.estimate(policy)
             cost = stage_cost(graph, estimate, estimator, self.profile, stage)
@@ -325,7 +332,8 @@ class PipelineModel:
             raise WorkbenchError(
                 f"give one policy, or one per stage ({self.layout.n_stages}); got {len(chosen)}"
             )
-        figures = [self.stage_cost(s, p) for s, p in enumerate(chosen)]
+        keys = {id(p): _policy_key(p) for p in chosen}  # a search hands the same few around
+        figures = [self.stage_cost(s, p, keys[id(p)]) for s, p in enumerate(chosen)]
         costs = {cost.stage: cost for cost, _ in figures}
         result = simulate(self.walk, costs, p2p_bytes_per_s=self.p2p_bytes_per_s)
         return PipelineEstimate(

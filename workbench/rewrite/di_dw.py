@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from workbench.capture.graph import JointGraph
 from workbench.errors import WorkbenchError
@@ -69,7 +70,8 @@ def split_di_dw(graph: JointGraph) -> JointGraph:
     env: dict[fx.Node, fx.Node] = {}
     for node in order:
         env[node] = new.node_copy(node, lambda n: env[n])
-    gm = fx.GraphModule(graph.gm, new)
+    with _use_lazy_graph_module(True):  # its code is generated when first run, if ever
+        gm = _make_graph_module(graph.gm, new)
     first_weight = next((n.name for n in order if n.name in weights), None)
     return dataclasses.replace(
         graph,
