@@ -13,7 +13,7 @@ from typing import Any, Literal
 from workbench.capture.models import DTYPES
 from workbench.errors import WorkbenchError, check_int
 
-__all__ = ["MAX_WORLD_SIZE", "DtypeName", "Parallel"]
+__all__ = ["MAX_WORLD_SIZE", "DtypeName", "Parallel", "divisors"]
 
 # torch's process groups count ranks in a C int; the largest jobs run ~10^5 GPUs.
 MAX_WORLD_SIZE = 2**20
@@ -107,3 +107,12 @@ class Parallel:
             "param_dtype": self.param_dtype,
             "reduce_dtype": self.reduce_dtype,
         }
+
+
+def divisors(n: int) -> list[int]:
+    """The degrees that split `n` ranks (or experts) evenly, smallest first.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]

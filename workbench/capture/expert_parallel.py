@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from workbench.capture.degrees import divisors
 from workbench.capture.models.deepseek_v3 import GroupedExperts, MoE
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -40,10 +41,6 @@ __all__ = [
 EXPERT_MESH_DIMS = ("efsdp", "ep")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_expert_parallel(workload: Workload, parallel: Parallel) -> None:
     """Refuse, in one line, `--ep` on a model without routed experts, an ep that does not
     divide them, and an expert FSDP degree that divides no dimension of an expert's weights.
@@ -59,7 +56,7 @@ def check_expert_parallel(workload: Workload, parallel: Parallel) -> None:
         )
     experts = int(config.n_experts)
     if experts % parallel.ep:
-        valid = [d for d in _divisors(experts) if parallel.world_size % d == 0]
+        valid = [d for d in divisors(experts) if parallel.world_size % d == 0]
         raise WorkbenchError(
             f"--ep {parallel.ep} does not divide the {experts} routed experts of "
             f"{workload.name!r}; choose an ep dividing both {experts} and fsdp x cp x tp = "

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from workbench.capture.degrees import divisors
 from workbench.capture.expert_parallel import check_expert_parallel
 from workbench.capture.models import DTYPES, Workload, model_names
 from workbench.capture.models.deepseek_v3 import GroupedExperts
@@ -186,10 +187,6 @@ class Pruned:
         }
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters of each layer, of the embedding and of the norm and output: what a stage
@@ -306,7 +303,7 @@ def ep_degrees(workload: Workload, ranks: int) -> list[int]:
     config = getattr(workload.model, "moe_config", None)
     if config is None:
         return [1]
-    return [ep for ep in _divisors(ranks) if config.n_experts % ep == 0]
+    return [ep for ep in divisors(ranks) if config.n_experts % ep == 0]
 
 
 def _ep_refusal(workload: Workload, fsdp: int, tp: int, ep: int) -> str | None:
@@ -325,9 +322,9 @@ def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], 
     max_tp = get_profile(options.gpu).ranks_per_node
     kept: list[Candidate] = []
     pruned: list[Pruned] = []
-    for tp in _divisors(options.gpus):
+    for tp in divisors(options.gpus):
         refusal = _tp_refusal(workload, tp, max_tp)
-        for pp in _divisors(options.gpus // tp):
+        for pp in divisors(options.gpus // tp):
             fsdp = options.gpus // (tp * pp)
             for ep in [1] if refusal else ep_degrees(workload, fsdp * tp):
                 why = refusal or (_ep_refusal(workload, fsdp, tp, ep) if ep > 1 else None)

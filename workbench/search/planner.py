@@ -329,21 +329,33 @@ def default_jobs() -> int:
     return os.cpu_count() or 1
 
 
-def _jobs(options: PlanOptions, groups: int) -> int:
-    return max(1, min(options.jobs, groups))
-
-
 def _work(group: list[Candidate]) -> int:
     """A group's rough cost, to hand out the largest first: its schedule actions (the
     simulation walks them for every trial) and its stage graphs."""
     return sum(c.microbatches * c.pp + c.pp for c in group)
 
 
+def _start_pool(jobs: int) -> ProcessPoolExecutor | None:
+    """`jobs` spawned workers (a forked torch may hold locks of threads that did not
+    follow), started now: they import torch while this process enumerates the layouts."""
+    if jobs == 1:
+        return None
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start)
+    for _ in range(jobs):
+        pool.submit(int)
+    return pool
+
+
 def _evaluate(
-    options: PlanOptions, total: int, groups: list[list[Candidate]], progress: Progress | None
+    options: PlanOptions,
+    total: int,
+    groups: list[list[Candidate]],
+    progress: Progress | None,
+    pool: ProcessPoolExecutor | None,
 ) -> list[_GroupResult]:
-    """Each group's result, in `groups`' order: in this process for one job, else in worker
-    processes (spawned: a forked torch may hold locks of threads that did not follow)."""
+    """Each group's result, in `groups`' order: in this process without a pool or for one
+    group, else in the pool's workers, the largest groups first."""
     count = sum(map(len, groups))
     done = 0
 
@@ -353,24 +365,21 @@ def _evaluate(
         if progress is not None:
             progress(done, count, config)
 
-    jobs = _jobs(options, len(groups))
-    if jobs == 1:
+    if pool is None or len(groups) == 1:
         return [_plan_group(options, total, g, report) for g in groups]
     results: list[_GroupResult | None] = [None] * len(groups)
-    context = multiprocessing.get_context("spawn")
     try:
-        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start) as pool:
-            order = sorted(range(len(groups)), key=lambda k: -_work(groups[k]))
-            futures = {pool.submit(_plan_group, options, total, groups[k]): k for k in order}
-            for future in as_completed(futures):
-                result = results[futures[future]] = future.result()
-                for config in result.configs:
-                    report(config)
+        order = sorted(range(len(groups)), key=lambda k: -_work(groups[k]))
+        futures = {pool.submit(_plan_group, options, total, groups[k]): k for k in order}
+        for future in as_completed(futures):
+            result = results[futures[future]] = future.result()
+            for config in result.configs:
+                report(config)
     except BrokenProcessPool:
         raise WorkbenchError(
-            f"a worker process of plan (jobs={jobs}) stopped before answering: workers import "
-            "the calling script again, so a script must call plan under `if __name__ == "
-            "'__main__':`; or plan with jobs=1 (one process)"
+            f"a worker process of plan (jobs={options.jobs}) stopped before answering: "
+            "workers import the calling script again, so a script must call plan under "
+            "`if __name__ == '__main__':`; or plan with jobs=1 (one process)"
         ) from None
     return [r for r in results if r is not None]
 
@@ -380,6 +389,20 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     policies under the memory, rank. Groups of layouts sharing stage graphs run in
     `options.jobs` worker processes. Refuses when nothing is left to trace, or nothing fits."""
     start = time.perf_counter()
+    pool = _start_pool(options.jobs)
+    try:
+        return _plan(options, progress, start, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+def _plan(
+    options: PlanOptions,
+    progress: Progress | None,
+    start: float,
+    pool: ProcessPoolExecutor | None,
+) -> Plan:
     workload = _Traces(options).workload(1)
     candidates, pruned = layouts(options, workload)
     budget_gib = options.budget_bytes / GIB
@@ -395,7 +418,7 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     groups: dict[tuple[int, ...], list[Candidate]] = {}
     for candidate in sorted(candidates, key=_group):
         groups.setdefault(_group(candidate), []).append(candidate)
-    results = _evaluate(options, n_layers(workload), list(groups.values()), progress)
+    results = _evaluate(options, n_layers(workload), list(groups.values()), progress, pool)
     configs = [c for r in results for c in r.configs]
     if not any(c.feasible for c in configs):
         best = min(configs, key=lambda c: c.peak_bytes)
@@ -416,6 +439,6 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
         sum(r.trace_seconds for r in results),
         sum(r.traced for r in results),
         sum(r.reused for r in results),
-        _jobs(options, len(groups)),
+        1 if pool is None or len(groups) == 1 else options.jobs,
         notes,
     )
