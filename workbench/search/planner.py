@@ -17,6 +17,7 @@ every layout that holds such a stage.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import time
@@ -318,8 +319,11 @@ def _plan_group(
 
 
 def _worker_start() -> None:
-    """A worker traces on one thread: the CPUs are shared among the workers."""
+    """A worker traces on one thread (the CPUs are shared among the workers) and, once the
+    pool has its last answer and lets it go, exits at once: tearing down its interpreter
+    object by object (graphs, fake tensors) took tens of seconds, and the pool waits."""
     torch.set_num_threads(1)
+    atexit.register(os._exit, 0)
 
 
 def default_jobs() -> int:
