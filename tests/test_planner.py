@@ -5,6 +5,7 @@ as fresh traces do, `plan --json` ranks its configs best first, and MoE models a
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from workbench.search.planner import (
     ParamCounts,
     Plan,
     PlanOptions,
+    default_jobs,
     ep_degrees,
     layouts,
     lower_bound_bytes,
@@ -58,6 +60,11 @@ def test_worker_processes_plan_as_one_process(tiny: Plan) -> None:
 
     assert figures(pooled) == figures(tiny)
     assert pooled.traces == tiny.traces and pooled.traces_reused == tiny.traces_reused
+
+
+def test_default_jobs_is_one_per_cpu_this_process_may_use() -> None:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_jobs() == cpus >= 1
 
 
 def _workload(batch: int = 1) -> Workload:
