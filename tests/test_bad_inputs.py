@@ -1658,7 +1658,9 @@ def test_plan_bad_inputs(
     fails(capsys, [*PLAN, *flags], message)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--gpus", "two"), ("--global-batch", "1.5")])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--gpus", "two"), ("--global-batch", "1.5"), ("--jobs", "two")]
+)
 def test_plan_counts_are_whole_numbers(
     capsys: pytest.CaptureFixture[str], flag: str, value: str
 ) -> None:
