@@ -181,7 +181,6 @@ class ScheduleWalk:
     Built by `ScheduleWalk.of(order)`; raises `WorkbenchError` for an order that deadlocks.
     """
 
-    order: Mapping[int, Sequence[Action]]
     ranks: list[int]
     rank_of: dict[int, int]
     steps: list[tuple[int, int, int, int, int, int]]
@@ -243,7 +242,6 @@ class ScheduleWalk:
             raise WorkbenchError(f"the action order deadlocks: {', '.join(stuck)} wait forever")
         per_rank = {rank: _rank_facts(order[rank]) for rank in ranks}
         return cls(
-            order=order,
             ranks=ranks,
             rank_of=rank_of,
             steps=steps,
@@ -391,10 +389,10 @@ def simulate(
             done[produced] = end
     step = max((e[-1] for e in ends.values() if e), default=0.0)
     rows, stage_rows = [], {}
+    grads = np.array([costs[s].grad_bytes for s in range(last + 1)], dtype=np.int64)
     for rank in walk.ranks:
         stages, kinds = walk.stages[rank], walk.kinds[rank]
         resident = sum(costs[s].resident_bytes for s in walk.columns[rank])
-        grads = np.array([costs[s].grad_bytes for s in range(last + 1)], dtype=np.int64)
         phase = table[stages, kinds]  # (actions, 4)
         change = phase[:, 1] + np.where(phase[:, 2] == _NO_PHASE, 0, phase[:, 3])
         after = resident + np.cumsum(np.where(walk.grads_from[rank], grads[stages], 0) + change)

@@ -15,7 +15,6 @@ its forward to its backward: what the forward saves, its output (kept for backwa
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -123,10 +122,6 @@ def stage_cost(
         phases=costs,
         send_bytes=graph.nodes[outputs[0].name].bytes if not graph.config["stage"]["last"] else 0,
     )
-
-
-def _policy_key(policy: Policy) -> str:
-    return json.dumps(policy.to_json(), sort_keys=True)
 
 
 def _storage_owner(graph: JointGraph, node: Any) -> str:
@@ -317,7 +312,7 @@ class PipelineModel:
         caller has it), kept per graph and policy: a search asks again, and stages sharing a
         graph (alike middle stages) share them."""
         graph, estimator = self.graphs[stage], self.estimators[stage]
-        key = (id(estimator), policy_key or _policy_key(policy))
+        key = (id(estimator), policy_key or policy.key())
         if key not in self.cache.costs:
             estimate = estimator.estimate(policy)
             cost = stage_cost(graph, estimate, estimator, self.profile, stage)
@@ -332,7 +327,7 @@ class PipelineModel:
             raise WorkbenchError(
                 f"give one policy, or one per stage ({self.layout.n_stages}); got {len(chosen)}"
             )
-        keys = {id(p): _policy_key(p) for p in chosen}  # a search hands the same few around
+        keys = {id(p): p.key() for p in chosen}  # a search hands the same few around
         figures = [self.stage_cost(s, p, keys[id(p)]) for s, p in enumerate(chosen)]
         costs = {cost.stage: cost for cost, _ in figures}
         result = simulate(self.walk, costs, p2p_bytes_per_s=self.p2p_bytes_per_s)

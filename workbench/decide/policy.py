@@ -196,6 +196,14 @@ class Policy:
             data["offload"] = self.offload._asdict()
         return data
 
+    def key(self) -> str:
+        """Its JSON as one canonical string: equal for equal policies (a cache key).
+
+        >>> Policy("full").key() == Policy("full").key() != Policy("none").key()
+        True
+        """
+        return json.dumps(self.to_json(), sort_keys=True)
+
     @classmethod
     def from_json(cls, data: Any, source: str = "policy") -> Policy:
         if not isinstance(data, dict):

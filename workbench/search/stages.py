@@ -11,7 +11,6 @@ each stage's front of policies and the schedule's simulation chooses among them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,6 @@ __all__ = ["StagePlan", "solve_stages", "stage_ladders"]
 
 GIB = 2**30
 BASE_PRESETS = ("none", "default", "full")  # the choices every stage has
-
-
-def _key(policy: Policy) -> str:
-    return json.dumps(policy.to_json(), sort_keys=True)
 
 
 def stage_ladders(
@@ -51,10 +46,10 @@ def stage_ladders(
             ladders.append(shapes[shape])
             continue
         solver = Solver(graph, options, estimator)
-        found = {_key(p): p for p in (Policy(name) for name in BASE_PRESETS)}
+        found = {p.key(): p for p in (Policy(name) for name in BASE_PRESETS)}
         for budget in np.linspace(solver.floor_bytes, solver.top_bytes, points):
             policy = solver.solve(int(budget)).policy
-            found.setdefault(_key(policy), policy)
+            found.setdefault(policy.key(), policy)
         seconds = {
             key: model.stage_cost(stage, p)[1].recompute_seconds[model.profile]
             for key, p in found.items()
@@ -131,7 +126,7 @@ def _rank_peak(estimate: PipelineEstimate, rank: int) -> int:
 
 
 def _uniform(model: PipelineModel, budget: int, rungs: list[list[Policy]]) -> StagePlan:
-    choices = {_key(p): p for ladder in rungs for p in ladder}
+    choices = {p.key(): p for ladder in rungs for p in ladder}
     results = []
     for policy in choices.values():
         try:
