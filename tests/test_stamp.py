@@ -196,14 +196,20 @@ def test_pipeline_stage_stamps_from_a_kept_template() -> None:
         return keep_layers(workload, ids)
 
     untraced = functools.partial(trace, stamp=False)
-    first = trace_layers(build, [0, 1, 2, 3, 4], "fake", trace_fn=untraced, templates=templates)
+    first = trace_layers(
+        build, [0, 1, 2, 3, 4], "fake", trace_fn=untraced, templates=templates, kernels="h100"
+    )
     assert len(templates) == 1 and first.config["stamped"] == 2
-    later = trace_layers(build, [*range(6, 12)], "fake", trace_fn=untraced, templates=templates)
+    later = trace_layers(
+        build, [*range(6, 12)], "fake", trace_fn=untraced, templates=templates, kernels="h100"
+    )
     assert len(templates) == 1
     assert "layers 6, 7, 11 renamed from the template's 0, 1, 2" in later.notes
     full = trace(build(list(range(6, 12))), "fake", stamp=False)
     assert_same_graph(later, full)
-    three = trace_layers(build, [9, 10, 11], "fake", trace_fn=untraced, templates=templates)
+    three = trace_layers(
+        build, [9, 10, 11], "fake", trace_fn=untraced, templates=templates, kernels="h100"
+    )
     assert len(templates) == 1 and "renamed" in three.notes[-1]
     assert_same_graph(three, trace(build([9, 10, 11]), "fake", stamp=False))
 
@@ -211,11 +217,12 @@ def test_pipeline_stage_stamps_from_a_kept_template() -> None:
 def test_template_key_ignores_layer_ids_only() -> None:
     workload = load_workload("llama3-debug", layers=8, **SMALL)
     ids, shifted = [0, 1, 2], [4, 5, 6]
-    key = template_key(keep_layers(workload, ids), ids, "fake", None)
-    assert key == template_key(keep_layers(workload, shifted), shifted, "fake", None)
-    assert key != template_key(keep_layers(workload, ids), ids, "fake", Parallel(tp=2))
+    key = template_key(keep_layers(workload, ids), ids, "fake", None, "h100")
+    assert key == template_key(keep_layers(workload, shifted), shifted, "fake", None, "h100")
+    assert key != template_key(keep_layers(workload, ids), ids, "fake", Parallel(tp=2), "h100")
+    assert key != template_key(keep_layers(workload, ids), ids, "fake", None, "cpu")
     other = load_workload("llama3-debug", layers=8, seq=32, batch=1, device="meta")
-    assert key != template_key(keep_layers(other, ids), ids, "fake", None)
+    assert key != template_key(keep_layers(other, ids), ids, "fake", None, "h100")
 
 
 def test_keep_layers_shares_the_kept_layers() -> None:

@@ -94,6 +94,12 @@ def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> N
         "or package.module:callable",
     )
     parser.add_argument("--mode", choices=("real", "fake"), default="real")
+    parser.add_argument(
+        "--kernels",
+        help="fake mode: the kernels traced, those of a GPU (h100, h200, b200: attention as "
+        "torch's CUDA SDPA selection picks it there; default: the --profile's GPU, else h100) "
+        "or cpu (this CPU's kernels); real mode always runs the model's device's own",
+    )
     parser.add_argument("--layers", type=int, help="number of transformer blocks")
     parser.add_argument("--seq", type=int, help="sequence length")
     parser.add_argument("--batch", type=int, help="batch size")

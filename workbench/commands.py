@@ -54,6 +54,20 @@ def _workload_from_args(args: argparse.Namespace, mode: str, device: str = "cpu"
     )
 
 
+def kernels_from_args(args: argparse.Namespace, mode: str) -> str | None:
+    """The kernels a `mode` trace carries: `--kernels`, else in fake mode the GPU of the first
+    `--profile` (the CPU's for `cpu`), else the default (`workbench.capture.kernels`)."""
+    from workbench.capture.kernels import CPU, KERNEL_TARGETS, check_kernels
+
+    kernels = getattr(args, "kernels", None)
+    if kernels is not None:
+        return check_kernels(kernels) if mode == "fake" else kernels
+    profile = str(getattr(args, "profile", None) or "").split(",")[0]
+    if mode == "fake" and (profile in KERNEL_TARGETS or profile == CPU):
+        return profile
+    return None
+
+
 def _parallel_from_args(args: argparse.Namespace) -> Parallel | None:
     """None unless --fsdp, --tp, --ep or --cp asks for more than one rank."""
     degrees: dict[str, int] = {k: getattr(args, k, 1) for k in ("fsdp", "tp", "ep", "cp")}
@@ -86,7 +100,12 @@ def check_common_args(args: argparse.Namespace) -> None:
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
-    return timed_trace(_workload_from_args(args, args.mode), args.mode, _parallel_from_args(args))
+    return timed_trace(
+        _workload_from_args(args, args.mode),
+        args.mode,
+        _parallel_from_args(args),
+        kernels_from_args(args, args.mode),
+    )
 
 
 def _pipeline_json(args: argparse.Namespace, graph: JointGraph, policy: Policy) -> dict[str, Any]:
@@ -170,7 +189,7 @@ def _verify_random(args: argparse.Namespace) -> dict[str, Any]:
         graph, _ = timed_trace(workload, "real")
     else:  # the policies' node keys from one rank in fake mode: every rank has its graph
         workload = _workload_from_args(args, "fake")
-        graph, _ = timed_trace(workload, "fake", parallel)
+        graph, _ = timed_trace(workload, "fake", parallel, kernels="cpu")  # gloo runs on CPUs
     report = run_soundness(workload, graph, args.random, args.seed, parallel, shape)
     return report.to_json()
 
@@ -205,7 +224,12 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     policy = parse_policy(args.policy)
     if args.out is not None:
         check_writable(args.out, overwrite=args.overwrite)  # fail before tracing
-    graph, _ = timed_trace(_workload_from_args(args, "fake"), "fake", _parallel_from_args(args))
+    graph, _ = timed_trace(
+        _workload_from_args(args, "fake"),
+        "fake",
+        _parallel_from_args(args),
+        kernels_from_args(args, "fake"),
+    )
     if args.format == "torchtitan":
         text = torchtitan_options(policy, graph, args.torchtitan_version)
     else:
@@ -334,7 +358,9 @@ def _refuse_unfit(args: argparse.Namespace, policy: Policy, device: str) -> None
     from workbench.cost.measure import check_fits
     from workbench.cost.profiles import allocation_granularity
 
-    fake = trace(_workload_from_args(args, "fake"), "fake")
+    # the real run's graph, on fake tensors: this CPU's kernels
+    kernels = "cpu" if device == "cpu" else None
+    fake = trace(_workload_from_args(args, "fake"), "fake", kernels=kernels)
     estimator = Estimator(fake, profiles=(), optimizer="none")  # the run holds no optimizer
     granularity = allocation_granularity(device)
     peak = max(estimator.estimate(p, granularity).peak_bytes for p in (policy, Policy("none")))

@@ -58,7 +58,7 @@ def refuse_unfit_ranks(workload: Workload, parallel: Parallel, policy: Policy) -
     from workbench.cost.ranks import check_rank_count
 
     check_rank_count(parallel)
-    rank, _ = timed_trace(workload, "fake", parallel)
+    rank, _ = timed_trace(workload, "fake", parallel, kernels="cpu")  # ranks run on this CPU
     estimator = Estimator(rank, profiles=(), optimizer="none")
     peak = max(estimator.estimate(p).peak_bytes for p in (policy, Policy("none")))
     what = f"{rank.model_name!r} on {parallel.world_size} ranks (each its own process)"

@@ -16,7 +16,7 @@ from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
-from workbench.commands import _parallel_from_args, _solve_options_from_args
+from workbench.commands import _parallel_from_args, _solve_options_from_args, kernels_from_args
 from workbench.decide.policy import Policy, parse_policy
 from workbench.errors import WorkbenchError
 from workbench.files import read_file
@@ -87,7 +87,8 @@ def _stages_from_args(args: argparse.Namespace) -> tuple[list[JointGraph], Stage
     workload = load(args.batch or layout.microbatches)
     start = time.perf_counter()
     stages = None if args.stage is None else [args.stage]
-    graphs = trace_stages(workload, args.mode, parallel, pipeline, stages)
+    kernels = kernels_from_args(args, args.mode)
+    graphs = trace_stages(workload, args.mode, parallel, pipeline, stages, kernels=kernels)
     return graphs, layout, time.perf_counter() - start
 
 

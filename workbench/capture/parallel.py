@@ -40,6 +40,7 @@ from workbench.capture.expert_parallel import (
 )
 from workbench.capture.fits import available_bytes
 from workbench.capture.graph import InputKind, JointGraph
+from workbench.capture.kernels import resolve_kernels
 from workbench.capture.models import DTYPES, Workload
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.models.llama3 import Llama3
@@ -56,6 +57,7 @@ from workbench.capture.tracing import (
     last_input_kind,
     step_outputs,
     trace_step,
+    workload_device,
 )
 from workbench.errors import WorkbenchError, describe
 
@@ -281,9 +283,10 @@ def eager_rank_step(rank: RankWorkload) -> list[torch.Tensor]:
     return [_local(loss).detach(), *(_local(g) for g in grads)]
 
 
-def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
+def trace_sharded(rank: RankWorkload, mode: Mode, kernels: str) -> JointGraph:
     """Trace one rank's step: placeholders are the mesh (opaque), the local parameter
-    shards (re-wrapped as DTensors inside the step), buffers, inputs and target."""
+    shards (re-wrapped as DTensors inside the step), buffers, inputs and target. `kernels`:
+    as `workbench.capture.tracing.trace_step` takes them."""
     workload, shards, parallel = rank.workload, rank.shards, rank.parallel
     buffers = dict(workload.model.named_buffers())
     n_params, n_buffers, n_inputs = len(shards), len(buffers), len(workload.inputs)
@@ -328,7 +331,7 @@ def trace_sharded(rank: RankWorkload, mode: Mode) -> JointGraph:
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
         last_input_kind(workload),
     ]
-    graph = trace_step(workload, step, args, kinds, mode)
+    graph = trace_step(workload, step, args, kinds, mode, kernels)
     graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in MESH_DIMS}
     if rank.experts_mesh is not None:
         for dim in EXPERT_MESH_DIMS:  # a dimension spanning the world is WORLD in both
@@ -362,13 +365,19 @@ def check_fits_rank(workload: Workload, parallel: Parallel) -> None:
 
 
 def trace_rank(
-    workload: Workload, mode: Mode, parallel: Parallel, mesh: DeviceMesh | None = None
+    workload: Workload,
+    mode: Mode,
+    parallel: Parallel,
+    mesh: DeviceMesh | None = None,
+    kernels: str | None = None,
 ) -> JointGraph:
     """Shard a copy of `workload` for rank 0 of `parallel` and trace its step. Without
     `mesh`, a fake process group lives for the duration of the trace: a real-mode graph
     traced that way can run only inside such a group (trace and run inside
     `fake_process_group`, or a real one, and pass its mesh). `trace` shards torchtitan
-    models with graph trainer's own `parallelize` instead (`workbench.capture.titan_rank`)."""
+    models with graph trainer's own `parallelize` instead (`workbench.capture.titan_rank`).
+    `kernels`: as `trace` takes them (`workbench.capture.kernels.resolve_kernels`)."""
+    kernels = resolve_kernels(kernels, mode, workload_device(workload))
     if parallel.cp > 1:
         raise WorkbenchError(
             f"--cp on {workload.name!r}: context parallelism runs through graph trainer's "
@@ -379,6 +388,6 @@ def trace_rank(
     if mode == "real":
         check_fits_rank(workload, parallel)
     if mesh is not None:
-        return trace_sharded(shard_workload(workload, parallel, mesh), mode)
+        return trace_sharded(shard_workload(workload, parallel, mesh), mode, kernels)
     with fake_process_group(parallel) as fake_mesh:
-        return trace_sharded(shard_workload(workload, parallel, fake_mesh), mode)
+        return trace_sharded(shard_workload(workload, parallel, fake_mesh), mode, kernels)

@@ -279,16 +279,23 @@ def trace_stages(
     pipeline: Pipeline,
     stages: list[int] | None = None,
     templates: dict[Any, Any] | None = None,
+    kernels: str | None = None,
 ) -> list[JointGraph]:
     """The joint graph of each stage in `stages` (all by default), in stage order. Stages
     of one role stamp from one traced template (`templates`: kept by a caller tracing more
-    pipelines of the same job, such as the planner)."""
+    pipelines of the same job, such as the planner). `kernels`: as `trace` takes them."""
     from workbench.capture.trace import trace
 
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
     templates = {} if templates is None else templates
     return [
-        trace(stage_workload(workload, layout, s, parallel), mode, parallel, templates=templates)
+        trace(
+            stage_workload(workload, layout, s, parallel),
+            mode,
+            parallel,
+            templates=templates,
+            kernels=kernels,
+        )
         for s in chosen
     ]

@@ -56,6 +56,7 @@ def trace_layers(
     *,
     trace_fn: TraceFn,
     templates: dict[Hashable, tuple[JointGraph, list[int]]] | None = None,
+    kernels: str,
 ) -> JointGraph:
     """The graph of `build(layers)`'s step, tracing `build(layers[:3])` and stamping its
     middle layer for `layers[1:-1]` and its last for `layers[-1]` (fake mode, more than three
@@ -64,12 +65,13 @@ def trace_layers(
     those layer ids; `trace_fn` traces one workload without stamping
     (`functools.partial(workbench.capture.trace.trace, stamp=False)`). `templates` keeps the
     traced templates between calls (pipeline stages): a later call whose three first layers
-    differ from a kept template's only in their ids stamps from it without tracing."""
+    differ from a kept template's only in their ids stamps from it without tracing.
+    `kernels`: what `trace_fn` traces for (part of a kept template's key)."""
     ids = [int(i) for i in layers]
     if mode != "fake" or len(ids) < TEMPLATE_LAYERS:
         return trace_fn(build(ids), mode, parallel)
     head = build(ids[:TEMPLATE_LAYERS])
-    key = template_key(head, ids[:TEMPLATE_LAYERS], mode, parallel)
+    key = template_key(head, ids[:TEMPLATE_LAYERS], mode, parallel, kernels)
     kept = templates.get(key) if templates is not None else None
     if kept is None:
         traced = trace_fn(head, mode, parallel)
@@ -119,11 +121,12 @@ def _check_alike(workload: Workload, ids: Sequence[int]) -> None:
 
 
 def template_key(
-    workload: Workload, ids: Sequence[int], mode: Mode, parallel: Parallel | None
+    workload: Workload, ids: Sequence[int], mode: Mode, parallel: Parallel | None, kernels: str
 ) -> Hashable:
     """What a template's graph depends on, its layers' ids aside: the model's module types
     and parameter and buffer shapes (layer ids replaced by their place in `ids`), the batch,
-    the loss, a pipeline stage's place (first, last), the mode and the parallel layout. Not
+    the loss, a pipeline stage's place (first, last), the mode, the parallel layout and the
+    kernels traced. Not
     the workload's name, config or notes, nor the stage's number: a stamped graph takes those
     from `build(layers)`."""
 
@@ -143,6 +146,7 @@ def template_key(
         (stage.first, stage.last) if stage is not None else None,
         mode,
         parallel,
+        kernels,
         tuple((local(path), type(m).__name__) for path, m in model.named_modules()),
         tuple((local(n), tuple(t.shape), t.dtype) for n, t in tensors),
         tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch),

@@ -2,7 +2,7 @@
 (SimpleFSDP, TP plans, expert parallelism) on torch's fake process group, traced by its own
 `minimal_fx_tracer` with its module annotations.
 
-Entry points: `trace_titan_rank(workload, mode, parallel) -> JointGraph` (what
+Entry points: `trace_titan_rank(workload, mode, parallel, kernels) -> JointGraph` (what
 `workbench.capture.trace.trace` calls for `torchtitan:` workloads with a `Parallel`),
 `GRAPH_TRAINER_FAMILIES`, `check_titan_parallel`, and `bind_token_counts` (the expert token
 counts fake tensors cannot route).
@@ -27,8 +27,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workbench.capture.expert_parallel import ep_token_splits, routing_note
 from workbench.capture.graph import InputKind, InputSpec, JointGraph, describe_nodes
-from workbench.capture.models.torchtitan import adapt_config, parse_spec
-from workbench.capture.tracing import Mode
+from workbench.capture.kernels import gpu_arch
+from workbench.capture.models.torchtitan import adapt_config, parse_spec, titan_kernels
+from workbench.capture.tracing import (
+    Mode,
+    kernel_dispatch,
+    kernel_notes,
+    lift_constants,
+    record_absent_outputs,
+)
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError, describe
 
@@ -189,14 +196,18 @@ def _configs(workload: Workload, parallel: Parallel) -> tuple[Any, Any, Any]:
     return training, parallelism, GraphTrainerCompileConfig(enable=False)
 
 
-def _build_rank_model(workload: Workload, parallel: Parallel, mode: Mode) -> tuple[Any, Any]:
-    """Graph trainer's model for the workload's family and flavor (same layers, attention
-    and RoPE length), its config updated for `parallel` as the trainer does; real mode
-    copies the workload's weights, fake mode builds on fake CPU tensors. Returns (spec, model)."""
+def _build_rank_model(
+    workload: Workload, parallel: Parallel, mode: Mode, kernels: str
+) -> tuple[Any, Any, list[str]]:
+    """Graph trainer's model for the workload's family and flavor (same layers and RoPE
+    length; FlexAttention for a GPU's kernels, else SDPA), its config updated for `parallel`
+    as the trainer does; real mode copies the workload's weights, fake mode builds on fake CPU
+    tensors. Returns (spec, model, the notes of what differs from the model as shipped)."""
     family, flavor = parse_spec(workload.name)
     spec = importlib.import_module(f"{_GRAPH_TRAINER}.{family}").model_registry(flavor)
     config = spec.model
-    adapt_config(config, workload.name, int(workload.config["layers"]), int(workload.config["seq"]))
+    layers, seq = int(workload.config["layers"]), int(workload.config["seq"])
+    notes = adapt_config(config, workload.name, layers, seq, flex=gpu_arch(kernels) is not None)
     _, parallelism, _ = _configs(workload, parallel)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     dtype = next(workload.model.parameters()).dtype
@@ -213,7 +224,7 @@ def _build_rank_model(workload: Workload, parallel: Parallel, mode: Mode) -> tup
             model.load_state_dict(workload.model.state_dict())
     finally:
         torch.set_default_dtype(previous)
-    return spec, model
+    return spec, model, notes
 
 
 def _parallel_dims(parallel: Parallel) -> Any:
@@ -262,11 +273,14 @@ def _inputs(workload: Workload, mode: Mode) -> tuple[torch.Tensor, torch.Tensor]
     return ids, labels
 
 
-def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> JointGraph:
+def trace_titan_rank(
+    workload: Workload, mode: Mode, parallel: Parallel, kernels: str
+) -> JointGraph:
     """Rank 0 of `parallel` for the torchtitan workload: graph trainer's model, its
     `parallelize` on a fake process group, its `make_fwd_bwd_step` traced by its
     `minimal_fx_tracer` with its loss (`CrossEntropyLoss`, sum over tokens divided by the
-    global token count). Expert token counts are bound by `bind_token_counts`."""
+    global token count), for `kernels` (`workbench.capture.kernels.resolve_kernels`).
+    Expert token counts are bound by `bind_token_counts`."""
     from torchtitan.experiments.graph_trainer.make_fx_tracer import extract_module_state
 
     from workbench.capture.parallel import check_fits_rank, fake_world
@@ -281,7 +295,7 @@ def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> Join
         _cpu_parallel_dims(),
     ):
         try:
-            spec, model = _build_rank_model(workload, parallel, mode)
+            spec, model, model_notes = _build_rank_model(workload, parallel, mode, kernels)
             dims = _parallel_dims(parallel)
             _forget_simple_fsdp_classes()
             training, parallelism, compile_config = _configs(workload, parallel)
@@ -294,7 +308,12 @@ def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> Join
                 ac_config=None,
                 dump_folder="",
             )
-            traced = _trace(model, workload, mode)
+            batch, seq = int(workload.config["batch"]), int(workload.config["seq"])
+            with (
+                kernel_dispatch(kernels) as record,
+                titan_kernels(model, batch, seq, kernels) as switched,
+            ):
+                traced = _trace(model, workload, mode)
             n_params = sum(1 for _ in model.named_parameters(remove_duplicate=False))
             model_state = list(extract_module_state(model).values())
         except WorkbenchError:
@@ -305,8 +324,20 @@ def trace_titan_rank(workload: Workload, mode: Mode, parallel: Parallel) -> Join
                 f"{parallel.describe()} failed: {describe(err)}"
             ) from None
         mesh_dims = _mesh_dims(dims)
-    notes = [*workload.notes, *bind_token_counts(traced.gm, parallel)]
-    return _joint_graph(traced, n_params, model_state, workload, mode, parallel, mesh_dims, notes)
+    record_absent_outputs(traced.gm)
+    notes = [
+        *model_notes,
+        *kernel_notes(kernels, mode, record, switched),
+        *bind_token_counts(traced.gm, parallel),
+    ]
+    graph = _joint_graph(traced, n_params, model_state, workload, mode, parallel, mesh_dims, notes)
+    lifted = lift_constants(graph.gm, switched.names)
+    graph.inputs += [spec for spec, _ in lifted]
+    if graph.example_inputs is not None:
+        graph.example_inputs += [value for _, value in lifted]
+    graph.nodes = describe_nodes(graph.gm)
+    graph.config["kernels"] = kernels
+    return graph
 
 
 def _trace(model: Any, workload: Workload, mode: Mode) -> Any:

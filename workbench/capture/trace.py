@@ -1,8 +1,9 @@
 """Trace one training step (forward + loss + backward) into a single FX graph.
 
-Entry point: `trace(workload, mode="real"|"fake", parallel=None) -> JointGraph`. Parameters
-and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`. Reference models
-traced in fake mode trace three layers and stamp the rest (`workbench.capture.stamp`).
+Entry point: `trace(workload, mode="real"|"fake", parallel=None, kernels=None) -> JointGraph`.
+Parameters and buffers are lifted as graph inputs; the graph returns `[loss, *grads]`. Fake
+mode traces the kernels a GPU runs (`workbench.capture.kernels`); reference models traced in
+fake mode trace three layers and stamp the rest (`workbench.capture.stamp`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workbench.capture.graph import InputKind, JointGraph
+from workbench.capture.kernels import resolve_kernels
 from workbench.capture.stamp import TEMPLATE_LAYERS, keep_layers, trace_layers
 from workbench.capture.tracing import (
     Mode,
@@ -23,6 +25,7 @@ from workbench.capture.tracing import (
     last_input_kind,
     step_outputs,
     trace_step,
+    workload_device,
 )
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -37,6 +40,7 @@ def trace(
     parallel: Parallel | None = None,
     stamp: bool = True,
     templates: dict[Hashable, Any] | None = None,
+    kernels: str | None = None,
 ) -> JointGraph:
     """Trace `workload`'s train step.
 
@@ -50,7 +54,10 @@ def trace(
     the others, node for node the full trace (`workbench.capture.stamp.trace_layers`;
     `config["stamped"]` counts them); `stamp=False` traces every layer. `templates` (a dict
     kept across calls, e.g. over pipeline stages) lets a later call stamp from an earlier
-    template whose layers differ only in their ids.
+    template whose layers differ only in their ids. `kernels`: what the graph's ops are
+    traced for in fake mode, a GPU (`"h100"`, the default; `"h200"`, `"b200"`: attention as
+    torch's CUDA selection picks it there) or `"cpu"`; real mode keeps its device's own
+    (`workbench.capture.kernels.resolve_kernels`); `config["kernels"]` and the notes say which.
     """
     if not isinstance(workload, Workload):
         raise TypeError(
@@ -59,6 +66,7 @@ def trace(
         )
     if mode not in ("real", "fake"):
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
+    kernels = resolve_kernels(kernels, mode, workload_device(workload))
     layers = _reference_layers(workload)
     if stamp and mode == "fake" and len(layers) > TEMPLATE_LAYERS:
         return trace_layers(
@@ -66,8 +74,9 @@ def trace(
             layers,
             mode,
             parallel,
-            trace_fn=functools.partial(trace, stamp=False),
+            trace_fn=functools.partial(trace, stamp=False, kernels=kernels),
             templates=templates,
+            kernels=kernels,
         )
     if parallel is not None:  # imported here: plain traces load no model zoo (TP plans)
         from workbench.capture.parallel import Parallel, trace_rank
@@ -79,8 +88,8 @@ def trace(
                 f"got {parallel!r}"
             )
         if is_titan_workload(workload):  # sharded by graph trainer's own parallelize
-            return trace_titan_rank(workload, mode, parallel)
-        return trace_rank(workload, mode, parallel)
+            return trace_titan_rank(workload, mode, parallel, kernels)
+        return trace_rank(workload, mode, parallel, kernels=kernels)
     model = workload.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -101,7 +110,7 @@ def trace(
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
         last_input_kind(workload),
     ]
-    return trace_step(workload, step, real, kinds, mode)
+    return trace_step(workload, step, real, kinds, mode, kernels)
 
 
 def _reference_layers(workload: Workload) -> list[int]:
@@ -114,9 +123,9 @@ def _reference_layers(workload: Workload) -> list[int]:
 
 
 def timed_trace(
-    workload: Workload, mode: Mode, parallel: Parallel | None = None
+    workload: Workload, mode: Mode, parallel: Parallel | None = None, kernels: str | None = None
 ) -> tuple[JointGraph, float]:
     """`trace` plus its wall time in seconds (for the CLI and benchmarks)."""
     start = time.perf_counter()
-    graph = trace(workload, mode, parallel)
+    graph = trace(workload, mode, parallel, kernels=kernels)
     return graph, time.perf_counter() - start

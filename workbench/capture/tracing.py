@@ -1,7 +1,7 @@
 """How a train step becomes one FX graph: make_fx under fake tensors with backward nodes
 marked, module paths annotated, and the checks on what the user's step returns.
 
-Entry point: `trace_step(workload, step, inputs, kinds, mode) -> JointGraph`, which
+Entry point: `trace_step(workload, step, inputs, kinds, mode, kernels) -> JointGraph`, which
 `workbench.capture.trace` (one device) and `workbench.capture.parallel` (one rank) call.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -23,6 +24,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from torch.fx.traceback import annotate, preserve_node_meta
 
 from workbench.capture.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
+from workbench.capture.kernels import (
+    AttentionRecord,
+    ModelKernels,
+    gpu_arch,
+    gpu_kernels,
+    kernels_note,
+)
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError, describe
 
@@ -112,7 +120,8 @@ def _to_fake(fake_mode: FakeTensorMode, value: Any, device: torch.device) -> Any
     return fake_mode.from_tensor(value)
 
 
-def _device_of(workload: Workload) -> torch.device:
+def workload_device(workload: Workload) -> torch.device:
+    """The device of the workload's first non-meta tensor (the CPU for a meta model)."""
     for tensor in [*workload.model.parameters(), *workload.inputs]:
         if not tensor.is_meta:
             return tensor.device
@@ -198,26 +207,66 @@ def check_grads(workload: Workload, names: list[str], grads: Sequence[Any]) -> N
         )
 
 
+@contextlib.contextmanager
+def kernel_dispatch(kernels: str) -> Iterator[AttentionRecord | None]:
+    """While tracing for a GPU (`workbench.capture.kernels`), its attention kernels; yields
+    the record of what it chose (None for a device's own kernels)."""
+    arch = gpu_arch(kernels)
+    if arch is None:
+        yield None
+        return
+    with gpu_kernels(arch) as record:
+        yield record
+
+
+@contextlib.contextmanager
+def model_kernels(workload: Workload, kernels: str) -> Iterator[ModelKernels]:
+    """The workload's own kernel switch for `kernels` (`Workload.kernel_context`), if any."""
+    if workload.kernel_context is None:
+        yield ModelKernels()
+        return
+    with workload.kernel_context(kernels) as switched:
+        yield switched
+
+
+def kernel_notes(
+    kernels: str, mode: Mode, record: AttentionRecord | None, switched: ModelKernels
+) -> list[str]:
+    return [
+        kernels_note(kernels, mode),
+        *switched.notes,
+        *(record.notes() if record is not None else []),
+    ]
+
+
 def trace_step(
     workload: Workload,
     step: Callable[..., list[torch.Tensor]],
     args: list[Any],
     kinds: list[tuple[InputKind, str]],
     mode: Mode,
+    kernels: str,
 ) -> JointGraph:
     """make_fx `step(*args)` on fake copies of `args`; `kinds` names each placeholder.
-    Non-tensor arguments (a device mesh) pass through as opaque inputs."""
+    Non-tensor arguments (a device mesh) pass through as opaque inputs. `kernels`: a GPU's
+    name traces its attention kernels (`workbench.capture.kernels.resolve_kernels`)."""
     if mode == "real" and any(isinstance(t, torch.Tensor) and t.is_meta for t in args):
         raise WorkbenchError(
             f"model {workload.name!r} lives on the meta device: trace it with mode='fake' "
             "or build it on cpu/cuda"
         )
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, shape_env=ShapeEnv())
-    device = _device_of(workload)
+    device = workload_device(workload)
     with fake_mode:
         fake_args = [_to_fake(fake_mode, t, device) for t in args]
     try:
-        with _backward_marking(fake_mode), annotate_modules(workload.model), collector_paused():
+        with (  # the model's kernels switched before its forwards are annotated
+            model_kernels(workload, kernels) as switched,
+            _backward_marking(fake_mode),
+            annotate_modules(workload.model),
+            collector_paused(),
+            kernel_dispatch(kernels) as record,
+        ):
             gm = make_fx(step, record_stack_traces=True)(*fake_args)
     except WorkbenchError:
         raise
@@ -229,17 +278,73 @@ def trace_step(
     except Exception as err:  # torch raises many types; the user needs one clear line
         raise WorkbenchError(f"model {workload.name!r} cannot be traced: {describe(err)}") from err
     _refuse_data_dependent_shapes(gm, workload.name)
+    record_absent_outputs(gm)
+    inputs = _input_specs(gm, kinds)
+    lifted = lift_constants(gm, switched.names)
+    inputs += [spec for spec, _ in lifted]
     return JointGraph(
         gm=gm,
         nodes=describe_nodes(gm),
-        inputs=_input_specs(gm, kinds),
+        inputs=inputs,
         model_name=workload.name,
         mode=mode,
         tokens=workload.tokens,
-        config=dict(workload.config),
-        example_inputs=args if mode == "real" else None,
-        notes=list(workload.notes),
+        config={**workload.config, "kernels": kernels},
+        example_inputs=[*args, *(value for _, value in lifted)] if mode == "real" else None,
+        notes=[*workload.notes, *kernel_notes(kernels, mode, record, switched)],
     )
+
+
+def record_absent_outputs(gm: fx.GraphModule) -> None:
+    """A getitem of an op's output that is no tensor (the GPU attention ops' `cum_seq_q` None,
+    `max_q` an int) carries no `meta["val"]` when traced through DTensor or graph trainer's
+    tracer, where make_fx otherwise records the value: record it, so the getitem reads as
+    holding no storage."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "val" in node.meta or node.target is not operator.getitem:
+            continue
+        source, index = node.args
+        outputs = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if isinstance(outputs, (tuple, list)) and isinstance(index, int):
+            if not isinstance(outputs[index], torch.Tensor):
+                node.meta["val"] = outputs[index]
+
+
+def lift_constants(
+    gm: fx.GraphModule, names: dict[int, str]
+) -> list[tuple[InputSpec, torch.Tensor]]:
+    """The tensors a model's kernels close over (a flex attention's block mask: `names`,
+    `id(tensor) -> fqn`) become graph inputs: make_fx reads each through a `get_attr` per use,
+    which would count it once per layer. One placeholder per tensor replaces its reads.
+    Subgraphs an op takes (a flex attention's score and mask functions) hold no tensor: their
+    `get_attr` records `meta["val"] = None`. Returns the new inputs' specs and values (a
+    real-mode graph's example inputs take them)."""
+    lifted: dict[str, fx.Node] = {}
+    specs: list[tuple[InputSpec, torch.Tensor]] = []
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        value = getattr(gm, target)
+        if isinstance(value, fx.GraphModule):
+            node.meta["val"] = None
+            continue
+        if not isinstance(value, torch.Tensor) or id(value) not in names:
+            continue
+        if target not in lifted:
+            fqn = names[id(value)]
+            with gm.graph.inserting_after(last):
+                last = lifted[target] = gm.graph.placeholder(fqn.replace(".", "_"))
+            last.meta["val"] = node.meta.get("val")
+            specs.append((InputSpec(placeholder=last.name, kind="input", fqn=fqn), value))
+        node.replace_all_uses_with(lifted[target])
+        gm.graph.erase_node(node)
+    for target in lifted:
+        delattr(gm, target)
+    if lifted:
+        gm.recompile()
+    return specs
 
 
 def _refuse_data_dependent_shapes(gm: fx.GraphModule, name: str) -> None:

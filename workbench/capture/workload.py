@@ -6,6 +6,7 @@ take one) and `eager_step(workload)` (one plain autograd step: the numbers to ma
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,10 @@ class Workload:
     notes: list[str] = field(default_factory=list)  # what differs from the model as shipped
     stage: StageRole | None = None
     grad_output: torch.Tensor | None = None
+    # The model's own kernel switch while traced for a kernel target (`"h100"`, `"cpu"`, ...):
+    # a context manager yielding `workbench.capture.kernels.ModelKernels` (torchtitan's
+    # FlexAttention as the GPU op, or SDPA for CPU kernels); None: nothing to switch.
+    kernel_context: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

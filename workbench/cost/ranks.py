@@ -91,7 +91,7 @@ def check_rank(rank: RankWorkload, policies: Sequence[str | Policy]) -> list[Ran
     from workbench.capture.parallel import trace_sharded
 
     eager = eager_rank_step(rank)
-    graph = trace_sharded(rank, "real")
+    graph = trace_sharded(rank, "real", "cpu")
     assert graph.example_inputs is not None
     names = ["loss", *graph.param_names]
     checks = []

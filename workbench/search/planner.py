@@ -31,6 +31,7 @@ import torch
 
 from workbench.capture.expert_parallel import routing_note
 from workbench.capture.graph import JointGraph
+from workbench.capture.kernels import KERNEL_TARGETS
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.models.deepseek_v3 import MoE
 from workbench.capture.parallel import Parallel
@@ -169,6 +170,8 @@ class _Traces:
         self.seconds = 0.0
         self.reused = 0
         self.traced = 0
+        # the planned GPU's kernels (`workbench.capture.kernels`); another profile: the default
+        self.kernels = options.gpu if options.gpu in KERNEL_TARGETS else None
 
     def workload(self, batch: int) -> Workload:
         if batch not in self.workloads:
@@ -210,7 +213,13 @@ class _Traces:
             def build(stage: int = stage) -> JointGraph:
                 pipeline = candidate.pipeline()
                 graphs = trace_stages(
-                    workload, "fake", parallel, pipeline, [stage], templates=self.templates
+                    workload,
+                    "fake",
+                    parallel,
+                    pipeline,
+                    [stage],
+                    templates=self.templates,
+                    kernels=self.kernels,
                 )
                 return graphs[0]
 
@@ -220,7 +229,9 @@ class _Traces:
     def whole(self, candidate: Candidate) -> JointGraph:
         workload = self.workload(candidate.local_batch)
         key = (candidate.fsdp, candidate.tp, candidate.ep, candidate.local_batch, "whole")
-        return self.get(key, lambda: trace(workload, "fake", _parallel(candidate)))
+        return self.get(
+            key, lambda: trace(workload, "fake", _parallel(candidate), kernels=self.kernels)
+        )
 
 
 def _dense_layers(workload: Workload, layers: tuple[int, ...]) -> int:

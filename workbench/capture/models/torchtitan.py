@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import logging
 import pkgutil
@@ -22,6 +23,7 @@ from torch import nn
 from workbench.errors import WorkbenchError
 
 __all__ = [
+    "FLEX_NOTE",
     "PREFIX",
     "REFUSED",
     "SDPA_NOTE",
@@ -32,6 +34,7 @@ __all__ = [
     "flavors",
     "load_torchtitan",
     "parse_spec",
+    "titan_kernels",
     "torchtitan_log",
 ]
 
@@ -39,8 +42,13 @@ PREFIX = "torchtitan:"
 INSTALL_HINT = "pip install -e '.[torchtitan]'"
 SDPA_NOTE = (
     "attention: torchtitan's ScaledDotProductAttention replaces FlexAttention in every layer "
-    "(flex attention has no CPU backward and its block mask cannot be built on meta); "
+    "(flex attention has no CPU backward, and this graph carries the CPU's kernels); "
     "is_causal SDPA, no document masking"
+)
+FLEX_NOTE = (
+    "attention: torchtitan's FlexAttention as shipped, traced as the flex_attention op a GPU "
+    "runs (torch.compile and flex's CPU-backward refusal left out), with a block-causal mask "
+    "of one document per sequence (its packed-document mask when nothing is packed)"
 )
 
 
@@ -124,19 +132,22 @@ def check_flavor(family: str, flavor: str) -> None:
         )
 
 
-def _model_config(family: str, flavor: str, layers: int | None, seq: int) -> tuple[Any, list[str]]:
+def _model_config(
+    family: str, flavor: str, layers: int | None, seq: int, flex: bool
+) -> tuple[Any, list[str]]:
     """The flavor's decoder config as `adapt_config` leaves it, and its notes."""
     check_flavor(family, flavor)
     config = copy.deepcopy(_family(family).model_registry(flavor).model)
-    notes = adapt_config(config, f"torchtitan:{family}/{flavor}", layers, seq)
+    notes = adapt_config(config, f"torchtitan:{family}/{flavor}", layers, seq, flex)
     return config, notes
 
 
-def adapt_config(config: Any, spec: str, layers: int | None, seq: int) -> list[str]:
+def adapt_config(config: Any, spec: str, layers: int | None, seq: int, flex: bool) -> list[str]:
     """What the workbench changes in a decoder config, in place: `layers` blocks, SDPA inner
-    attention, RoPE caches sized to the traced sequence (as torchtitan's trainer sizes them
-    to `training.seq_len`), no vision encoder (a text-only step). Returns the notes saying
-    what differs from the model as shipped."""
+    attention unless `flex` (a graph for a GPU keeps FlexAttention: `titan_kernels`), RoPE
+    caches sized to the traced sequence (as torchtitan's trainer sizes them to
+    `training.seq_len`), no vision encoder (a text-only step). Returns the notes saying what
+    differs from the model as shipped."""
     family_flavor = spec.removeprefix(PREFIX)
     blocks = getattr(config, "layers", None)
     if not isinstance(blocks, list) or not hasattr(config, "vocab_size"):
@@ -151,9 +162,10 @@ def adapt_config(config: Any, spec: str, layers: int | None, seq: int) -> list[s
                 f"most {len(blocks)}"
             )
         config.layers = blocks[:layers]
-    _use_sdpa(config)
+    notes = []
+    if not flex and _use_sdpa(config):
+        notes.append(SDPA_NOTE)
     _size_rope(config, seq)
-    notes = [SDPA_NOTE]
     if getattr(config, "vision_encoder", None) is not None:
         config.vision_encoder = None
         notes.append(VISION_NOTE)
@@ -167,13 +179,78 @@ def _size_rope(config: Any, seq: int) -> None:
             block.attention.rope = dataclasses.replace(rope, max_seq_len=seq)
 
 
-def _use_sdpa(config: Any) -> None:
+def _use_sdpa(config: Any) -> bool:
+    """SDPA in place of every FlexAttention; whether there was one."""
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
+    replaced = False
     for block in config.layers:
         attention: Any = getattr(block, "attention", None)  # absent in linear-attention blocks
         if isinstance(getattr(attention, "inner_attention", None), FlexAttention.Config):
             attention.inner_attention = ScaledDotProductAttention.Config()
+            replaced = True
+    return replaced
+
+
+def _flex_block_size(model: nn.Module) -> int | tuple[int, int]:
+    config = getattr(getattr(model, "config", None), "first_attention", None)
+    inner = getattr(config, "inner_attention", None)
+    return getattr(inner, "block_size", 128)
+
+
+@contextlib.contextmanager
+def titan_kernels(model: nn.Module, batch: int, seq: int, kernels: str) -> Iterator[Any]:
+    """torchtitan's FlexAttention while `model` is traced for `kernels`: for a GPU, the
+    `flex_attention` op (`workbench.capture.flex`) with a block-causal mask of `batch` x `seq`
+    (its tensors named as graph inputs); for the CPU, SDPA in its place, as a real run on this
+    CPU has it. Yields `workbench.capture.kernels.ModelKernels`; the model is restored after."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    from workbench.capture.flex import block_mask_names, causal_block_mask, flex_attention_op
+    from workbench.capture.kernels import ModelKernels, gpu_arch
+
+    holders = [
+        m for m in model.modules() if isinstance(getattr(m, "inner_attention", None), FlexAttention)
+    ]
+    if not holders:
+        yield ModelKernels()
+        return
+    if gpu_arch(kernels) is None:
+        flex = [(m, m.inner_attention) for m in holders]
+        for holder, _ in flex:
+            holder.inner_attention = ScaledDotProductAttention(ScaledDotProductAttention.Config())
+        try:
+            yield ModelKernels(notes=(SDPA_NOTE,))
+        finally:
+            for holder, inner in flex:
+                holder.inner_attention = inner
+        return
+    mask = causal_block_mask(batch, seq, _flex_block_size(model))
+    compiled = FlexAttention.__dict__["_compiled_flex_attn"]
+    inners = [m.inner_attention for m in holders]
+    own = [inner.__dict__.get("forward") for inner in inners]  # graph trainer annotates them
+    for inner in inners:
+        inner.forward = _with_mask(inner.forward, mask)
+    FlexAttention._compiled_flex_attn = staticmethod(flex_attention_op)  # type: ignore[assignment]
+    try:
+        yield ModelKernels(names=block_mask_names(mask), notes=(FLEX_NOTE,))
+    finally:
+        FlexAttention._compiled_flex_attn = compiled
+        for inner, forward in zip(inners, own, strict=True):
+            if forward is None:
+                del inner.forward
+            else:
+                inner.forward = forward
+
+
+def _with_mask(forward: Any, mask: Any) -> Any:
+    """`forward` given `mask` where its caller passes no attention mask (a step traced
+    without torchtitan's dataloader, which builds one per batch)."""
+
+    def masked(*args: Any, attention_masks: Any = None, **kwargs: Any) -> Any:
+        return forward(*args, attention_masks=attention_masks or mask, **kwargs)
+
+    return masked
 
 
 def _build(config: Any, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
@@ -211,7 +288,10 @@ def load_torchtitan(
     family, flavor = parse_spec(spec)
     default_batch, default_seq = _default_shape(flavor)
     batch, seq = batch or default_batch, seq or default_seq
-    config, notes = _model_config(family, flavor, layers, seq)
+    # flex attention runs on no CPU: a model built to run here takes SDPA, one built on meta
+    # (traced for a GPU) keeps flex and switches at trace time (`titan_kernels`)
+    flex = str(device) == "meta"
+    config, notes = _model_config(family, flavor, layers, seq, flex)
     if str(device) != "meta":
         meta = _build(config, dtype, "meta")
         check_build_fits(spec, meta, torch.device(device))
@@ -230,10 +310,11 @@ def load_torchtitan(
             "seq": seq,
             "batch": batch,
             "dtype": str(dtype).removeprefix("torch."),
-            "attention": "sdpa",
+            "attention": "flex" if flex else "sdpa",
         },
     )
     workload.notes.extend(notes)
+    workload.kernel_context = functools.partial(titan_kernels, model, batch, seq)
     _use_graph_trainer_backend()
     return workload
 

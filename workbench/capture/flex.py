@@ -1,0 +1,96 @@
+"""FlexAttention as a GPU runs it, traced on fake CPU tensors.
+
+torch's `flex_attention` refuses a CPU backward at its Python entry, and torchtitan calls it
+through `torch.compile`; what the GPU runs is the `flex_attention` higher-order op, whose
+autograd saves q, k, v, the output and the fp32 log-sum-exp and whose backward is the
+`flex_attention_backward` op. Both have fake kernels, so the op traces on fake CPU tensors
+with the block mask built small on the CPU (one entry per 128 x 128 block).
+
+Entry points: `causal_block_mask(batch, seq, block_size)`, `flex_attention_op(...)` (the
+op itself, called as torchtitan calls its compiled flex attention) and `block_mask_names`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
+from torch.nn.attention.flex_attention import (
+    AuxOutput,
+    AuxRequest,
+    BlockMask,
+    _apply_kernel_options,
+    create_block_mask,
+)
+
+__all__ = ["BLOCK_MASK_FIELDS", "block_mask_names", "causal_block_mask", "flex_attention_op"]
+
+# A BlockMask's tensors, in the order its `as_tuple()` hands them to the op.
+BLOCK_MASK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def _causal(batch: Any, head: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(batch: int, seq: int, block_size: int | tuple[int, int] = 128) -> BlockMask:
+    """The block-causal mask of `batch` sequences of one document each (what torchtitan's
+    causal and packed-document masks give when no sequence packs two documents), built on the
+    CPU: a few integers per block, whatever the sequence length."""
+    return create_block_mask(
+        _causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device="cpu", BLOCK_SIZE=block_size
+    )
+
+
+def block_mask_names(mask: BlockMask, prefix: str = "attention_masks") -> dict[int, str]:
+    """`id(tensor) -> "PREFIX.FIELD"` for the mask's tensors, to name them as graph inputs."""
+    return {
+        id(tensor): f"{prefix}.{name}"
+        for name in BLOCK_MASK_FIELDS
+        if isinstance(tensor := getattr(mask, name), torch.Tensor)
+    }
+
+
+def _identity_score(score: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+    return score
+
+
+def flex_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    score_mod: Any = None,
+    block_mask: BlockMask,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_aux: AuxRequest | None = None,
+    kernel_options: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, AuxOutput]:
+    """The `flex_attention` op with torchtitan's compiled call's signature and result
+    (`(out, AuxOutput)`): what the GPU kernel computes and saves, without the CPU refusal
+    or `torch.compile`. The log-sum-exp is returned in natural log, as the entry returns it."""
+    options = _apply_kernel_options(query, key, value, False, kernel_options, return_aux)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out, lse, _ = flex_attention_hop(
+        query,
+        key,
+        value,
+        score_mod or _identity_score,
+        block_mask.as_tuple(),
+        scale,
+        options,
+    )
+    wants_lse = return_aux is not None and return_aux.lse
+    return out, AuxOutput(lse=lse * math.log(2.0) if wants_lse else None, max_scores=None)
