@@ -24,9 +24,9 @@ from workbench.search.solve import SolveOptions
 
 @pytest.fixture(scope="module")
 def offload_graph() -> JointGraph:
-    """Three layers of 512 tokens: activations weigh enough that offload pays at eager's
+    """Three layers of 1,024 tokens: activations weigh enough that offload pays at eager's
     step time (with two layers only the first may offload, and it does not)."""
-    return trace(load_workload("llama3-debug", device="meta", layers=3, seq=512), "fake")
+    return trace(load_workload("llama3-debug", device="meta", layers=3, seq=1024), "fake")
 
 
 @pytest.fixture(scope="module")

@@ -118,9 +118,12 @@ def test_phases_are_in_order(llama_debug: tuple[Workload, JointGraph]) -> None:
 
 
 def test_fake_mode_holds_no_tensors_and_matches_real_structure() -> None:
+    """With the CPU's kernels a fake trace is the real one's graph (the GPU's: test_kernels)."""
     real = trace(load_workload("llama3-debug", layers=2, seq=32), mode="real")
-    fake = trace(load_workload("llama3-debug", layers=2, seq=32, device="meta"), mode="fake")
+    meta = load_workload("llama3-debug", layers=2, seq=32, device="meta")
+    fake = trace(meta, mode="fake", kernels="cpu")
     assert fake.example_inputs is None
+    assert real.config["kernels"] == fake.config["kernels"] == "cpu"
     assert [i.op for i in fake.nodes.values()] == [i.op for i in real.nodes.values()]
     assert [i.bytes for i in fake.nodes.values()] == [i.bytes for i in real.nodes.values()]
     with pytest.raises(WorkbenchError, match="fake mode"):

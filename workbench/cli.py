@@ -319,7 +319,7 @@ def _print_human(result: dict[str, Any]) -> None:
     print("\n".join(_human_lines(result)))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one statement a flag)
     parser = _Parser(prog="python -m workbench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -7,6 +7,7 @@ custom["module"], autograd_backward, seq_nr, stack_trace).
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 import uuid
@@ -207,9 +208,20 @@ class JointGraph:
             "tokens": self.tokens,
             "world_size": self.world_size,
             "collectives": self.collective_counts(),
+            "attention_ops": self.attention_counts(),
             **self.config,
             **({"notes": list(self.notes)} if self.notes else {}),
         }
+
+    def attention_counts(self) -> dict[str, int]:
+        """Forward attention kernels by op name (`workbench.capture.kernels.ATTENTION_OPS`):
+        which kernels the graph was traced with, the CPU's or a GPU's."""
+        from workbench.capture.kernels import ATTENTION_OPS
+
+        counts = collections.Counter(
+            i.op for i in self.ops() if i.op in ATTENTION_OPS and i.phase != "backward"
+        )
+        return dict(sorted(counts.items()))
 
     def run(self, inputs: Sequence[Any] | None = None) -> list[torch.Tensor]:
         """Execute the step under no_grad (the graph already holds the backward)."""

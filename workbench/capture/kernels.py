@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from workbench.errors import WorkbenchError
 
 __all__ = [
+    "ATTENTION_OPS",
     "CPU",
     "DEFAULT_GPU",
     "KERNEL_OPS",
@@ -347,6 +348,15 @@ KERNEL_OPS: dict[SdpaBackend, str] = {
     "cudnn": "aten._scaled_dot_product_cudnn_attention",
     "math": "aten._scaled_dot_product_attention_math",
 }
+# Every attention kernel a trace may hold, by op name: the GPU's, the CPU's flash op and
+# flex attention's (`workbench.capture.graph.JointGraph.summary` counts them).
+ATTENTION_OPS: frozenset[str] = frozenset(
+    {
+        *(f"{op}.default" for op in KERNEL_OPS.values()),
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "flex_attention",
+    }
+)
 
 
 def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -334,7 +334,7 @@ def _references(node: fx.Node) -> tuple[Any, list[fx.Node]]:
     return shape, found
 
 
-def _check_neighbours(cut: _Cut, ids: Sequence[int]) -> dict[fx.Node, fx.Node]:
+def _check_neighbours(cut: _Cut, ids: Sequence[int]) -> dict[fx.Node, fx.Node]:  # noqa: C901
     """The middle and the last template layer must be the same nodes position for
     position: same targets, constant arguments and facts; their own nodes at the same
     positions; shared nodes the same; the middle layer's reads of the first layer matched
@@ -471,7 +471,7 @@ class _Stamper:
             return self.root.env[node]
         return self.copies[0 if owner == self.ids[0] else -1].env[node]
 
-    def emit(self, index: int | None, node: fx.Node, shift: int) -> None:
+    def emit(self, index: int | None, node: fx.Node, shift: int) -> None:  # noqa: PLR0912
         """Append `node` as copy `index` makes it (outside the layers when None)."""
         unit = self.root if index is None else self.copies[index]
         if index is None:

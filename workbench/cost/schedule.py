@@ -320,7 +320,7 @@ def _phase_table(
     return seconds, table
 
 
-def simulate(
+def simulate(  # noqa: PLR0915
     order: Mapping[int, Sequence[Action]] | ScheduleWalk,
     costs: Mapping[int, StageCost],
     p2p_bytes_per_s: float | None = None,

@@ -400,8 +400,11 @@ def titan_keep_unsharded(f: OpFacts) -> Tag | None:
 def titan_untagged(
     f: OpFacts, preset: str, selectors: Sequence[SelectorRow], overrides: Mapping[str, str]
 ) -> Tag | None:
-    """Graph trainer never tags `lm_head*` / `loss*` nodes (they stay saved), though a
-    selector or an override still applies; None for the other modules."""
+    """Graph trainer tags call_function nodes only, and never `lm_head*` / `loss*` ones (they
+    stay saved), though a selector or an override still applies there; None for the others.
+    A `get_attr` (a flex attention's score or mask subgraph) holds no tensor: untagged."""
+    if f.op == "get_attr":
+        return Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "a get_attr, not an op")
     if not f.module.startswith(TITAN_UNTAGGED_MODULES):
         return None
     tag = requested(f, preset_rule("none"), preset, selectors, overrides)

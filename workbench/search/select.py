@@ -113,7 +113,7 @@ def select_knapsack(model: LinearModel, order: Sequence[int], cap: float) -> set
     return _fill(model, chosen, order, cap)
 
 
-def select_exact(model: LinearModel | Folded, cap: float) -> set[int]:
+def select_exact(model: LinearModel | Folded, cap: float) -> set[int]:  # noqa: PLR0915
     """Integer program (scipy's HiGHS) over the linear model: minimum cost, bytes <= cap.
 
     Binary t[c] (key recomputed) and f[p] (node recomputed after the layer-boundary rule);

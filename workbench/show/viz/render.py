@@ -280,7 +280,7 @@ def _legend_rows(kinds: Iterable[Kind], diffing: bool) -> list[tuple[str, str]]:
     return rows
 
 
-def op_view(
+def op_view(  # noqa: C901, PLR0912, PLR0915
     graph: JointGraph,
     names: Iterable[str],
     decisions: Decisions | None = None,

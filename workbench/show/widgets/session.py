@@ -300,11 +300,17 @@ class Autosave:
 
 def graph_key(graph: JointGraph) -> str:
     """What names a graph's autosave: the model, its configuration (layers, sequence, batch,
-    dtype, sharding), the trace mode, and a short hash of those, of the graph's inputs and of
+    dtype, sharding, a fake graph's kernels), the trace mode, and a short hash of those, of
+    the graph's inputs and of
     its size, which tells apart graphs the words do not (two user models of one name).
     Explorers on different graphs never share a file; explorers on one graph do."""
+    # a real graph runs its device's own kernels, so they name nothing more (and keys written
+    # before graphs recorded their kernels stay those of the same graphs)
+    config = {
+        k: v for k, v in graph.config.items() if not (k == "kernels" and graph.mode == "real")
+    }
     words = [graph.model_name]
-    for key, value in graph.config.items():
+    for key, value in config.items():
         if key == "world_size" or isinstance(value, bool) or not isinstance(value, int | str):
             continue
         if isinstance(value, int):
@@ -317,7 +323,7 @@ def graph_key(graph: JointGraph) -> str:
         for spec in graph.inputs
         if spec.placeholder in graph.nodes
     ]
-    facts = [graph.model_name, graph.mode, graph.config, inputs, len(graph.nodes)]
+    facts = [graph.model_name, graph.mode, config, inputs, len(graph.nodes)]
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
     text = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(words)).strip(".-")[:120]
     return f"{text}-{digest[:8]}"
