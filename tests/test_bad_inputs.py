@@ -292,7 +292,10 @@ TITAN_FLAGS: list[tuple[list[str], str]] = [
         ["--model", "torchtitan:llama3/debugmodel", "--tp", "3"],
         "--tp 3 does not divide the 16 heads",
     ),
-    (["--model", "torchtitan:llama3/debugmodel", "--cp", "2"], "ring attention"),
+    (
+        ["--model", "torchtitan:llama3/debugmodel", "--cp", "2", "--kernels", "cpu"],
+        "--cp 2 with the CPU's kernels",
+    ),
     (
         ["--model", "torchtitan:kimi_k2_7/debugmodel", "--fsdp", "2"],
         "torchtitan kimi_k2_7 has no graph trainer parallelize",

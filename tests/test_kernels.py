@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workbench.capture.flex import causal_block_mask
 from workbench.capture.graph import JointGraph
 from workbench.capture.kernels import (
     KERNEL_TARGETS,
@@ -252,3 +253,26 @@ def test_trace_json_says_which_kernels(capsys: pytest.CaptureFixture[str]) -> No
     assert cpu["kernels"] == "cpu" and any("kernels='cpu'" in n for n in cpu["notes"])
     assert main([*args, "--kernels", "a100"]) == 2
     assert "unknown kernel target 'a100'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("batch", "seq", "block"), [(2, 512, 128), (3, 1024, 256), (2, 200, 128)])
+def test_causal_block_mask_is_create_block_masks(batch: int, seq: int, block: int) -> None:
+    """Built from block tables, the mask torch's create_block_mask makes by evaluating the
+    causal mask everywhere: the same counts and, per row, the same blocks (a ragged last block
+    included)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ours = causal_block_mask(batch, seq, block)
+    torchs = create_block_mask(
+        lambda b, h, q, kv: q >= kv, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, BLOCK_SIZE=block
+    )
+    for side in ("kv", "full_kv", "q", "full_q"):
+        counts = getattr(ours, f"{side}_num_blocks")
+        assert counts.equal(getattr(torchs, f"{side}_num_blocks")), side
+
+        def rows(mask: object, side: str = side, counts: torch.Tensor = counts) -> list[list[int]]:
+            indices = getattr(mask, f"{side}_indices").flatten(0, 2)
+            return [sorted(r[:c].tolist()) for r, c in zip(indices, counts.flatten(), strict=True)]
+
+        assert rows(ours) == rows(torchs), side
+    assert ours.to_dense().equal(torchs.to_dense())

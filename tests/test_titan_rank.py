@@ -7,6 +7,7 @@ Skipped, with the reason, where torchtitan is not installed.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 
@@ -20,11 +21,12 @@ from workbench.capture.parallel import Parallel
 from workbench.capture.titan_rank import bind_token_counts, graph_trainer_imports
 from workbench.capture.trace import trace
 from workbench.cli import main
-from workbench.cost.estimate import Estimator
+from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.interop.titan import compare
+from workbench.rewrite.remat import remat
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
@@ -179,3 +181,35 @@ def test_other_families_trace_on_one_device(family: str) -> None:
 def test_other_families_are_refused_with_the_reason(family: str) -> None:
     with pytest.raises(WorkbenchError, match=f"torchtitan:{family} cannot be traced here: "):
         load_workload(f"torchtitan:{family}/debugmodel")
+
+
+def test_context_parallel_rank_gathers_keys_and_values_for_flex() -> None:
+    """`--cp 2` (an H100's kernels): torchtitan's cp_shard gives the rank half of each
+    sequence and its rows of the block mask, each layer all-gathers keys and values for flex
+    attention and reduce-scatters their gradients; the what-if is torch's remat pass."""
+    workload = load_workload("torchtitan:llama3/debugmodel", layers=2, seq=256, device="meta")
+    rank = trace(workload, "fake", Parallel(cp=2))
+    ids = next(s for s in rank.inputs if s.kind == "input")
+    assert rank.nodes[ids.placeholder].shapes == ((2, 128),)
+    mask = {s.fqn: rank.nodes[s.placeholder].shapes for s in rank.inputs}
+    assert mask["attention_masks.kv_indices"] == ((2, 1, 1, 2),)  # 1 query block of 2 key blocks
+    ops = collections.Counter(i.op for i in rank.ops())
+    assert ops["cplib.flex_cp_allgather.default"] == ops["flex_attention"] == 2
+    assert ops["cplib.flex_cp_allgather_backward.default"] == 2
+    assert any(note.startswith("context parallelism: torchtitan's cp_shard") for note in rank.notes)
+    estimator = Estimator(rank)
+    for preset in ("titan-default", "titan-full", "none"):
+        policy = Policy(preset)
+        assert estimator.estimate(policy).peak_bytes == (
+            estimate_remat(rank, remat(rank, policy), estimator).peak_bytes
+        )
+
+
+def test_context_parallel_traces_long_contexts() -> None:
+    """32K tokens per GPU (cp 4 over 128K): the block mask is built from its block tables,
+    not from 128K x 128K booleans."""
+    workload = load_workload("torchtitan:llama3/debugmodel", layers=1, seq=131072, device="meta")
+    rank = trace(workload, "fake", Parallel(cp=4))
+    ids = next(s for s in rank.inputs if s.kind == "input")
+    assert rank.nodes[ids.placeholder].shapes == ((2, 32768),)
+    assert Estimator(rank).estimate(Policy("titan-default")).peak_bytes > 0

@@ -46,10 +46,42 @@ def _causal(batch: Any, head: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) ->
 
 def causal_block_mask(batch: int, seq: int, block_size: int | tuple[int, int] = 128) -> BlockMask:
     """The block-causal mask of `batch` sequences of one document each (what torchtitan's
-    causal and packed-document masks give when no sequence packs two documents), built on the
-    CPU: a few integers per block, whatever the sequence length."""
-    return create_block_mask(
-        _causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device="cpu", BLOCK_SIZE=block_size
+    causal and packed-document masks give when no sequence packs two documents), built on
+    the CPU from its block tables: query block i reads key blocks 0..i-1 whole and block i
+    in part. `create_block_mask` would evaluate the mask at every (query, key) pair first,
+    seq x seq booleans, which long contexts cannot hold; this is its result (a test checks)."""
+    size = block_size if isinstance(block_size, int) else block_size[0]
+    if not isinstance(block_size, int) and block_size[0] != block_size[1]:
+        return create_block_mask(
+            _causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device="cpu", BLOCK_SIZE=block_size
+        )
+    n = -(-seq // size)
+    rows = torch.arange(n, dtype=torch.int32)
+    ragged = seq % size != 0  # the last query block is cut short: none of its blocks is whole
+    # key blocks each query block reads: its diagonal in part, the ones before it whole
+    kv_counts, full_kv_counts = torch.ones(n, dtype=torch.int32), rows.clone()
+    kv_partial = rows.view(n, 1).expand(n, n).contiguous()
+    kv_full = rows.expand(n, n).contiguous()
+    # query blocks reading each key block: its diagonal in part, the ones after it whole
+    q_counts, full_q_counts = torch.ones(n, dtype=torch.int32), n - 1 - rows
+    q_partial = kv_partial.clone()
+    q_full = (rows.view(n, 1) + 1 + rows.view(1, n)) % n
+    if ragged:
+        kv_counts[-1], full_kv_counts[-1], kv_partial[-1] = n, 0, rows
+        q_counts[:-1], full_q_counts[:-1] = 2, (n - 2 - rows[:-1]).clamp(min=0)
+        q_partial[:-1, 1] = n - 1
+        full_q_counts[-1] = 0
+
+    def per_batch(table: torch.Tensor) -> torch.Tensor:
+        return table.expand(batch, 1, *table.shape).contiguous()
+
+    tables = (kv_counts, kv_partial, full_kv_counts, kv_full)
+    tables += (q_counts, q_partial, full_q_counts, q_full)
+    return BlockMask(
+        (seq, seq),
+        *(per_batch(t) for t in tables),
+        BLOCK_SIZE=(size, size),
+        mask_mod=_causal,
     )
 
 

@@ -11,6 +11,7 @@ counts fake tensors cannot route).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import types
@@ -54,6 +55,12 @@ __all__ = [
 # The families torchtitan 0.3.0's graph trainer ships a `parallelize` (and model class) for.
 GRAPH_TRAINER_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "muse_glimmer")
 _GRAPH_TRAINER = "torchtitan.experiments.graph_trainer"
+CP_NOTE = (
+    "context parallelism: torchtitan's cp_shard (head-tail balancer) gives this rank 1/{cp} of "
+    "each sequence's tokens and its rows of the block mask; every layer all-gathers keys and "
+    "values over the cp group (cplib.flex_cp_allgather, its backward a reduce-scatter), which "
+    "the step time counts as an op at memory bandwidth, not on NCCL's model"
+)
 # graph trainer's annotation of the EP token exchange (`common_utils._EP_TOKEN_EXCHANGE`)
 _EP_TOKEN_EXCHANGE = "EP_token_exchange"
 _A2A = "_c10d_functional.all_to_all_single.default"
@@ -71,10 +78,10 @@ def _experts(config: Any) -> int:
     return 0
 
 
-def check_titan_parallel(workload: Workload, parallel: Parallel) -> None:
+def check_titan_parallel(workload: Workload, parallel: Parallel, kernels: str) -> None:
     """Refuse, in one line each, what graph trainer's `parallelize` cannot shard: a family
-    without one, `--ep` on a dense model, degrees that do not divide experts, heads or the
-    sequence."""
+    without one, `--cp` with the CPU's kernels, `--ep` on a dense model, degrees that do not
+    divide experts, heads or the sequence."""
     family, _ = parse_spec(workload.name)
     if family not in GRAPH_TRAINER_FAMILIES:
         raise WorkbenchError(
@@ -82,12 +89,12 @@ def check_titan_parallel(workload: Workload, parallel: Parallel) -> None:
             f"(families with one: {', '.join(GRAPH_TRAINER_FAMILIES)}); trace "
             f"{workload.name} without --fsdp/--tp/--ep/--cp"
         )
-    if parallel.cp > 1:
+    if parallel.cp > 1 and gpu_arch(kernels) is None:
         raise WorkbenchError(
-            f"--cp {parallel.cp}: graph trainer's context parallelism shards SDPA with DTensor's "
-            "ring attention, which has sharding strategies for CUDA's flash and efficient "
-            "attention ops only; a CPU trace (fake or real) holds the CPU flash op, which has "
-            "none, so use --cp 1"
+            f"--cp {parallel.cp} with the CPU's kernels: context parallelism shards flex "
+            "attention (all-gathered keys and values) or SDPA's GPU kernels (DTensor's ring "
+            "attention), and the CPU's flash op has neither; trace with a GPU's kernels "
+            "(--mode fake, --kernels h100) or use --cp 1"
         )
     config: Any = workload.model.config
     experts = _experts(config)
@@ -285,7 +292,7 @@ def trace_titan_rank(
 
     from workbench.capture.parallel import check_fits_rank, fake_world
 
-    check_titan_parallel(workload, parallel)
+    check_titan_parallel(workload, parallel, kernels)
     if mode == "real":
         check_fits_rank(workload, parallel)
     with (
@@ -309,11 +316,15 @@ def trace_titan_rank(
                 dump_folder="",
             )
             batch, seq = int(workload.config["batch"]), int(workload.config["seq"])
+            ids, labels = _inputs(workload, mode)
+            shard = _cp_shard(dims) if parallel.cp > 1 else None
+            if shard is not None:
+                (ids, labels), _ = shard((ids, labels), None)
             with (
                 kernel_dispatch(kernels) as record,
-                titan_kernels(model, batch, seq, kernels) as switched,
+                titan_kernels(model, batch, seq, kernels, shard) as switched,
             ):
-                traced = _trace(model, workload, mode)
+                traced = _trace(model, ids, labels)
             n_params = sum(1 for _ in model.named_parameters(remove_duplicate=False))
             model_state = list(extract_module_state(model).values())
         except WorkbenchError:
@@ -328,6 +339,7 @@ def trace_titan_rank(
     notes = [
         *model_notes,
         *kernel_notes(kernels, mode, record, switched),
+        *([CP_NOTE.format(cp=parallel.cp)] if parallel.cp > 1 else []),
         *bind_token_counts(traced.gm, parallel),
     ]
     graph = _joint_graph(traced, n_params, model_state, workload, mode, parallel, mesh_dims, notes)
@@ -340,14 +352,22 @@ def trace_titan_rank(
     return graph
 
 
-def _trace(model: Any, workload: Workload, mode: Mode) -> Any:
+def _cp_shard(dims: Any) -> Any:
+    """torchtitan's own `cp_shard` on this rank's CP mesh, with its default load balancer
+    (head-tail): what its trainer does to a batch's ids, labels and block mask."""
+    from torchtitan.distributed.context_parallel.api import cp_shard
+
+    mesh = dims.get_mesh("cp")
+    return functools.partial(cp_shard, mesh, load_balancer_type="headtail")
+
+
+def _trace(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> Any:
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer
     from torchtitan.experiments.graph_trainer.trainer import make_fwd_bwd_step
 
     vocab = int(model.config.vocab_size)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=vocab))
-    ids, labels = _inputs(workload, mode)
     tokens = torch.tensor(float(ids.numel()))
     step = make_fwd_bwd_step(model, loss_fn)
     with warnings.catch_warnings():  # its MoE asks for fp32 autocast, which the CPU ignores

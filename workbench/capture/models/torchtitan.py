@@ -199,11 +199,15 @@ def _flex_block_size(model: nn.Module) -> int | tuple[int, int]:
 
 
 @contextlib.contextmanager
-def titan_kernels(model: nn.Module, batch: int, seq: int, kernels: str) -> Iterator[Any]:
+def titan_kernels(
+    model: nn.Module, batch: int, seq: int, kernels: str, shard: Any = None
+) -> Iterator[Any]:
     """torchtitan's FlexAttention while `model` is traced for `kernels`: for a GPU, the
     `flex_attention` op (`workbench.capture.flex`) with a block-causal mask of `batch` x `seq`
-    (its tensors named as graph inputs); for the CPU, SDPA in its place, as a real run on this
-    CPU has it. Yields `workbench.capture.kernels.ModelKernels`; the model is restored after."""
+    (its tensors named as graph inputs; `shard`: torchtitan's `cp_shard` for a context-parallel
+    rank, which keeps the rank's queries); for the CPU, SDPA in its place, as a real run on
+    this CPU has it. Yields `workbench.capture.kernels.ModelKernels`; the model is restored
+    after."""
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
     from workbench.capture.flex import block_mask_names, causal_block_mask, flex_attention_op
@@ -226,6 +230,8 @@ def titan_kernels(model: nn.Module, batch: int, seq: int, kernels: str) -> Itera
                 holder.inner_attention = inner
         return
     mask = causal_block_mask(batch, seq, _flex_block_size(model))
+    if shard is not None:  # the balancer reads the sequence off a batch of its shape
+        _, mask = shard((torch.zeros(batch, seq, dtype=torch.long),), mask)
     compiled = FlexAttention.__dict__["_compiled_flex_attn"]
     inners = [m.inner_attention for m in holders]
     own = [inner.__dict__.get("forward") for inner in inners]  # graph trainer annotates them
