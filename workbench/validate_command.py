@@ -100,9 +100,9 @@ def _itemised(row: dict[str, Any]) -> list[str]:
     return lines
 
 
-def validate_table(result: dict[str, Any]) -> str:
-    """The rows side by side (GiB per GPU), then each row itemised with what the run does
-    that the workbench does not model."""
+def validate_table(result: dict[str, Any], itemised: bool = True) -> str:
+    """The rows side by side (GiB per GPU), then (`itemised`) each row's peak by category
+    and what the run does that the workbench does not model."""
     rows = result["rows"]
     if "seconds" not in result:
         return _list_table(rows)
@@ -132,8 +132,9 @@ def validate_table(result: dict[str, Any]) -> str:
             f"overridden (layers {result['layers'] or 'as published'}, seq "
             f"{result['seq'] or 'as published'}): not comparable, no difference shown"
         )
-    lines.append("itemised:")
-    for row in rows:
-        lines += _itemised(row)
+    if itemised:
+        lines.append("itemised:")
+        for row in rows:
+            lines += _itemised(row)
     lines.append(f"{result['seconds']:.1f} s on {result['cpu_count']} CPUs")
     return "\n".join(lines)

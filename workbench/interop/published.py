@@ -97,7 +97,8 @@ class PublishedRun:
     """Sequences per step on one data-parallel rank."""
     seq: int
     ac: str
-    """The run's activation checkpointing, as its source or config states it."""
+    """The run's activation checkpointing as its source or config states it: a short name,
+    then after a colon what it does."""
     policy: str
     """The workbench preset standing for it (`--policy`)."""
     dtype: str = MIXED_BF16
@@ -242,7 +243,7 @@ def _dsv3_pr3429(policy: str, gib: float) -> PublishedRun:
         ep=8,
         local_batch=4,
         seq=4096,
-        ac=f"graph trainer --compile.memory_policy {name}",
+        ac=f"graph SAC {name}: graph trainer's --compile.memory_policy {name}",
         policy=policy,
         device=H100_96GB,
         device_memory_gib=None,
@@ -284,6 +285,11 @@ def _bench_2412(**row: Any) -> PublishedRun:
     )
 
 
+_SELECTIVE_OP = (
+    "eager SAC: activation_checkpoint mode 'selective', selective_ac_option 'op' "
+    "(train_configs/llama3_8b.toml): every second matmul of a block recomputed"
+)
+_FULL_AC = "full AC: activation_checkpoint mode 'full', every block recomputed in backward"
 _EAGER_SAC_LIST = (
     "torchtitan's eager SAC save list also holds reduce-scatter outputs and aten.max / abs "
     "(parallelize_llama.py `_save_list`)"
@@ -334,7 +340,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         gpus=8,
         fsdp=8,
         local_batch=2,
-        ac="selective, op (train_configs/llama3_8b.toml: every second matmul recomputed)",
+        ac=_SELECTIVE_OP,
         policy="eager",
         published_gib=82.4,
         differences=(_BENCH_EAGER, _EAGER_SAC_LIST),
@@ -349,7 +355,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         gpus=8,
         fsdp=8,
         local_batch=2,
-        ac="selective, op (every second matmul recomputed)",
+        ac=_SELECTIVE_OP,
         policy="eager",
         published_gib=77.0,
         differences=(_COMPILED, _BENCH_EAGER, _EAGER_SAC_LIST),
@@ -363,7 +369,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         gpus=128,
         fsdp=128,
         local_batch=2,
-        ac="selective, op (every second matmul recomputed)",
+        ac=_SELECTIVE_OP,
         policy="eager",
         published_gib=67.0,
         differences=(_BENCH_EAGER, _EAGER_SAC_LIST),
@@ -379,7 +385,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         fsdp=32,
         tp=8,
         local_batch=16,
-        ac="full",
+        ac=_FULL_AC,
         policy="full",
         published_gib=71.9,
         differences=(_COMPILED, _FLOAT8, _BENCH_EAGER),
@@ -398,7 +404,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         pp_schedule="1F1B",
         microbatches=8,
         local_batch=32,
-        ac="full",
+        ac=_FULL_AC,
         policy="full",
         published_gib=82.5,
         differences=(
@@ -426,7 +432,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         pp_schedule="Interleaved1F1B",
         microbatches=8,
         local_batch=32,
-        ac="full",
+        ac=_FULL_AC,
         policy="full",
         published_gib=72.7,
         differences=(
