@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,13 @@ def test_a_pipelined_row_compares_its_allocated_peak(capsys: pytest.CaptureFixtu
     assert row["peak_at"].startswith("rank ")
     est = run_cli(capsys, ["estimate", *run.estimate_argv(6, 64)])
     assert est["peak_bytes"] == row["allocated_peak_bytes"]
+
+
+def test_the_notebooks_stored_table_is_of_todays_rows() -> None:
+    """notebooks/validate.json (`validate --json`, shown by validate.ipynb) holds every row
+    as the data now states it: re-run `validate --json` when a row changes."""
+    stored = json.loads((Path(__file__).parents[1] / "notebooks" / "validate.json").read_text())
+    assert [row["id"] for row in stored["rows"]] == list(PUBLISHED_RUNS)
+    for row in stored["rows"]:
+        assert row["config"] == PUBLISHED_RUNS[row["id"]].to_json(), row["id"]
+        assert row["comparable"] and row["difference_bytes"] is not None
