@@ -372,6 +372,20 @@ def test_verify_refuses_graph_trainer_ranks(
     fails(capsys, [*argv, *extra], "the gloo ranks of verify do not run yet")
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rows", "pr2377"], r"unknown row 'pr2377'; choose from pr3429-dsv3-16b-default, "),
+        (["--layers", "0"], r"--layers must be"),
+    ],
+)
+def test_bad_validate_flags(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    """`validate`: an unknown row names every valid id; overrides are checked before work."""
+    fails(capsys, ["validate", *flags], message)
+
+
 @pytest.mark.parametrize(("flags", "message"), FLAGS, ids=[" ".join(f) for f, _ in FLAGS])
 def test_bad_parallel_flags(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str

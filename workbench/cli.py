@@ -48,6 +48,7 @@ from workbench.stage_commands import (
     pipelined,
 )
 from workbench.units import format_value
+from workbench.validate_command import add_validate_parser, validate_table
 
 if TYPE_CHECKING:
     pass
@@ -472,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     _add_floor_args(bench_offload)
     bench_offload.set_defaults(run=cmd_bench_offload)
     _add_plan_parser(commands)
+    add_validate_parser(commands)
     for owner, choices in ((parser, commands), (policy, policies), (bench, benches)):
         owner.commands = tuple(choices.choices or ())
     return parser
@@ -563,6 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{result['seconds']:.1f} s (trace {result['trace_seconds']:.1f} s)")
     elif args.command == "plan":
         print(plan_table(result))
+    elif args.command == "validate":
+        print(validate_table(result))
     elif args.command == "policy":
         from workbench.show.explain import explain_text
 

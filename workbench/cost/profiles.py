@@ -1,6 +1,6 @@
 """Device profiles for roofline time estimates: matmul rate per dtype and memory bandwidth.
 
-Entry point: `get_profile(name)` for `h100`, `h200` (datasheet peaks) or `cpu` (this
+Entry point: `get_profile(name)` for `h100`, `h200`, `b200` (datasheet peaks) or `cpu` (this
 machine's rates, measured once and cached in `~/.cache/sac-workbench/`).
 """
 
@@ -151,6 +151,39 @@ H200 = replace(
     gpu_name="H200",
     memory_bytes=141 * 10**9,  # H200 datasheet: 141 GB HBM3e
 )  # same NVLink 4 (900 GB/s bidirectional, H200 datasheet) and NDR400 links as the H100
+# Blackwell, from NVIDIA's Blackwell datasheet ("Individual Blackwell GPU Specifications",
+# HGX B200 column): FP16/BF16 Tensor Core 4.5 PFLOPS quoted with sparsity, so 2.25 dense (as
+# pytorch/pytorch#193471 enters it in inductor's device table and torchtitan's
+# `get_peak_flops` counts it); FP32 75 TFLOPS (dense); 180 GB HBM3e at 7.7 TB/s (the driver's
+# bus width and clock give 7.672 TB/s, pytorch/ao#4002). NVLink 5: 1.8 TB/s bidirectional per
+# GPU, so 900 GB/s each way, among the 8 GPUs of an HGX/DGX B200; across nodes one
+# ConnectX-7 400 Gb/s port per GPU (DGX B200 user guide), 50 GB/s each way. torch's NCCL model
+# gives Blackwell 32 channels (`comm_analysis._GPU_NCHANNELS`).
+BLACKWELL_NCCL_CHANNELS = 32
+B200 = DeviceProfile(
+    name="b200",
+    description="NVIDIA B200 (HGX) datasheet peaks: bf16 2,250 TFLOP/s, fp32 75 TFLOP/s, 7.7 TB/s",
+    matmul_flops_per_s={"bfloat16": 2250e12, "float16": 2250e12, "float32": 75e12},
+    bytes_per_s=7.7e12,
+    intra_node_bytes_per_s=900e9,
+    inter_node_bytes_per_s=50e9,
+    ranks_per_node=8,
+    links="NVLink5 900 GB/s per direction in a node of 8, 400 Gb/s (50 GB/s) per GPU across",
+    gpu_name="B200",
+    nccl_latency=True,
+    # the CUDA context as measured with lazy loading in pytorch#86509 (not on a B200)
+    cuda_context_bytes=CUDA_CONTEXT_LAZY_BYTES,
+    nccl_buffer_bytes=NCCL_BUFFSIZE * BLACKWELL_NCCL_CHANNELS,
+    outside_sources=(
+        "CUDA context 287,047,680 B (lazy loading, pytorch#86509, not measured on a B200); "
+        "NCCL_BUFFSIZE 4 MiB x 32 channels per communicator (NCCL docs; torch comm_analysis "
+        "for Blackwell), a lower bound"
+    ),
+    # nvidia-smi's memory.total of a B200: 183359 MiB (NVIDIA/TensorRT-LLM#10278); torch's
+    # `total_memory` (cudaGetDeviceProperties) is 178.35 GiB (pytorch/ao#4002), what
+    # torchtitan's memory percentages are of
+    memory_bytes=183359 * 2**20,
+)
 
 
 # CUDA's caching allocator rounds every block up to a multiple of this; the CPU's does not.
@@ -231,6 +264,7 @@ PROFILES: dict[str, Callable[[], DeviceProfile]] = {
     "h100": lambda: H100,
     "h200": lambda: H200,
     "cpu": cpu_profile,
+    "b200": lambda: B200,
 }
 
 

@@ -1,0 +1,186 @@
+"""`validate`: the published runs as data (every field, a source, a preset and a profile that
+exist), the command's JSON on one cheap row and its agreement with `estimate` for the same
+flags, refused input, and the B200 profile the published B200 rows use."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from workbench.capture.models import model_names
+from workbench.cli import build_parser, main
+from workbench.cost.profiles import PROFILES, get_profile
+from workbench.decide.presets import PRESETS
+from workbench.errors import WorkbenchError
+from workbench.interop.published import PUBLISHED_RUNS, PublishedRun, select_runs
+from workbench.interop.validate import RowResult
+
+GIB = 2**30
+CHEAP = "pr2570-8b-fsdp4-tp2-default"  # one rank of Llama3-8B, cut to 1 layer and 128 tokens
+QUICK = ["--layers", "1", "--seq", "128"]
+OPTIONAL = {"pp_schedule", "microbatches", "device_memory_gib", "published_pct"}
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("run", PUBLISHED_RUNS.values(), ids=list(PUBLISHED_RUNS))
+def test_every_row_has_every_field_and_a_source(run: PublishedRun) -> None:
+    for f in dataclasses.fields(run):
+        value = getattr(run, f.name)
+        if f.name not in OPTIONAL:
+            assert value not in (None, "", ()), f"{run.id}: {f.name} is empty"
+    assert re.fullmatch(r"https://github\.com/pytorch/torchtitan/\S+", run.source)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run.date)
+    assert re.fullmatch(r"[a-z0-9-]+", run.id)
+    assert run.policy in PRESETS and run.profile in PROFILES
+    assert run.model in model_names() or run.model.startswith("torchtitan:")
+    # the GPUs are the product of the degrees (EP borrows FSDP x TP ranks, as torchtitan)
+    assert run.gpus == run.fsdp * run.tp * run.pp * run.cp
+    assert (run.pp > 1) == (run.pp_schedule is not None) == (run.microbatches is not None)
+    assert run.published_gib > 0 and run.quantity == "max_memory_reserved"
+    if run.published_pct is not None:  # the percentage is of the device memory stated,
+        assert run.device_memory_gib is not None  # within the rounding of both figures
+        rounding = 0.005 / run.published_pct + 0.005 / run.published_gib
+        assert run.published_gib / (run.published_pct / 100) == pytest.approx(
+            run.device_memory_gib, rel=rounding
+        )
+
+
+@pytest.mark.parametrize("run", PUBLISHED_RUNS.values(), ids=list(PUBLISHED_RUNS))
+def test_each_row_is_an_estimate_command(run: PublishedRun) -> None:
+    """A row's flags are ones `estimate` takes, naming the row's shape."""
+    args = build_parser().parse_args(["estimate", *run.estimate_argv()])
+    assert (args.model, args.policy, args.profile) == (run.model, run.policy, run.profile)
+    assert (args.fsdp, args.tp, args.ep, args.pp) == (run.fsdp, run.tp, run.ep, run.pp)
+    assert (args.batch, args.seq) == (run.local_batch, run.seq)
+
+
+def test_rows_with_one_figure_each() -> None:
+    figures = [(r.source, r.source_detail) for r in PUBLISHED_RUNS.values()]
+    assert len(set(figures)) == len(figures)
+    assert list(PUBLISHED_RUNS) == [r.id for r in select_runs(None)]
+    assert [r.id for r in select_runs(f" {CHEAP} ,")] == [CHEAP]
+
+
+def test_validate_json_on_a_cheap_row(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_cli(capsys, ["validate", "--rows", CHEAP, *QUICK])
+    assert set(result) == {"rows", "layers", "seq", "seconds", "cpu_count"}
+    (row,) = result["rows"]
+    assert {
+        "id", "policy", "profile", "allocated_peak_bytes", "reserved_peak_bytes",
+        "outside_allocator_bytes", "published_bytes", "published_gib", "published_quantity",
+        "compared", "comparable", "difference_bytes", "difference_pct", "peak_at",
+        "breakdown", "saved_at_peak_by_op", "differences", "command", "trace_seconds",
+        "estimate_seconds", "trace_reused", "seconds", "source", "config",
+    } <= set(row)  # fmt: skip
+    assert row["id"] == CHEAP and row["compared"] == "reserved"
+    assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] > 0
+    assert sum(row["breakdown"].values()) == row["allocated_peak_bytes"]
+    assert set(row["outside_allocator_bytes"]) == {"cuda_context_bytes", "nccl_buffer_bytes"}
+    # cut to one layer, the row is no longer the published run: no difference
+    assert row["comparable"] is False and row["difference_bytes"] is None
+    assert row["config"]["id"] == CHEAP and row["seconds"] >= row["estimate_seconds"]
+
+
+def test_validate_gives_what_estimate_gives(capsys: pytest.CaptureFixture[str]) -> None:
+    """One truth: a row's figures are `estimate`'s for the row's flags."""
+    row = run_cli(capsys, ["validate", "--rows", CHEAP, *QUICK])["rows"][0]
+    argv = row["command"].removeprefix("python -m workbench ").split()
+    assert argv == ["estimate", *PUBLISHED_RUNS[CHEAP].estimate_argv(1, 128)]
+    est = run_cli(capsys, argv)
+    assert est["peak_bytes"] == row["allocated_peak_bytes"]
+    assert est["reserved_peak_bytes"] == row["reserved_peak_bytes"]
+    assert est["peak_breakdown"] == row["breakdown"]
+    assert est["outside_allocator_bytes"]["h100"] == row["outside_allocator_bytes"]
+
+
+def test_list_estimates_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_cli(capsys, ["validate", "--list"])["rows"]
+    assert [r["id"] for r in rows] == list(PUBLISHED_RUNS)
+    assert all(r["source"] and r["differences"] is not None for r in rows)
+    assert main(["validate", "--list"]) == 0
+    assert CHEAP in capsys.readouterr().out
+
+
+def test_difference_is_the_estimate_minus_the_published_figure() -> None:
+    run = PUBLISHED_RUNS[CHEAP]
+    row = RowResult(run, 20 * GIB, 30 * GIB, {}, {}, "x")
+    assert row.compared == "reserved"
+    assert row.difference_bytes == 30 * GIB - run.published_bytes
+    assert row.difference_pct == round(100 * (30 * GIB / run.published_bytes - 1), 2)
+    pipelined = RowResult(run, 20 * GIB, None, {}, {}, "x")  # no reserved model: allocated
+    assert pipelined.compared == "allocated" and pipelined.estimate_bytes == 20 * GIB
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rows", "nope"], r"--rows 'nope': unknown row 'nope'; choose from pr3429-dsv3-"),
+        (["--rows", ","], r"unknown row \(none given\); choose from .*405b-pp8-interleaved$"),
+        (["--rows", CHEAP, "--layers", "0"], r"--layers must be"),
+        (["--rows", CHEAP, "--seq", "-3"], r"--seq must be"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(["validate", *argv, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("error: ") and re.search(message, line), line
+
+
+def test_unknown_rows_name_every_valid_id() -> None:
+    with pytest.raises(WorkbenchError) as err:
+        select_runs("pr2377-8b")
+    assert all(run_id in str(err.value) for run_id in PUBLISHED_RUNS)
+
+
+def test_b200_profile() -> None:
+    b200 = get_profile("b200")
+    assert b200.matmul_rate("bfloat16") == 2.25e15 and b200.matmul_rate("float32") == 75e12
+    assert b200.bytes_per_s == 7.7e12 and b200.intra_node_bytes_per_s == 900e9
+    assert b200.memory_bytes == 183_359 * 2**20  # nvidia-smi's memory.total
+    assert b200.outside_allocator_bytes(3) == {
+        "cuda_context_bytes": 287_047_680,
+        "nccl_buffer_bytes": 3 * 32 * 4 * 2**20,  # 32 channels of 4 MiB per communicator
+    }
+    # the published B200 rows: their percentages imply the memory torch reports (178.35 GiB)
+    for run in PUBLISHED_RUNS.values():
+        if run.profile == "b200":
+            assert run.device_memory_gib == pytest.approx(178.35, abs=0.05)
+    assert (
+        "b200"
+        in build_parser().parse_args(["estimate", "--model", "x", "--profile", "b200"]).profile
+    )
+
+
+def test_a_pipelined_row_compares_its_allocated_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """No reserved model over a schedule: the allocated peak is what the row compares, and
+    it is `estimate --pp`'s for the same flags."""
+    run = PUBLISHED_RUNS["bench2412-405b-pp8-1f1b"]
+    row = run_cli(capsys, ["validate", "--rows", run.id, "--layers", "6", "--seq", "64"])
+    (row,) = row["rows"]
+    assert row["compared"] == "allocated" and row["reserved_peak_bytes"] is None
+    assert sum(row["breakdown"].values()) == row["allocated_peak_bytes"]
+    assert row["peak_at"].startswith("rank ")
+    est = run_cli(capsys, ["estimate", *run.estimate_argv(6, 64)])
+    assert est["peak_bytes"] == row["allocated_peak_bytes"]
+
+
+def test_the_notebooks_stored_table_is_of_todays_rows() -> None:
+    """notebooks/validate.json (`validate --json`, shown by validate.ipynb) holds every row
+    as the data now states it: re-run `validate --json` when a row changes."""
+    stored = json.loads((Path(__file__).parents[1] / "notebooks" / "validate.json").read_text())
+    assert [row["id"] for row in stored["rows"]] == list(PUBLISHED_RUNS)
+    for row in stored["rows"]:
+        assert row["config"] == PUBLISHED_RUNS[row["id"]].to_json(), row["id"]
+        assert row["comparable"] and row["difference_bytes"] is not None

@@ -1,0 +1,465 @@
+"""Published per-GPU memory of real training runs, as data: each run's source, its whole
+configuration, the workbench preset standing for its checkpointing and what it does that the
+workbench does not model. `python -m workbench validate` estimates each beside its figure.
+
+Entry points: `PUBLISHED_RUNS` (id -> `PublishedRun`, in table order) and `select_runs(ids)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from workbench.errors import WorkbenchError
+
+__all__ = ["PUBLISHED_RUNS", "PublishedRun", "select_runs"]
+
+GIB = 2**30
+
+# torchtitan logs `memory: X GiB (Y %)`: `torch.cuda.memory_stats()["reserved_bytes.all.peak"]`
+# (what the caching allocator reserved; not the CUDA context or NCCL's buffers) over the
+# device's `total_memory` (`torchtitan/components/metrics.py`, DeviceMemoryMonitor).
+Quantity = Literal["max_memory_reserved"]
+# Every launcher of these runs sets `PYTORCH_ALLOC_CONF=expandable_segments:True`
+# (torchtitan's run_train.sh, and run_llama_train.sh since 2024-10-22, commit a5e57e4a9).
+EXPANDABLE = True
+
+MIXED_BF16 = (
+    "bfloat16 mixed precision: fp32 parameters and AdamW state, bf16 compute "
+    "(FSDP param_dtype), fp32 gradient reduce"
+)
+H100_96GB = "NVIDIA H100 SXM 96 GB HBM2e, 500 W (Meta's Grand Teton hosts)"
+B200 = "NVIDIA B200"
+
+PR_2377 = "https://github.com/pytorch/torchtitan/pull/2377"
+PR_2570 = "https://github.com/pytorch/torchtitan/pull/2570"
+PR_3429 = "https://github.com/pytorch/torchtitan/pull/3429"
+BENCH_2412 = (
+    "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
+)
+
+# what every run of a family shares that the workbench does not model
+_GRAPH_TRAINER = (
+    "graph trainer's compile-time passes after tagging (bucketing and reordering, regional "
+    "inductor) are not applied; the workbench runs torch's remat pass on its own trace"
+)
+_BENCH_EAGER = (
+    "an eager FSDP2 run (per-block checkpoint wrappers, FSDP2's hooks and prefetch), not one "
+    "graph: its buffers and frees are its own"
+)
+_COMPILED = (
+    "torch.compile per transformer block (inductor fuses elementwise ops and frees their "
+    "intermediates): not modelled, the estimate is of the uncompiled graph"
+)
+_FLOAT8 = (
+    "Float8 linears (torchao, float8 all-gather in FSDP): matmul inputs and gathered weights "
+    "in float8 in parts of the step; the workbench traces bf16 throughout"
+)
+_TORCHTITAN_SPLIT = (
+    "layers split as torchtitan's 2024-12 `generate_split_points` split them (the same "
+    "layers per stage as the workbench's split here)"
+)
+_SDPA_8B = (
+    "torchtitan's Llama3 8B at that date: separate wq, wk, wv (fused wqkv came 2026-04-16) "
+    "and SDPA attention (flash on the GPU; the CPU trace's flash op saves the same output "
+    "and log-sum-exp)"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublishedRun:
+    """One published per-GPU figure and the run behind it."""
+
+    id: str
+    """Stable name: `validate --rows ID,...` picks rows by it."""
+    title: str
+    source: str
+    """URL of the PR, benchmark file or log the figure is quoted from."""
+    source_detail: str
+    """Where in the source: the table, row and column, or the log line."""
+    date: str
+    """When the run was published (YYYY-MM-DD)."""
+    published_model: str
+    """The model as the source names it."""
+    model: str
+    """The workbench model spec standing for it (`--model`)."""
+    gpus: int
+    fsdp: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    pp_schedule: str | None = None
+    """torch's schedule name (`--pp-schedule`), with pp > 1."""
+    microbatches: int | None = None
+    """Microbatches per step, with pp > 1."""
+    local_batch: int
+    """Sequences per step on one data-parallel rank."""
+    seq: int
+    ac: str
+    """The run's activation checkpointing as its source or config states it: a short name,
+    then after a colon what it does."""
+    policy: str
+    """The workbench preset standing for it (`--policy`)."""
+    dtype: str = MIXED_BF16
+    optimizer: Literal["adamw"] = "adamw"
+    device: str
+    device_memory_gib: float | None
+    """The device's memory as torch reports it (`total_memory`), what the published
+    percentage is of; None where no percentage was published."""
+    device_note: str
+    """How the device (and its memory) is known."""
+    profile: str
+    """The workbench device profile standing for it (`--profile`): rates and what lies
+    outside the allocator."""
+    expandable_segments: bool = EXPANDABLE
+    published_gib: float
+    published_pct: float | None = None
+    quantity: Quantity = "max_memory_reserved"
+    config_source: str
+    """Where the fields the figure's source does not state (batch, seq, ...) come from."""
+    differences: tuple[str, ...] = field(default=())
+    """What the run does that the workbench does not model."""
+
+    @property
+    def published_bytes(self) -> int:
+        return round(self.published_gib * GIB)
+
+    @property
+    def trace_key(self) -> tuple[Any, ...]:
+        """Rows with the same key share one trace (they differ in policy only)."""
+        return (self.model, self.fsdp, self.tp, self.pp, self.ep, self.cp, self.pp_schedule,
+                self.microbatches, self.local_batch, self.seq)  # fmt: skip
+
+    def estimate_argv(self, layers: int | None = None, seq: int | None = None) -> list[str]:
+        """The `python -m workbench estimate` flags giving this row's estimate."""
+        argv = ["--model", self.model, "--mode", "fake", "--policy", self.policy]
+        for flag, degree in (("--fsdp", self.fsdp), ("--tp", self.tp), ("--ep", self.ep)):
+            if degree > 1:
+                argv += [flag, str(degree)]
+        if self.pp > 1:
+            argv += ["--pp", str(self.pp), "--pp-schedule", str(self.pp_schedule)]
+            argv += ["--microbatches", str(self.microbatches)]
+        argv += ["--batch", str(self.local_batch), "--seq", str(seq or self.seq)]
+        if layers is not None:
+            argv += ["--layers", str(layers)]
+        argv += ["--profile", self.profile]
+        if self.expandable_segments and self.pp == 1:
+            argv.append("--expandable-segments")
+        return argv
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "differences": list(self.differences)}
+
+
+def _llama3_8b_pr2377(
+    policy: str, ac: str, gib: float, pct: float, more: tuple[str, ...]
+) -> PublishedRun:
+    return PublishedRun(
+        id=f"pr2377-8b-tp2-fsdp2-{policy}",
+        title=f"Llama3-8B TP 2 x FSDP 2, {ac.split(':')[0]}",
+        source=PR_2377,
+        source_detail=f"PR description, 'Llama3-8B (TP=2, FSDP=2)': {ac.split(':')[0]} "
+        f"'memory: {gib:.2f}GiB({pct:.2f}%)'",
+        date="2026-02-13",
+        published_model="torchtitan Llama3 8B (compiler toolkit)",
+        model="llama3-8b",
+        gpus=4,
+        fsdp=2,
+        tp=2,
+        local_batch=1,
+        seq=8192,
+        ac=ac,
+        policy=policy,
+        device=B200,
+        device_memory_gib=round(67.19 / 0.3767, 2),
+        device_note="the log's 67.19 GiB is 37.67 % of the device: 178.37 GiB, a B200 "
+        "(torch reports 178.35 GiB, pytorch/ao#4002); its tflops / mfu (554.17 / 24.63 %) "
+        "imply torchtitan's B200 peak, 2,250 TFLOP/s",
+        profile="b200",
+        published_gib=gib,
+        published_pct=pct,
+        config_source="torchtitan's llama3_8b config of that date (local batch 1, seq 8192: "
+        "models/llama3/train_configs/llama3_8b.toml at 27930cb6); the PR's TP and FSDP degrees",
+        differences=(
+            _SDPA_8B,
+            "the whole step traced by torchtitan's compiler toolkit and compiled",
+            *more,
+        ),
+    )
+
+
+def _llama3_8b_pr2570(
+    policy: str, ac: str, gib: float, pct: float, more: tuple[str, ...]
+) -> PublishedRun:
+    return PublishedRun(
+        id=f"pr2570-8b-fsdp4-tp2-{policy}",
+        title=f"Llama3-8B FSDP 4 x TP 2, {ac.split(':')[0]}",
+        source=PR_2570,
+        source_detail=f"PR description, 'Llama3-8B FSDP=4, TP=2': {ac.split(':')[0]} "
+        f"'memory: {gib:.2f}GiB({pct:.2f}%)'",
+        date="2026-03-13",
+        published_model="torchtitan Llama3 8B (graph trainer)",
+        model="llama3-8b",
+        gpus=8,
+        fsdp=4,
+        tp=2,
+        local_batch=1,
+        seq=8192,
+        ac=ac,
+        policy=policy,
+        device=H100_96GB,
+        device_memory_gib=round(49.65 / 0.5227, 2),
+        device_note="the log's 49.65 GiB is 52.27 % of the device: 94.99 GiB, more than an "
+        "80 GB H100 holds; its tflops / mfu (282.50 / 28.56 %) imply torchtitan's H100 SXM "
+        "peak, 989 TFLOP/s: the 96 GB H100 of torchtitan's benchmarks (benchmarks/"
+        "llama3_h100_202412_torchtitan.md, 'Hardware')",
+        profile="h100",
+        published_gib=gib,
+        published_pct=pct,
+        config_source="torchtitan's graph_trainer_llama3_8b config of that date (llama3_8b: "
+        "local batch 1, seq 8192, models/llama3/config_registry.py at fca8ab7b); the PR's "
+        "FSDP and TP degrees",
+        differences=(
+            _SDPA_8B,
+            *more,
+        ),
+    )
+
+
+def _dsv3_pr3429(policy: str, gib: float) -> PublishedRun:
+    name = policy.removeprefix("titan-")
+    return PublishedRun(
+        id=f"pr3429-dsv3-16b-{name}",
+        title=f"DeepSeek-V3 16B FSDP 8 x EP 8, graph trainer memory policy {name}",
+        source=PR_3429,
+        source_detail=f"PR description, DeepSeek-V3 16B benchmark: `{name}` peak memory "
+        f"{gib:.2f} GiB",
+        date="2026-05-26",
+        published_model="torchtitan DeepSeek-V3 16B (graph_trainer_deepseek_v3_16b)",
+        model="torchtitan:deepseek_v3/16B",
+        gpus=8,
+        fsdp=8,
+        ep=8,
+        local_batch=4,
+        seq=4096,
+        ac=f"graph SAC {name}: graph trainer's --compile.memory_policy {name}",
+        policy=policy,
+        device=H100_96GB,
+        device_memory_gib=None,
+        device_note="the PR runs on 8 H100s; 84.78 GiB exceeds what an 80 GB H100 holds "
+        "(79.1 GiB as torch reports it), and the PR's Llama3 rows (30.92 GiB at 33 %, "
+        "52.44 GiB at 55 %) imply a 94-95 GiB device: the 96 GB H100",
+        profile="h100",
+        published_gib=gib,
+        config_source="torchtitan's deepseek_v3_16b config (local batch 4, seq 4096, EP 8, "
+        "FSDP over the 8 GPUs: models/deepseek_v3/config_registry.py at f39e1245), which "
+        "graph_trainer_deepseek_v3_16b runs",
+        differences=(
+            "attention: the 16B config runs flex attention (deepseek_v3_16b, "
+            "attn_backend='flex'); a fake CPU trace runs SDPA's math path, which saves "
+            "seq x seq scores per layer (MLA's query/key head dim 192 is not its value "
+            "head dim 128)",
+            "loss: graph trainer swaps the config's ChunkedCELoss for CrossEntropyLoss "
+            "(graph_trainer/deepseek_v3/config_registry.py)",
+            "experts receive a balanced token count (fake tensors cannot route)",
+            _GRAPH_TRAINER,
+        ),
+    )
+
+
+def _bench_2412(**row: Any) -> PublishedRun:
+    """A row of torchtitan's December 2024 H100 benchmarks (commit 9dec370 of 2024-12-26)."""
+    return PublishedRun(
+        source=BENCH_2412,
+        date="2024-12-26",
+        device=H100_96GB,
+        device_memory_gib=None,
+        device_note="the file's 'Hardware': Grand Teton hosts, 8 H100 each with 96 GB HBM2e "
+        "at 2.4 TB/s, 500 W; no percentage published",
+        profile="h100",
+        seq=8192,
+        config_source="the file's table caption (GPUs, degrees, local batch, AC) and "
+        "train_configs/llama3_{8b,70b,405b}.toml at its torchtitan commit 9dec370 (seq 8192)",
+        **row,
+    )
+
+
+_SELECTIVE_OP = (
+    "eager SAC: activation_checkpoint mode 'selective', selective_ac_option 'op' "
+    "(train_configs/llama3_8b.toml): every second matmul of a block recomputed"
+)
+_FULL_AC = "full AC: activation_checkpoint mode 'full', every block recomputed in backward"
+_EAGER_SAC_LIST = (
+    "torchtitan's eager SAC save list also holds reduce-scatter outputs and aten.max / abs "
+    "(parallelize_llama.py `_save_list`)"
+)
+
+_RUNS: tuple[PublishedRun, ...] = (
+    _dsv3_pr3429("titan-default", 84.78),
+    _dsv3_pr3429("titan-full", 52.02),
+    _llama3_8b_pr2377("none", "no AC", 67.19, 37.67, ()),
+    _llama3_8b_pr2377(
+        "eager",
+        "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
+        "of a block recomputed)",
+        45.88,
+        25.73,
+        (_EAGER_SAC_LIST,),
+    ),
+    _llama3_8b_pr2377(
+        "default",
+        "graph SAC: --compile.joint_passes apply_sac (the compiler toolkit's save list)",
+        44.20,
+        24.78,
+        (),
+    ),
+    _llama3_8b_pr2570("none", "no AC", 49.65, 52.27, (_GRAPH_TRAINER,)),
+    _llama3_8b_pr2570(
+        "eager",
+        "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
+        "of a block recomputed)",
+        28.54,
+        30.04,
+        (_EAGER_SAC_LIST,),
+    ),
+    _llama3_8b_pr2570(
+        "default",
+        "graph SAC: graph trainer's default policy (compute-intensive ops from torch's "
+        "partitioner list saved)",
+        28.09,
+        29.57,
+        (_GRAPH_TRAINER,),
+    ),
+    _bench_2412(
+        id="bench2412-8b-fsdp8-sac",
+        title="Llama3.1-8B FSDP 8, selective AC",
+        source_detail="Table 1 (8 GPUs, local batch 2, selective AC), row 'FSDP', Memory(GiB)",
+        published_model="Llama 3.1 8B (torchtitan llama3 8B)",
+        model="llama3-8b",
+        gpus=8,
+        fsdp=8,
+        local_batch=2,
+        ac=_SELECTIVE_OP,
+        policy="eager",
+        published_gib=82.4,
+        differences=(_BENCH_EAGER, _EAGER_SAC_LIST),
+    ),
+    _bench_2412(
+        id="bench2412-8b-fsdp8-sac-compile",
+        title="Llama3.1-8B FSDP 8, selective AC, torch.compile",
+        source_detail="Table 1 (8 GPUs, local batch 2, selective AC), row 'FSDP + "
+        "torch.compile', Memory(GiB)",
+        published_model="Llama 3.1 8B (torchtitan llama3 8B)",
+        model="llama3-8b",
+        gpus=8,
+        fsdp=8,
+        local_batch=2,
+        ac=_SELECTIVE_OP,
+        policy="eager",
+        published_gib=77.0,
+        differences=(_COMPILED, _BENCH_EAGER, _EAGER_SAC_LIST),
+    ),
+    _bench_2412(
+        id="bench2412-8b-fsdp128-sac",
+        title="Llama3.1-8B FSDP 128, selective AC",
+        source_detail="Table 3 (128 GPUs, local batch 2, selective AC), row 'FSDP', Memory(GiB)",
+        published_model="Llama 3.1 8B (torchtitan llama3 8B)",
+        model="llama3-8b",
+        gpus=128,
+        fsdp=128,
+        local_batch=2,
+        ac=_SELECTIVE_OP,
+        policy="eager",
+        published_gib=67.0,
+        differences=(_BENCH_EAGER, _EAGER_SAC_LIST),
+    ),
+    _bench_2412(
+        id="bench2412-70b-fsdp32-tp8-full",
+        title="Llama3.1-70B FSDP 32 x TP 8, full AC",
+        source_detail="Table 4 (256 GPUs, FSDP 32, TP 8, local batch 16, full AC, "
+        "torch.compile, Float8), row '2D', Memory(GiB)",
+        published_model="Llama 3.1 70B (torchtitan llama3 70B)",
+        model="llama3-70b",
+        gpus=256,
+        fsdp=32,
+        tp=8,
+        local_batch=16,
+        ac=_FULL_AC,
+        policy="full",
+        published_gib=71.9,
+        differences=(_COMPILED, _FLOAT8, _BENCH_EAGER),
+    ),
+    _bench_2412(
+        id="bench2412-405b-pp8-1f1b",
+        title="Llama3.1-405B FSDP 8 x TP 8 x PP 8, 1F1B, full AC",
+        source_detail="Table 5 (512 GPUs, FSDP 8, TP 8, PP 8, local batch 32, full AC, "
+        "torch.compile, Float8, AsyncTP), row '1F1B', Memory(GiB): the maximum over all GPUs",
+        published_model="Llama 3.1 405B (torchtitan llama3 405B)",
+        model="llama3-405b",
+        gpus=512,
+        fsdp=8,
+        tp=8,
+        pp=8,
+        pp_schedule="1F1B",
+        microbatches=8,
+        local_batch=32,
+        ac=_FULL_AC,
+        policy="full",
+        published_gib=82.5,
+        differences=(
+            "microbatches: torchtitan's default at that date, the pipeline degree (8), so "
+            "4 sequences each",
+            _TORCHTITAN_SPLIT,
+            _COMPILED,
+            _FLOAT8,
+            "async TP (symmetric-memory buffers for the TP collectives): not modelled",
+            _BENCH_EAGER,
+        ),
+    ),
+    _bench_2412(
+        id="bench2412-405b-pp8-interleaved",
+        title="Llama3.1-405B FSDP 8 x TP 8 x PP 8, Interleaved 1F1B, full AC",
+        source_detail="Table 5 (512 GPUs, FSDP 8, TP 8, PP 8, local batch 32, full AC, "
+        "torch.compile, Float8, AsyncTP), row 'Interleaved 1F1B', Memory(GiB): the maximum "
+        "over all GPUs",
+        published_model="Llama 3.1 405B (torchtitan llama3 405B)",
+        model="llama3-405b",
+        gpus=512,
+        fsdp=8,
+        tp=8,
+        pp=8,
+        pp_schedule="Interleaved1F1B",
+        microbatches=8,
+        local_batch=32,
+        ac=_FULL_AC,
+        policy="full",
+        published_gib=72.7,
+        differences=(
+            "microbatches: torchtitan's default at that date, the pipeline degree (8); two "
+            "stages per rank (16 stages), its default for looped schedules",
+            _TORCHTITAN_SPLIT,
+            _COMPILED,
+            _FLOAT8,
+            "async TP (symmetric-memory buffers for the TP collectives): not modelled",
+            _BENCH_EAGER,
+        ),
+    ),
+)
+
+PUBLISHED_RUNS: dict[str, PublishedRun] = {run.id: run for run in _RUNS}
+
+
+def select_runs(ids: str | None) -> list[PublishedRun]:
+    """The rows a comma-separated list of ids names, in table order (all for None); an
+    unknown id is refused naming the valid ones."""
+    if ids is None:
+        return list(PUBLISHED_RUNS.values())
+    wanted = [part.strip() for part in ids.split(",") if part.strip()]
+    unknown = [i for i in wanted if i not in PUBLISHED_RUNS]
+    if unknown or not wanted:
+        raise WorkbenchError(
+            f"--rows {ids!r}: unknown row {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"choose from {', '.join(PUBLISHED_RUNS)}"
+        )
+    return [run for run in PUBLISHED_RUNS.values() if run.id in wanted]
