@@ -62,8 +62,9 @@ def test_whatif_equals_full_path_on_random_flip_sequences(
     estimator = Estimator(graph, PROFILES)
     policy = Policy(data.draw(st.sampled_from(PRESETS), label="preset"))
     decisions = decide(graph, policy)
-    flippable = sorted(n for n, d in decisions.items() if not d.forced)
     for _ in range(data.draw(st.integers(1, 6), label="flips")):
+        # a flip can force another node (a layer boundary): what may flip is asked anew
+        flippable = sorted(n for n, d in decisions.items() if not d.forced)
         node = data.draw(st.sampled_from(flippable), label="node")
         all_layers = data.draw(st.booleans(), label="all_layers")
         policy = flip(graph, policy, node, all_layers=all_layers, decisions=decisions)

@@ -68,18 +68,24 @@ def causal_block_mask(batch: int, seq: int, block_size: int | tuple[int, int] = 
     q_full = (rows.view(n, 1) + 1 + rows.view(1, n)) % n
     if ragged:
         kv_counts[-1], full_kv_counts[-1], kv_partial[-1] = n, 0, rows
-        q_counts[:-1], full_q_counts[:-1] = 2, (n - 2 - rows[:-1]).clamp(min=0)
-        q_partial[:-1, 1] = n - 1
         full_q_counts[-1] = 0
+        if n > 1:  # the last query block also reads every key block before it in part
+            q_counts[:-1], full_q_counts[:-1] = 2, n - 2 - rows[:-1]
+            q_partial[:-1, 1] = n - 1
 
     def per_batch(table: torch.Tensor) -> torch.Tensor:
         return table.expand(batch, 1, *table.shape).contiguous()
 
-    tables = (kv_counts, kv_partial, full_kv_counts, kv_full)
-    tables += (q_counts, q_partial, full_q_counts, q_full)
     return BlockMask(
         (seq, seq),
-        *(per_batch(t) for t in tables),
+        kv_num_blocks=per_batch(kv_counts),
+        kv_indices=per_batch(kv_partial),
+        full_kv_num_blocks=per_batch(full_kv_counts),
+        full_kv_indices=per_batch(kv_full),
+        q_num_blocks=per_batch(q_counts),
+        q_indices=per_batch(q_partial),
+        full_q_num_blocks=per_batch(full_q_counts),
+        full_q_indices=per_batch(q_full),
         BLOCK_SIZE=(size, size),
         mask_mod=_causal,
     )
@@ -113,7 +119,7 @@ def flex_attention_op(
     """The `flex_attention` op with torchtitan's compiled call's signature and result
     (`(out, AuxOutput)`): what the GPU kernel computes and saves, without the CPU refusal
     or `torch.compile`. The log-sum-exp is returned in natural log, as the entry returns it."""
-    options = _apply_kernel_options(query, key, value, False, kernel_options, return_aux)
+    options: Any = _apply_kernel_options(query, key, value, False, kernel_options, return_aux)  # type: ignore[arg-type]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out, lse, _ = flex_attention_hop(
         query,

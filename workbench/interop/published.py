@@ -61,8 +61,9 @@ _TORCHTITAN_SPLIT = (
 )
 _SDPA_8B = (
     "torchtitan's Llama3 8B at that date: separate wq, wk, wv (fused wqkv came 2026-04-16) "
-    "and SDPA attention (flash on the GPU; the CPU trace's flash op saves the same output "
-    "and log-sum-exp)"
+    "and SDPA attention, traced as the kernel torch picks on the row's GPU (cuDNN on Hopper "
+    "and Blackwell in torch 2.13; flash in torchtitan's own SDPA order saves the same output "
+    "and log-sum-exp, 8 bytes of philox state apart)"
 )
 
 
@@ -127,9 +128,11 @@ class PublishedRun:
 
     @property
     def trace_key(self) -> tuple[Any, ...]:
-        """Rows with the same key share one trace (they differ in policy only)."""
-        return (self.model, self.fsdp, self.tp, self.pp, self.ep, self.cp, self.pp_schedule,
-                self.microbatches, self.local_batch, self.seq)  # fmt: skip
+        """Rows with the same key share one trace (they differ in policy only); the profile
+        names the GPU whose kernels the graph carries."""
+        degrees = (self.fsdp, self.tp, self.pp, self.ep, self.cp)
+        pipeline = (self.pp_schedule, self.microbatches)
+        return (self.model, self.profile, degrees, pipeline, self.local_batch, self.seq)
 
     def estimate_argv(self, layers: int | None = None, seq: int | None = None) -> list[str]:
         """The `python -m workbench estimate` flags giving this row's estimate."""
@@ -257,9 +260,9 @@ def _dsv3_pr3429(policy: str, gib: float) -> PublishedRun:
         "graph_trainer_deepseek_v3_16b runs",
         differences=(
             "attention: the 16B config runs flex attention (deepseek_v3_16b, "
-            "attn_backend='flex'); a fake CPU trace runs SDPA's math path, which saves "
-            "seq x seq scores per layer (MLA's query/key head dim 192 is not its value "
-            "head dim 128)",
+            "attn_backend='flex'), traced as its op for the GPU (a CPU trace would run SDPA's "
+            "math path and save seq x seq scores per layer: MLA's query/key head dim 192 is not "
+            "its value head dim 128); the block mask is causal, one document per sequence",
             "loss: graph trainer swaps the config's ChunkedCELoss for CrossEntropyLoss "
             "(graph_trainer/deepseek_v3/config_registry.py)",
             "experts receive a balanced token count (fake tensors cannot route)",

@@ -139,11 +139,12 @@ def _trace(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
     workload = load_workload(
         run.model, layers=layers, seq=seq or run.seq, batch=run.local_batch, device="meta"
     )
+    kernels = run.profile  # the row's GPU's kernels, as `estimate --profile` traces them
     if run.pp == 1:
-        return trace(workload, "fake", _parallel(run))
+        return trace(workload, "fake", _parallel(run), kernels=kernels)
     pipeline = _pipeline(run)
     layout = pipeline.layout(n_layers(workload))
-    graphs = trace_stages(workload, "fake", _parallel(run), pipeline)
+    graphs = trace_stages(workload, "fake", _parallel(run), pipeline, kernels=kernels)
     return PipelineModel(graphs, layout, run.profile, run.optimizer)
 
 

@@ -233,7 +233,7 @@ def titan_kernels(
     if shard is not None:  # the balancer reads the sequence off a batch of its shape
         _, mask = shard((torch.zeros(batch, seq, dtype=torch.long),), mask)
     compiled = FlexAttention.__dict__["_compiled_flex_attn"]
-    inners = [m.inner_attention for m in holders]
+    inners: list[Any] = [m.inner_attention for m in holders]
     own = [inner.__dict__.get("forward") for inner in inners]  # graph trainer annotates them
     for inner in inners:
         inner.forward = _with_mask(inner.forward, mask)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.kernels import KERNEL_TARGETS
 from workbench.capture.models import Workload
 from workbench.capture.ops import layer_pattern
 from workbench.cost.estimate import BudgetKind, Estimate, check_budget_kind
@@ -99,7 +100,7 @@ class ExplorerModel:
         passes: str = "workbench",
         budget_kind: BudgetKind = "allocated",
     ) -> None:
-        traced, loaded = load_source(source)
+        traced, loaded = load_source(source, profile if profile in KERNEL_TARGETS else None)
         self.budget_kind = check_budget_kind(budget_kind)  # what Suggest's and Sweep's hold
         self.workload = workload or loaded
         if profile not in PROFILES:

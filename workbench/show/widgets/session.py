@@ -445,13 +445,19 @@ def _checked_format(fmt: str) -> str:
     return fmt
 
 
-def load_source(source: JointGraph | Workload | str) -> tuple[JointGraph, Workload | None]:
-    """The graph to explore, and the workload when known (Run compares against eager)."""
+def load_source(
+    source: JointGraph | Workload | str, kernels: str | None = None
+) -> tuple[JointGraph, Workload | None]:
+    """The graph to explore, and the workload when known (Run compares against eager). A
+    workload built on the meta device is traced on fake tensors, for `kernels` (a GPU's
+    name, by default an H100's: `workbench.capture.kernels`); another one for real."""
     if isinstance(source, JointGraph):
         return source, None
     if isinstance(source, str):
         source = load_workload(source)
     if isinstance(source, Workload):
+        if any(p.is_meta for p in source.model.parameters()):
+            return trace(source, mode="fake", kernels=kernels), source
         return trace(source, mode="real"), source
     raise WorkbenchError(
         f"PolicyExplorer takes a JointGraph, a Workload or a model name, "
