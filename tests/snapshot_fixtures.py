@@ -13,6 +13,7 @@ inputs exist before recording starts, as a model's parameters do before
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from workbench.cost.allocator import Block, CachingAllocator
+from workbench.cost.measure import Recording
 
 BASE = 0x7F10_0000_0000
 HERE = __file__
@@ -128,16 +130,17 @@ def _event(action: str, addr: int, size: int, frames: list[Any]) -> dict[str, An
             "frames": frames}  # fmt: skip
 
 
-def record_snapshot(
-    gm: fx.GraphModule, inputs: list[Any], strip_every: int = 0
-) -> tuple[dict[str, Any], list[Any]]:
-    """Run `gm(*inputs)` under no_grad, recording; the snapshot dict and the outputs (held,
-    as a caller holds them when the snapshot is taken). `strip_every=k` records every k-th
-    allocation without frames (as one made while recording kept no context)."""
+def record_run(
+    run: Callable[[], Any], held: Sequence[Any], strip_every: int = 0
+) -> tuple[dict[str, Any], Any]:
+    """Call `run()` recording; `held`: the tensors that exist before it (inputs,
+    parameters). The snapshot dict and what `run` returned (held, as a caller holds it when
+    the snapshot is taken). `strip_every=k` records every k-th allocation without frames (as
+    one made while recording kept no context)."""
     recorder = _Recorder(strip_every)
-    recorder.hold(inputs)
-    with torch.no_grad(), recorder:
-        outputs = list(gm(*inputs))
+    recorder.hold(list(held))
+    with recorder:
+        outputs = run()
     recorder.poll()
     return {
         "segments": recorder.segments(),
@@ -145,3 +148,22 @@ def record_snapshot(
         "allocator_settings": {"expandable_segments": False},
         "external_annotations": [],
     }, outputs
+
+
+def record_snapshot(
+    gm: fx.GraphModule, inputs: list[Any], strip_every: int = 0
+) -> tuple[dict[str, Any], list[Any]]:
+    """`gm(*inputs)` under no_grad, recorded (`record_run`)."""
+
+    def run() -> list[Any]:
+        with torch.no_grad():
+            return list(gm(*inputs))
+
+    return record_run(run, inputs, strip_every)
+
+
+def cpu_recording(run: Callable[[], Any], held: Sequence[Any]) -> Recording:
+    """What `bench_gpu` takes from `record_cuda_step`, recorded on the CPU: the snapshot,
+    its peaks as the snapshot counts them, and an empty Chrome trace."""
+    snapshot, _ = record_run(run, held)
+    return Recording(snapshot, b'{"traceEvents": []}', 0, 0)

@@ -210,24 +210,29 @@ class _Attributor:
         self.claimed[s], a.storage, a.entry, a.method = True, s, self.table.entries[s], method
 
     def by_order(self, made: list[Allocation]) -> None:
-        """Allocations of the trace without a node: the next unclaimed storage of their
-        rounded size within `ORDER_WINDOW` of the last one matched, in malloc order."""
+        """Allocations of the trace without a node, in trace order: the first unclaimed
+        storage of their rounded size in the estimate's malloc order, from `ORDER_WINDOW`
+        before the last one matched (by any method; ops may allocate their outputs in
+        another order) to as far after it, never before the first unclaimed one."""
         t = self.table
         sizes, born, freed = (np.array(v, dtype=np.int64) for v in (t.requested, t.born, t.freed))
         steps = allocation_steps(sizes, born, freed, t.steps)
         sequence = [i for _, allocated, _ in steps for i in allocated]
         place = {s: k for k, s in enumerate(sequence)}
-        j = 0
+        first = last = 0  # the first unclaimed place; the last place matched
         for a in made:
+            while first < len(sequence) and self.claimed[sequence[first]]:
+                first += 1
             if a.storage >= 0:
-                j = max(j, place.get(a.storage, -1) + 1)
+                last = place.get(a.storage, last)
             if a.entry is not None or a.method is not None:
                 continue
-            for k in range(j, min(j + ORDER_WINDOW, len(sequence))):
+            start = max(first, last - ORDER_WINDOW)
+            for k in range(start, min(last + ORDER_WINDOW, len(sequence))):
                 s = sequence[k]
                 if not self.claimed[s] and t.rounded[s] == a.rounded:
                     self._take(a, s, "size_and_order")
-                    j = k + 1
+                    last = k
                     break
 
     def by_size(self, before: list[Allocation]) -> None:
@@ -278,8 +283,8 @@ def _attribute(
             a.kind, a.method = "optimizer", "category"
         else:
             attributor.by_frames(a, filename)
+    attributor.by_size([a for a in allocations if a.born < 0])  # before: only inputs and state
     attributor.by_order([a for a in allocations if a.born >= 0])
-    attributor.by_size([a for a in allocations if a.born < 0])
     for a in allocations:
         named = _EVENT_KINDS.get(a.category or "")
         if named is not None:
@@ -388,12 +393,12 @@ def compare_snapshot(
             "allocations": len(allocations),
             "methods": methods,
             "peak_bytes_attributed_to_nodes": to_nodes,
-            "peak_fraction_attributed_to_nodes": to_nodes / allocated.peak if allocated.peak else 1.0,
+            "peak_fraction_attributed_to_nodes": to_nodes / max(allocated.peak, 1),
         },
         node_differences=differences[:top],
         nodes_differing=len(differences),
         measured_timeline=_timeline(allocations, events, table, allocated.before),
-        notes=_notes(allocations, gm),
+        notes=_notes(allocations, gm, events),
     )
 
 
@@ -471,7 +476,9 @@ def _timeline(
     return values
 
 
-def _notes(allocations: list[Allocation], gm: fx.GraphModule | None) -> list[str]:
+def _notes(
+    allocations: list[Allocation], gm: fx.GraphModule | None, events: list[Any]
+) -> list[str]:
     notes = []
     framed = sum(1 for a in allocations if generated_code_line(a.frames) is not None)
     if framed and gm is None:
@@ -479,7 +486,12 @@ def _notes(allocations: list[Allocation], gm: fx.GraphModule | None) -> list[str
             f"{framed} allocations run generated FX code, but no graph module was given to "
             "read its lines: they were matched by size and order"
         )
-    missed = sum(1 for a in allocations if a.entry is None and a.kind == "unattributed")
+    missed = [a for a in allocations if a.method is None]
     if missed:
-        notes.append(f"{missed} allocations matched no node of the estimate (unattributed)")
+        notes.append(
+            f"{len(missed)} allocations ({sum(a.rounded for a in missed):,} bytes) matched no "
+            "node of the estimate"
+        )
+    if not any(e.action.startswith("segment_") for e in events):
+        notes.append("the trace made no segments: reserved bytes are its final segments'")
     return notes

@@ -4,19 +4,21 @@ read, so that the estimate shows in the viewer users already know.
 
 Entry points: `storage_table(estimator, est)` (the estimate's device storages, each with the
 schedule entry that allocates it, its kind and sizes: what a snapshot is compared with) and
-`estimated_snapshot(estimator, est)` (the snapshot dict; `snapshot.write_snapshot` writes it).
+`estimated_snapshot(estimator, est)` (the snapshot dict) and `write_estimated_snapshot`.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from workbench.cost.allocator import Block, CachingAllocator, allocation_steps, round_size
 from workbench.cost.estimate import CATEGORIES, Estimate, Estimator
-from workbench.cost.snapshot import META_KEY, SNAPSHOT_FORMAT
+from workbench.cost.snapshot import META_KEY, SNAPSHOT_FORMAT, write_snapshot
 from workbench.errors import WorkbenchError
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "StorageTable",
     "estimated_snapshot",
     "storage_table",
+    "write_estimated_snapshot",
 ]
 
 # What an allocation holds, as the comparison with a measured snapshot itemises it; the
@@ -210,6 +213,17 @@ def estimated_snapshot(estimator: Estimator, est: Estimate, title: str = "") -> 
             "time_us": "the schedule step of each event, not a time",
         },
     }
+
+
+def write_estimated_snapshot(
+    path: str | os.PathLike[str],
+    estimator: Estimator,
+    est: Estimate,
+    title: str = "",
+    overwrite: bool = False,
+) -> Path:
+    """`estimated_snapshot` written to `path` (`snapshot.write_snapshot`)."""
+    return write_snapshot(path, estimated_snapshot(estimator, est, title), overwrite=overwrite)
 
 
 def _alloc_conf(config: Any) -> str:

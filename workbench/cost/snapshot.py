@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, describe
 from workbench.files import MARK_KEY, mark_text, read_file, write_file
 
 __all__ = [
@@ -177,8 +177,8 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     except pickle.UnpicklingError as err:
         raise WorkbenchError(f"{what} is not a snapshot: {' '.join(str(err).split())}") from None
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
-        reason = "it ends early" if isinstance(err, EOFError) else type(err).__name__
-        raise WorkbenchError(f"{what} is a truncated or damaged pickle ({reason})") from None
+        reason = "it ends early" if isinstance(err, EOFError) else describe(err)
+        raise WorkbenchError(f"{what} is not a readable pickle ({reason})") from None
     except (RecursionError, MemoryError, OverflowError) as err:
         raise WorkbenchError(f"{what} is too deep or too large ({type(err).__name__})") from None
     return parse_snapshot(data, what)
