@@ -385,7 +385,7 @@ def compare_snapshot(
         row["bytes"] += a.rounded
     differences = _node_differences(allocations, table)
     return SnapshotComparison(
-        source=snapshot.source,
+        source=snapshot.path or snapshot.source,
         device=device,
         measured=measured,
         estimated=estimated,

@@ -115,12 +115,14 @@ class SnapshotSegment(NamedTuple):
 @dataclass
 class Snapshot:
     """A snapshot's segments when taken and each device's trace (oldest event first);
-    `meta` is what the workbench wrote under `META_KEY` (empty for torch's own)."""
+    `source` names it in messages, `path` is its file (if read from one); `meta` is what the
+    workbench wrote under `META_KEY` (empty for torch's own)."""
 
     segments: list[SnapshotSegment]
     traces: list[list[TraceEvent]]
     source: str
     meta: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
 
     def devices(self) -> list[int]:
         """Devices with a segment or a trace event."""
@@ -181,7 +183,9 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
         raise WorkbenchError(f"{what} is not a readable pickle ({reason})") from None
     except (RecursionError, MemoryError, OverflowError) as err:
         raise WorkbenchError(f"{what} is too deep or too large ({type(err).__name__})") from None
-    return parse_snapshot(data, what)
+    snapshot = parse_snapshot(data, what)
+    snapshot.path = str(where)
+    return snapshot
 
 
 def parse_snapshot(data: object, what: str = "snapshot") -> Snapshot:
