@@ -298,10 +298,11 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
     estimator = estimator_for(graph, args.passes, profiles, args.optimizer, **options)
     est = estimator.estimate(policy)
     calibration = {"calibration": estimator.calibration} if estimator.calibration else {}
+    written: dict[str, str] = {}
     if args.snapshot is not None:
         title = f"{graph.model_name} · policy {args.policy} (estimate)"
         path = write_estimated_snapshot(args.snapshot, estimator, est, title, args.overwrite)
-        calibration["snapshot"] = str(path)
+        written["snapshot"] = str(path)
     return {
         "model": graph.model_name,
         "mode": graph.mode,
@@ -311,6 +312,7 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
         **est.to_json(timeline=args.timeline),
         "time_basis": time_basis(estimator.profiles, estimator.calibration),
         **calibration,
+        **written,
         **({"notes": graph.notes} if graph.notes else {}),
     }
 
@@ -466,7 +468,7 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
     result = floor_search(graph, estimator, options, tolerance_bytes=args.tolerance_bytes)
     return {
         **result,
-        "time_basis": time_basis(estimator.profiles),
+        "time_basis": time_basis(estimator.profiles, estimator.calibration),
         "host_link": args.host_link,
         "host_bytes_per_s": profile.host_rate(),
         "seconds": round(time.perf_counter() - start, 3),
@@ -600,7 +602,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
         "points": [p.to_json() for p in points],
         **offload,
         "presets": presets(True),
-        "time_basis": time_basis(estimator.profiles),
+        "time_basis": time_basis(estimator.profiles, estimator.calibration),
         **other,
         "seconds": round(seconds, 3),
         "trace_seconds": round(trace_seconds, 3),
