@@ -170,3 +170,22 @@ def test_step_times_state_their_basis(
     assert measured["time_basis"] == "measured: median of 2 timed runs on cpu"
     solved = run_json(capsys, "solve", *SMALL, "--mode", "fake", "--budget-frac", "0.9")
     assert solved["time_basis"] == {"h100": time_basis([H100])["h100"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_gpu_on_a_gpu(tmp_path: Path) -> None:
+    """The GPU's own recording (`record_cuda_step`): a snapshot torch wrote, attributed by
+    its generated-code frames. What the GPU holds beside the graph's tensors (cuBLAS's
+    workspace, made in the first run) shows as unattributed: the figures are for a person
+    to read, the test holds what must be."""
+    workload = load_workload("llama3-debug", layers=2, seq=128, device="cuda")
+    result = bench_gpu(lambda: workload, ["default"], warmup=1, repeats=2, out=tmp_path)
+    (row,) = result["presets"]
+    assert row["bitwise_equal"] and row["max_memory_allocated"] > 0
+    assert json.loads(Path(row["trace"]).read_text())["traceEvents"]
+    comparison = row["snapshot_comparison"]
+    assert comparison["attribution"]["methods"]["generated_code"]["allocations"] > 100
+    measured = comparison["measured"]["allocated_peak_bytes"]
+    assert measured >= 0.9 * comparison["estimated"]["allocated_peak_bytes"]
+    assert load_snapshot(row["snapshot"]).trace(torch.cuda.current_device())

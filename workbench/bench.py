@@ -222,6 +222,7 @@ def _bench_preset(
     if device_of(inputs).type == "cuda":
         torch.cuda.empty_cache()  # each preset starts from the inputs' segments alone
     measured = measure_graph(graph, result.gm, name=name, warmup=runs.warmup, repeats=runs.repeats)
+    measured.outputs = []  # its last run's loss and gradients: not held through the recording
 
     def run() -> list[Any]:
         with torch.no_grad():

@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     _add_cost_args(compare)
     compare.add_argument("--device", type=int, help="the snapshot's device (default: its one)")
     compare.add_argument("--top", type=int, default=20, help="nodes differing most (20)")
-    compare.set_defaults(run=cmd_compare_snapshot)
+    compare.set_defaults(run=cmd_compare_snapshot, mode="fake")  # nothing runs
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
     _add_model_args(measure)
