@@ -53,8 +53,9 @@ def test_estimate_snapshot_reads_back_through_compare_snapshot(
                    "--snapshot", str(out))  # fmt: skip
     assert est["snapshot"] == str(out) and is_ours(out)
     assert est["time_basis"] == {"h100": time_basis([H100])["h100"]}
+    # the run was traced in real mode on this CPU: its kernels are the CPU's
     report = run_json(capsys, "compare-snapshot", str(out), *SMALL, "--policy", "full",
-                      "--mode", "fake")  # fmt: skip
+                      "--kernels", "cpu")  # fmt: skip
     assert report["difference"] == {"allocated_peak_bytes": 0, "reserved_peak_bytes": 0}
     assert report["nodes_differing"] == 0 and report["snapshot"] == str(out)
     assert report["measured"]["allocated_peak_node"] == report["estimated"]["allocated_peak_node"]
@@ -64,7 +65,8 @@ def test_estimate_snapshot_reads_back_through_compare_snapshot(
                      "--snapshot", str(out))  # fmt: skip
     assert again["snapshot"] == str(out)
     # read as a person reads it
-    assert main(["compare-snapshot", str(out), *SMALL, "--policy", "full", "--top", "3"]) == 0
+    argv = ["compare-snapshot", str(out), *SMALL, "--policy", "full", "--kernels", "cpu"]
+    assert main([*argv, "--top", "3"]) == 0
     text = capsys.readouterr().out
     assert "allocated_peak_bytes" in text and "at_peak_bytes:" in text
 
@@ -79,14 +81,21 @@ def test_compare_snapshot_of_a_recorded_run_names_the_nodes_that_differ(
     path = tmp_path / "run.pickle"
     path.write_bytes(pickle.dumps(data))
     same = run_json(capsys, "compare-snapshot", str(path), *SMALL, "--policy", "none",
-                    "--optimizer", "none")  # fmt: skip
+                    "--optimizer", "none", "--kernels", "cpu")  # fmt: skip
     assert same["nodes_differing"] == 0 and same["difference"]["allocated_peak_bytes"] == 0
     other = run_json(capsys, "compare-snapshot", str(path), *SMALL, "--policy", "full",
-                     "--optimizer", "none", "--top", "2")  # fmt: skip
+                     "--optimizer", "none", "--top", "2", "--kernels", "cpu")  # fmt: skip
     rows = other["node_differences"]
     assert other["nodes_differing"] > 2 and len(rows) == 2
     assert abs(rows[0]["difference_bytes"]) >= abs(rows[1]["difference_bytes"]) > 0
     assert other["difference"]["allocated_peak_bytes"] > 0  # the run kept every activation
+    # traced with a GPU's kernels (fake mode's default), not the CPU's that ran: the frames'
+    # lines name other nodes, so size and order match instead, and the note says why
+    gpu = run_json(capsys, "compare-snapshot", str(path), *SMALL, "--policy", "none",
+                   "--optimizer", "none")  # fmt: skip
+    assert gpu["attribution"]["methods"]["generated_code"]["allocations"] == 0
+    assert any("the graph that ran differs" in note for note in gpu["notes"])
+    assert gpu["attribution"]["peak_fraction_attributed_to_nodes"] >= 0.95
 
 
 def test_bench_gpu_records_compares_and_writes_each_preset(

@@ -46,6 +46,8 @@ __all__ = [
 METHODS: tuple[str, ...] = ("node_metadata", "generated_code", "size_and_order", "size", "category")
 # how far ahead in the estimate's allocation order an allocation without frames is matched
 ORDER_WINDOW = 64
+# allocations found by generated-code lines before their fit with the graph is judged
+MISFIT_LEAST = 10
 # torch's memory profiler categories (`_profile_to_snapshot` writes them) and the workbench's
 _EVENT_KINDS: dict[str, str] = {
     **{kind: kind for kind in KINDS if kind != "unattributed"},
@@ -206,6 +208,20 @@ class _Attributor:
                 self.claimed[s], a.storage = True, s
                 return
 
+    def drop_misfit_lines(self, allocations: list[Allocation]) -> int:
+        """When most allocations found by a generated-code line match no output of that
+        line's node, the lines are those of another graph (model, shape, policy, kernels):
+        forget them, for size and order to match instead. How many were forgotten."""
+        by_line = [a for a in allocations if a.method == "generated_code"]
+        off = sum(1 for a in by_line if a.storage < 0)
+        if len(by_line) < MISFIT_LEAST or off <= len(by_line) / 2:
+            return 0
+        for a in by_line:
+            if a.storage >= 0:
+                self.claimed[a.storage] = False
+            a.entry, a.method, a.storage = None, None, -1
+        return len(by_line)
+
     def _take(self, a: Allocation, s: int, method: str) -> None:
         self.claimed[s], a.storage, a.entry, a.method = True, s, self.table.entries[s], method
 
@@ -266,12 +282,14 @@ def attribute(
     storage it stands for, `temporaries` for one a node made beyond the estimate's storages
     (a workspace), `unattributed` for the rest."""
     device = snapshot.device(device)
-    return _attribute(snapshot, device, storage_table(estimator, est), est, gm)
+    return _attribute(snapshot, device, storage_table(estimator, est), est, gm)[0]
 
 
 def _attribute(
     snapshot: Snapshot, device: int, table: StorageTable, est: Estimate, gm: fx.GraphModule | None
-) -> list[Allocation]:
+) -> tuple[list[Allocation], int]:
+    """The allocations, attributed, and how many generated-code lines were forgotten for
+    not fitting the graph."""
     allocations, _ = _allocations(snapshot, device)
     attributor = _Attributor(table, est, gm)
     files = Counter(f.filename for a in allocations if (f := generated_code_line(a.frames)))
@@ -283,6 +301,7 @@ def _attribute(
             a.kind, a.method = "optimizer", "category"
         else:
             attributor.by_frames(a, filename)
+    misfit = attributor.drop_misfit_lines(allocations)
     attributor.by_size([a for a in allocations if a.born < 0])  # before: only inputs and state
     attributor.by_order([a for a in allocations if a.born >= 0])
     for a in allocations:
@@ -293,7 +312,7 @@ def _attribute(
             a.kind = table.kinds[a.storage]
         elif a.entry is not None:
             a.kind = "temporaries"
-    return allocations
+    return allocations, misfit
 
 
 @dataclass
@@ -350,7 +369,7 @@ def compare_snapshot(
         )
     device = snapshot.device(device)
     table = storage_table(estimator, est)
-    allocations = _attribute(snapshot, device, table, est, gm)
+    allocations, misfit = _attribute(snapshot, device, table, est, gm)
     events = snapshot.trace(device)
     allocated, reserved = _allocated(allocations, len(events)), _reserved(snapshot, device)
     at_alloc = {a.born: a for a in allocations if a.born >= 0}
@@ -398,7 +417,7 @@ def compare_snapshot(
         node_differences=differences[:top],
         nodes_differing=len(differences),
         measured_timeline=_timeline(allocations, events, table, allocated.before),
-        notes=_notes(allocations, gm, events),
+        notes=_notes(allocations, gm, events, misfit),
     )
 
 
@@ -477,7 +496,7 @@ def _timeline(
 
 
 def _notes(
-    allocations: list[Allocation], gm: fx.GraphModule | None, events: list[Any]
+    allocations: list[Allocation], gm: fx.GraphModule | None, events: list[Any], misfit: int
 ) -> list[str]:
     notes = []
     framed = sum(1 for a in allocations if generated_code_line(a.frames) is not None)
@@ -485,6 +504,12 @@ def _notes(
         notes.append(
             f"{framed} allocations run generated FX code, but no graph module was given to "
             "read its lines: they were matched by size and order"
+        )
+    if misfit:
+        notes.append(
+            f"the generated-code lines of {misfit} allocations mostly name nodes with no "
+            "output of their size: the graph that ran differs from this one (model, shape, "
+            "policy or --kernels); they were matched by size and order instead"
         )
     missed = [a for a in allocations if a.method is None]
     if missed:
