@@ -11,6 +11,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import stat
@@ -1741,3 +1742,67 @@ def test_bad_stage_policy_file(
     path = tmp_path / "stages.json"
     path.write_text(json.dumps({"stages": stages}))
     fails(capsys, [*PP, "--pp", "2", "--policy", str(path)], message)
+
+
+# --- memory snapshots (issue 36) ------------------------------------------------------------
+
+SNAP = ["--model", "llama3-debug", "--layers", "1", "--seq", "16", "--mode", "fake"]
+
+
+def _snapshot_file(tmp_path: Path, data: bytes | None = None) -> str:
+    path = tmp_path / "run.pickle"
+    path.write_bytes(data if data is not None else pickle.dumps({"segments": []}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare-snapshot", "{tmp}/missing.pickle", *SNAP], r"missing\.pickle: no such file"),
+        (["compare-snapshot", "{tmp}", *SNAP], "it is a folder, not a regular file"),
+        (["compare-snapshot", "{bad}", *SNAP], r"is not a snapshot: it names builtins\.print"),
+        (["compare-snapshot", "{ok}", *SNAP, "--top", "-1"], r"--top must be a whole number"),
+        (["compare-snapshot", "{ok}", *SNAP, "--device", "3"], r"holds no device 3"),
+        (["compare-snapshot", "{ok}", *SNAP, "--policy", "nope"], "unknown preset"),
+        (["estimate", *SNAP, "--snapshot", "{tmp}/no/such/x.pickle"], "folder .* is missing"),
+        (["estimate", *SNAP, "--snapshot", "{mine}"], "exists and was not written by"),
+        (["estimate", *SNAP, "--snapshot", "{tmp}/x.pickle", "--pp", "2"], "drop --pp"),
+        (["bench", "gpu", *SNAP, "--out", "{mine}"], "is not a folder"),
+        (["bench", "gpu", *SNAP, "--out", "{tmp}/a/b"], "parent folder .* is missing"),
+        (["bench", "gpu", *SNAP, "--presets", "fast"], "unknown fast; choose from"),
+        (["bench", "gpu", *SNAP, "--warmup", "-1"], "--warmup must be a whole number"),
+    ],
+)
+def test_snapshot_bad_inputs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """Each bad flag or file is one line before anything is traced or run."""
+    mine = tmp_path / "mine.pickle"
+    mine.write_bytes(b"a user's file")
+    names = {
+        "{tmp}": str(tmp_path),
+        "{ok}": _snapshot_file(tmp_path),
+        "{bad}": str(tmp_path / "bad.pickle"),
+        "{mine}": str(mine),
+    }
+    (tmp_path / "bad.pickle").write_bytes(pickle.dumps(print))
+    for key, value in names.items():
+        argv = [a.replace(key, value) for a in argv]
+    fails(capsys, argv, message)
+    assert mine.read_bytes() == b"a user's file"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare-snapshot", *SNAP], "the following arguments are required: snapshot"),
+        (["compare-snapshot", "x.pickle", *SNAP, "--top", "many"], "--top: invalid int value"),
+    ],
+)
+def test_snapshot_bad_cli_syntax_is_argparses_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and message in err

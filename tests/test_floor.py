@@ -53,6 +53,8 @@ def test_floor_search_keeps_the_relations_that_must_hold(offload_result: dict[st
     assert solves["without_offload"] > 1 and solves["with_offload"] > 1
     assert floor["peak_phase"] in ("forward", "loss", "backward") and floor["state_bytes"] > 0
     assert "eager" in floor_table(offload_result).splitlines()[2]
+    stated = floor_table({**offload_result, "time_basis": {"h100": "roofline at X"}})
+    assert "step time: roofline at X" in stated.splitlines()  # the basis `floor` adds
 
 
 def test_floor_search_figures_are_the_policies_own(

@@ -179,6 +179,9 @@ def test_plan_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     table = plan_table(result)
     assert table.count("\n") >= len(configs) + 2
     assert f"{configs[0]['est_tokens_per_second_per_gpu']:,.0f}" in table.splitlines()[2]
+    # what the ranking rests on, in the JSON and the table
+    assert result["time_basis"].startswith("roofline at NVIDIA H100 SXM datasheet peaks")
+    assert f"tokens/s per GPU (the ranking): {result['time_basis']}" in table
 
 
 def test_plan_front_keeps_what_nothing_beats() -> None:

@@ -26,6 +26,7 @@ def test_estimate_reports_each_stage(capsys: pytest.CaptureFixture[str]) -> None
     assert result["peak_bytes"] == max(s["peak_bytes"] for s in stages)
     assert result["pipeline"]["stage_ranks"] == [0, 1, 0, 1]
     assert result["pipeline"]["microbatches"] == 4  # one per stage by default
+    assert result["time_basis"]["h100"].startswith("roofline at NVIDIA H100")
 
 
 def test_trace_one_stage_or_all(capsys: pytest.CaptureFixture[str]) -> None:
@@ -55,3 +56,4 @@ def test_solve_per_stage_beside_one_policy(capsys: pytest.CaptureFixture[str]) -
     assert len(result["policies"]) == 2
     one = result["one_policy"]
     assert result["est_tokens_per_second_per_gpu"] >= one["est_tokens_per_second_per_gpu"]
+    assert result["time_basis"]["h100"].startswith("roofline at NVIDIA H100")

@@ -1,7 +1,8 @@
 """Benchmarks: measured figures for tracing, the what-if, rendering and a GPU's memory.
 
-Entry points: `bench_trace`, `bench_whatif`, `bench_render` and `bench_gpu`; `python -m
-workbench bench ...` prints them (what offload buys is a search: `workbench.search.floor`).
+Entry points: `bench_trace`, `bench_whatif`, `bench_render` and `bench_gpu` (with
+`bench_gpu_paths`, the files it writes); `python -m workbench bench ...` prints them (what
+offload buys is a search: `workbench.search.floor`).
 """
 
 from __future__ import annotations
@@ -11,18 +12,32 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.capture.trace import trace
+from workbench.cost.attribution import compare_snapshot
+from workbench.cost.calibrate import measured_basis
 from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.measure import Recording, device_of
+from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
+from workbench.cost.snapshot import parse_snapshot, write_snapshot
 from workbench.decide.decider import decide, flip
 from workbench.decide.policy import Policy
+from workbench.files import file_stem, write_file
 from workbench.rewrite.remat import remat
 
-__all__ = ["bench_gpu", "bench_render", "bench_trace", "bench_whatif", "percentile"]
+__all__ = [
+    "bench_gpu",
+    "bench_gpu_paths",
+    "bench_render",
+    "bench_trace",
+    "bench_whatif",
+    "percentile",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,45 +145,115 @@ def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, An
 
 
 def bench_gpu(
-    load: Callable[[], Workload], presets: list[str], *, warmup: int, repeats: int
+    load: Callable[[], Workload],
+    presets: list[str],
+    *,
+    warmup: int,
+    repeats: int,
+    out: Path | None = None,
+    overwrite: bool = False,
+    record: Callable[[Callable[[], Any], Sequence[Any]], Recording] | None = None,
+    files_named: str | None = None,
 ) -> dict[str, Any]:
-    """Per preset on a CUDA device: the estimate (allocated at torch's 512-byte rounding, and
-    the caching allocator model's reserved bytes) beside `torch.cuda.max_memory_allocated`
-    and `max_memory_reserved` of the rematerialized graph's step, its tokens/s and whether
-    loss and gradients match an eager step bitwise. Without CUDA: says so and runs nothing.
-    `load` builds the workload on the GPU (called once, after the check)."""
+    """Per preset on a CUDA device: the rematerialized graph's step timed (`measure_graph`:
+    step time, tokens/s), run once more recording its memory (`record`, by default
+    `record_cuda_step`: a memory snapshot, `max_memory_allocated` / `max_memory_reserved`,
+    a torch.profiler Chrome trace), its loss and gradients checked bitwise against an eager
+    step, and its snapshot compared with the estimate op by op (`compare_snapshot`). With
+    `out`, each preset's snapshot and trace are written there (`bench_gpu_paths`, named
+    after `files_named`, by default the model's name). Without CUDA (and no
+    `record`): says so and runs nothing. `load` builds the workload on the device (called
+    once, after the check); `record` replaces the GPU's recording (tests on the CPU)."""
     import torch
 
-    from workbench.cost.measure import bitwise_mismatches, measure_graph
-    from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
+    from workbench.cost.measure import record_cuda_step
 
-    if not torch.cuda.is_available():
+    if record is None and not torch.cuda.is_available():
         return {"skipped": "no CUDA device here: bench gpu measures on one", "presets": []}
     workload = load()
     graph = trace(workload, mode="real")
     estimator = Estimator(graph, profiles=(), optimizer="none")  # a graph run holds none
-    rows = []
-    for name in presets:
-        result = remat(graph, Policy(name))
-        est = estimate_remat(graph, result, estimator, CUDA_ALLOC_GRANULARITY)
-        torch.cuda.empty_cache()  # each preset starts from the inputs' segments alone
-        measured = measure_graph(graph, result.gm, name=name, warmup=warmup, repeats=repeats)
-        reserved = torch.cuda.max_memory_reserved()  # since measure_run's peak reset
-        mismatched = bitwise_mismatches(graph, result.gm, workload)
-        rows.append({
-            "preset": name,
-            "est_peak_bytes": est.peak_bytes,  # the graph's tensors at 512-byte rounding
-            # torch counts a block whole, with a remainder too small to split off
-            "est_allocated_bytes": est.allocator().allocated_peak_bytes,
-            "max_memory_allocated": measured.peak_bytes,
-            "est_reserved_bytes": est.reserved_peak_bytes,
-            "max_memory_reserved": reserved,
-            "tokens_per_second": measured.tokens_per_second,
-            "bitwise_equal": not mismatched,
-            "mismatched": mismatched,
-        })  # fmt: skip
+    rows = [
+        _bench_preset(graph, workload, estimator, name, record or record_cuda_step,
+                      _Runs(warmup, repeats, out, overwrite, files_named or graph.model_name))
+        for name in presets
+    ]  # fmt: skip
+    device = device_of(graph.example_inputs or [])
     return {
         "model": graph.model_name,
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "presets": rows,
+    }
+
+
+class _Runs(NamedTuple):
+    warmup: int
+    repeats: int
+    out: Path | None
+    overwrite: bool
+    name: str
+
+
+def bench_gpu_paths(out: Path, model: str, preset: str) -> dict[str, Path]:
+    """Where `bench gpu` writes a preset's memory snapshot and Chrome trace in `out`.
+
+    >>> sorted(str(p) for p in bench_gpu_paths(Path("o"), "torchtitan:llama3/8B", "full").values())
+    ['o/torchtitan:llama3_8B.full.snapshot.pickle', 'o/torchtitan:llama3_8B.full.trace.json']
+    """
+    stem = f"{file_stem(model)}.{preset}"
+    return {"snapshot": out / f"{stem}.snapshot.pickle", "trace": out / f"{stem}.trace.json"}
+
+
+def _bench_preset(
+    graph: JointGraph,
+    workload: Workload,
+    estimator: Estimator,
+    name: str,
+    record: Callable[[Callable[[], Any], Sequence[Any]], Recording],
+    runs: _Runs,
+) -> dict[str, Any]:
+    import torch
+
+    from workbench.cost.measure import bitwise_mismatches, measure_graph
+
+    result = remat(graph, Policy(name))
+    est = estimate_remat(graph, result, estimator, CUDA_ALLOC_GRANULARITY)
+    inputs = graph.example_inputs or []
+    if device_of(inputs).type == "cuda":
+        torch.cuda.empty_cache()  # each preset starts from the inputs' segments alone
+    measured = measure_graph(graph, result.gm, name=name, warmup=runs.warmup, repeats=runs.repeats)
+    measured.outputs = []  # its last run's loss and gradients: not held through the recording
+
+    def run() -> list[Any]:
+        with torch.no_grad():
+            return list(result.gm(*inputs))
+
+    recording = record(run, inputs)
+    mismatched = bitwise_mismatches(graph, result.gm, workload)
+    snapshot = parse_snapshot(recording.snapshot, f"the snapshot of {name}")
+    comparison = compare_snapshot(snapshot, estimator, est, gm=result.gm).to_json()
+    written = {}
+    if runs.out is not None:
+        paths = bench_gpu_paths(runs.out, runs.name, name)
+        written["snapshot"] = str(
+            write_snapshot(paths["snapshot"], recording.snapshot, overwrite=runs.overwrite)
+        )
+        written["trace"] = str(
+            write_file(paths["trace"], recording.chrome_trace, overwrite=runs.overwrite)
+        )
+    return {
+        "preset": name,
+        "est_peak_bytes": est.peak_bytes,  # the graph's tensors at 512-byte rounding
+        # torch counts a block whole, with a remainder too small to split off
+        "est_allocated_bytes": est.allocator().allocated_peak_bytes,
+        "max_memory_allocated": recording.max_allocated,
+        "est_reserved_bytes": est.reserved_peak_bytes,
+        "max_memory_reserved": recording.max_reserved,
+        "step_seconds": measured.step_seconds,
+        "tokens_per_second": measured.tokens_per_second,
+        "time_basis": measured_basis(measured.device, len(measured.all_seconds)),
+        "bitwise_equal": not mismatched,
+        "mismatched": mismatched,
+        **written,
+        "snapshot_comparison": {k: v for k, v in comparison.items() if k != "snapshot"},
     }

@@ -20,7 +20,6 @@ from workbench.commands import (
     FSDP_CHOICES,
     check_common_args,
     cmd_activations,
-    cmd_bench_gpu,
     cmd_bench_offload,
     cmd_bench_render,
     cmd_bench_trace,
@@ -39,6 +38,7 @@ from workbench.commands import (
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError, torch_logs_held
 from workbench.plan_command import cmd_plan, plan_table
+from workbench.snapshot_commands import cmd_bench_gpu, cmd_compare_snapshot
 from workbench.stage_commands import (
     add_pipeline_args,
     cmd_bench_trace_stages,
@@ -383,11 +383,27 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
         "--profile", default="h100,h200,cpu", help="device profiles, comma-separated"
     )
     estimate.add_argument("--timeline", action="store_true", help="include the memory timeline")
+    estimate.add_argument(
+        "--snapshot", metavar="OUT.pickle", help="write the estimate as a memory snapshot"
+    )
+    estimate.add_argument("--overwrite", action="store_true", help="replace an existing file")
     _add_optimizer_arg(estimate)
     _add_passes_arg(estimate)
     _add_cost_args(estimate, calibrate=True)
     add_pipeline_args(estimate)
     estimate.set_defaults(run=pipelined(cmd_estimate, cmd_estimate_stages))
+
+    compare = commands.add_parser(
+        "compare-snapshot", help="a measured memory snapshot against the estimate, op by op"
+    )
+    compare.add_argument("snapshot", help="torch.cuda.memory._dump_snapshot's pickle")
+    _add_model_args(compare)
+    _add_policy_arg(compare)
+    _add_optimizer_arg(compare)
+    _add_cost_args(compare)
+    compare.add_argument("--device", type=int, help="the snapshot's device (default: its one)")
+    compare.add_argument("--top", type=int, default=20, help="nodes differing most (20)")
+    compare.set_defaults(run=cmd_compare_snapshot, mode="fake")  # nothing runs
 
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
     _add_model_args(measure)
@@ -448,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     render.set_defaults(run=cmd_render)
 
     bench_gpu = benches.add_parser(
-        "gpu", help="estimate vs max_memory_allocated/max_memory_reserved per preset on CUDA"
+        "gpu", help="per preset on CUDA: peaks, step time, snapshot, trace, vs the estimate"
     )
     _add_model_args(bench_gpu)
     bench_gpu.add_argument(
@@ -456,6 +472,10 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     )
     bench_gpu.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
     bench_gpu.add_argument("--warmup", type=int, default=1)
+    bench_gpu.add_argument(
+        "--out", default="bench-gpu", help="folder for each preset's snapshot and trace"
+    )
+    bench_gpu.add_argument("--overwrite", action="store_true", help="replace existing files")
     bench_gpu.set_defaults(run=cmd_bench_gpu)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")

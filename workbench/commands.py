@@ -283,16 +283,26 @@ def _profiles_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
-    """Memory peak, saved activations, recompute FLOPs and step time without running."""
+    """Memory peak, saved activations, recompute FLOPs and step time without running; with
+    --snapshot, the estimate as a memory snapshot memory_viz opens."""
+    from workbench.cost.calibrate import time_basis
+    from workbench.cost.estimated_snapshot import write_estimated_snapshot
     from workbench.cost.pipelines import estimator_for
 
     policy = parse_policy(args.policy)
     profiles = _profiles_from_args(args)
     options = _cost_options_from_args(args)
+    if args.snapshot is not None:
+        check_writable(args.snapshot, overwrite=args.overwrite)  # before tracing
     graph, seconds = _prepared_from_args(args)
     estimator = estimator_for(graph, args.passes, profiles, args.optimizer, **options)
     est = estimator.estimate(policy)
     calibration = {"calibration": estimator.calibration} if estimator.calibration else {}
+    written: dict[str, str] = {}
+    if args.snapshot is not None:
+        title = f"{graph.model_name} · policy {args.policy} (estimate)"
+        path = write_estimated_snapshot(args.snapshot, estimator, est, title, args.overwrite)
+        written["snapshot"] = str(path)
     return {
         "model": graph.model_name,
         "mode": graph.mode,
@@ -300,7 +310,9 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
         **_pipeline_json(args, graph, policy),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
+        "time_basis": time_basis(estimator.profiles, estimator.calibration),
         **calibration,
+        **written,
         **({"notes": graph.notes} if graph.notes else {}),
     }
 
@@ -391,32 +403,6 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
 
 
-def cmd_bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
-    """Estimate vs measured allocated and reserved memory per preset on CUDA (see
-    `workbench.bench.bench_gpu`); without CUDA it says so and exits 0."""
-    from workbench.bench import bench_gpu
-    from workbench.decide.presets import PRESETS
-
-    check_positive("--repeat", args.repeat)
-    if args.warmup < 0:
-        raise WorkbenchError(f"--warmup must be 0 or more runs, got {args.warmup}")
-    presets = [p for p in args.presets.split(",") if p]
-    unknown = [p for p in presets if p not in PRESETS]
-    if unknown or not presets:
-        raise WorkbenchError(
-            f"--presets {args.presets!r}: unknown {', '.join(unknown) or 'none given'}; "
-            f"choose from {', '.join(PRESETS)}"
-        )
-    if _parallel_from_args(args) is not None:
-        raise WorkbenchError("bench gpu runs one unsharded process: drop --fsdp/--tp")
-    return bench_gpu(
-        lambda: _workload_from_args(args, "real", device="cuda"),
-        presets,
-        warmup=args.warmup,
-        repeats=args.repeat,
-    )
-
-
 def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     """Random flips: what-if time per flip vs the full path (see `workbench.bench`)."""
     from workbench.bench import bench_whatif
@@ -467,6 +453,7 @@ def cmd_bench_render(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
     """The lowest peak the solver reaches at eager's step time, with and without offload,
     and the floor (see `workbench.search.floor.floor_search`)."""
+    from workbench.cost.calibrate import time_basis
     from workbench.cost.estimate import Estimator
     from workbench.search.floor import floor_search
 
@@ -481,6 +468,7 @@ def cmd_floor(args: argparse.Namespace) -> dict[str, Any]:
     result = floor_search(graph, estimator, options, tolerance_bytes=args.tolerance_bytes)
     return {
         **result,
+        "time_basis": time_basis(estimator.profiles, estimator.calibration),
         "host_link": args.host_link,
         "host_bytes_per_s": profile.host_rate(),
         "seconds": round(time.perf_counter() - start, 3),
@@ -534,6 +522,7 @@ def _budget_from_args(args: argparse.Namespace, estimator: Estimator) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
     """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
+    from workbench.cost.calibrate import time_basis
     from workbench.cost.pipelines import estimator_for
     from workbench.search.solve import solve
 
@@ -548,6 +537,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
         "model": graph.model_name,
         "trace_seconds": round(trace_seconds, 3),
         **solution.to_json(),
+        "time_basis": time_basis(estimator.profiles, estimator.calibration),
         **_pipeline_json(args, graph, solution.policy),
     }
 
@@ -555,6 +545,7 @@ def cmd_solve(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
     """Solutions from full recompute to no AC, presets beside them; a line per budget on
     stderr."""
+    from workbench.cost.calibrate import time_basis
     from workbench.cost.estimate import Estimator
     from workbench.search.pareto import MAX_POINTS, pareto
     from workbench.search.solve import Solution, fsdp_choices, preset_points
@@ -611,6 +602,7 @@ def cmd_pareto(args: argparse.Namespace) -> dict[str, Any]:
         "points": [p.to_json() for p in points],
         **offload,
         "presets": presets(True),
+        "time_basis": time_basis(estimator.profiles, estimator.calibration),
         **other,
         "seconds": round(seconds, 3),
         "trace_seconds": round(trace_seconds, 3),

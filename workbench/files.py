@@ -30,6 +30,7 @@ __all__ = [
     "check_writable",
     "file_stem",
     "is_ours",
+    "mark_text",
     "marked",
     "read_file",
     "write_file",
@@ -178,6 +179,17 @@ def marked(data: bytes, name: str = "") -> bytes:
     return _fill(carrier, digest)
 
 
+def mark_text() -> str:
+    """The mark with its digits zeroed, for a format that carries it inside its own data (a
+    memory snapshot's pickle holds it as a string): `marked` then fills in the digits, which
+    keep the string's length.
+
+    >>> mark_text().endswith("sac-workbench-mark:0000000000000000")
+    True
+    """
+    return f"sac-workbench (replaced when run again); {_TAG}{_ZERO}"
+
+
 # --- the mark in each format -----------------------------------------------------------------
 
 
@@ -191,6 +203,8 @@ def _carrier(data: bytes, name: str) -> bytes | None:
         return _png_with_text(data, f"written by sac-workbench; {_TAG}{_ZERO}".encode())
     if data.startswith(b"%PDF-"):
         return _pdf_with_creator(data, f"written by sac-workbench; {_TAG}{_ZERO}")
+    if data.startswith(b"\x80"):  # a pickle (protocol 2 or later): its writer put in a mark
+        return data if _find(data) is not None else None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -135,6 +135,7 @@ def plan_table(result: dict[str, Any], rows: int = 20) -> str:
     reasons: dict[str, int] = {}
     for p in result["pruned"]:
         reasons[p["reason"]] = reasons.get(p["reason"], 0) + 1
+    lines.append(f"tokens/s per GPU (the ranking): {result['time_basis']}")
     lines.append(f"pruned before tracing: {len(result['pruned'])}")
     lines += [f"  {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda r: -r[1])]
     lines += result["notes"]

@@ -17,6 +17,8 @@ from typing import Any
 from workbench.capture.graph import JointGraph
 from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
 from workbench.commands import _parallel_from_args, _solve_options_from_args, kernels_from_args
+from workbench.cost.calibrate import time_basis
+from workbench.cost.profiles import get_profile
 from workbench.decide.policy import Policy, parse_policy
 from workbench.errors import WorkbenchError
 from workbench.files import read_file
@@ -167,10 +169,17 @@ def _model(args: argparse.Namespace, profile: str) -> tuple[Any, list[JointGraph
 def cmd_estimate_stages(args: argparse.Namespace) -> dict[str, Any]:
     """Per stage: the peak of its rank over the schedule and the microbatches in flight
     then; the top-level peak is the largest."""
+    if args.snapshot is not None:
+        raise WorkbenchError("--snapshot writes one graph's estimate: drop --pp")
     profile = args.profile.split(",")[0]
     model, graphs, seconds = _model(args, profile)
     est = model.estimate(stage_policies(args.policy, len(graphs)))
-    return {"model": graphs[0].model_name, "trace_seconds": round(seconds, 3), **est.to_json()}
+    return {
+        "model": graphs[0].model_name,
+        "trace_seconds": round(seconds, 3),
+        **est.to_json(),
+        "time_basis": time_basis([get_profile(profile)]),
+    }
 
 
 def cmd_solve_stages(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,6 +200,7 @@ def cmd_solve_stages(args: argparse.Namespace) -> dict[str, Any]:
         "model": graphs[0].model_name,
         "trace_seconds": round(seconds, 3),
         **plan.to_json(),
+        "time_basis": time_basis([get_profile(args.profile)]),
         "one_policy": {
             "feasible": one.feasible,
             "peak_bytes": one.estimate.peak_bytes,

@@ -1,9 +1,10 @@
 """What torch's CUDA caching allocator reserves for a sequence of allocations and frees.
 
 Entry points: `CachingAllocator(AllocatorConfig(...))` with `malloc(nbytes) -> block` and
-`free(block)`, and `replay_allocator(sizes, born, freed, steps, config)` for an estimate's
-walk. The rules are those of `c10/cuda/CUDACachingAllocator.cpp` (torch 2.x, named per
-constant and function below) for one device and one stream, with no memory limit: nothing
+`free(block)`, `replay_allocator(sizes, born, freed, steps, config)` for an estimate's walk,
+and `allocation_steps`, the order that replay (and the estimate's memory snapshot) runs in.
+The rules are those of `c10/cuda/CUDACachingAllocator.cpp` (torch 2.x, named per constant
+and function below) for one device and one stream, with no memory limit: nothing
 is ever released to CUDA within a step (torch returns cached segments only when a cudaMalloc
 fails, on `empty_cache()`, or under a garbage-collection threshold, none of which a step
 that fits runs into), so the reserved bytes only grow.
@@ -12,6 +13,7 @@ that fits runs into), so the reserved bytes only grow.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +30,7 @@ __all__ = [
     "Block",
     "CachingAllocator",
     "allocation_size",
+    "allocation_steps",
     "replay_allocator",
     "round_size",
 ]
@@ -118,10 +121,13 @@ class Block:
 class CachingAllocator:
     """One device's pools (small and large), one stream. `reserved_bytes` counts what was
     cudaMalloc'd (or mapped, with expandable segments); `allocated_bytes` the blocks handed
-    out (rounded sizes, as `torch.cuda.memory_allocated` counts them)."""
+    out (rounded sizes, as `torch.cuda.memory_allocated` counts them); `mapped` the address,
+    bytes and pool (small or not) of each cudaMalloc, or of each page run mapped with
+    expandable segments, in order."""
 
     def __init__(self, config: AllocatorConfig | None = None) -> None:
         self.config = config or AllocatorConfig()
+        self.mapped: list[tuple[int, int, bool]] = []
         # free blocks of each pool ordered by (size, address): `BlockComparatorSize`
         self._free: dict[bool, list[tuple[int, int, Block]]] = {True: [], False: []}
         self._tail: dict[bool, Block] = {}  # expandable: each pool's unmapped tail
@@ -167,6 +173,11 @@ class CachingAllocator:
             block.size += other.size
         self._insert(block)
 
+    def cached_blocks(self) -> list[Block]:
+        """The free blocks both pools cache, in no particular order (an expandable segment's
+        unmapped tail is not one)."""
+        return [block for pool in self._free.values() for _, _, block in pool]
+
     def _should_split(self, block: Block, size: int) -> bool:
         remaining = block.size - size
         if block.small or self.config.expandable_segments:
@@ -203,6 +214,7 @@ class CachingAllocator:
             return self._map(size, small)
         segment = allocation_size(size)  # `alloc_block`: one cudaMalloc
         block = Block(self._next_addr, segment, small)
+        self.mapped.append((block.addr, segment, small))
         self._next_addr += segment
         self.reserved_bytes += segment
         self.segments += 1
@@ -224,6 +236,7 @@ class CachingAllocator:
         have = start.size if start is not None else 0
         grow = page * -(-(size - have) // page)
         self.reserved_bytes += grow
+        self.mapped.append((tail.addr, grow, small))
         block = Block(tail.addr, grow, small, prev=tail.prev, next=tail, expandable=True)
         if tail.prev is not None:
             tail.prev.next = block
@@ -256,6 +269,31 @@ class AllocatorReplay:
     reserved_timeline: list[int]
 
 
+def allocation_steps(
+    sizes: np.ndarray, born: np.ndarray, freed: np.ndarray, steps: int
+) -> Iterator[tuple[int, list[int], list[int]]]:
+    """Per step of a walk: the step, the storages allocated there (in storage order), then
+    the storages freed after it (in order of their free step, then storage order). A storage
+    freed at `steps` or later is held to the end; an empty one takes no block (torch hands
+    out no memory for it), so it appears in neither list.
+
+    >>> sizes, born, freed = np.array([8, 0, 4]), np.array([0, 0, 1]), np.array([1, 1, 9])
+    >>> list(allocation_steps(sizes, born, freed, 2))
+    [(0, [0], []), (1, [2], [0])]
+    """
+    index = np.flatnonzero(sizes > 0)
+    born_order = index[np.argsort(born[index], kind="stable")]
+    dying = index[freed[index] < steps]
+    free_order = dying[np.argsort(freed[dying], kind="stable")]
+    b_ids, f_ids = born_order.tolist(), free_order.tolist()
+    b_end = np.searchsorted(born[born_order], np.arange(steps), side="right").tolist()
+    f_end = np.searchsorted(freed[free_order], np.arange(steps), side="right").tolist()
+    b_at = f_at = 0
+    for step in range(steps):
+        yield step, b_ids[b_at : b_end[step]], f_ids[f_at : f_end[step]]
+        b_at, f_at = b_end[step], f_end[step]
+
+
 def replay_allocator(
     sizes: np.ndarray,
     born: np.ndarray,
@@ -265,33 +303,21 @@ def replay_allocator(
     before: list[int] | None = None,
 ) -> AllocatorReplay:
     """Run an estimate's storages through the allocator: `before` (bytes allocated ahead of
-    the step and held: optimizer state) first, then at each step the storages born there
-    (in storage order), then those freed after it; a storage freed at `steps` or later is
-    held to the end. Empty storages take no block (torch hands out no memory for them)."""
+    the step and held: optimizer state) first, then each step of `allocation_steps`."""
     allocator = CachingAllocator(config)
     for nbytes in before or []:
         allocator.malloc(nbytes)
-    keep = sizes > 0
-    index = np.flatnonzero(keep)
-    born_order = index[np.argsort(born[index], kind="stable")]
-    dying = index[freed[index] < steps]
-    free_order = dying[np.argsort(freed[dying], kind="stable")]
     blocks: dict[int, Block] = {}
     timeline = np.zeros(steps, dtype=np.int64)
     allocated_peak = allocator.allocated_bytes
-    b_at, f_at = born[born_order].tolist(), freed[free_order].tolist()
-    b_ids, f_ids = born_order.tolist(), free_order.tolist()
     size_list = sizes.tolist()
-    i = j = 0
-    for step in range(steps):
-        while i < len(b_ids) and b_at[i] <= step:
-            blocks[b_ids[i]] = allocator.malloc(int(size_list[b_ids[i]]))
-            i += 1
+    for step, allocated, released in allocation_steps(sizes, born, freed, steps):
+        for i in allocated:
+            blocks[i] = allocator.malloc(int(size_list[i]))
         allocated_peak = max(allocated_peak, allocator.allocated_bytes)
         timeline[step] = allocator.reserved_bytes
-        while j < len(f_ids) and f_at[j] <= step:
-            allocator.free(blocks.pop(f_ids[j]))
-            j += 1
+        for i in released:
+            allocator.free(blocks.pop(i))
     return AllocatorReplay(
         reserved_peak_bytes=allocator.reserved_bytes,
         allocated_peak_bytes=allocated_peak,

@@ -4,7 +4,8 @@ Entry points: `calibration_table(prof)` turns a finished `torch.profiler.profile
 table with torch's own `key_averages(group_by_input_shape=True)`; `load_calibration(path)`
 reads such a table (JSON) or a Chrome trace (`prof.export_chrome_trace`); and
 `Calibration.node_seconds(graph)` gives the measured seconds of each graph node whose op
-and input shapes match, with the coverage.
+and input shapes match, with the coverage. `time_basis` and `measured_basis` say in words
+what a step time or tokens/s figure rests on, beside every such figure.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from workbench.capture.graph import JointGraph
+from workbench.cost.profiles import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.files import read_file
 
@@ -29,7 +32,9 @@ __all__ = [
     "OpKey",
     "calibration_table",
     "load_calibration",
+    "measured_basis",
     "node_key",
+    "time_basis",
 ]
 
 OpKey = tuple[str, tuple[tuple[int, ...], ...]]
@@ -195,3 +200,43 @@ def _trace_samples(events: list[Any]) -> dict[OpKey, list[float]]:
         micros = device[id(e)] if gpu else float(e.get("dur", 0))
         samples[(name, _shapes(args["Input Dims"]))].append(micros * 1e-6)
     return samples
+
+
+def time_basis(
+    profiles: Iterable[DeviceProfile], calibration: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """Per profile, what its estimated step times and tokens/s rest on: the roofline at the
+    profile's rates (`DeviceProfile.description`: datasheet peaks, so lower bounds, or this
+    machine's measured rates), or, for the profile an `Estimator`'s `calibration` names, the
+    share of the roofline's op time that measured op times replace.
+
+    >>> from workbench.cost.profiles import H100
+    >>> time_basis([H100])["h100"][:53]
+    'roofline at NVIDIA H100 SXM datasheet peaks: bf16 989'
+    >>> calibrated = {"profile": "h100", "source": "trace.json", "ops": 10, "ops_measured": 8,
+    ...               "roofline_seconds_measured_fraction": 0.9}
+    >>> time_basis([H100], calibrated)["h100"][:76]
+    'calibrated: measured op times (trace.json) cover 90% of the roofline op time'
+    """
+    basis = {}
+    for profile in profiles:
+        roofline = f"roofline at {profile.description}"
+        if calibration and calibration.get("profile") == profile.name:
+            basis[profile.name] = (
+                f"calibrated: measured op times ({calibration['source']}) cover "
+                f"{calibration['roofline_seconds_measured_fraction']:.0%} of the roofline op "
+                f"time ({calibration['ops_measured']} of {calibration['ops']} ops); the rest "
+                f"is the {roofline}"
+            )
+        else:
+            basis[profile.name] = roofline
+    return basis
+
+
+def measured_basis(device: str, runs: int) -> str:
+    """What a measured step time rests on.
+
+    >>> measured_basis("cuda:0", 5)
+    'measured: median of 5 timed runs on cuda:0'
+    """
+    return f"measured: median of {runs} timed run{'s' if runs != 1 else ''} on {device}"

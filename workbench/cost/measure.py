@@ -3,7 +3,8 @@ gradients against eager's, bit for bit.
 
 Entry points: `measure_graph(graph, gm)`, `measure_step(name, step, held, tokens)`,
 `measure_run(...)` (any callable), `measured_counterpart` (the estimate of what a measured
-peak counts), `bitwise_mismatches` and `check_fits`.
+peak counts), `bitwise_mismatches`, `check_fits` and `record_cuda_step` (one step on a GPU
+with torch's memory history and profiler on: a memory snapshot and a Chrome trace).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from workbench.capture.fits import available_bytes
 from workbench.capture.graph import JointGraph
 from workbench.capture.workload import Workload, eager_step
+from workbench.cost.calibrate import measured_basis
 from workbench.cost.estimate import Estimate
 from workbench.cost.profiles import allocation_granularity, round_up
 from workbench.errors import WorkbenchError, describe
@@ -59,6 +62,7 @@ class Measurement:
             "step_seconds": self.step_seconds,
             "all_seconds": self.all_seconds,
             "tokens_per_second": self.tokens_per_second,
+            "time_basis": measured_basis(self.device, len(self.all_seconds)),
         }
 
 
@@ -316,3 +320,50 @@ def check_fits(estimated_peak: int, held: int, device: torch.device, what: str) 
             f"{free / 2**30:.2f} GiB free: use a smaller --batch/--seq/--layers, a policy "
             "that recomputes more, or `estimate` with --mode fake"
         )
+
+
+# Trace events a recorded step keeps (torch keeps the newest): a few KB each in the snapshot.
+MAX_TRACE_ENTRIES = 1_000_000
+
+
+@dataclass
+class Recording:
+    """One step run on a GPU with torch's memory history on: its snapshot (what
+    `torch.cuda.memory._snapshot()` returns), and the peaks torch counted for that run; then
+    one more run under `torch.profiler`: its Chrome trace (what `--calibrate` reads)."""
+
+    snapshot: dict[str, Any]
+    chrome_trace: bytes
+    max_allocated: int
+    max_reserved: int
+
+
+def record_cuda_step(run: Callable[[], Any], held: Sequence[Any]) -> Recording:
+    """Run `run` once on the device of `held` (the tensors it reads, which exist before it)
+    recording allocations with their Python frames (`_record_memory_history`), then once
+    under the profiler (CPU and CUDA activities, shapes recorded)."""
+    device = device_of(held)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(
+        "all", context="all", stacks="python", max_entries=MAX_TRACE_ENTRIES, clear_history=True
+    )
+    try:
+        outputs = run()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    del outputs
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with _native_stderr_silenced(), profile(activities=activities, record_shapes=True) as prof:
+        run()
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as trace:
+            chrome_trace = trace.read()
+    return Recording(snapshot, chrome_trace, allocated, reserved)

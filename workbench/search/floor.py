@@ -211,6 +211,8 @@ def floor_table(result: dict[str, Any]) -> str:
             f"{row['est_step_seconds'] * 1e3:>12.3f}{row['below_eager_pct']:>12.2f}%"
         )
     lines.append(f"floor's peak: {result['floor']['set_by']}")
+    if "time_basis" in result:
+        lines.append(f"step time: {result['time_basis'][result['profile']]}")
     solves = result["search"]["solves"]
     lines.append(
         f"search: {result['search']['how']}, {solves['without_offload']} + "

@@ -38,6 +38,7 @@ from workbench.capture.parallel import Parallel
 from workbench.capture.stages import StageLayout, n_layers, trace_stages
 from workbench.capture.trace import trace
 from workbench.capture.tracing import collector_paused
+from workbench.cost.calibrate import time_basis
 from workbench.cost.estimate import Estimator
 from workbench.cost.profiles import get_profile
 from workbench.cost.stages import PipelineModel, StageCache
@@ -144,6 +145,8 @@ class Plan:
             "memory_bytes": self.options.budget_bytes,
             "seq": self.options.seq,
             "global_batch": self.options.batch,
+            # what every layout's step time and tokens/s per GPU, hence the ranking, rest on
+            "time_basis": time_basis([get_profile(self.options.gpu)])[self.options.gpu],
             "configs": [c.to_json() for c in self.configs],
             "pruned": [p.to_json() for p in self.pruned],
             "traces": self.traces,

@@ -353,7 +353,8 @@ function render({ model, el }) {
         h("tr", {}, h("td", {}, "recompute"), h("td", {}, `${m.recompute ?? "-"} (${m.recomputed_nodes ?? 0} ops)`)),
         h("tr", {}, h("td", {}, `step on ${m.profile}`), h("td", {}, m.step ?? "-")),
         h("tr", {}, h("td", {}, "throughput"), h("td", {}, m.tokens_per_second_text ?? "-"))),
-      h("div", { class: "sacwb-hint sacwb-peak-counts" }, `peak memory: ${m.peak_counts ?? "-"}`));
+      h("div", { class: "sacwb-hint sacwb-peak-counts" }, `peak memory: ${m.peak_counts ?? "-"}`),
+      h("div", { class: "sacwb-hint sacwb-time-basis" }, `step time: ${m.time_basis ?? "-"}`));
   };
 
   const drawTimeline = () => {
@@ -367,6 +368,11 @@ function render({ model, el }) {
       const X = (f) => pad + f * (W - 2 * pad), Y = (v) => H - pad - (v / t.max) * (H - 2 * pad - top);
       const pts = values.map((v, i) => `${X(i / (values.length - 1))},${Y(v)}`);
       svg.append(s("polygon", { points: `${X(0)},${H - pad} ${pts.join(" ")} ${X(1)},${H - pad}`, class: "sacwb-timeline-area" }));
+      const measured = t.measured ?? [];  // a loaded memory snapshot's line (`load_snapshot`)
+      if (measured.length > 1) {
+        const line = measured.map((v, i) => `${X(i / (measured.length - 1))},${Y(v)}`);
+        svg.append(s("polyline", { points: line.join(" "), class: "sacwb-timeline-measured" }));
+      }
       const marks = t.marks ?? {}, labels = t.labels ?? {};
       for (const [kind, f] of Object.entries(marks)) {
         const cls = kind === "peak" ? "sacwb-mark-peak" : "sacwb-mark-selected";
@@ -376,7 +382,8 @@ function render({ model, el }) {
           class: `${cls} sacwb-mark-label` }, labels[kind] ?? kind));
       }
     }
-    timeline.replaceChildren(h("div", { class: "sacwb-subtitle" }, `live memory over the step (${t.steps ?? 0} ops)`), svg);
+    const key = t.measured_label ? h("div", { class: "sacwb-hint sacwb-timeline-key" }, `line: ${t.measured_label}`) : "";
+    timeline.replaceChildren(h("div", { class: "sacwb-subtitle" }, `live memory over the step (${t.steps ?? 0} ops)`), svg, key);
   };
 
   const drawDetails = () => {

@@ -6,8 +6,8 @@ the model back after each; the session itself (plain Python) is
 Entry points: `PolicyExplorer(graph_or_workload_or_model_name, policy=...)`, and
 `PolicyExplorer.pipeline(workload, Pipeline(pp=...))` for a pipelined job (the stages side by
 side above the explorer of the open one, `workbench.show.widgets.stages`). Every action is a
-method (`flip`, `search`, `suggest`, `run`, `open_stage`, ...), so it is driven the same from
-a browser, a notebook cell or a test.
+method (`flip`, `search`, `suggest`, `run`, `open_stage`, `load_snapshot`, ...), so it is
+driven the same from a browser, a notebook cell or a test.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from workbench.errors import WorkbenchError
 from workbench.interop.export import FORMATS
 from workbench.show.viz.arrange import PANEL_ASPECT
 from workbench.show.widgets.model import STATE, ExplorerModel
+from workbench.show.widgets.panels import with_measured
 from workbench.show.widgets.session import policy_label
 from workbench.show.widgets.stages import STAGES_STATE, StagesModel
+from workbench.units import format_bytes
 
 __all__ = ["PolicyExplorer"]
 
@@ -135,6 +137,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     ) -> None:
         super().__init__(**kwargs)
         self.stages_model = stages_model  # the stages of a pipelined job (None: one graph)
+        # a loaded memory snapshot's live bytes per step, drawn beside the estimate's
+        self._measured: tuple[list[int], str] | None = None
         if isinstance(source, ExplorerModel):
             self.model = source
         else:
@@ -337,6 +341,33 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self._synced():
             return self.model.run(repeats)
 
+    def load_snapshot(self, path: str | Path, device: int | None = None) -> dict[str, Any]:
+        """A memory snapshot of a run of the current policy's rematerialized graph (torch's
+        `_dump_snapshot` pickle) against its estimate (`compare_snapshot`): the timeline
+        draws the measured live bytes beside the estimate's, and the message says the peaks;
+        returns the comparison's JSON. The line stays, labelled with its policy, until
+        another snapshot is loaded."""
+        from workbench.cost.attribution import compare_snapshot
+        from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
+        from workbench.cost.snapshot import load_snapshot
+        from workbench.rewrite.remat import remat
+
+        m = self.model
+        snapshot = load_snapshot(path)
+        schedule = m.estimator.schedule_for(m.decisions, m.policy.offload)
+        est = m.estimator.simulate(schedule, CUDA_ALLOC_GRANULARITY)
+        gm = remat(m.graph, m.decisions, m.policy.offload).gm if m.passes == "workbench" else None
+        result = compare_snapshot(snapshot, m.estimator, est, gm, device)
+        label = f"measured: {Path(path).name} ({policy_label(m.policy_json)})"
+        with self._synced():
+            self._measured = (result.measured_timeline, label)
+            said = [
+                f"{format_bytes(side['allocated_peak_bytes'])} at {side['allocated_peak_node']}"
+                for side in (result.measured, result.estimated)
+            ]
+            m.message = f"{label}: peak {said[0]}, estimated {said[1]}"
+        return result.to_json()
+
     def open_stage(self, stage: int) -> None:
         """Show stage `stage` of a pipelined job (its own policy and undo stack); the
         profile, layer switch and panel shape carry over."""
@@ -457,6 +488,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self.hold_sync():
             for name in STATE:
                 setattr(self, name, getattr(self.model, name))
+            if self._measured is not None:
+                self.timeline = with_measured(self.model.timeline, *self._measured)
             if self.stages_model is not None:
                 self.stages_model.sync()
                 for name in STAGES_STATE:

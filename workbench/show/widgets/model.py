@@ -419,7 +419,7 @@ class ExplorerModel:
                 f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}"
             )
         self.profile = profile
-        self.metrics = metrics_panel(self.estimate, profile)
+        self.metrics = metrics_panel(self.estimate, profile, self.estimator)
 
     def set_graph_aspect(self, aspect: float) -> None:
         """The picture panel's width / height (the front end says it): the view is arranged
@@ -567,7 +567,7 @@ class ExplorerModel:
             self.decisions = decide(self.graph, self.policy)
         self._estimate = None
         est = self.estimate
-        self.metrics = metrics_panel(est, self.profile)
+        self.metrics = metrics_panel(est, self.profile, self.estimator)
         self.timeline = timeline_panel(est, self.estimator, self.decisions, self.selected)
         self.exports.show(self.policy, self.graph)
         if self.selected:

@@ -2,7 +2,8 @@
 the front end draws these dicts and formats no figure itself (bytes, FLOPs and seconds come
 as text from `workbench.units`).
 
-Entry points: `metrics_panel`, `timeline_panel`, `details_panel`, `legend_panel`,
+Entry points: `metrics_panel`, `timeline_panel` (and `with_measured`, a loaded memory
+snapshot's line beside the estimate's), `details_panel`, `legend_panel`,
 `peak_twins` / `peak_ids` / `peak_words` (what stands for the estimate's peak), `run_status`,
 `offload_line`,
 `budget_slider`, `history_plots`, `search_matches` (what the search box finds) and
@@ -16,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench.capture.graph import JointGraph, NodeInfo
+from workbench.cost.calibrate import time_basis
 from workbench.cost.estimate import Estimate, Estimator
+from workbench.cost.profiles import get_profile
 from workbench.decide.decider import Decisions, decidable, rules_of
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -47,6 +50,7 @@ __all__ = [
     "run_status",
     "search_matches",
     "timeline_panel",
+    "with_measured",
 ]
 
 TIMELINE_POINTS = 240  # columns of the small memory timeline under the metrics
@@ -64,10 +68,17 @@ def peak_counts(est: Estimate) -> str:
     return f"device memory of the whole step {held}"
 
 
-def metrics_panel(est: Estimate, profile: str) -> dict[str, Any]:
+def metrics_panel(
+    est: Estimate, profile: str, estimator: Estimator | None = None
+) -> dict[str, Any]:
     """The estimate's headline figures on `profile`, each as a number and as text; the host
-    row is the host bytes offloaded activations hold at most (`Estimate.host_peak_bytes`)."""
+    row is the host bytes offloaded activations hold at most (`Estimate.host_peak_bytes`);
+    `time_basis` what the step time rests on (`calibrate.time_basis`, of `estimator`)."""
     step = est.step_seconds[profile]
+    if estimator is not None:
+        basis = time_basis(estimator.profiles, estimator.calibration).get(profile, "")
+    else:
+        basis = time_basis([get_profile(profile)])[profile]
     offloaded = len(est.transfers)
     return {
         "peak_bytes": est.peak_bytes,
@@ -92,6 +103,7 @@ def metrics_panel(est: Estimate, profile: str) -> dict[str, Any]:
         "step": format_seconds(step),
         "tokens_per_second": est.tokens / step if step else 0.0,
         "tokens_per_second_text": f"{est.tokens / step:,.0f} tokens/s" if step else "-",
+        "time_basis": basis,
     }
 
 
@@ -130,6 +142,20 @@ def timeline_panel(
     return {"values": downsample(totals, TIMELINE_POINTS), "max": max(totals, default=0),
             "steps": len(totals), "marks": marks, "labels": labels, "width": TIMELINE_WIDTH,
             "placed": place_labels(marks, labels, TIMELINE_WIDTH)}  # fmt: skip
+
+
+def with_measured(timeline: dict[str, Any], measured: list[int], label: str) -> dict[str, Any]:
+    """`timeline` (`timeline_panel`'s) with a measured line beside the estimate's: live bytes
+    per step of the schedule (`SnapshotComparison.measured_timeline`), downsampled as the
+    estimate's, both drawn against the larger maximum; `label` says what was measured.
+
+    >>> t = with_measured({"values": [1, 4], "max": 4}, [2, 6], "measured")
+    >>> t["measured"], t["max"], t["measured_label"]
+    ([2, 6], 6, 'measured')
+    """
+    top = max(measured, default=0)
+    return {**timeline, "measured": downsample(measured, TIMELINE_POINTS),
+            "max": max(timeline.get("max", 0), top), "measured_label": label}  # fmt: skip
 
 
 def place_labels(
