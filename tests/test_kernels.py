@@ -255,7 +255,10 @@ def test_trace_json_says_which_kernels(capsys: pytest.CaptureFixture[str]) -> No
     assert "unknown kernel target 'a100'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("batch", "seq", "block"), [(2, 512, 128), (3, 1024, 256), (2, 200, 128), (2, 64, 128), (1, 300, 128)])
+@pytest.mark.parametrize(
+    ("batch", "seq", "block"),
+    [(2, 512, 128), (3, 1024, 256), (2, 200, 128), (2, 64, 128), (1, 300, 128)],
+)
 def test_causal_block_mask_is_create_block_masks(batch: int, seq: int, block: int) -> None:
     """Built from block tables, the mask torch's create_block_mask makes by evaluating the
     causal mask everywhere: the same counts and, per row, the same blocks (a ragged last block
