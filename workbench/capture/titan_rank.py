@@ -32,9 +32,9 @@ from workbench.capture.kernels import gpu_arch
 from workbench.capture.models.torchtitan import adapt_config, parse_spec, titan_kernels
 from workbench.capture.tracing import (
     Mode,
+    apply_model_kernels,
     kernel_dispatch,
     kernel_notes,
-    lift_constants,
     record_absent_outputs,
 )
 from workbench.capture.workload import Workload
@@ -343,7 +343,7 @@ def trace_titan_rank(
         *bind_token_counts(traced.gm, parallel),
     ]
     graph = _joint_graph(traced, n_params, model_state, workload, mode, parallel, mesh_dims, notes)
-    lifted = lift_constants(graph.gm, switched.names)
+    lifted = apply_model_kernels(graph.gm, switched)
     graph.inputs += [spec for spec, _ in lifted]
     if graph.example_inputs is not None:
         graph.example_inputs += [value for _, value in lifted]
