@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -396,6 +397,9 @@ def eager_run(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if options.mode == "fake" else None
     parallel = options.parallel
     with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        # FSDP2 warns of an in-place op on a unit's view output; the step makes none
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
         mesh = stack.enter_context(fake_process_group(parallel)) if parallel else None
         if fake_mode is not None:
             model, batch = _fake_copy(workload, fake_mode)

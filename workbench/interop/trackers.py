@@ -106,6 +106,10 @@ class _Recording:
     through (`_update_snap`, `_update_peak_stats`) also write the allocation sequence and the
     modules running when the peak rose. The trackers' own figures are left as they are."""
 
+    # Higher-order ops (torchtitan's flex_attention) pass through the tracker, which runs them
+    # as any op and counts their outputs; without this torch refuses them in its modes.
+    supports_higher_order_operators = True
+
     _curr_mem_snap: dict[torch.device, dict[str, int]]
     _peak_mem: dict[torch.device, int]
     _mod_tracker: Any
