@@ -201,9 +201,9 @@ def _titan_wrap() -> Callable[[nn.Module, str], nn.Module]:
 @dataclass
 class EagerRun:
     """One eager train step ready to run: the (wrapped, sharded) model and its batch, the
-    optimizer holding its state. `step()` zeroes nothing it did not make: it runs forward,
-    the loss and `backward`, then hands the gradients back (leaving `.grad` empty), so that
-    repeated runs start alike."""
+    optimizer holding its state. `step()` runs forward, the loss and `backward`, then hands
+    the gradients back and leaves `.grad` empty, so that repeated runs start alike (a
+    measurement's last run frees nothing made before it)."""
 
     name: str
     rule: str

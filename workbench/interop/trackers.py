@@ -205,10 +205,10 @@ def track_step(
     the `TrackedStep`."""
     tracker: MemTracker
     if isinstance(model, FSDPModule):
-        tracker = _FSDPRecorder(model, optimizer)
+        tracker, name = _FSDPRecorder(model, optimizer), "FSDPMemTracker"
         tracker.track_inputs(tuple(held))
     else:
-        tracker = _MemRecorder()
+        tracker, name = _MemRecorder(), "MemTracker"
         tracker.track_external(model, *held)
         if optimizer is not None:
             tracker.track_external(optimizer)
@@ -222,7 +222,7 @@ def track_step(
         for name, size in _named(device_snapshot).items():
             breakdown[name] = breakdown.get(name, 0) + size
     step = TrackedStep(
-        tracker=type(tracker).__mro__[2].__name__,
+        tracker=name,
         peak_bytes=int(total),
         peak_breakdown=breakdown,
         peak_module=module_path(_innermost(recorder.peak_parents)),
