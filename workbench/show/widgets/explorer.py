@@ -345,10 +345,13 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         trackers (`workbench.interop.eager_runs`): rows of the side panel beside the estimate,
         run once per graph (the first call takes as long as three eager steps)."""
         with self._synced():
-            rows = baseline_rows(self.graph, self.workload, self.estimator)
-            self.model.message = "eager baselines: " + "; ".join(
-                f"{r['name']} {r['peak']}" for r in rows
-            )
+            return self._baselines()
+
+    def _baselines(self) -> list[dict[str, Any]]:
+        rows = baseline_rows(self.graph, self.workload, self.estimator)
+        self.model.message = "eager baselines: " + "; ".join(
+            f"{r['name']} {r['peak']}" for r in rows
+        )
         return rows
 
     def open_stage(self, stage: int) -> None:
@@ -433,7 +436,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "sweep": m.sweep,
             "host_budget": lambda: m.set_host_budget(_field(c, "bytes", int)),
             "stage": lambda: self._open_stage(_field(c, "stage", int)),
-            "baselines": lambda: baseline_rows(self.graph, self.workload, self.estimator),
+            "baselines": self._baselines,
         }
         action = c.get("type")
         with self._synced():
