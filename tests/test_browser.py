@@ -204,6 +204,16 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             )
             page.locator(".sacwb-export").scroll_into_view_if_needed()
             page.screenshot(path=str(SHOTS / "explorer-export.png"))
+
+            # 8. the eager baselines, asked once: three rows beside the estimate
+            page.locator(".sacwb-baselines").click()
+            page.wait_for_selector(".sacwb-baselines-table", timeout=300_000)
+            cells = page.locator(".sacwb-baselines-table td:first-child").all_inner_texts()
+            assert cells == ["no AC", "eager SAC", "eager full AC"]
+            side = page.eval_on_selector(".sacwb-side", "s => s.getBoundingClientRect().width")
+            assert side <= 345
+            page.locator(".sacwb-metrics").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "explorer-baselines.png"))
         finally:
             browser.close()
 

@@ -354,7 +354,22 @@ function render({ model, el }) {
         h("tr", {}, h("td", {}, `step on ${m.profile}`), h("td", {}, m.step ?? "-")),
         h("tr", {}, h("td", {}, "throughput"), h("td", {}, m.tokens_per_second_text ?? "-"))),
       h("div", { class: "sacwb-hint sacwb-peak-counts" }, `peak memory: ${m.peak_counts ?? "-"}`),
-      h("div", { class: "sacwb-hint sacwb-time-basis" }, `step time: ${m.time_basis ?? "-"}`));
+      h("div", { class: "sacwb-hint sacwb-time-basis" }, `step time: ${m.time_basis ?? "-"}`),
+      drawBaselines());
+  };
+
+  // the eager baselines (no AC, eager SAC, full AC as eager runs them), once asked
+  const drawBaselines = () => {
+    const rows = model.get("baselines") ?? [];
+    if (!rows.length) {
+      return h("button", { class: "sacwb-baselines", onclick: () => send({ type: "baselines" }),
+        title: "run no AC, eager SAC and eager full AC as eager runs them, under torch's memory trackers (once per graph)" },
+        "Eager baselines");
+    }
+    return h("table", { class: "sacwb-baselines-table" },
+      h("tr", {}, h("th", {}, "eager"), h("th", {}, "peak"), h("th", {}, "reserved"), h("th", {}, "at")),
+      ...rows.map((r) => h("tr", { title: r.rule }, h("td", {}, r.name), h("td", {}, r.peak),
+        h("td", {}, r.reserved), h("td", {}, r.at))));
   };
 
   const drawTimeline = () => {
@@ -482,6 +497,7 @@ function render({ model, el }) {
   model.on("change:focus", applyFocus);
   model.on("change:legend", drawLegend);
   model.on("change:metrics", () => { drawMetrics(); drawBudget(); });
+  model.on("change:baselines", drawMetrics);
   model.on("change:timeline", drawTimeline);
   model.on("change:details", drawDetails);
   model.on("change:policy_json", () => { drawPolicy(); drawControls(); drawHistory(); });

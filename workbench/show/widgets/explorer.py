@@ -33,6 +33,7 @@ from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.export import FORMATS
 from workbench.show.viz.arrange import PANEL_ASPECT
+from workbench.show.widgets.baselines import baseline_rows, cached_rows
 from workbench.show.widgets.model import STATE, ExplorerModel
 from workbench.show.widgets.panels import with_measured
 from workbench.show.widgets.session import policy_label
@@ -118,6 +119,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     graph_aspect = traitlets.Float(PANEL_ASPECT).tag(sync=True)
     # a pipelined job (`PolicyExplorer.pipeline`): the stages' rows and strip, and the
     # stage shown (-1: none)
+    # the eager baselines' rows (`workbench.show.widgets.baselines`), once asked for this graph
+    baselines: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     stages: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     stages_svg = traitlets.Unicode("").tag(sync=True)
     stage = traitlets.Int(-1).tag(sync=True)  # every name in STAGES_STATE
@@ -368,6 +371,20 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             m.message = f"{label}: peak {said[0]}, estimated {said[1]}"
         return result.to_json()
 
+    def show_baselines(self) -> list[dict[str, Any]]:
+        """No AC, eager SAC and eager full AC as eager runs them, under torch's memory
+        trackers (`workbench.interop.eager_runs`): rows of the side panel beside the estimate,
+        run once per graph (the first call takes as long as three eager steps)."""
+        with self._synced():
+            return self._baselines()
+
+    def _baselines(self) -> list[dict[str, Any]]:
+        rows = baseline_rows(self.graph, self.workload, self.estimator)
+        self.model.message = "eager baselines: " + "; ".join(
+            f"{r['name']} {r['peak']}" for r in rows
+        )
+        return rows
+
     def open_stage(self, stage: int) -> None:
         """Show stage `stage` of a pipelined job (its own policy and undo stack); the
         profile, layer switch and panel shape carry over."""
@@ -450,6 +467,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "sweep": m.sweep,
             "host_budget": lambda: m.set_host_budget(_field(c, "bytes", int)),
             "stage": lambda: self._open_stage(_field(c, "stage", int)),
+            "baselines": self._baselines,
         }
         action = c.get("type")
         with self._synced():
@@ -490,6 +508,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 setattr(self, name, getattr(self.model, name))
             if self._measured is not None:
                 self.timeline = with_measured(self.model.timeline, *self._measured)
+            self.baselines = cached_rows(self.graph)
             if self.stages_model is not None:
                 self.stages_model.sync()
                 for name in STAGES_STATE:
