@@ -219,8 +219,8 @@ def track_step(
     total = sum(d.get(TOTAL, 0) for d in peaks.values())
     breakdown: dict[str, int] = {}
     for device_snapshot in peaks.values():
-        for name, size in _named(device_snapshot).items():
-            breakdown[name] = breakdown.get(name, 0) + size
+        for category, size in _named(device_snapshot).items():
+            breakdown[category] = breakdown.get(category, 0) + size
     step = TrackedStep(
         tracker=name,
         peak_bytes=int(total),
