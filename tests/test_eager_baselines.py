@@ -227,3 +227,28 @@ def test_measure_shows_the_tracker_beside_each_measured_baseline() -> None:
         measured = measure_eager(workload, policy, warmup=0, repeats=1)
         assert measured.peak_bytes - tracked.peak_bytes == 8 * 2 * 64
         assert tracked.peak_module == "tok_embeddings"
+
+
+def test_dtensor_reading_shapes_is_not_counted() -> None:
+    """Under TP, DTensor's sharding propagation runs ops on tensors of the global shape to
+    read output metadata; the tracker counts only the rank's local tensors (a column-parallel
+    projection over 8 ranks: its output shard, never the whole)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from workbench.capture.parallel import fake_process_group
+
+    with fake_process_group(Parallel(tp=8)) as mesh, FakeTensorMode() as fake_mode:
+        projection = nn.Linear(1024, 8192, bias=False)
+        parallelize_module(projection, mesh["tp"], ColwiseParallel(use_local_output=False))
+        x = torch.empty(4096, 1024, requires_grad=True)
+
+        def step() -> None:
+            projection(x).to_local().float().sum().backward()
+
+        _, tracked = track_step(step, projection, held=[x])
+    assert fake_mode is not None
+    shard = 4096 * 8192 // 8 * 4  # one fp32 output shard
+    weight, grads = 1024 * 8192 // 8 * 4, 2 * 1024 * 8192 // 8 * 4
+    assert tracked.peak_bytes < weight + grads + x.numel() * 4 + 3 * shard
+    assert tracked.peak_bytes < 4096 * 8192 * 4  # less than one global output

@@ -8,7 +8,8 @@ per-module peaks, the allocation sequence) and `replay_events(events, config)`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from workbench.cost.allocator import AllocatorConfig, AllocatorReplay, Block, CachingAllocator
 
@@ -101,6 +103,28 @@ def replay_events(
     )
 
 
+@contextlib.contextmanager
+def _shapes_untracked(recorder: Any) -> Iterator[None]:
+    """DTensor's sharding propagation runs ops on tensors of the *global* shape to read the
+    output's metadata; inside a tracker's mode those count as allocations, which no device
+    makes (a full-vocabulary fp32 logits tensor per propagation under TP). While it runs, the
+    recorder lets ops through uncounted."""
+    propagator = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def uncounted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.propagating += 1
+        try:
+            return propagator(self, *args, **kwargs)
+        finally:
+            recorder.propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = uncounted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagator  # type: ignore[method-assign]
+
+
 class _Recording:
     """Mixed into torch's trackers: the two of their methods every count and every peak goes
     through (`_update_snap`, `_update_peak_stats`) also write the allocation sequence and the
@@ -114,7 +138,13 @@ class _Recording:
     _peak_mem: dict[torch.device, int]
     _mod_tracker: Any
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.propagating:  # DTensor reading shapes (`_shapes_untracked`): nothing allocated
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+
     def _start_recording(self) -> None:
+        self.propagating = 0
         self.events: list[tuple[int, int]] = []
         self.peak_parents: set[str] = {"Global"}
         self.peak_in_backward = False
@@ -212,7 +242,7 @@ def track_step(
         tracker.track_external(model, *held)
         if optimizer is not None:
             tracker.track_external(optimizer)
-    with tracker:
+    with tracker, _shapes_untracked(tracker):
         outputs = run()
     recorder: Any = tracker
     peaks = tracker.get_tracker_snapshot("peak")
