@@ -26,7 +26,7 @@ from workbench.decide.policy import Policy
 from workbench.show.viz import View
 from workbench.show.viz.render import EDGE_WORDS, OFFLOAD_EDGE_WORDS
 from workbench.show.viz.style import COLLECTIVE_WORDS
-from workbench.show.widgets.session import policy_label
+from workbench.show.widgets.policy_state import policy_label
 from workbench.units import byte_ticks, format_bytes, format_flops, format_seconds
 
 __all__ = [
