@@ -170,9 +170,14 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             if not isinstance(pipeline, Pipeline):
                 raise WorkbenchError("a workload is split by a Pipeline(pp=...), not a layout")
             stages = StagesModel.trace(
-                source, pipeline, mode=mode, parallel=parallel,
-                policy=policy, profile=profile, budget_bytes=budget_bytes,
-            )  # fmt: skip
+                source,
+                pipeline,
+                mode=mode,
+                parallel=parallel,
+                policy=policy,
+                profile=profile,
+                budget_bytes=budget_bytes,
+            )
         else:
             layout = pipeline if isinstance(pipeline, StageLayout) else None
             if layout is None:
@@ -180,8 +185,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                     "stage graphs come with their StageLayout (Pipeline.layout(n_layers)); "
                     "give a Workload to trace them under a Pipeline"
                 )
-            stages = StagesModel(source, layout, policy, profile=profile,
-                                 budget_bytes=budget_bytes)  # fmt: skip
+            stages = StagesModel(source, layout, policy, profile=profile, budget_bytes=budget_bytes)
         widget = cls(stages.open(stage), stages_model=stages, **kwargs)
         if stages.notes:
             widget.model.message = " · ".join(stages.notes)
