@@ -1164,9 +1164,16 @@ function render({ model, el, experimental }) {
   const lines = messagePanel(ctx);
   const legend = legendPanel(ctx);
   const graph = graphPanel(ctx);
-  const side = [metricsPanel, timelinePanel, detailsPanel, policyPanel, suggestPanel]
-    .concat([switchesPanel, historyPanel, exportPanel])
-    .map((panel) => panel(ctx));
+  const side = [
+    metricsPanel,
+    timelinePanel,
+    detailsPanel,
+    policyPanel,
+    suggestPanel,
+    switchesPanel,
+    historyPanel,
+    exportPanel,
+  ].map((panel) => panel(ctx));
   el.classList.add("sacwb");
   el.append(
     stages.element,
