@@ -614,8 +614,7 @@ def test_every_model_state_is_a_synced_traitlet_and_repr_names_the_session(
     small_graphs: dict[str, Fixture], tmp_path: Path
 ) -> None:
     ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
-    # `baselines`: the widget's own rows per graph (`show.widgets.baselines`), not the session's
-    synced = set(ex.keys) - {"presets", "profiles", "export_formats", "baselines"}
+    synced = set(ex.keys) - {"presets", "profiles", "export_formats"}
     assert {n for n in synced if not n.startswith("_") and n not in ("layout", "tabbable",
             "tooltip")} == set(STATE) | set(STAGES_STATE)  # fmt: skip
     for name in STATE:

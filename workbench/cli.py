@@ -325,8 +325,9 @@ def _table(rows: list[dict[str, Any]], indent: str) -> list[str]:
     cells = [[_cell(c, row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = [indent + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    return line + [indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
-                   for r in cells]  # fmt: skip
+    return line + [
+        indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells
+    ]
 
 
 def _print_human(result: dict[str, Any]) -> None:
