@@ -71,15 +71,7 @@ class GraphRules:
     def decide(self, policy: Policy) -> Decisions:
         """Every decidable node's tag under `policy` (`decide_ops` on the plan: a flip
         re-decides only the nodes it can change). `validate` the policy first."""
-        return decide_ops(
-            self.facts,
-            policy.preset,
-            [s.row() for s in policy.selectors],
-            policy.overrides,
-            policy.fsdp_reshard,
-            policy.offload,
-            self.plan,
-        )
+        return decide_ops(self.facts, policy.request(), self.plan)
 
     def offload_refusal(self, name: str, decisions: Mapping[str, Tag], preset: str) -> str | None:
         """Why `name` may not be offloaded under `decisions` (None if it may)."""

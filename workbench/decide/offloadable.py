@@ -16,12 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.decide.facts import MIN_OFFLOAD_BYTES, OpFacts
 from workbench.decide.plan import DecidePlan, decide_plan, replayed_by
-from workbench.decide.presets import (
-    OFFLOAD_PRESETS,
-    TITAN_NOT_IN_LAYERS,
-    TITAN_PRESETS,
-    titan_layer,
-)
+from workbench.decide.presets import DIALECTS, WORKBENCH, Dialect, Preset, preset_record
 from workbench.decide.tags import SelectorRow, Tag, Why
 
 
@@ -82,13 +77,15 @@ TITAN_VIEW_OPS = frozenset(
 )
 
 
-def offload_refusal(f: OpFacts, last: int | None, titan: bool = False) -> str | None:
+def offload_refusal(f: OpFacts, last: int | None, dialect: Dialect = WORKBENCH) -> str | None:
     """Why `f`'s output may not be offloaded, or None if it may: it must be one contiguous
     tensor of at least `MIN_OFFLOAD_BYTES` owning its storage (offloading a view frees
-    nothing), made in a layer other than the last, by no random, in-place or communication
-    op, with nothing writing into it later, not returned by the step. The `titan-*` presets
-    check what graph trainer checks: its view list instead of storages, no random, in-place
-    or output rule (the pass still skips what it cannot offload safely)."""
+    nothing), made in a layer other than the last (`last`, as the dialect reads layers), by
+    no random, in-place or communication op, with nothing writing into it later, not
+    returned by the step. Graph trainer's dialect checks what graph trainer checks: its view
+    list instead of storages, no random, in-place or output rule (the pass still skips what
+    it cannot offload safely)."""
+    rules = DIALECTS[dialect]
     storage = f.storage
     if storage is None:
         return Refusal.NOT_ONE_TENSOR.say()
@@ -96,12 +93,12 @@ def offload_refusal(f: OpFacts, last: int | None, titan: bool = False) -> str | 
         return Refusal.FSDP_CHAIN.say()
     if f.op.startswith("_c10d_functional."):
         return Refusal.COLLECTIVE.say()
-    layer = titan_layer(f.module) if titan else f.layer
-    if layer in (None, TITAN_NOT_IN_LAYERS):
+    layer = rules.layer(f)
+    if layer is None:
         return Refusal.OUTSIDE_LAYERS.say()
     if layer == last:
         return Refusal.LAST_LAYER.say(layer)
-    if titan:
+    if not rules.storage_checks:
         if f.op.split(".")[1:2] and f.op.split(".")[1] in TITAN_VIEW_OPS:
             return Refusal.VIEW_OP.say()
     else:
@@ -150,9 +147,9 @@ def offload_refusal_in(
     """Why node `name` may not be offloaded under `tags` (the rules and the keep test of
     `decide_offload`, budget aside), or None if it may. Reads the facts through their
     `plan`: a flip or a look at one node costs that node's users, not the graph."""
-    titan = preset in TITAN_PRESETS
+    dialect = preset_record(preset).dialect
     by_name = plan.by_name
-    refusal = offload_refusal(by_name[name], plan.last_layers[titan], titan)
+    refusal = offload_refusal(by_name[name], plan.last_layers[dialect], dialect)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
         return Refusal.NOT_READ.say()
     return refusal
@@ -164,7 +161,7 @@ def may_offload(
     """Whether a policy asks for any offload (its preset, a selector or an override): the
     offload step has nothing to do otherwise, the common case on every re-decision."""
     return (
-        preset in OFFLOAD_PRESETS
+        preset_record(preset).offloads is not None
         or any(row[2] == "offload" for row in selectors)
         or "offload" in (overrides or {}).values()
     )
@@ -173,7 +170,7 @@ def may_offload(
 def decide_offload(
     facts: Sequence[OpFacts],
     tags: dict[str, Tag],
-    preset: str,
+    preset: Preset,
     options: OffloadOptions,
     plan: DecidePlan | None = None,
 ) -> None:
@@ -184,9 +181,10 @@ def decide_offload(
     first (graph order among equals) while they fit; the rest go back to their preset's
     save (`OFFLOAD_REFUSED` when asked for by name). The facts' `plan`, when given,
     saves the lookups built from them."""
-    titan = preset in TITAN_PRESETS
+    dialect, offloads = preset.dialect, preset.offloads is not None
+    storage_checks = DIALECTS[dialect].storage_checks
     plan = plan or decide_plan(facts)
-    last = plan.last_layers[titan]
+    last = plan.last_layers[dialect]
     kept = kept_for_backward(tags, plan.by_name)
     chosen: list[OpFacts] = []
     before: dict[str, Tag] = {}
@@ -195,19 +193,20 @@ def decide_offload(
         if tag.recompute:
             continue
         asked = tag.offload
-        if not asked and (preset not in OFFLOAD_PRESETS or tag.why in (Why.SELECTOR, Why.OVERRIDE)):
+        if not asked and (not offloads or tag.why in (Why.SELECTOR, Why.OVERRIDE)):
             continue
-        refusal = offload_refusal(f, last, titan)
+        refusal = offload_refusal(f, last, dialect)
         if refusal is None and not kept(f):
-            titan_save = titan and tag.policy is CheckpointPolicy.MUST_SAVE
-            refusal = None if titan_save else Refusal.NOT_READ.say()
+            # graph trainer offloads its MUST_SAVE tags, read in backward or not
+            unread = not storage_checks and tag.policy is CheckpointPolicy.MUST_SAVE
+            refusal = None if unread else Refusal.NOT_READ.say()
         if refusal is not None:
             if asked:
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, refusal)
             continue
         before[f.name] = tag
         if not asked:  # MUST_: the one offload tag graph trainer's offload pass reads
-            tags[f.name] = Tag(CheckpointPolicy.MUST_CPU_OFFLOAD, Why.PRESET, preset)
+            tags[f.name] = Tag(CheckpointPolicy.MUST_CPU_OFFLOAD, Why.PRESET, preset.name)
         chosen.append(f)
     budget, used = options.budget_bytes, 0
     if budget is None:
