@@ -92,7 +92,8 @@ def row(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> tu
 def test_what_may_not_be_offloaded_says_why(kw: dict[str, object], reason: str) -> None:
     module = str(kw.pop("module", "layers.0.ff"))
     (facts,) = op_facts([row("a", module, **kw)])  # type: ignore[list-item]
-    assert reason in str(offload_refusal(facts, last=1))
+    refused = offload_refusal(facts, last=1)
+    assert refused is not None and reason in refused.words
     (fine,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
     assert offload_refusal(fine, last=1) is None
 
@@ -150,7 +151,7 @@ def test_refused_requests_are_saved_with_the_reason_and_the_budget_is_largest_fi
         ),
     )
     assert asked["small"].why is Why.OFFLOAD_REFUSED and "over the offload budget" in (
-        asked["small"].detail
+        asked["small"].detail_words
     )
     assert asked["last"].explanation.startswith("offload refused: is in the last layer")
     assert asked["last"].policy is CheckpointPolicy.MUST_SAVE and not asked["last"].forced
@@ -171,7 +172,7 @@ def test_eager_tag_saves_an_offload_request() -> None:
     (facts,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
     overrides = {"layers.*.ff::aten.mm.default#0": "offload"}
     tag = eager_tag(facts, PRESETS["none"].rule(), Request("none", overrides=overrides))
-    assert tag.why is Why.OFFLOAD_REFUSED and "eager SAC cannot offload" in tag.detail
+    assert tag.why is Why.OFFLOAD_REFUSED and "eager SAC cannot offload" in tag.detail_words
 
 
 def test_flip_cycles_save_recompute_offload(small_graphs: dict[str, Fixture]) -> None:
@@ -185,7 +186,7 @@ def test_flip_cycles_save_recompute_offload(small_graphs: dict[str, Fixture]) ->
     last = next(n for n, i in graph.nodes.items() if i.op == "aten.mm.default" and i.layer == 1)
     recompute = Policy("full")
     action, why = next_action(graph, recompute, last, decide(graph, recompute))
-    assert action == "save" and "last layer" in str(why)
+    assert action == "save" and why is not None and "last layer" in why.words
 
 
 # --- policy files -----------------------------------------------------------------------

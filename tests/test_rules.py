@@ -41,7 +41,6 @@ from workbench.decide.engine import (
 from workbench.decide.facts import OpFacts, op_facts
 from workbench.decide.offloadable import (
     OffloadOptions,
-    Refusal,
     decide_offload,
     kept_for_backward,
     offload_refusal,
@@ -50,7 +49,7 @@ from workbench.decide.offloadable import (
 from workbench.decide.plan import decide_plan, last_layer
 from workbench.decide.policy import Policy, Selector
 from workbench.decide.presets import GRAPH_TRAINER, PRESETS, preset_record
-from workbench.decide.tags import SelectorRow, Tag, Why
+from workbench.decide.tags import Refusal, Refused, SelectorRow, Tag, Why
 from workbench.interop.export import export, rules_source
 
 
@@ -325,13 +324,13 @@ def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
 
 def _plain_offload_refusal(
     facts: list[OpFacts], tags: dict[str, Tag], name: str, preset: str
-) -> str | None:
+) -> Refused | None:
     """`offload_refusal_in` from the facts alone: the look-ups built afresh for each node."""
     dialect = preset_record(preset).dialect
     by_name = {f.name: f for f in facts}
     refusal = offload_refusal(by_name[name], last_layer(facts, dialect), dialect)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
-        return Refusal.NOT_READ.say()
+        return Refused(Refusal.NOT_READ)
     return refusal
 
 

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from workbench.capture.graph import JointGraph
-from workbench.decide.offloadable import OffloadOptions, Refusal
-from workbench.decide.tags import RECOMPUTE, Tag
+from workbench.decide.facts import StorageView, needed_aliases
+from workbench.decide.offloadable import OffloadOptions, OffloadView, examine_offload
+from workbench.decide.tags import RECOMPUTE, Refused, Tag
 from workbench.errors import WorkbenchError
 from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.placement import Offloaded, Place, interleave_arrays, place_offloads_arrays
@@ -170,11 +171,11 @@ def saved_bytes_by_node(graph: JointGraph, decisions: Mapping[str, Tag] | None) 
 
 def offload_schedule(
     index: GraphIndex, flat: Flat, names: Sequence[str], options: OffloadOptions
-) -> tuple[Flat, dict[str, str]]:
+) -> tuple[Flat, dict[str, Refused]]:
     """The schedule `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
-    it offloads the nodes `names`: the same skips in the same words (`Refusal`: not a
-    forward op, not one tensor, an alias, returned, written in place, not read in
-    backward), `Offloaded` read off the schedule, then THE placement
+    it offloads the nodes `names`: the same skips for the same reasons (`examine_offload`,
+    which the pass asks too: not a forward op, not one tensor, an alias, returned, written
+    in place, not read in backward), `Offloaded` read off the schedule, then THE placement
     (`place_offloads_arrays`, `interleave`); each wait for a reload is followed by the
     forward views backward reads, replayed on it, and backward readers read the reload.
     Returns the schedule and the skipped names with why."""
@@ -189,29 +190,19 @@ def offload_schedule(
     by_read = np.argsort(flat.read, kind="stable")
     start = np.searchsorted(flat.read[by_read], np.arange(3 * n + 1))
     readers_at = flat.reader[by_read]
-    call, single = index.offload_facts[:2]
-    skipped: dict[str, str] = {}
+    view = _offload_view(index, entries, position, start, readers_at, end)
+    skipped: dict[str, Refused] = {}
     wanted: list[tuple[int, list[int], Offloaded]] = []  # node, needed aliases, facts
     for name in names:
         i = index.index_of.get(name, -1)
-        p = int(position[i]) if i >= 0 else -1
-        if not 0 <= p < end or not call[i]:
-            skipped[name] = Refusal.NOT_FORWARD.say()
-            continue
-        if not single[i]:
-            skipped[name] = Refusal.NOT_ONE_TENSOR.say()
-            continue
-        if index.value_slots[i] < 0:
-            skipped[name] = Refusal.ALIAS.say()
-            continue
-        found = _examine(index, i, start, readers_at, entries, end)
-        if isinstance(found, str):
+        found = examine_offload(i, view)
+        if isinstance(found, Refused):
             skipped[name] = found
             continue
-        last, readers, read_aliases, aliases = found
-        wanted.append(
-            (i, _needed(index, aliases, read_aliases), Offloaded(p, max(p, last), min(readers)))
-        )
+        p = int(position[i])
+        last = _last_forward_use(index, found.forward, entries, start, readers_at, end)
+        needed = needed_aliases(sorted(found.aliases), found.read_aliases, index.args.__getitem__)
+        wanted.append((i, needed, Offloaded(p, max(p, last), min(found.readers))))
     if not wanted:
         return flat, skipped
     wanted.sort(key=lambda w: w[2].producer)
@@ -220,67 +211,62 @@ def offload_schedule(
     return _interleaved(index, flat, end, wanted, places), skipped
 
 
-def _examine(
+def _offload_view(
     index: GraphIndex,
-    i: int,
+    entries: np.ndarray,
+    position: np.ndarray,
     start: np.ndarray,
     readers_at: np.ndarray,
-    entries: np.ndarray,
     end: int,
-) -> str | tuple[int, list[int], set[int], list[int]]:
-    """`offload._examine` on the schedule: the last forward reader's position (a collective's
-    wait for an asynchronous collective, as `offload._last_forward_use`), the
-    backward readers' positions, the aliases they read and every forward alias of the
-    value's storage (forward users whose output aliases it, transitively); or why not."""
+) -> OffloadView:
+    """A rematerialized schedule as `examine_offload` reads it: values are node indices,
+    their readers positions in the schedule (`readers_at[start[i] : start[i + 1]]`), forward
+    every position before `end`; a value shares the storage walked where it has an output
+    slot aliasing a value already found (`_aliases`)."""
     n = index.n
-    writes, until_wait = index.offload_facts[2:]
-    aliases: list[int] = []
-    readers: list[int] = []
-    read_aliases: set[int] = set()
+    call, single, writes = index.offload_facts[:3]
+    return OffloadView(
+        forward_op=lambda i: i >= 0 and 0 <= int(position[i]) < end and bool(call[i]),
+        one_tensor=lambda i: bool(single[i]),
+        fresh=lambda i: bool(index.value_slots[i] >= 0),
+        name=lambda i: index.names[i],
+        storage=StorageView(
+            readers=lambda i: readers_at[start[i] : start[i + 1]].tolist(),
+            value=lambda q: int(entries[q]),
+            is_output=lambda q: int(entries[q]) == index.output,
+            in_backward=lambda q: q >= end,
+            shares=lambda u, seen: u < n and _aliases(index, u, seen),
+            writes=lambda u: bool(writes[u]),
+        ),
+    )
+
+
+def _last_forward_use(
+    index: GraphIndex,
+    forward: list[int],
+    entries: np.ndarray,
+    start: np.ndarray,
+    readers_at: np.ndarray,
+    end: int,
+) -> int:
+    """`offload._last_forward_use` on the schedule: the last forward reader's position
+    (`forward`, of the value or an alias), or an asynchronous collective's wait; -1 for
+    none."""
+    until_wait = index.offload_facts[3]
     last = -1
-    todo, seen = [i], {i}
-    while todo:
-        a = todo.pop()
-        for q in readers_at[start[a] : start[a + 1]].tolist():
-            u = int(entries[q])
-            if u == index.output:
-                return Refusal.RETURNED.say()
-            if q >= end:
-                readers.append(q)
-                if a != i:
-                    read_aliases.add(a)
-                continue
-            last = max(last, q)
-            if u < n and until_wait[u]:  # an asynchronous collective reads until its wait
-                waits = readers_at[start[u] : start[u + 1]]
-                last = max([last, *(int(w) for w in waits.tolist() if w < end)])
-            if u < n and u not in seen and _aliases(index, u, seen):
-                if writes[u]:
-                    return Refusal.WRITTEN_BY.say(index.names[u])
-                seen.add(u)
-                aliases.append(u)
-                todo.append(u)
-    if not readers:
-        return Refusal.NOT_READ.say()
-    return last, readers, read_aliases, sorted(aliases)
+    for q in forward:
+        last = max(last, q)
+        u = int(entries[q])
+        if u < index.n and until_wait[u]:  # an asynchronous collective reads until its wait
+            waits = readers_at[start[u] : start[u + 1]]
+            last = max([last, *(int(w) for w in waits.tolist() if w < end)])
+    return last
 
 
 def _aliases(index: GraphIndex, u: int, of: set[int]) -> bool:
     """Node `u` has an output slot aliasing one of the nodes `of`."""
     args = index.args[u]
     return any(isinstance(s, tuple) and args[s[0]] in of for s in index.slots[u])
-
-
-def _needed(index: GraphIndex, aliases: list[int], read: set[int]) -> list[int]:
-    """The aliases backward reads and the aliases they are made from, in graph order."""
-    members, needed = set(aliases), set()
-    todo = list(read)
-    while todo:
-        a = todo.pop()
-        if a not in needed:
-            needed.add(a)
-            todo.extend(x for x in index.args[a] if x in members)
-    return [a for a in aliases if a in needed]
 
 
 def _interleaved(

@@ -22,7 +22,7 @@ from workbench.decide.facts import OpFacts, fx_rows, op_facts
 from workbench.decide.offloadable import offload_refusal_in
 from workbench.decide.plan import DecidePlan, decide_plan
 from workbench.decide.policy import Action, Policy
-from workbench.decide.tags import Tag, Why
+from workbench.decide.tags import Refused, Tag, Why
 from workbench.errors import WorkbenchError
 
 __all__ = [
@@ -73,7 +73,9 @@ class GraphRules:
         re-decides only the nodes it can change). `validate` the policy first."""
         return decide_ops(self.facts, policy.request(), self.plan)
 
-    def offload_refusal(self, name: str, decisions: Mapping[str, Tag], preset: str) -> str | None:
+    def offload_refusal(
+        self, name: str, decisions: Mapping[str, Tag], preset: str
+    ) -> Refused | None:
         """Why `name` may not be offloaded under `decisions` (None if it may)."""
         return offload_refusal_in(self.plan, decisions, name, preset)
 
@@ -176,7 +178,7 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
 
 def next_action(
     graph: JointGraph, policy: Policy, node: str, decisions: Decisions
-) -> tuple[Action, str | None]:
+) -> tuple[Action, Refused | None]:
     """The decision a flip gives `node`, cycling save -> recompute -> offload -> save, and
     why offload was skipped when the cycle passes over it (None otherwise). Forced saves
     cannot flip: the error says why."""
@@ -188,7 +190,7 @@ def next_action(
     if not current.recompute:
         return "recompute", None
     refusal = rules_of(graph).offload_refusal(node, decisions, policy.preset)
-    return ("save", f"{node} {refusal}") if refusal else ("offload", None)
+    return ("save", refusal) if refusal else ("offload", None)
 
 
 def flip(

@@ -28,7 +28,7 @@ from workbench.decide.presets import (
     preset_record,
     preset_rule,
 )
-from workbench.decide.tags import MUST, SelectorRow, Tag, Why
+from workbench.decide.tags import MUST, Refusal, Refused, SelectorRow, Tag, Why
 
 
 class Request(NamedTuple):
@@ -487,7 +487,7 @@ def eager_tag(
         return Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
     tag = requested(facts, rule, request)
     if tag.offload:
-        return Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, "eager SAC cannot offload")
+        return Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, Refused(Refusal.EAGER_SAC))
     if not tag.recompute and facts.layer_key in written_later:
         detail = "forward writes its output in place later: eager SAC recomputes it"
         return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.WRITTEN_INPUT, detail)

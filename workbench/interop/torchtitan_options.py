@@ -169,7 +169,8 @@ def _titan_unsound(graph: JointGraph, memory_policy: str) -> list[tuple[str, str
     why = (
         f"graph trainer's own {memory_policy!r} tagging recomputes {len(written)} nodes whose "
         f"recompute would not see what forward saw ({named}; e.g. "
-        f"{decisions[written[0]].detail}), so its loss and gradients would differ from eager's"
+        f"{decisions[written[0]].detail_words}), so its loss and gradients would differ from "
+        "eager's"
     )
     return [("a sound run on this graph", why)]
 

@@ -56,7 +56,7 @@ def _decisions_by_reason(decisions: Decisions) -> dict[str, dict[str, int]]:
 def _written_in_place(graph: JointGraph, decisions: Decisions) -> list[dict[str, str]]:
     """The nodes the in-place rule saved (`Why.WRITTEN_INPUT`), each with why."""
     return [
-        {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail}
+        {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail_words}
         for n, t in decisions.items()
         if t.why is Why.WRITTEN_INPUT
     ]
@@ -126,7 +126,9 @@ def _offload_placement(policy: Policy, graph: JointGraph | None) -> dict[str, An
         },
         "only_graph_trainer": sorted(set(tagged) - set(passed)),
         "only_workbench": sorted(set(passed) - set(tagged)),
-        "skipped_by_pass": passes.workbench.meta[OFFLOAD_META].skipped,
+        "skipped_by_pass": {
+            name: why.words for name, why in passes.workbench.meta[OFFLOAD_META].skipped.items()
+        },
     }
     return result
 
