@@ -196,7 +196,7 @@ def test_entry_node_reads_every_entry_space(small_graphs: dict[str, Fixture]) ->
     index = Estimator(graph, PROFILES).index
     n = index.n
     entries = np.array([5, n + 5, 2 * n + 5, 3 * n + 4 * 5, 3 * n + 4 * 5 + 3])
-    assert index.entry_node(entries).tolist() == [5] * 5
+    assert index.space.node(entries).tolist() == [5] * 5
 
 
 @given(
