@@ -430,10 +430,10 @@ def test_a_preset_registered_once_is_seen_everywhere(
         tagged = {n.name: n.meta.get("recompute") for n in gm.graph.nodes if n.name in decisions}
         assert tagged == {n: t.policy for n, t in decisions.items()}
 
-        explorer = PolicyExplorer(graph, NEW_PRESET)
+        explorer = PolicyExplorer(graph, NEW_PRESET, autosave=tmp_path / "explorer.json")
         assert NEW_PRESET in explorer.presets and explorer.policy_json["preset"] == NEW_PRESET
     finally:
         del PRESETS[NEW_PRESET]
-    assert NEW_PRESET not in PolicyExplorer(graph).presets
+    assert NEW_PRESET not in PolicyExplorer(graph, autosave=tmp_path / "after.json").presets
     with pytest.raises(WorkbenchError, match=f"unknown preset '{NEW_PRESET}'"):
         Policy(NEW_PRESET)

@@ -19,6 +19,7 @@ import torch
 from workbench.capture.ops import (
     ALL_GATHER,
     WAIT,
+    NodeKey,
     is_random,
     layer_of,
     layer_pattern,
@@ -207,7 +208,8 @@ class OpCounter:
             self.matmuls[layer] += 1
         k = self.seen[(module, op)]
         self.seen[(module, op)] += 1
-        key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
+        own = NodeKey(module, op, k)
+        key, layer_key = own.in_module(layer_pattern(module)).text, own.text
         return OpFacts(
             name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
             key, layer_key, gather, storage, inputs, alias, writes, unshard_output,
