@@ -15,7 +15,7 @@ from workbench.capture.models import Workload
 from workbench.capture.workload import eager_step
 from workbench.decide.decider import decide, layer_key, node_keys
 from workbench.decide.policy import Policy, Selector
-from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.decide.presets import GRAPH_TRAINER, PRESETS
 from workbench.decide.tags import Why
 from workbench.errors import WorkbenchError
 from workbench.interop.eager import (
@@ -42,7 +42,11 @@ CUSTOM = Policy(
 # The workbench's own presets: the titan-* ones reproduce graph trainer, not eager SAC.
 POLICIES: dict[str, Policy] = {
     # offload presets run in eager SAC as their base preset (test_offload checks that)
-    **{name: Policy(name) for name in PRESETS if name not in (*TITAN_PRESETS, "offload")},
+    **{
+        name: Policy(name)
+        for name, preset in PRESETS.items()
+        if preset.dialect != GRAPH_TRAINER and name != "offload"
+    },
     "custom": CUSTOM,
 }
 # Graph nodes eager SAC never sees: torch's SAC ignores aten.detach (SAC_IGNORED_OPS), and

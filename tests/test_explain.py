@@ -22,7 +22,7 @@ from workbench.decide.decider import decide
 from workbench.decide.engine import STEPS, TITAN_STEPS
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
-from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.decide.presets import GRAPH_TRAINER, PRESETS
 from workbench.interop import titan
 from workbench.interop.titan import DIFFERENCES, differences_of, differences_table
 from workbench.interop.titan_offload import (
@@ -138,7 +138,7 @@ def test_explain_reports_the_offload_comparison_it_ran(
 
 @pytest.mark.parametrize("preset", ["default", "offload", "titan-eager"])
 def test_explain_reads_the_steps_from_the_engine(preset: str) -> None:
-    record = TITAN_STEPS if preset in TITAN_PRESETS else STEPS
+    record = TITAN_STEPS if PRESETS[preset].dialect == GRAPH_TRAINER else STEPS
     result = explain(preset)
     assert result["steps"] == [step.words for step in record]
     text = explain_text(result)
@@ -159,7 +159,9 @@ def test_only_eager_differs_outside_the_layers_and_full_has_no_save_list() -> No
     assert "save list" not in {d.key for d in differences_of("full")}
 
 
-@pytest.mark.parametrize("preset", sorted(TITAN_PRESETS))
+@pytest.mark.parametrize(
+    "preset", sorted(name for name, p in PRESETS.items() if p.dialect == GRAPH_TRAINER)
+)
 def test_titan_presets_are_graph_trainers_and_list_no_difference(preset: str) -> None:
     result = explain(preset)
     assert result["differences"] == [] and result["steps"][0].startswith("nodes of `lm_head*`")
@@ -176,7 +178,7 @@ def test_rule_words_are_the_presets_docstring_and_requests_are_listed() -> None:
         overrides={"layers.*.attention::aten.mul.Tensor#0": "save"},
     )
     result = explain(policy)
-    assert result["rule"] == " ".join((PRESETS["none"].__doc__ or "").split())
+    assert result["rule"] == " ".join((PRESETS["none"].rule.__doc__ or "").split())
     assert result["graph_trainer_counterpart"] is None and result["differences"] == []
     text = explain_text(result)
     assert "selector layers.*.attention::aten.mm.default: recompute" in text

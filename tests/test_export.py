@@ -533,4 +533,5 @@ def test_graph_pass_export_carries_offload_tags_and_options() -> None:
     policy = Policy("offload", offload=OffloadOptions(budget_bytes=2**20))
     code = export(policy, "graph_pass")
     assert "OFFLOAD_OPTIONS = (1048576, 1, 0)" in code
-    assert "decide_ops(facts, PRESET, SELECTORS, OVERRIDES, FSDP_RESHARD, offload)" in code
+    assert "offload=OffloadOptions(*OFFLOAD_OPTIONS)" in code
+    assert "tags = decide_ops(facts, request)" in code

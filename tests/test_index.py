@@ -12,7 +12,7 @@ from workbench.cost.replay import recompute_flags, replay
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.rewrite.index import GraphIndex, graph_index
-from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule, offload_entry, offload_step
+from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule
 
 PRESETS = ["none", "default", "eager", "full"]
 
@@ -120,11 +120,12 @@ def test_offload_entries_name_their_node_and_step(graphs: dict[str, JointGraph])
     n = index.n
     nodes = np.repeat(np.arange(n), len(OFFLOAD_STEPS))
     steps = np.tile(np.arange(len(OFFLOAD_STEPS)), n)
-    entries = offload_entry(n, nodes, steps)
+    space = index.space
+    entries = space.offload(nodes, steps)
     assert entries.min() == 3 * n and len(set(entries.tolist())) == len(entries)
-    assert (offload_step(n, entries) == steps).all()
-    assert (index.entry_node(entries) == nodes).all()
-    assert offload_entry(n, 5, 3) == 3 * n + 23 and offload_step(n, 3 * n + 23) == 3
+    assert (space.step(entries) == steps).all()
+    assert (space.node(entries) == nodes).all()
+    assert space.offload(5, 3) == 3 * n + 23 and space.step(3 * n + 23) == 3
 
 
 @pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])

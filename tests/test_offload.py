@@ -25,7 +25,7 @@ from workbench.cli import main
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.measure import bitwise_mismatches
 from workbench.decide.decider import decide, flip, next_action, node_keys, rules_of
-from workbench.decide.engine import decide_ops, eager_tag
+from workbench.decide.engine import Request, decide_ops, eager_tag
 from workbench.decide.facts import MIN_OFFLOAD_BYTES, Storage, alias_input, op_facts, storage_of
 from workbench.decide.offloadable import OffloadOptions, offload_refusal
 from workbench.decide.policy import Policy
@@ -92,7 +92,8 @@ def row(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> tu
 def test_what_may_not_be_offloaded_says_why(kw: dict[str, object], reason: str) -> None:
     module = str(kw.pop("module", "layers.0.ff"))
     (facts,) = op_facts([row("a", module, **kw)])  # type: ignore[list-item]
-    assert reason in str(offload_refusal(facts, last=1))
+    refused = offload_refusal(facts, last=1)
+    assert refused is not None and reason in refused.words
     (fine,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
     assert offload_refusal(fine, last=1) is None
 
@@ -132,22 +133,25 @@ def test_refused_requests_are_saved_with_the_reason_and_the_budget_is_largest_fi
         row("last", "layers.1.ff", users=("bwd",)),
     ]
     facts = op_facts(rows)  # type: ignore[arg-type]
-    tags = decide_ops(facts, "offload", offload=OffloadOptions(budget_bytes=65536 + 8192))
+    budget = OffloadOptions(budget_bytes=65536 + 8192)
+    tags = decide_ops(facts, Request("offload", offload=budget))
     assert [tags[n].action for n in ("big", "small", "mid", "last")] == [
         "offload", "offload", "save", "save",
     ]  # fmt: skip
     assert tags["mid"].why is Why.PRESET  # the preset's save, not a refusal
     asked = decide_ops(
         facts,
-        "none",
-        overrides={
-            "layers.*.ff::aten.mm.default#0": "offload",
-            "layers.1.ff::aten.mm.default#0": "offload",
-        },  # fmt: skip
-        offload=OffloadOptions(budget_bytes=4096),
+        Request(
+            "none",
+            overrides={
+                "layers.*.ff::aten.mm.default#0": "offload",
+                "layers.1.ff::aten.mm.default#0": "offload",
+            },
+            offload=OffloadOptions(budget_bytes=4096),
+        ),
     )
     assert asked["small"].why is Why.OFFLOAD_REFUSED and "over the offload budget" in (
-        asked["small"].detail
+        asked["small"].detail_words
     )
     assert asked["last"].explanation.startswith("offload refused: is in the last layer")
     assert asked["last"].policy is CheckpointPolicy.MUST_SAVE and not asked["last"].forced
@@ -167,8 +171,8 @@ def test_offload_preset_offloads_what_default_keeps(small_graphs: dict[str, Fixt
 def test_eager_tag_saves_an_offload_request() -> None:
     (facts,) = op_facts([row("a", "layers.0.ff")])  # type: ignore[list-item]
     overrides = {"layers.*.ff::aten.mm.default#0": "offload"}
-    tag = eager_tag(facts, PRESETS["none"](), "none", (), overrides)
-    assert tag.why is Why.OFFLOAD_REFUSED and "eager SAC cannot offload" in tag.detail
+    tag = eager_tag(facts, PRESETS["none"].rule(), Request("none", overrides=overrides))
+    assert tag.why is Why.OFFLOAD_REFUSED and "eager SAC cannot offload" in tag.detail_words
 
 
 def test_flip_cycles_save_recompute_offload(small_graphs: dict[str, Fixture]) -> None:
@@ -182,7 +186,7 @@ def test_flip_cycles_save_recompute_offload(small_graphs: dict[str, Fixture]) ->
     last = next(n for n, i in graph.nodes.items() if i.op == "aten.mm.default" and i.layer == 1)
     recompute = Policy("full")
     action, why = next_action(graph, recompute, last, decide(graph, recompute))
-    assert action == "save" and "last layer" in str(why)
+    assert action == "save" and why is not None and "last layer" in why.words
 
 
 # --- policy files -----------------------------------------------------------------------

@@ -3,7 +3,6 @@ the two-stream transfer model, and the estimate against CPU measurements."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import numpy as np
@@ -18,8 +17,9 @@ from workbench.cost.measure import measure_graph
 from workbench.cost.profiles import H100
 from workbench.cost.replay import offload_schedule, recompute_flags, replay
 from workbench.decide.decider import decide, flip, rules_of
-from workbench.decide.offloadable import OffloadOptions, Refusal, may_offload
+from workbench.decide.offloadable import OffloadOptions, may_offload
 from workbench.decide.policy import Policy
+from workbench.decide.tags import Refusal, Refused
 from workbench.errors import WorkbenchError
 from workbench.rewrite.host_ops import host_usage
 from workbench.rewrite.offload import offload_pass
@@ -136,24 +136,22 @@ def test_offload_schedule_skips_what_the_pass_skips(small_graphs: dict[str, Fixt
     assert skipped == remat(graph, decisions).report.offload.skipped  # type: ignore[union-attr]
     assert offload_schedule(estimator.index, flat, [], OffloadOptions()) == (flat, {})
     _, skipped = offload_schedule(estimator.index, flat, ["primals_1"], OffloadOptions())
-    assert skipped == {"primals_1": Refusal.NOT_FORWARD.say()}
+    assert skipped == {"primals_1": Refused(Refusal.NOT_FORWARD)}
 
 
-def _refusal(sentence: str) -> Refusal:
-    """The member of the vocabulary that says `sentence` (its `{}` marks filled)."""
-    for refusal in Refusal:
-        if re.fullmatch(re.escape(refusal.value).replace(r"\{\}", ".+"), sentence):
-            return refusal
-    raise AssertionError(f"not in the refusal vocabulary: {sentence!r}")
+def _refusal(refused: Refused) -> Refusal:
+    """The member of the vocabulary a refusal is (a value, never a sentence parsed back)."""
+    assert isinstance(refused, Refused) and isinstance(refused.why, Refusal)
+    return refused.why
 
 
 def test_the_three_offload_checks_refuse_in_one_vocabulary(
     small_graphs: dict[str, Fixture],
 ) -> None:
     """The rules (facts), the offload pass (the rematerialized graph) and its replay (index
-    arrays), asked about every forward node: each refusal is a sentence of `Refusal`, the pass
-    and the replay refuse the same nodes in the same words, and a node the rules refuse for
-    a reason the pass also checks is refused there in the same sentence."""
+    arrays), asked about every forward node: each refusal is a `Refused` of `Refusal`, the
+    pass and the replay refuse the same nodes alike, and a node the rules refuse for a
+    reason the pass also checks is refused there alike."""
     _, graph = small_graphs["llama3-debug"]
     decisions = decide(graph, Policy("none"))
     names = list(decisions)
@@ -198,7 +196,7 @@ def test_entry_node_reads_every_entry_space(small_graphs: dict[str, Fixture]) ->
     index = Estimator(graph, PROFILES).index
     n = index.n
     entries = np.array([5, n + 5, 2 * n + 5, 3 * n + 4 * 5, 3 * n + 4 * 5 + 3])
-    assert index.entry_node(entries).tolist() == [5] * 5
+    assert index.space.node(entries).tolist() == [5] * 5
 
 
 @given(

@@ -109,7 +109,7 @@ def test_prefetch_moves_only_fsdp_all_gathers(rank_debug: JointGraph) -> None:
     estimator = Estimator(rank_debug, ("h100",), overlap=OverlapOptions(prefetch=2))
     flat = estimator.schedule_for(decide(rank_debug, Policy("default")))
     moved = estimator.streams.issue_positions(flat.entries)
-    nodes = estimator.index.entry_node(flat.entries[list(moved)]).tolist()
+    nodes = estimator.index.space.node(flat.entries[list(moved)]).tolist()
     streams = estimator.streams
     assert moved and all(streams.kind[i] == "all_gather" and i in streams.fsdp for i in nodes)
     tp = [i for i, (_, dim) in streams.group.items() if dim == "tp"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
@@ -20,12 +21,12 @@ from workbench.decide.decider import (
     restrict,
     validate,
 )
+from workbench.decide.facts import OpFacts
 from workbench.decide.policy import SCHEMA_VERSION, Policy, Selector, parse_policy
 from workbench.decide.presets import (
     COMPUTE_INTENSIVE_OPS,
-    OFFLOAD_PRESETS,
+    GRAPH_TRAINER,
     PRESETS,
-    TITAN_PRESETS,
     preset_rule,
     register_preset,
 )
@@ -238,18 +239,20 @@ def test_preset_registry_lists_what_is_available_and_derives_its_traits(
     with pytest.raises(ValueError, match="unknown preset 'x'; available: none, full, default, "):
         preset_rule("x")
     assert preset_rule("none")(None) is CheckpointPolicy.PREFER_SAVE  # type: ignore[arg-type]
-    assert list(TITAN_PRESETS) == [p for p in PRESETS if p.startswith("titan-")]
-    assert OFFLOAD_PRESETS == {"offload": "default", "titan-sac_and_offload": "titan-default"}
-    for table in ("PRESETS", "TITAN_PRESETS", "OFFLOAD_PRESETS"):  # a registry of its own
-        monkeypatch.setattr(presets, table, dict(getattr(presets, table)))
+    titan = [name for name, p in PRESETS.items() if p.dialect == GRAPH_TRAINER]
+    assert titan == [p for p in PRESETS if p.startswith("titan-")]
+    offloads = {name: p.offloads for name, p in PRESETS.items() if p.offloads is not None}
+    assert offloads == {"offload": "default", "titan-sac_and_offload": "titan-default"}
+    monkeypatch.setattr(presets, "PRESETS", dict(presets.PRESETS))  # a registry of its own
 
-    @register_preset("titan-mine", offloads="titan-full")
+    @register_preset("titan-mine", dialect=GRAPH_TRAINER, offloads="titan-full")
     def mine() -> presets.Rule:
         """Recompute everything (a test preset)."""
         return lambda facts: CheckpointPolicy.MUST_RECOMPUTE
 
-    assert presets.PRESETS["titan-mine"] is mine and presets.TITAN_PRESETS["titan-mine"] is mine
-    assert presets.OFFLOAD_PRESETS["titan-mine"] == "titan-full"
+    assert presets.PRESETS["titan-mine"].rule is mine
+    assert presets.PRESETS["titan-mine"].dialect == GRAPH_TRAINER
+    assert presets.PRESETS["titan-mine"].offloads == "titan-full"
     with pytest.raises(ValueError, match="'titan-mine' is registered twice"):
         register_preset("titan-mine")(mine)
 
@@ -355,3 +358,82 @@ def test_restrict_keeps_what_applies_and_lists_the_rest(llama_debug: Fixture) ->
     assert kept.overrides == {"layers.*.attention::aten.mul.Tensor#0": "save"}
     assert len(dropped) == 2 and "layers.*.moe.router" in dropped[0] and "layers.9" in dropped[1]
     assert restrict(graph, kept) == (kept, [])
+
+
+# --- a new preset is one registration ------------------------------------------------------
+
+NEW_PRESET = "test-save-matmuls"
+
+
+def test_a_preset_registered_once_is_seen_everywhere(
+    small_graphs: dict[str, Fixture], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One `register_preset` here, nothing else touched: the policy file, `decide`, `policy
+    explain` (the CLI's too), the three exports (the Python ones carry the registration and
+    decide as `decide` does in a namespace of their own) and the explorer's preset list all
+    know it; unregistered, it is gone again."""
+    from workbench.cli import main
+    from workbench.decide.engine import STEPS
+    from workbench.decide.facts import MATMUL_OPS
+    from workbench.interop.export import export
+    from workbench.rewrite.remat import copy_graph_module
+    from workbench.show.explain import explain, explain_text
+    from workbench.show.widgets import PolicyExplorer
+
+    _, graph = small_graphs["llama3-debug"]
+    assert NEW_PRESET not in PRESETS
+
+    @register_preset(  # self-contained: the Python exports carry this source verbatim
+        "test-save-matmuls",
+        memory_policy="default",
+        memory_policy_note="a test's preset: only the matmuls of torchtitan's save list.",
+        differences=("in-place",),
+    )
+    def _save_matmuls() -> presets.Rule:
+        """Save the matmuls, recompute the rest (a preset a test registers)."""
+
+        def rule(facts: OpFacts) -> CheckpointPolicy:
+            if facts.op in MATMUL_OPS:
+                return CheckpointPolicy.PREFER_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return rule
+
+    try:
+        policy = parse_policy(NEW_PRESET)
+        path = policy.save(tmp_path / "policy.json")
+        assert Policy.load(path) == Policy.from_json(policy.to_json()) == policy
+        decisions = decide(graph, policy)
+        matmuls = [n for n, i in graph.nodes.items() if i.op in MATMUL_OPS and n in decisions]
+        assert matmuls and all(decisions[n].explanation == f"preset:{NEW_PRESET}" for n in matmuls)
+
+        result = explain(policy)
+        assert result["kind"] == "workbench" and result["graph_trainer_counterpart"] == "default"
+        assert result["rule"] == "Save the matmuls, recompute the rest (a preset a test registers)."
+        assert result["steps"] == [step.words for step in STEPS]
+        assert [d["key"] for d in result["differences"]] == ["in-place"]
+        assert "differs from graph trainer's `default` (`titan-default` here)" in (
+            explain_text(result)
+        )
+        assert main(["policy", "explain", "--policy", NEW_PRESET, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["preset"] == NEW_PRESET
+
+        options = export(policy, "torchtitan", graph).splitlines()
+        assert "--compile.memory_policy default" in options
+        assert any("a test's preset: only the matmuls" in line for line in options)
+        namespaces: dict[str, dict[str, Any]] = {}
+        for fmt in ("graph_pass", "policy_fn"):
+            namespaces[fmt] = {"__name__": "exported"}
+            exec(compile(export(policy, fmt, graph), f"<{fmt}>", "exec"), namespaces[fmt])
+            assert NEW_PRESET in namespaces[fmt]["PRESETS"]
+        gm = namespaces["graph_pass"]["tag_graph"](copy_graph_module(graph.gm))
+        tagged = {n.name: n.meta.get("recompute") for n in gm.graph.nodes if n.name in decisions}
+        assert tagged == {n: t.policy for n, t in decisions.items()}
+
+        explorer = PolicyExplorer(graph, NEW_PRESET, autosave=tmp_path / "explorer.json")
+        assert NEW_PRESET in explorer.presets and explorer.policy_json["preset"] == NEW_PRESET
+    finally:
+        del PRESETS[NEW_PRESET]
+    assert NEW_PRESET not in PolicyExplorer(graph, autosave=tmp_path / "after.json").presets
+    with pytest.raises(WorkbenchError, match=f"unknown preset '{NEW_PRESET}'"):
+        Policy(NEW_PRESET)

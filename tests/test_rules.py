@@ -23,6 +23,7 @@ from workbench.decide.engine import (
     STEPS,
     TITAN_STEPS,
     UNTAGGED,
+    Request,
     Step,
     apply_overrides,
     decide_ops,
@@ -40,7 +41,6 @@ from workbench.decide.engine import (
 from workbench.decide.facts import OpFacts, op_facts
 from workbench.decide.offloadable import (
     OffloadOptions,
-    Refusal,
     decide_offload,
     kept_for_backward,
     offload_refusal,
@@ -48,8 +48,8 @@ from workbench.decide.offloadable import (
 )
 from workbench.decide.plan import decide_plan, last_layer
 from workbench.decide.policy import Policy, Selector
-from workbench.decide.presets import PRESETS, TITAN_PRESETS
-from workbench.decide.tags import SelectorRow, Tag, Why
+from workbench.decide.presets import GRAPH_TRAINER, PRESETS, preset_record
+from workbench.decide.tags import Refusal, Refused, SelectorRow, Tag, Why
 from workbench.interop.export import export, rules_source
 
 
@@ -98,7 +98,8 @@ def test_exported_rules_are_the_workbench_rules(
         (f.name, f.module, f.op, f.random, f.mutation, f.parent, f.users, f.gather)
         for f in rules_of(graph).facts
     ]
-    tags = exported_decide(exported_facts(rows), "eager")  # type: ignore[operator]
+    request = namespace["Request"]("eager")  # type: ignore[operator]
+    tags = exported_decide(exported_facts(rows), request)  # type: ignore[operator]
     expected = decide(graph, Policy("eager"))
     assert {n: t.policy for n, t in tags.items()} == {n: d.policy for n, d in expected.items()}
 
@@ -116,7 +117,7 @@ def test_forced_saves_and_layer_boundary() -> None:
         ("r", "layers.1.ff", "aten.bernoulli.p", True, False, None, (), None),
         ("m", "layers.1.ff", "aten.add_.Tensor", False, True, None, (), None),
     ]
-    tags = decide_ops(op_facts(rows), "full")  # type: ignore[arg-type]
+    tags = decide_ops(op_facts(rows), Request("full"))  # type: ignore[arg-type]
     assert tags["a"].why is Why.LAYER_BOUNDARY and tags["a"].detail == "b"
     assert tags["a"].policy == CheckpointPolicy.MUST_SAVE and tags["a"].forced
     assert tags["b"].recompute and tags["b"].why is Why.PRESET
@@ -132,7 +133,7 @@ def test_overrides_then_followers_and_forced_saves_stay() -> None:
     ]
     facts_ = op_facts(rows)  # type: ignore[arg-type]
     plan = decide_plan(facts_)
-    asked = {f.name: requested(f, PRESETS["none"](), "none", (), {}) for f in facts_}
+    asked = {f.name: requested(f, PRESETS["none"].rule(), Request("none")) for f in facts_}
     asked["m"] = Tag(CheckpointPolicy.MUST_SAVE, Why.MUTATION)
     tags = dict(asked)
     overrides = {"layers.*.ff::aten.mm.default#0": "recompute", "layers.0.ff::aten.mm.default#0":
@@ -161,12 +162,12 @@ def test_graph_trainers_steps_on_one_node() -> None:
     assert w.unshard_output and not ag.unshard_output
     assert titan_keep_unsharded(w) == fsdp_tag(False)  # only the wait, not its all-gather
     assert titan_keep_unsharded(ag) is None and titan_keep_unsharded(log) is None
-    assert titan_untagged(log, "titan-full", (), {}).why is Why.UNTAGGED  # type: ignore[union-attr]
-    selected = titan_untagged(log, "titan-full", [("loss", "*", "recompute")], {})
+    assert titan_untagged(log, Request("titan-full")).why is Why.UNTAGGED  # type: ignore[union-attr]
+    selected = titan_untagged(log, Request("titan-full", [("loss", "*", "recompute")]))
     assert selected is not None and selected.why is Why.SELECTOR
-    assert titan_untagged(sdpa, "titan-full", (), {}) is None
-    default = PRESETS["titan-default"]()  # asks to recompute the random op
-    tag = titan_request(sdpa, default, "titan-default", (), {})
+    assert titan_untagged(sdpa, Request("titan-full")) is None
+    default = PRESETS["titan-default"].rule()  # asks to recompute the random op
+    tag = titan_request(sdpa, default, Request("titan-default"))
     assert tag == Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
     assert titan_follows(g, {"sdpa": tag}) == tag and titan_follows(sdpa, {}) is None
     assert titan_follows(w, {}) is UNTAGGED
@@ -174,7 +175,7 @@ def test_graph_trainers_steps_on_one_node() -> None:
 
 def test_eager_tag_lets_the_in_place_rule_win_over_random() -> None:
     bernoulli_ = facts("x", "layers.0.dropout", "aten.bernoulli_.float", random=True, mutation=True)
-    tag = eager_tag(bernoulli_, PRESETS["none"](), "none", (), {})
+    tag = eager_tag(bernoulli_, PRESETS["none"].rule(), Request("none"))
     assert tag.policy == CheckpointPolicy.PREFER_RECOMPUTE and tag.why is Why.MUTATION
 
 
@@ -265,11 +266,12 @@ def _plain_decide(
     """Graph SAC's tags computed from scratch, node by node, as the rules say: the request
     or a forced save, followers take their leader's tag, then the layer boundaries, then
     the offload step."""
-    rule = PRESETS[preset]()
+    rule = PRESETS[preset].rule()
+    request = Request(preset, selectors, overrides)
     tags: dict[str, Tag] = {}
     for f in facts:
         forced = forced_save(f)
-        tag = requested(f, rule, preset, selectors, overrides)
+        tag = requested(f, rule, request)
         if forced is not None:
             tag = Tag(CheckpointPolicy.MUST_SAVE, forced)
         elif tag.why is Why.PRESET and f.gather == f.name:
@@ -290,7 +292,7 @@ def _plain_decide(
             if other and other.recompute and by_name[user].layer != f.layer:
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.LAYER_BOUNDARY, user)
                 break
-    decide_offload(facts, tags, preset, OffloadOptions())
+    decide_offload(facts, tags, PRESETS[preset], OffloadOptions())
     return tags
 
 
@@ -312,8 +314,8 @@ def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
             policy = Policy(preset, chosen, fsdp_reshard=rng.random() < 0.5)
         tags = decide(graph, policy)
         rows, overrides = [s.row() for s in policy.selectors], policy.overrides
-        if policy.preset in TITAN_PRESETS:
-            assert tags == decide_ops(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
+        if PRESETS[policy.preset].dialect == GRAPH_TRAINER:
+            assert tags == decide_ops(facts, policy.request())
         else:
             assert tags == _plain_decide(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
         name = rng.choice([n for n, t in tags.items() if not t.forced])
@@ -322,13 +324,13 @@ def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
 
 def _plain_offload_refusal(
     facts: list[OpFacts], tags: dict[str, Tag], name: str, preset: str
-) -> str | None:
+) -> Refused | None:
     """`offload_refusal_in` from the facts alone: the look-ups built afresh for each node."""
-    titan = preset in TITAN_PRESETS
+    dialect = preset_record(preset).dialect
     by_name = {f.name: f for f in facts}
-    refusal = offload_refusal(by_name[name], last_layer(facts, titan), titan)
+    refusal = offload_refusal(by_name[name], last_layer(facts, dialect), dialect)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
-        return Refusal.NOT_READ.say()
+        return Refused(Refusal.NOT_READ)
     return refusal
 
 

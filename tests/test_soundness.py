@@ -162,8 +162,7 @@ def test_without_the_rule_the_issue_policy_differs(
     rules_of(graph).plan.request_memo.clear()
     decisions = engine.decide_ops(
         op_facts(fx_rows(graph.gm, lambda n: graph.nodes[n.name].module)),
-        "titan-default",
-        [s.row() for s in Policy.from_json(ISSUE_22).selectors],
+        engine.Request("titan-default", [s.row() for s in Policy.from_json(ISSUE_22).selectors]),
     )
     assert decisions["add_"].recompute
     mismatched = bitwise_mismatches(graph, remat(graph, decisions).gm, workload)
@@ -229,10 +228,12 @@ def test_rule_on_rows() -> None:
     assert plan.writes.root == {"a": "a", "b": "b", "w": "a"}
     assert plan.writes.writes == {"a": [(2, "w")]} and plan.writes.readers == ("b", "w")
     assert engine.written_later_keys(plan) == {"layers.0.f::aten.mm.default#0"}
-    tags = engine.decide_ops(facts, "default")  # saves the mm, recomputes b, w forced saved
+    # saves the mm, recomputes b, w forced saved
+    tags = engine.decide_ops(facts, engine.Request("default"))
     assert tags["b"].why is Why.WRITTEN_INPUT and tags["b"].forced
     assert tags["b"].policy is CheckpointPolicy.MUST_SAVE
-    titan = engine.decide_ops(facts, "titan-default")  # also recomputes w on the saved a
+    # also recomputes w on the saved a
+    titan = engine.decide_ops(facts, engine.Request("titan-default"))
     assert titan["w"].why is Why.WRITTEN_INPUT and "second time" in titan["w"].detail
     assert replayed_by(titan, plan.by_name)("b") is False  # saved now
 

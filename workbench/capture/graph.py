@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from workbench.capture.ops import is_random, layer_of, layer_pattern, mutates, op_name
+from workbench.capture.ops import is_random, layer_of, layer_pattern, mutates, op_key, op_name
 
 __all__ = [
     "ORIGIN_KEY",
@@ -68,7 +68,7 @@ class NodeInfo:
         """`MODULE_PATTERN::OP` (`layers.*.attention.wq::aten.mm.default`): the op in every
         identical layer, all its occurrences there. Not an override key: those add `#k`
         (`OpFacts.key`, `node_keys`)."""
-        return f"{layer_pattern(self.module)}::{self.op}"
+        return op_key(layer_pattern(self.module), self.op)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """What an op and a module path are, as the rules and the trace both read them.
 
 Entry points: `op_name(target)`, `is_random`, `mutates`, `reads_until_wait` (facts of an
-OpOverload), `layer_of` / `layer_pattern` / `module_matches` (module paths),
-`storage_keys(node)` and `storage_inputs(node)`. Torch and the standard library only:
-exports embed this file first.
+OpOverload), `layer_of` / `layer_pattern` / `module_matches` (module paths), `NodeKey` (a
+node's stable name, `MODULE::OP#k`), `storage_keys(node)` and `storage_inputs(node)`. Torch
+and the standard library only: exports embed this file first.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import operator
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -42,6 +42,56 @@ def layer_pattern(module: str) -> str:
     'layers.*.attention.wq'
     """
     return _LAYER_RE.sub("*", module, count=1)
+
+
+def op_key(module: str, op: str) -> str:
+    """`MODULE::OP`: an op of a module, every occurrence (a `NodeKey` without its `#k`).
+
+    >>> op_key("layers.*.attention.wq", "aten.mm.default")
+    'layers.*.attention.wq::aten.mm.default'
+    """
+    return f"{module}::{op}"
+
+
+class NodeKey(NamedTuple):
+    """A decidable node's stable name, `MODULE::OP#k`: the k-th op `OP` (from 0) that module
+    `MODULE` runs, in graph order; a `MODULE` written `layers.*...` names the op in every
+    identical layer. Built (`text`) and read back (`parse`) here only.
+
+    >>> key = NodeKey("layers.*.attention.wq", "aten.mm.default", 0)
+    >>> key.text, key.pair
+    ('layers.*.attention.wq::aten.mm.default#0', 'layers.*.attention.wq::aten.mm.default')
+    >>> NodeKey.parse(key.text) == key, key.in_module("layers.3.attention.wq").text
+    (True, 'layers.3.attention.wq::aten.mm.default#0')
+    >>> NodeKey.parse("layers.*.wq::aten.mm.default"), NodeKey.parse("wq#0")
+    (None, None)
+    """
+
+    module: str
+    op: str
+    k: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.pair}#{self.k}"
+
+    @property
+    def pair(self) -> str:
+        """`MODULE::OP` (`op_key`): the key without its `#k`."""
+        return op_key(self.module, self.op)
+
+    def in_module(self, module: str) -> NodeKey:
+        """The same op in another module path: `layers.3...` for `layers.*...`."""
+        return self._replace(module=module)
+
+    @classmethod
+    def parse(cls, text: str) -> NodeKey | None:
+        """The parts of `MODULE::OP#k`; None for a text of another form."""
+        module, sep, rest = text.partition("::")
+        op, mark, k = rest.rpartition("#")
+        if not (sep and mark and k.isascii() and k.isdigit()):
+            return None
+        return cls(module, op, int(k))
 
 
 def op_name(target: Any) -> str:

@@ -27,7 +27,7 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, check_int
 from workbench.rewrite.index import Storages, graph_index
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX, RematResult
-from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule, offload_step
+from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule
 
 # `gathered`: parameter copies made for compute on a per-rank graph (storages of FSDP
 # unshard chains: the low-precision cast and the all-gathered weight); `optimizer`: state
@@ -274,8 +274,11 @@ class Estimator:
             self.calibration = {"profile": name, "source": calibration.source, **coverage}
         # compute-stream seconds of every schedule entry (`index.Schedule`): the offload
         # steps take none there, their copies run on the transfer stream
+        space = self.index.space
+        every = np.arange(space.size)
+        own, node_of = ~space.is_step(every), space.node(every)
         self._seconds = {
-            name: np.concatenate((np.tile(sec, 3), np.zeros(4 * len(sec))))
+            name: np.where(own, np.asarray(sec, dtype=float)[node_of], 0.0)
             for name, sec in self.seconds.items()
         }
         names = self.index.names  # of every entry: originals, copies, replays, offload steps
@@ -284,7 +287,7 @@ class Estimator:
         entry_names += [f"{n}_{step}" for n in names for step in OFFLOAD_STEPS]
         self._entry_names = np.array(entry_names, dtype=object)
         self._traced: dict[str, str] = {}  # entry name -> its traced node's (first wins)
-        nodes = self.index.entry_node(np.arange(len(entry_names))).tolist()
+        nodes = node_of.tolist()
         for entry, node in zip(entry_names, nodes, strict=True):
             self._traced.setdefault(entry, names[node])
         # per node: the category of a graph input's storage (-1 for other nodes); in an
@@ -376,7 +379,6 @@ class Estimator:
         free a storage once no live value refers to it (values die after their last use,
         or right after they run when nothing uses them); graph inputs and outputs stay."""
         index = self.index
-        n = index.n
         flat = index.flat(schedule)
         table = index.storages(flat)
         sizes = table.sizes if granularity == 1 else -(-table.sizes // granularity) * granularity
@@ -387,7 +389,7 @@ class Estimator:
         # so its reference count cannot reach zero earlier.
         entries = flat.entries
         steps = len(entries)
-        position = np.zeros(7 * n, dtype=np.int64)
+        position = np.zeros(index.space.size, dtype=np.int64)
         position[entries] = np.arange(steps)
         death = position.copy()
         np.maximum.at(death, flat.read, flat.reader)
@@ -405,7 +407,8 @@ class Estimator:
             early[list(moved)] = list(moved.values())
             born = np.where(np.isin(owner_at, list(moved)), early[owner_at], born)
         # host copies (owned by an offload's first step) count on the host, not the device
-        host = (table.owner >= 3 * n) & (offload_step(n, table.owner) == 0)
+        space = index.space
+        host = space.is_step(table.owner) & (space.step(table.owner) == 0)
         device = ~host
         category = self._categories(flat, table)
         # graph inputs (parameters, batch) exist before the step starts: live from its first
@@ -423,7 +426,7 @@ class Estimator:
         peak_p = int(np.argmax(total))
         offloaded = dict(
             zip(
-                index.entry_node(table.owner[host]).tolist(),
+                index.space.node(table.owner[host]).tolist(),
                 table.sizes[host].tolist(),
                 strict=True,
             )
@@ -455,7 +458,7 @@ class Estimator:
                     born[device],
                     freed[device],
                     category[device],
-                    index.entry_node(table.owner[device]),
+                    index.space.node(table.owner[device]),
                 ),
             )
         )
@@ -464,12 +467,13 @@ class Estimator:
         """Each storage's category: inputs by their kind, then returned values (gradients),
         gathered parameter copies, saved activations, and temporaries for the rest."""
         index = self.index
-        owner = index.entry_node(table.owner)
-        step = table.owner - 3 * index.n
+        space = index.space
+        owner = space.node(table.owner)
+        reload = OFFLOAD_STEPS.index("reload")
         return np.select(
             [
-                (table.owner < index.n) & (self._input_category[owner] >= 0),
-                (step >= 0) & (step % 4 == 2),  # a reloaded activation
+                (table.owner < space.copies) & (self._input_category[owner] >= 0),
+                space.is_step(table.owner) & (space.step(table.owner) == reload),  # reloaded
                 index.returned_mask(flat, table),
                 self._gathered[owner],
                 index.saved_mask(flat, table),
@@ -488,12 +492,13 @@ class Estimator:
         """The figures of one walk: peak and what it holds, saved activations, recompute
         cost, step time with exposed copies, timelines."""
         index = self.index
-        n = index.n
+        space = index.space
         # kept for backward (reloads are the same activations back from the host)
         saved = np.flatnonzero(
-            (walk.category == CATEGORIES.index("activations")) & (walk.owner < 3 * n)
+            (walk.category == CATEGORIES.index("activations")) & ~space.is_step(walk.owner)
         )
-        saved_nodes, saved_sizes = (walk.owner[saved] % n).tolist(), walk.sizes[saved].tolist()
+        saved_nodes = space.original(walk.owner[saved]).tolist()
+        saved_sizes = walk.sizes[saved].tolist()
         by_layer: dict[str, int] = defaultdict(int)
         by_node: dict[str, int] = defaultdict(int)
         for i, size in zip(saved_nodes, saved_sizes, strict=True):
@@ -513,7 +518,7 @@ class Estimator:
             if here
         ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
-        copy_array = walk.entries[(walk.entries >= n) & (walk.entries < 2 * n)] - n
+        copy_array = space.original(walk.entries[space.is_copy(walk.entries)])
         copies = copy_array.tolist()
         names = self._entry_names
         times = {
@@ -565,10 +570,10 @@ class Estimator:
     ) -> list[dict[str, Any]]:
         """Per offloaded value, in offload order: its bytes and the stall each of its copies
         caused compute on each profile (`overlap.Streams.run`)."""
-        n = self.index.n
-        at = entries[entries >= 3 * n]
+        space = self.index.space
+        at = entries[space.is_step(entries)]
         rows = []
-        for i in self.index.entry_node(at[offload_step(n, at) == 0]).tolist():
+        for i in space.node(at[space.step(at) == 0]).tolist():
             stalls = {name: t.copy_stalls.get(i, [0.0, 0.0]) for name, t in times.items()}
             rows.append(
                 {

@@ -21,7 +21,6 @@ from workbench.capture.graph import JointGraph
 from workbench.cost.profiles import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.rewrite.index import GraphIndex
-from workbench.rewrite.schedule import offload_step
 
 __all__ = [
     "RING_FACTOR",
@@ -176,24 +175,24 @@ class Streams:
             for i, (_, dim) in self.group.items()
             if dim == "fsdp" and self.kind[i] in ("all_gather", "reduce_scatter")
         }
-        n = index.n
+        space = index.space
         self._alias = np.array(
             [graph.nodes[name].is_view for name in index.names], dtype=bool
         ) | np.asarray(index.is_getitem, dtype=bool)
         self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
-        self._issue = np.zeros(7 * n, dtype=bool)
-        self._wait = np.zeros(7 * n, dtype=bool)
+        self._issue = np.zeros(space.size, dtype=bool)  # the node or its recomputed copy
+        self._wait = np.zeros(space.size, dtype=bool)
         for i in self.kind:
-            self._issue[[i, n + i]] = True
+            self._issue[[i, space.copy(i)]] = True
         for i in self.waits:
-            self._wait[[i, n + i]] = True
+            self._wait[[i, space.copy(i)]] = True
 
     def _buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
         """Per issued collective (or FSDP bucket): the positions of its members and of the
         waits on them, in issue order."""
-        n, index, opts = self.index.n, self.index, self.options
+        index, opts = self.index, self.options
         at = np.flatnonzero(self._issue[entries] | self._wait[entries]).tolist()
-        nodes = index.entry_node(entries[at]).tolist()
+        nodes = index.space.node(entries[at]).tolist()
         groups: list[tuple[list[int], list[int]]] = []
         owner: dict[int, int] = {}  # node -> its latest issued group
         last_key: tuple[Any, ...] | None = None
@@ -204,7 +203,8 @@ class Streams:
                 if g is not None:
                     groups[g][1].append(p)
                 continue
-            key = (self.kind[node], index.layer[node], bool(entries[p] >= n))
+            copy = bool(entries[p] >= index.space.copies)  # a recomputed copy
+            key = (self.kind[node], index.layer[node], copy)
             bucket = opts.bucket_layers and node in self.fsdp and index.layer[node] is not None
             if bucket and key == last_key:
                 g = last_group
@@ -252,14 +252,14 @@ class Streams:
             for r in table.get(int(entries[p]), []):
                 if r >= first:
                     continue
-                if self._alias[int(self.index.entry_node(entries[r]))]:
+                if self._alias[int(self.index.space.node(entries[r]))]:
                     todo.append(r)
                 else:
                     first = r
         return first if first < len(entries) else at
 
     def _node_at(self, entries: np.ndarray, group: tuple[list[int], list[int]]) -> int:
-        return int(self.index.entry_node(entries[group[0][0]]))
+        return int(self.index.space.node(entries[group[0][0]]))
 
     def run(
         self,
@@ -272,13 +272,13 @@ class Streams:
         """Time the schedule: `seconds` is the compute seconds of every entry; collectives
         and host copies take their streams' time (`walk_streams`). `reads`: the schedule's
         (reader position, entry read) pairs, for `sink_waits`."""
-        n, index, opts = self.index.n, self.index, self.options
+        index, opts = self.index, self.options
         clock = np.concatenate(([0.0], np.cumsum(seconds[entries])))  # compute before p
         moved = self.issue_positions(entries) if opts.prefetch else {}
         events: list[Event] = []
         comm = 0.0
         for b, (members, waits) in enumerate(self._buckets(entries)):
-            nodes = index.entry_node(entries[members]).tolist()
+            nodes = index.space.node(entries[members]).tolist()
             kind = self.kind[nodes[0]]
             world, dim = self.group[nodes[0]]
             spans = profile.spans_nodes(dim, self.degrees, self.world)
@@ -290,11 +290,11 @@ class Streams:
             if opts.sink_waits and reads is not None:
                 waits = [self._first_use(w, entries, reads) for w in waits]
             events.extend(Event(max(w, issue), "wait", ("c", b)) for w in waits)
-        at = np.flatnonzero(entries >= 3 * n).tolist()
-        steps = offload_step(n, entries[at]).tolist()
+        at = np.flatnonzero(index.space.is_step(entries)).tolist()
+        steps = index.space.step(entries[at]).tolist()
         rate, copied = profile.host_rate(), 0
         for p, k in zip(at, steps, strict=True):
-            node = int(index.entry_node(entries[p]))
+            node = int(index.space.node(entries[p]))
             if k in (0, 2):
                 copied += offloaded[node]
                 events.append(Event(p, "copy", (node, k), offloaded[node] / rate))

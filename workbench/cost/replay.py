@@ -11,12 +11,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from workbench.capture.graph import JointGraph
-from workbench.decide.offloadable import OffloadOptions, Refusal
-from workbench.decide.tags import RECOMPUTE, Tag
+from workbench.decide.facts import StorageView, needed_aliases
+from workbench.decide.offloadable import OffloadOptions, OffloadView, examine_offload
+from workbench.decide.tags import RECOMPUTE, Refused, Tag
 from workbench.errors import WorkbenchError
 from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.placement import Offloaded, Place, interleave_arrays, place_offloads_arrays
-from workbench.rewrite.schedule import Csr, Flat, offload_entry
+from workbench.rewrite.schedule import OFFLOAD_STEPS, Csr, Flat
 
 __all__ = ["offload_schedule", "recompute_flags", "replay", "saved_bytes_by_node"]
 
@@ -39,7 +40,7 @@ def replay(
     as torch refuses them, unless `allow_random` (partitioner tags in the studies, whose
     pass replays RNG: their schedule is only read for bytes). Only forward and loss nodes
     can be tagged. Array operations throughout, so a flip re-estimates in milliseconds."""
-    a, n = index.arrays, index.n
+    a, space = index.arrays, index.space
     rec = np.asarray(recompute, bool)
     chosen = np.flatnonzero(rec)
     if not len(chosen):
@@ -65,8 +66,8 @@ def replay(
             "pass supports one: keep the recompute tags inside one backward region"
         )
     start, end = index.regions[int(needing[0])]
-    remapped = np.zeros(2 * n, bool)  # entries reading copies: the region's nodes, copies
-    remapped[start:end] = remapped[n:] = True
+    remapped = np.zeros(space.replays, bool)  # entries reading copies: the region's, copies
+    remapped[start:end] = remapped[space.copies :] = True
     entries = _with_copies(index, rec, reader[wanted], read[wanted])
     entries = _dead_code_eliminated(index, entries, rec, remapped)
     entries = _getitems_raised(index, entries, rec, remapped)
@@ -103,7 +104,7 @@ def _with_copies(
     # sort by (where it runs, copies before their backward node, node index)
     nodes = np.arange(n)
     keys = np.concatenate((nodes * 2 * n + n + nodes, first[copied] * 2 * n + copied))
-    return np.concatenate((nodes, n + copied))[np.argsort(keys)]
+    return np.concatenate((nodes, index.space.copy(copied)))[np.argsort(keys)]
 
 
 def _inputs(
@@ -111,8 +112,9 @@ def _inputs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The inputs of `entries` as (position, entry read): the recomputed copy where the
     reader is `remapped` and the input is recomputed."""
-    position, read = index.arrays.inputs.gather(entries % index.n)
-    return position, read + index.n * (remapped[entries[position]] & rec[read])
+    space = index.space
+    position, read = index.arrays.inputs.gather(space.original(entries))
+    return position, read + space.copies * (remapped[entries[position]] & rec[read])
 
 
 def _dead_code_eliminated(
@@ -121,18 +123,19 @@ def _dead_code_eliminated(
     """torch's dead-code elimination: an entry stays if it is impure or a kept entry reads
     it. Unread entries go, then those only they read, and so on: on a DAG, the same as
     FX's reverse walk, in as many rounds as the longest chain of dying entries."""
-    n, impure = index.n, np.tile(index.arrays.impure, 2)
+    size = index.space.replays  # originals and copies
+    impure = np.tile(index.arrays.impure, 2)
     position, read = _inputs(index, entries, rec, remapped)
     reads = Csr(np.searchsorted(position, np.arange(len(entries) + 1)), read)
-    readers = np.bincount(read, minlength=2 * n)
-    place = np.zeros(2 * n, np.int64)
+    readers = np.bincount(read, minlength=size)
+    place = np.zeros(size, np.int64)
     place[entries] = np.arange(len(entries))
-    dead = np.zeros(2 * n, bool)
+    dead = np.zeros(size, bool)
     dying = entries[(readers[entries] == 0) & ~impure[entries]]
     while len(dying):
         dead[dying] = True
         _, freed = reads.gather(place[dying])
-        readers -= np.bincount(freed, minlength=2 * n)
+        readers -= np.bincount(freed, minlength=size)
         dying = np.unique(freed[(readers[freed] == 0) & ~impure[freed] & ~dead[freed]])
     return entries[~dead[entries]]
 
@@ -142,14 +145,14 @@ def _getitems_raised(
 ) -> np.ndarray:
     """torch's `raise_getitems`: each getitem moves right after the node it unpacks
     (a getitem of a getitem, which aten graphs do not have, would stay in place)."""
-    n, steps = index.n, len(entries)
-    nodes = entries % n
+    space, steps = index.space, len(entries)
+    nodes = space.original(entries)
     raisable = index.arrays.raisable[nodes]
     if not raisable.any():
         return entries
     parent = index.arrays.inputs.items[index.arrays.inputs.start[nodes[raisable]]]
-    parent = parent + n * (remapped[entries[raisable]] & rec[parent])
-    place = np.zeros(2 * n, np.int64)
+    parent = parent + space.copies * (remapped[entries[raisable]] & rec[parent])
+    place = np.zeros(space.replays, np.int64)
     place[entries] = np.arange(steps)
     # sort by (the position it follows, getitems after their producer, own position)
     keys = np.arange(steps) * 2 * steps
@@ -170,117 +173,104 @@ def saved_bytes_by_node(graph: JointGraph, decisions: Mapping[str, Tag] | None) 
 
 def offload_schedule(
     index: GraphIndex, flat: Flat, names: Sequence[str], options: OffloadOptions
-) -> tuple[Flat, dict[str, str]]:
+) -> tuple[Flat, dict[str, Refused]]:
     """The schedule `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
-    it offloads the nodes `names`: the same skips in the same words (`Refusal`: not a
-    forward op, not one tensor, an alias, returned, written in place, not read in
-    backward), `Offloaded` read off the schedule, then THE placement
+    it offloads the nodes `names`: the same skips for the same reasons (`examine_offload`,
+    which the pass asks too: not a forward op, not one tensor, an alias, returned, written
+    in place, not read in backward), `Offloaded` read off the schedule, then THE placement
     (`place_offloads_arrays`, `interleave`); each wait for a reload is followed by the
     forward views backward reads, replayed on it, and backward readers read the reload.
     Returns the schedule and the skipped names with why."""
-    n, entries = index.n, flat.entries
+    space, entries = index.space, flat.entries
     if not len(names):
         return flat, {}
     length = len(entries)
-    backward = np.where(entries < n, index.arrays.backward[entries % n], True)
+    nodes = space.original(entries)
+    backward = np.where(entries < space.copies, index.arrays.backward[nodes], True)
     end = int(np.argmax(backward)) if backward.any() else length
-    position = np.full(3 * n, -1, np.int64)
+    position = np.full(space.steps, -1, np.int64)
     position[entries] = np.arange(length)
     by_read = np.argsort(flat.read, kind="stable")
-    start = np.searchsorted(flat.read[by_read], np.arange(3 * n + 1))
+    start = np.searchsorted(flat.read[by_read], np.arange(space.steps + 1))
     readers_at = flat.reader[by_read]
-    call, single = index.offload_facts[:2]
-    skipped: dict[str, str] = {}
+    view = _offload_view(index, entries, position, start, readers_at, end)
+    skipped: dict[str, Refused] = {}
     wanted: list[tuple[int, list[int], Offloaded]] = []  # node, needed aliases, facts
     for name in names:
         i = index.index_of.get(name, -1)
-        p = int(position[i]) if i >= 0 else -1
-        if not 0 <= p < end or not call[i]:
-            skipped[name] = Refusal.NOT_FORWARD.say()
-            continue
-        if not single[i]:
-            skipped[name] = Refusal.NOT_ONE_TENSOR.say()
-            continue
-        if index.value_slots[i] < 0:
-            skipped[name] = Refusal.ALIAS.say()
-            continue
-        found = _examine(index, i, start, readers_at, entries, end)
-        if isinstance(found, str):
+        found = examine_offload(i, view)
+        if isinstance(found, Refused):
             skipped[name] = found
             continue
-        last, readers, read_aliases, aliases = found
-        wanted.append(
-            (i, _needed(index, aliases, read_aliases), Offloaded(p, max(p, last), min(readers)))
-        )
+        p = int(position[i])
+        last = _last_forward_use(index, found.forward, entries, start, readers_at, end)
+        needed = needed_aliases(sorted(found.aliases), found.read_aliases, index.args.__getitem__)
+        wanted.append((i, needed, Offloaded(p, max(p, last), min(found.readers))))
     if not wanted:
         return flat, skipped
     wanted.sort(key=lambda w: w[2].producer)
-    layer = index.arrays.layer[entries % n]
+    layer = index.arrays.layer[nodes]
     places = place_offloads_arrays(backward, layer, [w[2] for w in wanted], options)
     return _interleaved(index, flat, end, wanted, places), skipped
 
 
-def _examine(
+def _offload_view(
     index: GraphIndex,
-    i: int,
+    entries: np.ndarray,
+    position: np.ndarray,
     start: np.ndarray,
     readers_at: np.ndarray,
-    entries: np.ndarray,
     end: int,
-) -> str | tuple[int, list[int], set[int], list[int]]:
-    """`offload._examine` on the schedule: the last forward reader's position (a collective's
-    wait for an asynchronous collective, as `offload._last_forward_use`), the
-    backward readers' positions, the aliases they read and every forward alias of the
-    value's storage (forward users whose output aliases it, transitively); or why not."""
-    n = index.n
-    writes, until_wait = index.offload_facts[2:]
-    aliases: list[int] = []
-    readers: list[int] = []
-    read_aliases: set[int] = set()
+) -> OffloadView:
+    """A rematerialized schedule as `examine_offload` reads it: values are node indices,
+    their readers positions in the schedule (`readers_at[start[i] : start[i + 1]]`), forward
+    every position before `end`; a value shares the storage walked where it has an output
+    slot aliasing a value already found (`_aliases`)."""
+    original = index.space.copies  # the entries below it are the traced nodes
+    call, single, writes = index.offload_facts[:3]
+    return OffloadView(
+        forward_op=lambda i: i >= 0 and 0 <= int(position[i]) < end and bool(call[i]),
+        one_tensor=lambda i: bool(single[i]),
+        fresh=lambda i: bool(index.value_slots[i] >= 0),
+        name=lambda i: index.names[i],
+        storage=StorageView(
+            readers=lambda i: readers_at[start[i] : start[i + 1]].tolist(),
+            value=lambda q: int(entries[q]),
+            is_output=lambda q: int(entries[q]) == index.output,
+            in_backward=lambda q: q >= end,
+            shares=lambda u, seen: u < original and _aliases(index, u, seen),
+            writes=lambda u: bool(writes[u]),
+        ),
+    )
+
+
+def _last_forward_use(
+    index: GraphIndex,
+    forward: list[int],
+    entries: np.ndarray,
+    start: np.ndarray,
+    readers_at: np.ndarray,
+    end: int,
+) -> int:
+    """`offload._last_forward_use` on the schedule: the last forward reader's position
+    (`forward`, of the value or an alias), or an asynchronous collective's wait; -1 for
+    none."""
+    until_wait = index.offload_facts[3]
     last = -1
-    todo, seen = [i], {i}
-    while todo:
-        a = todo.pop()
-        for q in readers_at[start[a] : start[a + 1]].tolist():
-            u = int(entries[q])
-            if u == index.output:
-                return Refusal.RETURNED.say()
-            if q >= end:
-                readers.append(q)
-                if a != i:
-                    read_aliases.add(a)
-                continue
-            last = max(last, q)
-            if u < n and until_wait[u]:  # an asynchronous collective reads until its wait
-                waits = readers_at[start[u] : start[u + 1]]
-                last = max([last, *(int(w) for w in waits.tolist() if w < end)])
-            if u < n and u not in seen and _aliases(index, u, seen):
-                if writes[u]:
-                    return Refusal.WRITTEN_BY.say(index.names[u])
-                seen.add(u)
-                aliases.append(u)
-                todo.append(u)
-    if not readers:
-        return Refusal.NOT_READ.say()
-    return last, readers, read_aliases, sorted(aliases)
+    for q in forward:
+        last = max(last, q)
+        u = int(entries[q])
+        # an asynchronous collective (a traced node) reads until its wait
+        if u < index.space.copies and until_wait[u]:
+            waits = readers_at[start[u] : start[u + 1]]
+            last = max([last, *(int(w) for w in waits.tolist() if w < end)])
+    return last
 
 
 def _aliases(index: GraphIndex, u: int, of: set[int]) -> bool:
     """Node `u` has an output slot aliasing one of the nodes `of`."""
     args = index.args[u]
     return any(isinstance(s, tuple) and args[s[0]] in of for s in index.slots[u])
-
-
-def _needed(index: GraphIndex, aliases: list[int], read: set[int]) -> list[int]:
-    """The aliases backward reads and the aliases they are made from, in graph order."""
-    members, needed = set(aliases), set()
-    todo = list(read)
-    while todo:
-        a = todo.pop()
-        if a not in needed:
-            needed.add(a)
-            todo.extend(x for x in index.args[a] if x in members)
-    return [a for a in aliases if a in needed]
 
 
 def _interleaved(
@@ -294,22 +284,22 @@ def _interleaved(
     the copy reads the value, the free the copy and the value, the reload the copy, the
     wait the reload and the copy, each replayed view its base as replayed; backward readers
     of a value or its views read the wait and the replayed views instead."""
-    n = index.n
+    space = index.space
     kinds, at = interleave_arrays(len(flat.entries), places)
     value = np.array([w[0] for w in wanted], np.int64)
     node = kinds == 0
     entries = np.where(node, flat.entries[np.where(node, at, 0)], 0)
     step = ~node
-    entries[step] = offload_entry(n, value[at[step]], kinds[step] - 1)
-    remap = np.arange(3 * n)
+    entries[step] = space.offload(value[at[step]], kinds[step] - 1)
+    remap = np.arange(space.steps)
     for i, needed, _ in wanted:
-        remap[i] = offload_entry(n, i, 3)  # its wait
-        remap[needed] = 2 * n + np.asarray(needed, np.int64)
+        remap[i] = space.offload(i, OFFLOAD_STEPS.index("wait"))
+        remap[needed] = space.replayed(np.asarray(needed, np.int64))
     # the views replayed after each wait: (step they follow, rank after it, entry, inputs)
     extra: list[tuple[int, int, int, list[int]]] = []
     for q in np.flatnonzero(kinds == 4).tolist():
         for j, a in enumerate(wanted[at[q]][1]):
-            extra.append((q, j + 1, 2 * n + a, remap[list(index.args[a])].tolist()))
+            extra.append((q, j + 1, space.replayed(a), remap[list(index.args[a])].tolist()))
     room = max((j for _, j, _, _ in extra), default=0) + 1
     keys = np.concatenate((np.arange(len(kinds)) * room, [q * room + j for q, j, _, _ in extra]))
     order = np.argsort(keys)
@@ -324,7 +314,7 @@ def _interleaved(
     reader = [new_position[nodes][which]]
     readers = [read]
     steps = np.flatnonzero(step)
-    step_base = offload_entry(n, value[at[steps]], 0)
+    step_base = space.offload(value[at[steps]], 0)
     # offload reads the value (-1), free the copy and the value, reload the free's output,
     # wait the reload and the free's output: offsets from the value's first step entry
     inputs = {1: (-1,), 2: (0, -1), 3: (1,), 4: (2, 1)}

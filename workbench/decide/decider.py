@@ -16,13 +16,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from workbench.capture.graph import JointGraph, NodeInfo
-from workbench.capture.ops import layer_pattern, module_matches
+from workbench.capture.ops import NodeKey, layer_pattern, module_matches, op_key
 from workbench.decide.engine import decide_ops, selector_matches
 from workbench.decide.facts import OpFacts, fx_rows, op_facts
 from workbench.decide.offloadable import offload_refusal_in
 from workbench.decide.plan import DecidePlan, decide_plan
 from workbench.decide.policy import Action, Policy
-from workbench.decide.tags import Tag, Why
+from workbench.decide.tags import Refused, Tag, Why
 from workbench.errors import WorkbenchError
 
 __all__ = [
@@ -71,17 +71,11 @@ class GraphRules:
     def decide(self, policy: Policy) -> Decisions:
         """Every decidable node's tag under `policy` (`decide_ops` on the plan: a flip
         re-decides only the nodes it can change). `validate` the policy first."""
-        return decide_ops(
-            self.facts,
-            policy.preset,
-            [s.row() for s in policy.selectors],
-            policy.overrides,
-            policy.fsdp_reshard,
-            policy.offload,
-            self.plan,
-        )
+        return decide_ops(self.facts, policy.request(), self.plan)
 
-    def offload_refusal(self, name: str, decisions: Mapping[str, Tag], preset: str) -> str | None:
+    def offload_refusal(
+        self, name: str, decisions: Mapping[str, Tag], preset: str
+    ) -> Refused | None:
         """Why `name` may not be offloaded under `decisions` (None if it may)."""
         return offload_refusal_in(self.plan, decisions, name, preset)
 
@@ -111,7 +105,8 @@ class GraphRules:
         for key in policy.overrides:
             if key in self.override_keys:
                 continue
-            pair = key.split("#")[0]
+            parsed = NodeKey.parse(key)
+            pair = parsed.pair if parsed is not None else key  # `MODULE::OP` without `#k`
             if pair in self.backward_pairs and pair not in self.forward_pairs:
                 raise WorkbenchError(
                     f"override {key!r} names a backward node: only forward activations can be "
@@ -132,12 +127,14 @@ def rules_of(graph: JointGraph) -> GraphRules:
         keys = {f.name: f.key for f in facts}
         override_keys = frozenset(keys.values()) | {f.layer_key for f in facts}
         backward = frozenset(
-            f"{module}::{info.op}"
+            op_key(module, info.op)
             for info in graph.nodes.values()
             if info.phase == "backward"
             for module in (info.module, layer_pattern(info.module))
         )
-        forward = frozenset(key.split("#")[0] for key in override_keys)
+        forward = frozenset(NodeKey(f.module, f.op, 0).pair for f in facts) | {
+            NodeKey(layer_pattern(f.module), f.op, 0).pair for f in facts
+        }
         _RULES[graph] = GraphRules(
             graph.model_name, facts, decide_plan(facts), keys, override_keys, backward, forward
         )
@@ -157,7 +154,10 @@ def layer_key(info: NodeInfo, key: str) -> str:
     ...                    0, 0, False, False, False, ""), "layers.*.wq::aten.mm.default#0")
     'layers.3.wq::aten.mm.default#0'
     """
-    return f"{info.module}::{key.split('::', 1)[1]}"
+    parsed = NodeKey.parse(key)
+    if parsed is None:
+        raise WorkbenchError(f"{key!r} is not a node key MODULE::OP#k")
+    return parsed.in_module(info.module).text
 
 
 def validate(graph: JointGraph, policy: Policy) -> None:
@@ -184,7 +184,7 @@ def decide(graph: JointGraph, policy: Policy) -> Decisions:
 
 def next_action(
     graph: JointGraph, policy: Policy, node: str, decisions: Decisions
-) -> tuple[Action, str | None]:
+) -> tuple[Action, Refused | None]:
     """The decision a flip gives `node`, cycling save -> recompute -> offload -> save, and
     why offload was skipped when the cycle passes over it (None otherwise). Forced saves
     cannot flip: the error says why."""
@@ -196,7 +196,7 @@ def next_action(
     if not current.recompute:
         return "recompute", None
     refusal = rules_of(graph).offload_refusal(node, decisions, policy.preset)
-    return ("save", f"{node} {refusal}") if refusal else ("offload", None)
+    return ("save", refusal) if refusal else ("offload", None)
 
 
 def flip(
@@ -227,10 +227,10 @@ def flip(
     key = rules_of(graph).keys[node]
     overrides = dict(policy.overrides)
     if all_layers:
-        pattern, _, suffix = key.partition("::")
-        for other in list(overrides):
-            module, _, rest = other.partition("::")
-            if rest == suffix and layer_pattern(module) == pattern:
+        target = NodeKey.parse(key)
+        for other in list(overrides):  # the op's keys in single layers go
+            parsed = NodeKey.parse(other)
+            if parsed is not None and parsed.in_module(layer_pattern(parsed.module)) == target:
                 del overrides[other]
         overrides[key] = action
     else:

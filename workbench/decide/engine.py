@@ -1,14 +1,16 @@
 """Deciding: every forward node's tag, step by step, for graph SAC and eager SAC.
 
-Entry points: `decide_ops(facts, preset, ...)` (the workbench's presets; `decide_titan_ops`
-for graph trainer's) and `eager_tag(facts, ...)` (eager SAC's `policy_fn`). `STEPS` and
-`TITAN_STEPS` name the functions each takes its steps with, in order, in words.
+Entry points: `Request` (what a policy asks), `decide_ops(facts, request)` (the steps of the
+preset's dialect: the workbench's, or graph trainer's in `decide_titan_ops`) and
+`eager_tag(facts, rule, request)` (eager SAC's `policy_fn`). `STEPS_OF` names, per dialect, the
+functions its decider takes its steps with, in order, in words.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from torch.utils.checkpoint import CheckpointPolicy
@@ -17,8 +19,29 @@ from workbench.capture.ops import module_matches
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions, decide_offload, may_offload
 from workbench.decide.plan import REQUEST_MEMO, DecidePlan, decide_plan, replayed_by
-from workbench.decide.presets import TITAN_PRESETS, TITAN_UNTAGGED_MODULES, Rule, preset_rule
-from workbench.decide.tags import MUST, SelectorRow, Tag, Why
+from workbench.decide.presets import (
+    GRAPH_TRAINER,
+    TITAN_UNTAGGED_MODULES,
+    WORKBENCH,
+    Dialect,
+    Rule,
+    preset_record,
+    preset_rule,
+)
+from workbench.decide.tags import MUST, Refusal, Refused, SelectorRow, Tag, Why
+
+
+class Request(NamedTuple):
+    """What a policy asks of the rules (`Policy.request()`): a preset, selectors (later ones
+    win), overrides by node key (a key naming one layer wins over a `layers.*` key), the FSDP
+    choice on parameter all-gathers (reshard after forward or keep unsharded) and how
+    offloaded activations move."""
+
+    preset: str
+    selectors: Sequence[SelectorRow] = ()
+    overrides: Mapping[str, str] = MappingProxyType({})
+    fsdp_reshard: bool = True
+    offload: OffloadOptions = OffloadOptions()
 
 
 def selector_matches(module_pattern: str, op_pattern: str, module: str, op: str) -> bool:
@@ -32,22 +55,17 @@ def selector_matches(module_pattern: str, op_pattern: str, module: str, op: str)
     return module_matches(module_pattern, module) and fnmatch.fnmatchcase(op, op_pattern)
 
 
-def requested(
-    facts: OpFacts,
-    rule: Rule,
-    preset: str,
-    selectors: Sequence[SelectorRow],
-    overrides: Mapping[str, str],
-) -> Tag:
-    """What the policy asks for: the preset's choice, then selectors (later ones win), then
-    overrides (a key naming one layer wins over a `layers.*` key)."""
-    tag = Tag(rule(facts), Why.PRESET, preset)
-    for module_pattern, op_pattern, action in selectors:
+def requested(facts: OpFacts, rule: Rule, request: Request) -> Tag:
+    """What the policy asks for: the preset's choice (`rule`, a fresh one of the request's
+    preset), then selectors (later ones win), then overrides (a key naming one layer wins
+    over a `layers.*` key)."""
+    tag = Tag(rule(facts), Why.PRESET, request.preset)
+    for module_pattern, op_pattern, action in request.selectors:
         if selector_matches(module_pattern, op_pattern, facts.module, facts.op):
             tag = Tag(MUST[action], Why.SELECTOR, f"{module_pattern}::{op_pattern}")
     for key in (facts.key, facts.layer_key):
-        if key in overrides:
-            tag = Tag(MUST[overrides[key]], Why.OVERRIDE, key)
+        if key in request.overrides:
+            tag = Tag(MUST[request.overrides[key]], Why.OVERRIDE, key)
     return tag
 
 
@@ -80,33 +98,28 @@ class Step(NamedTuple):
 
 
 def decide_ops(
-    facts: Sequence[OpFacts],
-    preset: str,
-    selectors: Sequence[SelectorRow] = (),
-    overrides: Mapping[str, str] | None = None,
-    fsdp_reshard: bool = True,
-    offload: OffloadOptions | None = None,
-    plan: DecidePlan | None = None,
+    facts: Sequence[OpFacts], request: Request, plan: DecidePlan | None = None
 ) -> dict[str, Tag]:
-    """The tag of every node in `facts` (graph order), by the steps of `STEPS` in order:
-    forced saves, the request (the preset, selectors, the FSDP choice on parameter
-    all-gathers), followers (getitems, waits, unshard chains), overrides, the layer-boundary
-    rule, the in-place rule, then the offload step (`decide_offload`). The `titan-*`
-    presets run graph trainer's own variants of these steps (`decide_titan_ops`). Pass the
-    facts' `plan` to decide many policies of one graph: the requests before overrides are
-    then kept per preset and selector list, so a flip costs a pass over the few nodes it
-    can change."""
+    """The tag of every node in `facts` (graph order) under `request`, by the steps of
+    `STEPS` in order: forced saves, the request (the preset, selectors, the FSDP choice on
+    parameter all-gathers), followers (getitems, waits, unshard chains), overrides, the
+    layer-boundary rule, the in-place rule, then the offload step (`decide_offload`).
+    Presets of graph trainer's dialect run its own variants of these steps
+    (`decide_titan_ops`). Pass the facts' `plan` to decide many policies of one graph: the
+    requests before overrides are then kept per preset and selector list, so a flip costs a
+    pass over the few nodes it can change."""
     plan = plan or decide_plan(facts)
-    if preset in TITAN_PRESETS:
-        return decide_titan_ops(facts, preset, selectors, overrides, fsdp_reshard, offload, plan)
-    asked, followed = _requests(facts, plan, preset, selectors, fsdp_reshard)
+    preset = preset_record(request.preset)
+    if preset.dialect == GRAPH_TRAINER:
+        return decide_titan_ops(facts, request, plan)
+    asked, followed = _requests(facts, plan, request)
     tags = dict(followed)
-    overridden = apply_overrides(tags, asked, plan, overrides or {})
+    overridden = apply_overrides(tags, asked, plan, request.overrides)
     follow_leaders(tags, asked, plan.leaders, overridden)
-    save_layer_boundaries(tags, plan.boundaries)
+    save_layer_boundaries(tags, plan.boundaries[WORKBENCH])
     save_written_inputs(tags, plan)
-    if may_offload(preset, selectors, overrides):
-        decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
+    if may_offload(request.preset, request.selectors, request.overrides):
+        decide_offload(facts, tags, preset, request.offload, plan)
     return tags
 
 
@@ -133,26 +146,23 @@ def follow_leaders(
 
 
 def _requests(
-    facts: Sequence[OpFacts],
-    plan: DecidePlan,
-    preset: str,
-    selectors: Sequence[SelectorRow],
-    fsdp_reshard: bool,
+    facts: Sequence[OpFacts], plan: DecidePlan, request: Request
 ) -> tuple[dict[str, Tag], dict[str, Tag]]:
     """The tags without overrides, kept in `plan`: forced saves, then the preset's rule and
     selectors, the FSDP choice; and those tags once followers took their leader's."""
-    memo_key = (preset, tuple(selectors), fsdp_reshard)
+    memo_key = (request.preset, tuple(request.selectors), request.fsdp_reshard)
     if memo_key not in plan.request_memo:
-        rule = preset_rule(preset)
+        rule = preset_rule(request.preset)
+        no_overrides = request._replace(overrides=MappingProxyType({}))
         tags: dict[str, Tag] = {}
         for f in facts:
             forced = forced_save(f)
             if forced is not None:
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, forced)
                 continue
-            tag = requested(f, rule, preset, selectors, {})
+            tag = requested(f, rule, no_overrides)
             if tag.why is Why.PRESET and f.gather == f.name:
-                tag = fsdp_tag(fsdp_reshard)
+                tag = fsdp_tag(request.fsdp_reshard)
             tags[f.name] = tag
         followed = dict(tags)
         follow_leaders(followed, tags, plan.leaders)
@@ -339,50 +349,40 @@ STEPS: tuple[Step, ...] = (
 
 
 def decide_titan_ops(
-    facts: Sequence[OpFacts],
-    preset: str,
-    selectors: Sequence[SelectorRow] = (),
-    overrides: Mapping[str, str] | None = None,
-    fsdp_reshard: bool = True,
-    offload: OffloadOptions | None = None,
-    plan: DecidePlan | None = None,
+    facts: Sequence[OpFacts], request: Request, plan: DecidePlan | None = None
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order), by the steps of
     `TITAN_STEPS` in order: per node, the first of `lm_head*`/`loss*` nodes untagged, the
-    FSDP keep (`titan-default` and `titan-sac_and_offload` without `fsdp_reshard`, its
-    `fsdp_reshard_after_forward="never"`),
+    FSDP keep (presets that keep unshards, `Preset.keeps_unsharded`: `titan-default` and
+    `titan-sac_and_offload`, without `fsdp_reshard`, its `fsdp_reshard_after_forward="never"`),
     getitems and waits taking their parent's tag, the request; then, in graph order, a
     recomputed node with a recomputed user in a higher layer is saved, then the in-place
     rule and the offload step. Random ops are saved whatever was asked, as in every graph
     SAC preset here: torch's remat pass refuses them (on the CPU, graph trainer's `default`
     and `eager` recompute SDPA)."""
-    rule, overrides = preset_rule(preset), overrides or {}
-    keep = not fsdp_reshard and preset in TITAN_KEEPS_UNSHARDED
+    preset = preset_record(request.preset)
+    rule = preset.rule()
+    keep = not request.fsdp_reshard and preset.keeps_unsharded
     tags: dict[str, Tag] = {}
     for f in facts:
-        tag = titan_untagged(f, preset, selectors, overrides)
+        tag = titan_untagged(f, request)
         if tag is None and keep:
             tag = titan_keep_unsharded(f)
         if tag is None:
             tag = titan_follows(f, tags)
         if tag is None:
-            tag = titan_request(f, rule, preset, selectors, overrides)
+            tag = titan_request(f, rule, request)
         tags[f.name] = tag
     plan = plan or decide_plan(facts)
-    save_layer_boundaries(tags, plan.titan_boundaries)
+    save_layer_boundaries(tags, plan.boundaries[GRAPH_TRAINER])
     save_written_inputs(tags, plan)
-    if may_offload(preset, selectors, overrides):
-        decide_offload(facts, tags, preset, offload or OffloadOptions(), plan)
+    if may_offload(request.preset, request.selectors, request.overrides):
+        decide_offload(facts, tags, preset, request.offload, plan)
     return tags
 
 
 # Graph trainer's steps on one node, in the order `decide_titan_ops` asks them: the first
 # that answers (not None) gives the node its tag.
-
-
-# Graph trainer's memory policies that save FSDP unshards without reshard after forward:
-# `default`, and `sac_and_offload`, which runs `default`'s pass first.
-TITAN_KEEPS_UNSHARDED = ("titan-default", "titan-sac_and_offload")
 
 
 def titan_keep_unsharded(f: OpFacts) -> Tag | None:
@@ -397,9 +397,7 @@ def titan_keep_unsharded(f: OpFacts) -> Tag | None:
     return fsdp_tag(False) if f.unshard_output else None
 
 
-def titan_untagged(
-    f: OpFacts, preset: str, selectors: Sequence[SelectorRow], overrides: Mapping[str, str]
-) -> Tag | None:
+def titan_untagged(f: OpFacts, request: Request) -> Tag | None:
     """Graph trainer tags call_function nodes only, and never `lm_head*` / `loss*` ones (they
     stay saved), though a selector or an override still applies there; None for the others.
     A `get_attr` (a flex attention's score or mask subgraph) holds no tensor: untagged."""
@@ -407,7 +405,7 @@ def titan_untagged(
         return Tag(CheckpointPolicy.PREFER_SAVE, Why.UNTAGGED, "a get_attr, not an op")
     if not f.module.startswith(TITAN_UNTAGGED_MODULES):
         return None
-    tag = requested(f, preset_rule("none"), preset, selectors, overrides)
+    tag = requested(f, preset_rule("none"), request)
     if tag.why is not Why.PRESET:
         return tag
     detail = f"{f.module} (graph trainer never tags lm_head*/loss* modules)"
@@ -425,16 +423,10 @@ def titan_follows(f: OpFacts, tags: Mapping[str, Tag]) -> Tag | None:
     return tags.get(f.parent, UNTAGGED)
 
 
-def titan_request(
-    f: OpFacts,
-    rule: Rule,
-    preset: str,
-    selectors: Sequence[SelectorRow],
-    overrides: Mapping[str, str],
-) -> Tag:
+def titan_request(f: OpFacts, rule: Rule, request: Request) -> Tag:
     """What the policy asks (`requested`), but a random op is saved: torch's remat pass
     refuses to recompute it."""
-    tag = requested(f, rule, preset, selectors, overrides)
+    tag = requested(f, rule, request)
     if f.random and tag.recompute:
         return Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
     return tag
@@ -477,12 +469,7 @@ TITAN_STEPS: tuple[Step, ...] = (
 
 
 def eager_tag(
-    facts: OpFacts,
-    rule: Rule,
-    preset: str,
-    selectors: Sequence[SelectorRow],
-    overrides: Mapping[str, str],
-    written_later: Collection[str] = frozenset(),
+    facts: OpFacts, rule: Rule, request: Request, written_later: Collection[str] = frozenset()
 ) -> Tag:
     """Eager SAC's decision for one op as it runs. In-place ops come first and are
     recomputed: eager SAC caches an op's output before autograd bumps an in-place op's
@@ -498,10 +485,14 @@ def eager_tag(
         return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.MUTATION)
     if facts.random:
         return Tag(CheckpointPolicy.MUST_SAVE, Why.RANDOM)
-    tag = requested(facts, rule, preset, selectors, overrides)
+    tag = requested(facts, rule, request)
     if tag.offload:
-        return Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, "eager SAC cannot offload")
+        return Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, Refused(Refusal.EAGER_SAC))
     if not tag.recompute and facts.layer_key in written_later:
         detail = "forward writes its output in place later: eager SAC recomputes it"
         return Tag(CheckpointPolicy.PREFER_RECOMPUTE, Why.WRITTEN_INPUT, detail)
     return tag
+
+
+# Each dialect's steps, in the order its decider takes them (`policy explain` prints them).
+STEPS_OF: dict[Dialect, tuple[Step, ...]] = {WORKBENCH: STEPS, GRAPH_TRAINER: TITAN_STEPS}

@@ -2,14 +2,16 @@
 
 Entry points: `fx_rows(gm, module_of)` (rows read off an FX graph: ops, storages, aliases,
 in-place writes, FSDP unshard chains and the unsharded values, `unshard_chains` and
-`unshard_outputs`) and `op_facts(rows)` (counted in graph order).
+`unshard_outputs`), `op_facts(rows)` (counted in graph order), and `walk_storage(value, view)`:
+the one walk over the forward users that share a value's storage, on FX nodes
+(`fx_storage_view`), on facts or on index arrays.
 """
 
 from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from workbench.capture.ops import (
     ALL_GATHER,
     WAIT,
+    NodeKey,
     is_random,
     layer_of,
     layer_pattern,
@@ -49,6 +52,104 @@ class Storage(NamedTuple):
     fresh: bool
     output: bool
     mutated: bool  # a forward op writes into the storage in place
+
+
+class StorageView(NamedTuple):
+    """How `walk_storage` reads one form of a graph (FX nodes, the rules' facts, a schedule's
+    index arrays): the readers of a value, the value each reader makes, and what a reader
+    is (the step's output, a backward node) or a value does (shares the storage walked,
+    given the values sharing it found so far; writes its input in place)."""
+
+    readers: Callable[[Any], Iterable[Any]]
+    value: Callable[[Any], Any]
+    is_output: Callable[[Any], bool]
+    in_backward: Callable[[Any], bool]
+    shares: Callable[[Any, set[Any]], bool]
+    writes: Callable[[Any], bool]
+
+
+class StorageWalk(NamedTuple):
+    """What walking a value's storage found (`walk_storage`): its forward aliases (values
+    sharing the storage, in the order met), the backward readers of it or an alias, the
+    aliases those read, every forward reader, whether the step returns it (or an alias),
+    the aliases that write into it in place (in the order met), and whether the first
+    writer was met before the first output."""
+
+    aliases: list[Any]
+    readers: list[Any]
+    read_aliases: list[Any]
+    forward: list[Any]
+    returned: bool
+    writers: list[Any]
+    written_first: bool
+
+
+def walk_storage(value: Any, view: StorageView) -> StorageWalk:
+    """The one walk over the forward readers that share `value`'s storage (views, getitems,
+    in-place ops), depth first through each alias's readers, in `view`'s form of the graph.
+    Backward readers and the step's output end a path; a forward reader whose value does not
+    share the storage is recorded in `forward` and not followed."""
+    aliases: list[Any] = []
+    readers: list[Any] = []
+    read_aliases: list[Any] = []
+    forward: list[Any] = []
+    writers: list[Any] = []
+    returned = written_first = False
+    todo, seen = [value], {value}
+    while todo:
+        at = todo.pop()
+        for reader in view.readers(at):
+            if view.is_output(reader):
+                returned = True
+                continue
+            if view.in_backward(reader):
+                readers.append(reader)
+                if at != value and at not in read_aliases:
+                    read_aliases.append(at)
+                continue
+            forward.append(reader)
+            made = view.value(reader)
+            if made in seen or not view.shares(made, seen):
+                continue
+            if view.writes(made):
+                written_first = written_first or not (writers or returned)
+                writers.append(made)
+            seen.add(made)
+            aliases.append(made)
+            todo.append(made)
+    return StorageWalk(aliases, readers, read_aliases, forward, returned, writers, written_first)
+
+
+def fx_storage_view(
+    node: torch.fx.Node | None, in_backward: Callable[[torch.fx.Node], bool]
+) -> StorageView:
+    """`node`'s storage on an FX graph, as `walk_storage` reads it: users sharing its storage
+    (its fake tensors'), a user being backward as `in_backward` says (marked
+    `autograd_backward`, or after the first backward node of a rematerialized graph)."""
+    keys = storage_keys(node) if node is not None else set()
+    return StorageView(
+        readers=lambda n: n.users,
+        value=lambda n: n,
+        is_output=lambda n: n.op == "output",
+        in_backward=in_backward,
+        shares=lambda n, seen: bool(keys & storage_keys(n)),
+        writes=lambda n: mutates(n.target),
+    )
+
+
+def needed_aliases(
+    aliases: Sequence[Any], read: Iterable[Any], inputs: Callable[[Any], Iterable[Any]]
+) -> list[Any]:
+    """The aliases backward reads (`read`) and the aliases they are made from (`inputs`),
+    in the order of `aliases`: the views an offload replays on a reloaded tensor."""
+    members, needed = set(aliases), set()
+    todo = list(read)
+    while todo:
+        alias = todo.pop()
+        if alias not in needed:
+            needed.add(alias)
+            todo.extend(x for x in inputs(alias) if x in members)
+    return [a for a in aliases if a in needed]
 
 
 class OpFacts(NamedTuple):
@@ -107,7 +208,8 @@ class OpCounter:
             self.matmuls[layer] += 1
         k = self.seen[(module, op)]
         self.seen[(module, op)] += 1
-        key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
+        own = NodeKey(module, op, k)
+        key, layer_key = own.in_module(layer_pattern(module)).text, own.text
         return OpFacts(
             name,
             module,
@@ -147,20 +249,10 @@ def storage_of(node: torch.fx.Node) -> Storage | None:
         contiguous, size = bool(value.is_contiguous()), int(value.numel() * value.element_size())
     except Exception:  # symbolic shapes: graph trainer assumes contiguous and large enough
         contiguous, size = True, MIN_OFFLOAD_BYTES
-    output = mutated = False
-    todo, seen = [node], {node}
-    while todo:  # forward nodes sharing the storage: views, getitems, in-place ops
-        for user in todo.pop().users:
-            if user.op == "output":
-                output = True
-            elif user not in seen and not user.meta.get("autograd_backward"):
-                if key not in storage_keys(user):
-                    continue
-                seen.add(user)
-                todo.append(user)
-                mutated = mutated or mutates(user.target)
+    view = fx_storage_view(node, lambda n: bool(n.meta.get("autograd_backward")))
+    walk = walk_storage(node, view)
     fresh = not any(key in storage_keys(x) for x in storage_inputs(node))
-    return Storage(size, contiguous, fresh, output, mutated)
+    return Storage(size, contiguous, fresh, walk.returned, bool(walk.writers))
 
 
 def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str]) -> list[Row]:

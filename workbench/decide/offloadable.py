@@ -1,28 +1,29 @@
-"""CPU offload at the tag level: what may be offloaded (one refusal vocabulary) and the
-offload step of deciding, with its host budget.
+"""CPU offload at the tag level: what may be offloaded (one refusal vocabulary, as values)
+and the offload step of deciding, with its host budget.
 
-Entry points: `OffloadOptions`, `Refusal` (every reason a node is not offloaded, which the
-offload pass and its replay on indices say too), `offload_refusal(facts, last)`,
-`decide_offload(...)`.
+Entry points: `OffloadOptions`, `offload_refusal(facts, last)` (the rules, on facts),
+`examine_offload(value, view)` (the offload pass's and its replay's check of a value of a
+rematerialized graph: one examination, one storage walk), `decide_offload(...)`. Each says
+why not as a `tags.Refused` (`tags.Refusal` and its values).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.decide.facts import MIN_OFFLOAD_BYTES, OpFacts
-from workbench.decide.plan import DecidePlan, decide_plan, replayed_by
-from workbench.decide.presets import (
-    OFFLOAD_PRESETS,
-    TITAN_NOT_IN_LAYERS,
-    TITAN_PRESETS,
-    titan_layer,
+from workbench.decide.facts import (
+    MIN_OFFLOAD_BYTES,
+    OpFacts,
+    StorageView,
+    StorageWalk,
+    walk_storage,
 )
-from workbench.decide.tags import SelectorRow, Tag, Why
+from workbench.decide.plan import DecidePlan, decide_plan, replayed_by
+from workbench.decide.presets import DIALECTS, WORKBENCH, Dialect, Preset, preset_record
+from workbench.decide.tags import Refusal, Refused, SelectorRow, Tag, Why
 
 
 class OffloadOptions(NamedTuple):
@@ -40,39 +41,6 @@ class OffloadOptions(NamedTuple):
     defer_layers: int = 0
 
 
-class Refusal(enum.Enum):
-    """Why a node's output is not offloaded, as the end of a sentence that starts with the
-    node's name; `{}` marks are filled by `say`. One vocabulary for the three checks: the
-    rules here (on facts, before remat), `workbench.rewrite.offload.offload_pass` (on the
-    rematerialized graph) and its replay on indices (`workbench.cost.replay.offload_schedule`),
-    so a node refused twice is refused in the same words."""
-
-    NOT_FORWARD = "is not a forward node of this graph"
-    NOT_ONE_TENSOR = "returns no single tensor"
-    FSDP_CHAIN = "is part of a parameter's FSDP all-gather chain"
-    COLLECTIVE = "is a collective or its wait"
-    OUTSIDE_LAYERS = "is outside the layers"
-    LAST_LAYER = "is in the last layer ({}): backward reads it at once"
-    VIEW_OP = "is a view op"
-    RANDOM = "is a random op"
-    WRITTEN = "has its storage written in place in forward"
-    WRITTEN_BY = "has its storage written in place in forward by {}"  # the pass knows who
-    ALIAS = "is a view or alias of another node's storage: offloading it frees nothing"
-    RETURNED = "is returned by the step"
-    NOT_CONTIGUOUS = "is not contiguous"
-    TOO_SMALL = "is {} bytes, under the {}-byte minimum"
-    NOT_READ = "is not read in backward after remat: nothing to offload"
-    OVER_BUDGET = "over the offload budget of {} bytes ({} already offloaded)"
-
-    def say(self, *values: object) -> str:
-        """The sentence, its `{}` marks filled with `values` in order.
-
-        >>> Refusal.LAST_LAYER.say(5)
-        'is in the last layer (5): backward reads it at once'
-        """
-        return self.value.format(*values)
-
-
 # --- CPU offload ------------------------------------------------------------------------
 
 # Graph trainer's view ops (`cpu_offload._VIEW_OPS`, by overload packet): never offloaded.
@@ -82,41 +50,43 @@ TITAN_VIEW_OPS = frozenset(
 )
 
 
-def offload_refusal(f: OpFacts, last: int | None, titan: bool = False) -> str | None:
+def offload_refusal(f: OpFacts, last: int | None, dialect: Dialect = WORKBENCH) -> Refused | None:
     """Why `f`'s output may not be offloaded, or None if it may: it must be one contiguous
     tensor of at least `MIN_OFFLOAD_BYTES` owning its storage (offloading a view frees
-    nothing), made in a layer other than the last, by no random, in-place or communication
-    op, with nothing writing into it later, not returned by the step. The `titan-*` presets
-    check what graph trainer checks: its view list instead of storages, no random, in-place
-    or output rule (the pass still skips what it cannot offload safely)."""
+    nothing), made in a layer other than the last (`last`, as the dialect reads layers), by
+    no random, in-place or communication op, with nothing writing into it later, not
+    returned by the step. Graph trainer's dialect checks what graph trainer checks: its view
+    list instead of storages, no random, in-place or output rule (the pass still skips what
+    it cannot offload safely)."""
+    rules = DIALECTS[dialect]
     storage = f.storage
     if storage is None:
-        return Refusal.NOT_ONE_TENSOR.say()
+        return Refused(Refusal.NOT_ONE_TENSOR)
     if f.gather is not None:
-        return Refusal.FSDP_CHAIN.say()
+        return Refused(Refusal.FSDP_CHAIN)
     if f.op.startswith("_c10d_functional."):
-        return Refusal.COLLECTIVE.say()
-    layer = titan_layer(f.module) if titan else f.layer
-    if layer in (None, TITAN_NOT_IN_LAYERS):
-        return Refusal.OUTSIDE_LAYERS.say()
+        return Refused(Refusal.COLLECTIVE)
+    layer = rules.layer(f)
+    if layer is None:
+        return Refused(Refusal.OUTSIDE_LAYERS)
     if layer == last:
-        return Refusal.LAST_LAYER.say(layer)
-    if titan:
+        return Refused(Refusal.LAST_LAYER, (layer,))
+    if not rules.storage_checks:
         if f.op.split(".")[1:2] and f.op.split(".")[1] in TITAN_VIEW_OPS:
-            return Refusal.VIEW_OP.say()
+            return Refused(Refusal.VIEW_OP)
     else:
         if f.random:
-            return Refusal.RANDOM.say()
+            return Refused(Refusal.RANDOM)
         if f.mutation or storage.mutated:
-            return Refusal.WRITTEN.say()
+            return Refused(Refusal.WRITTEN)
         if not storage.fresh:
-            return Refusal.ALIAS.say()
+            return Refused(Refusal.ALIAS)
         if storage.output:
-            return Refusal.RETURNED.say()
+            return Refused(Refusal.RETURNED)
     if not storage.contiguous:
-        return Refusal.NOT_CONTIGUOUS.say()
+        return Refused(Refusal.NOT_CONTIGUOUS)
     if storage.bytes < MIN_OFFLOAD_BYTES:
-        return Refusal.TOO_SMALL.say(storage.bytes, MIN_OFFLOAD_BYTES)
+        return Refused(Refusal.TOO_SMALL, (storage.bytes, MIN_OFFLOAD_BYTES))
     return None
 
 
@@ -125,36 +95,71 @@ def kept_for_backward(
 ) -> Callable[[OpFacts], bool]:
     """A test of whether torch's remat pass keeps a saved node's storage for backward: a
     backward node reads it (or a saved forward view of it), or a recomputed node that
-    backward needs does. Users that are not forward nodes are backward ones."""
+    backward needs does. Users that are not forward nodes are backward ones. The storage
+    walk (`walk_storage`) on the facts: a saved view of the node shares its storage."""
     replayed = replayed_by(tags, by_name)
 
-    def kept(f: OpFacts) -> bool:
-        todo, seen = [f], {f.name}
-        while todo:
-            for user in todo.pop().users:
-                u = by_name.get(user)
-                if u is None or replayed(user):
-                    return True
-                view = u.storage is not None and not u.storage.fresh
-                if view and not tags[user].recompute and user not in seen:
-                    seen.add(user)
-                    todo.append(u)
-        return False
+    def shares(user: str, seen: set[Any]) -> bool:
+        storage = by_name[user].storage
+        return storage is not None and not storage.fresh and not tags[user].recompute
 
-    return kept
+    view = StorageView(
+        readers=lambda name: by_name[name].users,
+        value=lambda name: name,
+        is_output=lambda name: False,  # the output is not a forward node: a backward reader
+        in_backward=lambda name: name not in by_name or replayed(name),
+        shares=shares,
+        writes=lambda name: False,
+    )
+    return lambda f: bool(walk_storage(f.name, view).readers)
+
+
+class OffloadView(NamedTuple):
+    """How `examine_offload` reads one form of a rematerialized graph: whether a value is a
+    forward op call of it, returns one tensor, owns its storage (not a view or alias of an
+    input's), its name, and the storage walk's view (`facts.StorageView`)."""
+
+    forward_op: Callable[[Any], bool]
+    one_tensor: Callable[[Any], bool]
+    fresh: Callable[[Any], bool]
+    name: Callable[[Any], str]
+    storage: StorageView
+
+
+def examine_offload(value: Any, view: OffloadView) -> Refused | StorageWalk:
+    """Whether the offload pass can offload `value` of a rematerialized graph safely: why
+    not, or its storage walk (aliases, backward readers, forward readers), which places the
+    copies. It must be a forward op call returning one tensor that owns its storage, which
+    the step does not return, no forward op writes in place (the first of the two the walk
+    meets is said), and backward reads. The offload pass (FX nodes) and its replay on index
+    arrays both ask this, so they refuse the same values in the same terms."""
+    if not view.forward_op(value):
+        return Refused(Refusal.NOT_FORWARD)
+    if not view.one_tensor(value):
+        return Refused(Refusal.NOT_ONE_TENSOR)
+    if not view.fresh(value):
+        return Refused(Refusal.ALIAS)
+    walk = walk_storage(value, view.storage)
+    if walk.writers and (walk.written_first or not walk.returned):
+        return Refused(Refusal.WRITTEN_BY, (view.name(walk.writers[0]),))
+    if walk.returned:
+        return Refused(Refusal.RETURNED)
+    if not walk.readers:
+        return Refused(Refusal.NOT_READ)
+    return walk
 
 
 def offload_refusal_in(
     plan: DecidePlan, tags: Mapping[str, Tag], name: str, preset: str
-) -> str | None:
+) -> Refused | None:
     """Why node `name` may not be offloaded under `tags` (the rules and the keep test of
     `decide_offload`, budget aside), or None if it may. Reads the facts through their
     `plan`: a flip or a look at one node costs that node's users, not the graph."""
-    titan = preset in TITAN_PRESETS
+    dialect = preset_record(preset).dialect
     by_name = plan.by_name
-    refusal = offload_refusal(by_name[name], plan.last_layers[titan], titan)
+    refusal = offload_refusal(by_name[name], plan.last_layers[dialect], dialect)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
-        return Refusal.NOT_READ.say()
+        return Refused(Refusal.NOT_READ)
     return refusal
 
 
@@ -164,7 +169,7 @@ def may_offload(
     """Whether a policy asks for any offload (its preset, a selector or an override): the
     offload step has nothing to do otherwise, the common case on every re-decision."""
     return (
-        preset in OFFLOAD_PRESETS
+        preset_record(preset).offloads is not None
         or any(row[2] == "offload" for row in selectors)
         or "offload" in (overrides or {}).values()
     )
@@ -173,7 +178,7 @@ def may_offload(
 def decide_offload(
     facts: Sequence[OpFacts],
     tags: dict[str, Tag],
-    preset: str,
+    preset: Preset,
     options: OffloadOptions,
     plan: DecidePlan | None = None,
 ) -> None:
@@ -184,9 +189,10 @@ def decide_offload(
     first (graph order among equals) while they fit; the rest go back to their preset's
     save (`OFFLOAD_REFUSED` when asked for by name). The facts' `plan`, when given,
     saves the lookups built from them."""
-    titan = preset in TITAN_PRESETS
+    dialect, offloads = preset.dialect, preset.offloads is not None
+    storage_checks = DIALECTS[dialect].storage_checks
     plan = plan or decide_plan(facts)
-    last = plan.last_layers[titan]
+    last = plan.last_layers[dialect]
     kept = kept_for_backward(tags, plan.by_name)
     chosen: list[OpFacts] = []
     before: dict[str, Tag] = {}
@@ -195,19 +201,20 @@ def decide_offload(
         if tag.recompute:
             continue
         asked = tag.offload
-        if not asked and (preset not in OFFLOAD_PRESETS or tag.why in (Why.SELECTOR, Why.OVERRIDE)):
+        if not asked and (not offloads or tag.why in (Why.SELECTOR, Why.OVERRIDE)):
             continue
-        refusal = offload_refusal(f, last, titan)
+        refusal = offload_refusal(f, last, dialect)
         if refusal is None and not kept(f):
-            titan_save = titan and tag.policy is CheckpointPolicy.MUST_SAVE
-            refusal = None if titan_save else Refusal.NOT_READ.say()
+            # graph trainer offloads its MUST_SAVE tags, read in backward or not
+            unread = not storage_checks and tag.policy is CheckpointPolicy.MUST_SAVE
+            refusal = None if unread else Refused(Refusal.NOT_READ)
         if refusal is not None:
             if asked:
                 tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, refusal)
             continue
         before[f.name] = tag
         if not asked:  # MUST_: the one offload tag graph trainer's offload pass reads
-            tags[f.name] = Tag(CheckpointPolicy.MUST_CPU_OFFLOAD, Why.PRESET, preset)
+            tags[f.name] = Tag(CheckpointPolicy.MUST_CPU_OFFLOAD, Why.PRESET, preset.name)
         chosen.append(f)
     budget, used = options.budget_bytes, 0
     if budget is None:
@@ -219,5 +226,5 @@ def decide_offload(
         elif tags[f.name].why is Why.PRESET:
             tags[f.name] = before[f.name]
         else:
-            detail = Refusal.OVER_BUDGET.say(budget, used)
+            detail = Refused(Refusal.OVER_BUDGET, (budget, used))
             tags[f.name] = Tag(CheckpointPolicy.MUST_SAVE, Why.OFFLOAD_REFUSED, detail)

@@ -1,7 +1,8 @@
 """What deciding derives from a graph's facts alone, once per graph: `DecidePlan`.
 
-Entry points: `decide_plan(facts)`, `layer_boundaries`, `last_layer` and `replayed_by`
-(which recompute-tagged nodes torch's remat pass copies into backward).
+Entry points: `decide_plan(facts)`, `layer_boundaries`, `last_layer` (each in a dialect's
+reading of layers, `presets.DIALECTS`) and `replayed_by` (which recompute-tagged nodes torch's
+remat pass copies into backward).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from workbench.decide.facts import OpFacts
-from workbench.decide.presets import TITAN_NOT_IN_LAYERS, titan_layer
+from workbench.decide.presets import DIALECTS, WORKBENCH, Dialect, DialectRules
 from workbench.decide.tags import Tag
 
 
@@ -22,12 +23,11 @@ class DecidePlan(NamedTuple):
     and so that the offload rules look a node up without a pass over the graph."""
 
     by_name: dict[str, OpFacts]
-    last_layers: tuple[int | None, int | None]  # `last_layer`: graph SAC's, graph trainer's
+    last_layers: dict[Dialect, int | None]  # `last_layer`, per dialect
     by_key: dict[str, list[str]]  # `OpFacts.key` -> nodes
     by_layer_key: dict[str, list[str]]  # `OpFacts.layer_key` -> nodes
     leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
-    boundaries: list[tuple[str, tuple[str, ...]]]  # graph SAC's layer-boundary walk
-    titan_boundaries: list[tuple[str, tuple[str, ...]]]  # graph trainer's
+    boundaries: dict[Dialect, list[tuple[str, tuple[str, ...]]]]  # each layer-boundary walk
     writes: WritePlan  # the in-place rule's storages, writes and readers
     # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
     # and those tags once followers took their leader's
@@ -77,38 +77,27 @@ def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
             leaders.append((f.name, leader, leader == f.gather))
     return DecidePlan(
         by_name,
-        (last_layer(facts), last_layer(facts, titan=True)),
+        {dialect: last_layer(facts, dialect) for dialect in DIALECTS},
         dict(by_key),
         dict(by_layer_key),
         leaders,
-        layer_boundaries(facts, by_name, lambda f, u: crosses_layer(f.layer, u.layer)),
-        layer_boundaries(
-            facts, by_name, lambda f, u: titan_layer(u.module) > titan_layer(f.module), False
-        ),
+        {dialect: layer_boundaries(facts, by_name, rules) for dialect, rules in DIALECTS.items()},
         write_plan(facts),
         {},
     )
 
 
-def crosses_layer(layer: int | None, user_layer: int | None) -> bool:
-    """A recomputed node feeding a recomputed user in another layer must be saved, or
-    torch's remat pass would chain recomputation across layers."""
-    return layer != user_layer
-
-
 def layer_boundaries(
-    facts: Sequence[OpFacts],
-    by_name: Mapping[str, OpFacts],
-    crosses: Callable[[OpFacts, OpFacts], bool],
-    reverse: bool = True,
+    facts: Sequence[OpFacts], by_name: Mapping[str, OpFacts], rules: DialectRules
 ) -> list[tuple[str, tuple[str, ...]]]:
-    """The nodes with users that `crosses` a layer boundary, and those users, in the order
-    the layer-boundary rule walks them: reverse graph order by default, so a user's final
-    tag is known before its inputs are judged (graph trainer walks forward)."""
-    walk = reversed(facts) if reverse else facts
+    """The nodes with users that cross a layer boundary (`rules.crosses`), and those users,
+    in the order the dialect's layer-boundary rule walks them: the workbench's in reverse
+    graph order, so a user's final tag is known before its inputs are judged; graph
+    trainer's forward."""
+    walk = reversed(facts) if rules.walk_reversed else facts
     result = []
     for f in walk:
-        users = tuple(u for u in f.users if u in by_name and crosses(f, by_name[u]))
+        users = tuple(u for u in f.users if u in by_name and rules.crosses(f, by_name[u]))
         if users:
             result.append((f.name, users))
     return result
@@ -131,11 +120,11 @@ def replayed_by(tags: Mapping[str, Tag], by_name: Mapping[str, OpFacts]) -> Call
     return test
 
 
-def last_layer(facts: Sequence[OpFacts], titan: bool = False) -> int | None:
-    """The layer whose activations are never offloaded: backward reads them at once. Graph
-    trainer has none when the graph holds fewer than two layers."""
-    layers = {titan_layer(f.module) if titan else f.layer for f in facts}
-    layers -= {None, TITAN_NOT_IN_LAYERS}
-    if titan and len(layers) < 2:
+def last_layer(facts: Sequence[OpFacts], dialect: Dialect = WORKBENCH) -> int | None:
+    """The layer whose activations are never offloaded: backward reads them at once, as the
+    dialect reads layers. Graph trainer has none when the graph holds fewer than two."""
+    rules = DIALECTS[dialect]
+    layers = {layer for f in facts if (layer := rules.layer(f)) is not None}
+    if len(layers) < rules.min_layers:
         return None
-    return max(layers, default=None)  # type: ignore[type-var]
+    return max(layers, default=None)

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 from workbench.capture.graph import NodeInfo
 from workbench.capture.workload import MAX_LAYERS
-from workbench.decide.engine import selector_matches
+from workbench.decide.engine import Request, selector_matches
 from workbench.decide.offloadable import OffloadOptions, may_offload
-from workbench.decide.presets import OFFLOAD_PRESETS, PRESETS
+from workbench.decide.presets import PRESETS
 from workbench.decide.tags import SelectorRow
 from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.files import MARK_KEY, read_file, write_file
@@ -153,6 +153,16 @@ class Policy:
             )
         self.offload = offload_options(self.offload)
 
+    def request(self) -> Request:
+        """What the policy asks of the rules (`engine.decide_ops`)."""
+        return Request(
+            preset=self.preset,
+            selectors=[s.row() for s in self.selectors],
+            overrides=self.overrides,
+            fsdp_reshard=self.fsdp_reshard,
+            offload=self.offload,
+        )
+
     @property
     def offloads(self) -> bool:
         """Whether the policy can offload anything: an offload preset or request."""
@@ -164,7 +174,7 @@ class Policy:
         runs for it)."""
         return dataclasses.replace(
             self,
-            preset=OFFLOAD_PRESETS.get(self.preset, self.preset),
+            preset=PRESETS[self.preset].offloads or self.preset,
             selectors=[
                 Selector(s.select, "save" if s.action == "offload" else s.action)
                 for s in self.selectors

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
-from workbench.capture.ops import module_matches
+from workbench.capture.ops import NodeKey, module_matches
 from workbench.capture.workload import Workload, eager_step
 from workbench.decide.decider import layer_key, node_keys
 from workbench.decide.policy import Action, Policy
@@ -149,7 +149,7 @@ def eager_decisions(
         choice: CheckpointPolicy = decided(ctx, func, *args, **kwargs)
         if not ctx.is_recompute:
             module, op = namespace["current_module"](), namespace["op_name"](func)
-            choices[f"{module}::{op}#{seen[(module, op)]}"] = choice
+            choices[NodeKey(module, op, seen[(module, op)]).text] = choice
             seen[(module, op)] += 1
         return choice
 

@@ -22,6 +22,7 @@ from workbench.decide import EMBEDDED
 from workbench.decide.decider import rules_of, validate
 from workbench.decide.engine import written_later_keys
 from workbench.decide.policy import Policy
+from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.interop.graph_notes import comment, forced_notes, parallel_notes
@@ -232,8 +233,33 @@ def _python_module(
         _RULES_HEADER.format(len(EMBEDDED)),
         "",
         rule_code,
+        *_registered_elsewhere(policy),
     ]
     return "\n".join(lines) + "\n\n# --- Entry point ---\n\n\n" + body + "\n"
+
+
+def _registered_elsewhere(policy: Policy) -> list[str]:
+    """The registration of the policy's preset (and of the preset it offloads) where it is
+    not one of the rule files' (`register_preset` in a notebook, a test or a user's module):
+    its source verbatim, decorator included, so the export registers it as the workbench
+    did. Its code may use what the rule files define (`CheckpointPolicy`, `OpFacts`, ...)."""
+    embedded = set(EMBEDDED)
+    lines: list[str] = []
+    for name in dict.fromkeys([policy.preset, PRESETS[policy.preset].offloads]):
+        if name is None or PRESETS[name].rule.__module__ in embedded:
+            continue
+        factory = PRESETS[name].rule
+        try:
+            source = textwrap.dedent(inspect.getsource(factory)).strip("\n")
+        except (OSError, TypeError):
+            raise WorkbenchError(
+                f"preset {name!r} is registered in {factory.__module__}, whose source cannot "
+                "be read: the Python exports carry a preset's registration verbatim; register "
+                "it in a file"
+            ) from None
+        header = f"# --- preset {name!r}, registered in {factory.__module__} ---"
+        lines += ["", "", header, "", "", source]
+    return lines
 
 
 def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:

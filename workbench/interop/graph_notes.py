@@ -72,7 +72,8 @@ def forced_notes(policy: Policy, graph: JointGraph) -> list[str]:
     ]
     written = [(n, d) for n, d in decisions.items() if d.why is Why.WRITTEN_INPUT]
     for name, tag in written[:FORCED_NAMED]:
-        lines.append(f"Saved, written in place: {name} ({graph.nodes[name].module}): {tag.detail}")
+        module = graph.nodes[name].module
+        lines.append(f"Saved, written in place: {name} ({module}): {tag.detail_words}")
     if len(written) > FORCED_NAMED:
         lines.append(f"... and {len(written) - FORCED_NAMED} more saved for that reason.")
     return lines

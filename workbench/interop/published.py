@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from workbench.decide.presets import preset_record
 from workbench.errors import WorkbenchError
 
 __all__ = ["PUBLISHED_RUNS", "PublishedRun", "select_runs"]
@@ -252,7 +253,7 @@ def _llama3_8b_pr2570(
 
 
 def _dsv3_pr3429(policy: str, gib: float) -> PublishedRun:
-    name = policy.removeprefix("titan-")
+    name = preset_record(policy).memory_policy
     return PublishedRun(
         id=f"pr3429-dsv3-16b-{name}",
         title=f"DeepSeek-V3 16B FSDP 8 x EP 8, graph trainer memory policy {name}",

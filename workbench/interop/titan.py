@@ -14,7 +14,7 @@ import io
 import logging
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -25,10 +25,12 @@ from workbench.decide.decider import decidable, decide
 from workbench.decide.policy import Policy
 from workbench.decide.presets import (
     COMPUTE_INTENSIVE_OPS,
+    GRAPH_TRAINER,
+    MEMORY_POLICIES,
     PRESETS,
     TITAN_NOT_IN_LAYERS,
-    TITAN_PRESETS,
     TITAN_SAVE_OPS,
+    preset_record,
     titan_layer,
 )
 from workbench.decide.tags import OFFLOAD, RECOMPUTE, Tag, Why
@@ -54,10 +56,10 @@ __all__ = [
     "graph_trainer_tags",
 ]
 
-# Graph trainer's memory policies the harness runs (for `sac_and_offload` its tagging here;
+# The harness runs graph trainer's `MEMORY_POLICIES` (for `sac_and_offload` its tagging here;
 # its offload pass in `titan_offload.offload_passes`, which rewrites a graph without a
-# stream), and the key its passes read the module path from (`common_utils._MODULE_FQN`).
-MEMORY_POLICIES = ("default", "full", "eager", "sac_and_offload")
+# stream); `MODULE_FQN` is the key its passes read the module path from
+# (`common_utils._MODULE_FQN`).
 TITAN_OFFLOAD_BUDGET_GB = 100.0  # graph trainer's default `cpu_offload_budget_gb`
 MODULE_FQN = "module_fqn"
 _POLICY_MODULE = "torchtitan.experiments.graph_trainer.memory_policy"
@@ -211,14 +213,25 @@ def compare(
 @dataclass(frozen=True)
 class Difference:
     """One rule where the workbench's `default` / `full` / `eager` decide otherwise than
-    graph trainer's memory policy of the same name (which the `titan-*` presets follow)."""
+    graph trainer's memory policy of the same name (which the `titan-*` presets follow).
+    The presets it applies to are read off the preset records (`presets`): those that list
+    its key (`Preset.differences`), every preset, or every preset that offloads."""
 
     key: str
     rule: str
-    presets: tuple[str, ...]  # the workbench presets it applies to
     workbench: str
     graph_trainer: str
     why: str
+    scope: Literal["listed", "all", "offloading"] = "listed"
+
+    @property
+    def presets(self) -> tuple[str, ...]:
+        """The presets it applies to, in the registry's order."""
+        if self.scope == "all":
+            return tuple(PRESETS)
+        if self.scope == "offloading":
+            return tuple(name for name, p in PRESETS.items() if p.offloads is not None)
+        return tuple(name for name, p in PRESETS.items() if self.key in p.differences)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -238,7 +251,6 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="in-place",
         rule="in-place ops (`add_` in RMSNorm)",
-        presets=("default", "full", "eager", "offload"),
         workbench="saved, whatever the preset asks",
         graph_trainer="tagged like any op (recomputed)",
         why="a recompute applies the mutation to its input a second time; the workbench "
@@ -248,7 +260,6 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="lm_head/loss",
         rule="`lm_head*` / `loss*` modules",
-        presets=("default", "full", "eager", "offload"),
         workbench="tagged by the preset",
         graph_trainer="never tagged (saved): its `full` keeps `_log_softmax`",
         why="graph trainer skips the epilogue because a chunked loss splits backward into "
@@ -257,7 +268,6 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="layer boundary",
         rule="layer boundary",
-        presets=("default", "full", "eager", "offload"),
         workbench="saved if a recomputed user is in any *other* layer",
         graph_trainer="saved only if it is in a *higher* layer (non-layer = -1)",
         why="both stop recomputation chaining across layers; graph trainer looks only "
@@ -267,7 +277,6 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="save list",
         rule="save list",
-        presets=("default", "eager", "offload"),
         workbench="`COMPUTE_INTENSIVE_OPS` (with `_grouped_mm`, CPU flash attention)",
         graph_trainer="its `_get_default_save_ops()` (convolutions, `_scaled_mm`, collectives)",
         why="the workbench saves MoE expert matmuls (`_grouped_mm`) as compute-intensive; "
@@ -276,7 +285,6 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="eager outside layers",
         rule="`eager` outside the layers",
-        presets=("eager",),
         workbench="everything saved",
         graph_trainer="matmuls counted on (every second one recomputed), the rest recomputed",
         why="eager SAC wraps only the layers, so autograd saves everything outside them; "
@@ -285,7 +293,6 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         key="offload candidates",
         rule="what `offload` / `sac_and_offload` offload",
-        presets=("offload",),
         workbench="saved contiguous storages of at least 4 KiB that backward reads and that "
         "own their memory, in the layers but the last, none random, written in place or "
         "returned by the step",
@@ -300,14 +307,6 @@ DIFFERENCES: tuple[Difference, ...] = (
 CPU_FORCED = Difference(
     key="cpu-forced",
     rule="random ops (the CPU flash-attention op)",
-    presets=(
-        "default",
-        "eager",
-        "offload",
-        "titan-default",
-        "titan-eager",
-        "titan-sac_and_offload",
-    ),
     workbench="saved, whatever the preset asks",
     graph_trainer="`default` and `eager` recompute it (PREFER_RECOMPUTE)",
     why="torch tags `_scaled_dot_product_flash_attention_for_cpu` nondeterministic_seeded and "
@@ -319,13 +318,13 @@ CPU_FORCED = Difference(
 WRITTEN_FORCED = Difference(
     key="written in place",
     rule="a recompute that would not see what forward saw (an in-place write)",
-    presets=tuple(PRESETS),
     workbench="saved: it writes a storage that is not recomputed, reads one forward writes "
     "in place after it, or could be replayed out of order with a recomputed write",
     graph_trainer="recomputed as its policy asks",
     why="the recompute would compute another value than forward did, so loss and gradients "
     "would differ from eager's; with graph trainer's own presets this happens only on models "
     "that write a saved activation in place (the workbench's reference models do not)",
+    scope="all",
 )
 
 # Graph trainer rules the `titan-*` presets do not reproduce yet.
@@ -336,26 +335,23 @@ NOT_REPRODUCED: tuple[str, ...] = (
 )
 
 
-# Workbench presets named otherwise than their graph trainer memory policy.
-_RENAMED = {"offload": "sac_and_offload"}
-
-
 def counterpart(preset: str) -> str | None:
-    """Graph trainer's memory policy of the same name (`titan-eager` -> `eager`), or the
-    one a workbench preset follows under another name (`offload` -> `sac_and_offload`).
+    """Graph trainer's memory policy the preset follows (`Preset.counterpart`): of the same
+    name (`titan-eager` -> `eager`) or not (`offload` -> `sac_and_offload`).
 
     >>> counterpart("titan-eager"), counterpart("full"), counterpart("none")
     ('eager', 'full', None)
     >>> counterpart("offload"), counterpart("titan-sac_and_offload")
     ('sac_and_offload', 'sac_and_offload')
     """
-    name = _RENAMED.get(preset, preset.removeprefix("titan-"))
-    return name if name in MEMORY_POLICIES else None
+    return preset_record(preset).counterpart
 
 
 def differences_of(preset: str) -> list[Difference]:
-    """The rows of `DIFFERENCES` for a workbench preset; none for the `titan-*` presets."""
-    return [d for d in DIFFERENCES if preset in d.presets]
+    """The rows of `DIFFERENCES` for a workbench preset (those its record lists); none for
+    graph trainer's presets."""
+    listed = preset_record(preset).differences
+    return [d for d in DIFFERENCES if d.key in listed]
 
 
 def differences_table(
@@ -384,7 +380,8 @@ def explained_by(mismatch: Mismatch, preset: str) -> str:
         return WRITTEN_FORCED.key
     if why in (Why.SELECTOR, Why.OVERRIDE):
         return why.value
-    if preset in TITAN_PRESETS:
+    record = preset_record(preset)
+    if record.dialect == GRAPH_TRAINER:
         return "unexplained"
     if why is Why.MUTATION:
         return "in-place"
@@ -392,12 +389,13 @@ def explained_by(mismatch: Mismatch, preset: str) -> str:
         return "lm_head/loss"
     if why is Why.LAYER_BOUNDARY:
         return "layer boundary"
-    if preset == "eager" and titan_layer(mismatch.module) == TITAN_NOT_IN_LAYERS:
+    outside = titan_layer(mismatch.module) == TITAN_NOT_IN_LAYERS
+    if "eager outside layers" in record.differences and outside:
         return "eager outside layers"
     if (mismatch.op in COMPUTE_INTENSIVE_OPS) != (mismatch.op in TITAN_SAVE_OPS):
         return "save list"
     offloads = CheckpointPolicy.MUST_CPU_OFFLOAD
-    if preset == "offload" and (mismatch.graph_trainer is offloads) != (
+    if "offload candidates" in record.differences and (mismatch.graph_trainer is offloads) != (
         mismatch.tag.policy is offloads
     ):
         return "offload candidates"

@@ -48,7 +48,6 @@ OFFLOAD_PLACEMENT: tuple[Difference, ...] = (
     Difference(
         key="defer 0",
         rule="`defer_layers` 0 (`cpu_offload_defer_n_layers 0`)",
-        presets=("offload", "titan-sac_and_offload"),
         workbench="the device original is freed right after its last forward reader, found "
         "through every alias of its storage",
         graph_trainer="0.3.0's pass refuses the graph: its free is left right after the copy "
@@ -59,6 +58,7 @@ OFFLOAD_PLACEMENT: tuple[Difference, ...] = (
         why="torchtitan 0.3.0 cannot run defer 0, so the export asks it for 1 (freed at the "
         "end of the layer after the producer's: more device memory than the workbench's 0); "
         "the workbench's rule frees as early as is safe",
+        scope="offloading",
     ),
 )
 

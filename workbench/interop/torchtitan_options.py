@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from workbench.capture.graph import JointGraph
 from workbench.decide.decider import decide, validate
 from workbench.decide.policy import Policy
-from workbench.decide.presets import PRESETS
+from workbench.decide.presets import MEMORY_POLICIES, graph_trainer_preset, preset_record
 from workbench.decide.tags import Why
 from workbench.errors import WorkbenchError
 from workbench.interop.graph_notes import FORCED_NAMED, comment, parallel_notes
@@ -26,7 +26,6 @@ from workbench.interop.graph_notes import FORCED_NAMED, comment, parallel_notes
 __all__ = [
     "TORCHTITAN_MAIN_COMMIT",
     "TORCHTITAN_MAIN_DATE",
-    "TORCHTITAN_POLICIES",
     "TORCHTITAN_VERSIONS",
     "TorchtitanVersion",
     "installed_torchtitan",
@@ -55,14 +54,14 @@ TORCHTITAN_MAIN_DATE = "2026-08-21"
 TORCHTITAN_VERSIONS: dict[str, TorchtitanVersion] = {
     "0.3.0": TorchtitanVersion(
         "0.3.0",
-        ("default", "full", "eager", "sac_and_offload"),
+        MEMORY_POLICIES,
         save_ops_option=False,
         source="torchtitan 0.3.0 (PyPI), torchtitan/experiments/graph_trainer/configs.py "
         "(GraphTrainerCompileConfig.memory_policy)",
     ),
     "main": TorchtitanVersion(
         "main",
-        ("default", "full", "eager", "sac_and_offload"),
+        MEMORY_POLICIES,
         save_ops_option=True,
         source=f"pytorch/torchtitan main at {TORCHTITAN_MAIN_COMMIT[:8]}, torchtitan/"
         "experiments/graph_trainer/configs.py (GraphTrainerCompileConfig.memory_policy, "
@@ -71,45 +70,6 @@ TORCHTITAN_VERSIONS: dict[str, TorchtitanVersion] = {
     ),
 }
 TORCHTITAN_NEWEST_RELEASE = "0.3.0"
-# Workbench preset -> (torchtitan memory_policy, how the two differ).
-TORCHTITAN_POLICIES: dict[str, tuple[str, str]] = {
-    "none": (
-        "none",
-        "the workbench's 'none' saves everything; no torchtitan version here has such a policy.",
-    ),
-    "full": (
-        "full",
-        "torchtitan tags MUST_RECOMPUTE, recomputes in-place ops and leaves modules named "
-        "lm_head*/loss* untagged; the workbench saves in-place ops and also tags the output "
-        "projection and loss (preset 'titan-full' is torchtitan's).",
-    ),
-    "default": (
-        "default",
-        "torchtitan saves its own save list (MUST_SAVE, plus FSDP all-gathers without "
-        "reshard-after-forward); the workbench saves COMPUTE_INTENSIVE_OPS (preset "
-        "'titan-default' is torchtitan's).",
-    ),
-    "eager": (
-        "eager",
-        "torchtitan also alternates matmuls outside the layers; the workbench keeps "
-        "everything outside the layers (preset 'titan-eager' is torchtitan's).",
-    ),
-    **{
-        f"titan-{name}": (
-            name,
-            "the same tags node for node (workbench.decide.engine.decide_titan_ops), except random "
-            "ops: the workbench saves them (torch's remat pass refuses to recompute them).",
-        )
-        for name in ("default", "full", "eager", "sac_and_offload")
-    },
-    "offload": (
-        "sac_and_offload",
-        "torchtitan offloads on top of its own 'default' by its own rules (its view-op list "
-        "instead of storages; random and in-place ops and saved nodes backward never reads "
-        "are tagged too); the workbench offloads on top of its 'default' (preset "
-        "'titan-sac_and_offload' is torchtitan's).",
-    ),
-}
 
 
 def installed_torchtitan() -> str | None:
@@ -147,7 +107,9 @@ def torchtitan_options(
     if graph is not None:
         validate(graph, policy)
     target, which = torchtitan_version(version)
-    memory_policy, difference = TORCHTITAN_POLICIES[policy.preset]
+    preset = preset_record(policy.preset)  # its memory policy and how the two differ
+    memory_policy = preset.memory_policy or "none"
+    difference = preset.memory_policy_note or "no torchtitan memory policy decides as it does."
     save_ops, notes, unexpressed = _full_recompute_save_ops(policy, target)
     if memory_policy not in target.memory_policies:
         unexpressed.insert(
@@ -196,8 +158,8 @@ def _titan_unsound(graph: JointGraph, memory_policy: str) -> list[tuple[str, str
     """The nodes graph trainer's own `memory_policy` tagging recomputes on this graph where a
     recompute would not see what forward saw (the workbench's `titan-*` preset saves them by
     `save_written_inputs`; graph trainer has no such rule)."""
-    preset = f"titan-{memory_policy}"
-    if preset not in PRESETS:
+    preset = graph_trainer_preset(memory_policy)
+    if preset is None:
         return []
     decisions = decide(graph, Policy(preset))
     written = [n for n, d in decisions.items() if d.why is Why.WRITTEN_INPUT]
@@ -207,7 +169,8 @@ def _titan_unsound(graph: JointGraph, memory_policy: str) -> list[tuple[str, str
     why = (
         f"graph trainer's own {memory_policy!r} tagging recomputes {len(written)} nodes whose "
         f"recompute would not see what forward saw ({named}; e.g. "
-        f"{decisions[written[0]].detail}), so its loss and gradients would differ from eager's"
+        f"{decisions[written[0]].detail_words}), so its loss and gradients would differ from "
+        "eager's"
     )
     return [("a sound run on this graph", why)]
 
@@ -271,7 +234,7 @@ def _full_recompute_save_ops(
     save_ops: list[str] = []
     notes: list[str] = []
     unexpressed: list[tuple[str, str]] = []
-    full = policy.preset in ("full", "titan-full")
+    full = preset_record(policy.preset).memory_policy == "full"
     for s in policy.selectors:
         what = f"selector {s.select} -> {s.action}"
         redundant = "recompute" if full else "save" if policy.preset == "none" else None

@@ -28,7 +28,7 @@ from workbench.capture.models.torchtitan import torchtitan_log
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
-from workbench.decide.presets import TITAN_PRESETS
+from workbench.decide.presets import GRAPH_TRAINER, PRESETS
 from workbench.errors import WorkbenchError
 from workbench.rewrite.placement import REPLAYED_VIEW, is_offload_node
 
@@ -248,11 +248,11 @@ def prepare(graph: JointGraph, passes: str = "workbench", ep_overlap: bool = Fal
 
 
 def graph_trainer_config(policy: Policy) -> Any:
-    """The slice of graph trainer's config its memory-policy pass reads: the `titan-*`
+    """The slice of graph trainer's config its memory-policy pass reads: the graph-trainer
     preset's memory policy (`default` for others), its offload budget, one device."""
     from torchtitan.config import ParallelismConfig
 
-    memory_policy = policy.preset.removeprefix("titan-") if _is_titan(policy) else "default"
+    memory_policy = PRESETS[policy.preset].memory_policy if _is_titan(policy) else "default"
     budget = policy.offload.budget_bytes
     return types.SimpleNamespace(
         parallelism=ParallelismConfig(),
@@ -265,8 +265,8 @@ def graph_trainer_config(policy: Policy) -> Any:
 
 
 def _is_titan(policy: Policy) -> bool:
-    """A bare `titan-*` preset: graph trainer's own tagging decides it."""
-    return policy.preset in TITAN_PRESETS and policy == Policy(
+    """A bare preset of graph trainer's dialect: graph trainer's own tagging decides it."""
+    return PRESETS[policy.preset].dialect == GRAPH_TRAINER and policy == Policy(
         policy.preset, offload=policy.offload
     )
 

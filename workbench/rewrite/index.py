@@ -28,7 +28,7 @@ from workbench.capture.ops import mutates, reads_until_wait
 from workbench.decide.facts import unshard_chains
 from workbench.errors import WorkbenchError
 from workbench.rewrite.placement import NO_LAYER, REPLAYED_VIEW, is_offload_node
-from workbench.rewrite.schedule import Csr, Flat, Schedule, offload_entry, offload_step
+from workbench.rewrite.schedule import Csr, EntrySpace, Flat, Schedule
 
 __all__ = [
     "GraphIndex",
@@ -126,22 +126,22 @@ class GraphIndex:
         replays on a reloaded tensor (marked `REPLAYED_VIEW`). The
         offload pass's copies, frees, reloads and waits are the steps of the value they move
         (`OFFLOAD_STEPS`)."""
-        n = self.n
+        space = self.space
         entry: dict[fx.Node, int] = {}
         order: list[int] = []
         args: dict[int, tuple[int, ...]] = {}
         for node in gm.graph.nodes:
             if is_offload_node(node):
                 first = entry[node.all_input_nodes[0]]
-                i = int(self.entry_node(first))
+                i = int(space.node(first))
                 name = node.target._opname  # type: ignore[union-attr]
                 if name == "offload":
                     kind = 0
                 elif name == "reload":
                     kind = 2
                 else:  # a wait: of the host copy (frees the original) or of the reload
-                    kind = 1 if offload_step(n, first) == 0 else 3
-                e = offload_entry(n, i, kind)
+                    kind = 1 if space.step(first) == 0 else 3
+                e = space.offload(i, kind)
             else:
                 origin = node.meta.get(ORIGIN_KEY)
                 e = self.output if node.op == "output" else self.origin_of.get(origin)  # type: ignore[assignment]
@@ -152,7 +152,7 @@ class GraphIndex:
                         "made from it (workbench.rewrite.remat.remat)"
                     )
                 if not self.is_bwd[e] and node.meta.get("autograd_backward", False):
-                    e += 2 * n if node.meta.get(REPLAYED_VIEW) else n
+                    e = space.replayed(e) if node.meta.get(REPLAYED_VIEW) else space.copy(e)
             if e in args:
                 raise WorkbenchError(
                     f"node {node.name!r} maps to an entry already in the schedule: the "
@@ -163,10 +163,10 @@ class GraphIndex:
             args[e] = tuple(entry[x] for x in node.all_input_nodes)
         return order, args
 
-    def entry_node(self, entries: Any) -> Any:
-        """The node of the traced graph each entry (int or array) stands for."""
-        n = self.n
-        return np.where(entries < 3 * n, entries % n, (entries - 3 * n) // 4)
+    @functools.cached_property
+    def space(self) -> EntrySpace:
+        """What each entry of a schedule of this graph stands for (`EntrySpace`)."""
+        return EntrySpace(self.n)
 
     # --- storages ----------------------------------------------------------------------
 
@@ -235,8 +235,9 @@ class GraphIndex:
         node_of = np.repeat(np.arange(self.n), counts)
         fresh, alias = np.flatnonzero(fresh_bytes), np.flatnonzero(is_alias)
         bounds = np.arange(self.n + 1)
-        forward = np.array([p in _FORWARD for p in self.phase] + [False] * 6 * self.n, bool)
-        backward = np.array([p == "backward" for p in self.phase] + [True] * 6 * self.n, bool)
+        others = self.space.size - self.n  # copies, replayed views, offload steps
+        forward = np.array([p in _FORWARD for p in self.phase] + [False] * others, bool)
+        backward = np.array([p == "backward" for p in self.phase] + [True] * others, bool)
         kept = np.array(
             [p != "input" and i not in self.gathered for i, p in enumerate(self.phase)], bool
         )
@@ -272,17 +273,13 @@ class GraphIndex:
         value's bytes; the waits alias their first input. No storage stands behind an alias
         of a slot without one: a non-tensor, or a placeholder that shares another's storage
         (inputs are held for the whole step anyway)."""
-        t, n = self._tables, self.n
+        t, space = self._tables, self.space
         entries = flat.entries
-        regular = entries < 3 * n
-        nodes = self.entry_node(entries)
+        regular = ~space.is_step(entries)
+        nodes = space.node(entries)
         total = int(t.slot_start[-1])
-        starts = t.slot_start[:-1]
-        # key of an entry's slot s: base[e] + s; one key per offload step
-        base = np.concatenate(
-            (starts, starts + total, starts + 2 * total, 3 * total + np.arange(4 * n))
-        )
-        key_shift = (entries // n) * total  # by position, for regular entries
+        base, missing = self._slot_keys(total)
+        key_shift = (entries // space.copies) * total  # by position, for regular entries
 
         at = np.flatnonzero(regular)
         fresh_pos, fresh_keys = t.fresh.gather(nodes[at])
@@ -295,7 +292,7 @@ class GraphIndex:
         alias_own = alias_keys + key_shift[alias_pos]
         steps = np.flatnonzero(~regular)
         if len(steps):  # host copies and reloads hold fresh storages; the waits alias them
-            kind = offload_step(n, entries[steps])
+            kind = space.step(entries[steps])
             made, waits = steps[kind % 2 == 0], steps[kind % 2 == 1]
             value = t.fresh_bytes[np.maximum(self.value_slots[nodes[made]], 0)]
             fresh_pos = np.concatenate((fresh_pos, made))
@@ -313,7 +310,6 @@ class GraphIndex:
         target = flat.read[first_read[alias_pos] + alias_input]
         target_keys = base[target] + alias_slot
 
-        missing = 3 * total + 4 * n
         root = np.full(missing + 1, missing, np.int64)
         root[owner_keys] = owner_keys
         root[alias_own] = target_keys
@@ -334,6 +330,15 @@ class GraphIndex:
             born=fresh_pos,
         )
 
+    def _slot_keys(self, total: int) -> tuple[np.ndarray, int]:
+        """Per entry, its first slot key (the key of its slot s is `base[e] + s`), and one
+        past every key. A node's own entries (the original, its copy, its replayed view)
+        each have the node's slots (`total` in all); an offload step has one key."""
+        starts = self._tables.slot_start[:-1]
+        own = (starts, starts + total, starts + 2 * total)
+        steps = len(own) * total + np.arange(self.space.size - self.space.steps)
+        return np.concatenate((*own, steps)), len(own) * total + len(steps)
+
     def saved_mask(self, flat: Flat, table: Storages) -> np.ndarray:
         """Per storage: kept for backward. Storages of forward and loss nodes read by a
         backward node or a recomputed copy: what the step keeps from forward for backward,
@@ -341,17 +346,17 @@ class GraphIndex:
         kept), inputs' storages (a view of a buffer or of the tokens is held by the caller
         anyway), nor the gathered parameter copies of FSDP unshard chains (parameters, not
         activations, whatever is kept)."""
-        t, n = self._tables, self.n
-        read_by_backward = np.zeros(7 * n, bool)
+        t = self._tables
+        read_by_backward = np.zeros(self.space.size, bool)
         read_by_backward[self._read_by_backward(flat)] = True
         saved = np.zeros(len(table.sizes), bool)
         saved[table.held[read_by_backward[flat.entries[table.holder]]]] = True
-        return saved & ~self.returned_mask(flat, table) & t.kept[self.entry_node(table.owner)]
+        return saved & ~self.returned_mask(flat, table) & t.kept[self.space.node(table.owner)]
 
     def returned_mask(self, flat: Flat, table: Storages) -> np.ndarray:
         """Per storage: held by a value the step returns (its gradients and the loss)."""
         entries = flat.entries
-        returned = np.zeros(7 * self.n, bool)
+        returned = np.zeros(self.space.size, bool)
         returned[flat.read[entries[flat.reader] == self.output]] = True
         mask = np.zeros(len(table.sizes), bool)
         mask[table.held[returned[entries[table.holder]]]] = True
@@ -365,7 +370,7 @@ class GraphIndex:
         table = self.storages(flat)
         saved = np.flatnonzero(self.saved_mask(flat, table))
         result: dict[str, int] = {}
-        owners, sizes = self.entry_node(table.owner[saved]).tolist(), table.sizes[saved].tolist()
+        owners, sizes = self.space.node(table.owner[saved]).tolist(), table.sizes[saved].tolist()
         for i, size in zip(owners, sizes, strict=True):
             name = self.names[i]
             result[name] = result.get(name, 0) + size

@@ -14,8 +14,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from workbench.capture.ops import mutates, reads_until_wait, storage_inputs, storage_keys
-from workbench.decide.offloadable import OffloadOptions, Refusal
+from workbench.capture.ops import reads_until_wait, storage_inputs, storage_keys
+from workbench.decide.facts import fx_storage_view, needed_aliases
+from workbench.decide.offloadable import OffloadOptions, OffloadView, examine_offload
+from workbench.decide.tags import Refused
 from workbench.rewrite.host_ops import ops_for
 from workbench.rewrite.placement import (
     OFFLOAD_META,
@@ -30,14 +32,14 @@ from workbench.rewrite.placement import (
 @dataclass
 class OffloadPlan:
     """What `offload_pass` did to a graph: the values offloaded (node names, in the order of
-    `values`), where each went, the bytes, and the requests it skipped with the reason."""
+    `values`), where each went, the bytes, and the requests it skipped with why."""
 
     names: list[str]
     values: list[Offloaded]
     places: list[Place]
     bytes: dict[str, int]
     options: OffloadOptions
-    skipped: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, Refused] = field(default_factory=dict)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -48,7 +50,7 @@ class OffloadPlan:
             "offloaded": len(self.names),
             "offloaded_bytes": self.offloaded_bytes,
             "options": self.options._asdict(),
-            "skipped": self.skipped,
+            "skipped": {name: why.words for name, why in self.skipped.items()},
         }
 
 
@@ -56,50 +58,46 @@ class _Value(NamedTuple):
     node: fx.Node
     aliases: list[fx.Node]  # forward nodes sharing its storage, graph order
     readers: list[fx.Node]  # backward nodes reading it or an alias
+    read_aliases: list[fx.Node]  # the aliases backward reads
+    last_use: int  # the position where forward last reads its storage
 
 
-def _examine(
-    node: fx.Node, position: dict[fx.Node, int], end: int
-) -> tuple[_Value | None, str | None]:
-    """The storage facts the pass needs of `node`, or why it cannot be offloaded safely (a
-    sentence of `Refusal`, the rules' vocabulary)."""
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return None, Refusal.NOT_ONE_TENSOR.say()
-    (key,) = storage_keys(node)
-    if any(key in storage_keys(x) for x in storage_inputs(node)):
-        return None, Refusal.ALIAS.say()
-    aliases: list[fx.Node] = []
-    readers: list[fx.Node] = []
-    todo, seen = [node], {node}
-    while todo:
-        for user in todo.pop().users:
-            if user.op == "output":
-                return None, Refusal.RETURNED.say()
-            if position[user] >= end:
-                readers.append(user)
-            elif user not in seen and key in storage_keys(user):
-                if mutates(user.target):
-                    return None, Refusal.WRITTEN_BY.say(user.name)
-                seen.add(user)
-                aliases.append(user)
-                todo.append(user)
-    if not readers:
-        return None, Refusal.NOT_READ.say()
-    aliases.sort(key=position.__getitem__)
-    return _Value(node, aliases, readers), None
+def _examine(node: fx.Node | None, position: dict[fx.Node, int], end: int) -> Refused | _Value:
+    """What the pass needs of `node` of the rematerialized graph (`examine_offload` on FX
+    nodes: forward is every node before the first backward one, `end`), or why it cannot
+    offload it safely."""
+    view = OffloadView(
+        forward_op=lambda n: n is not None and position[n] < end and n.op == "call_function",
+        one_tensor=lambda n: isinstance(n.meta.get("val"), torch.Tensor),
+        fresh=lambda n: not any(storage_keys(n) & storage_keys(x) for x in storage_inputs(n)),
+        name=lambda n: n.name,
+        storage=fx_storage_view(node, lambda n: position[n] >= end),
+    )
+    found = examine_offload(node, view)
+    if isinstance(found, Refused):
+        return found
+    assert node is not None
+    aliases = sorted(found.aliases, key=position.__getitem__)
+    return _Value(
+        node,
+        aliases,
+        found.readers,
+        found.read_aliases,
+        _last_forward_use(node, found.forward, position, end),
+    )
 
 
-def _last_forward_use(value: _Value, position: dict[fx.Node, int], end: int) -> int:
-    """Where forward last reads the value's storage: its last forward user, or the wait of
-    an asynchronous collective reading it (`rules.reads_until_wait`), whichever is later."""
-    last = position[value.node]
-    for alias in [value.node, *value.aliases]:
-        for user in alias.users:
-            if position[user] < end:
-                last = max(last, position[user])
-                if reads_until_wait(user.target):
-                    last = max([last, *(position[w] for w in user.users if position[w] < end)])
+def _last_forward_use(
+    node: fx.Node, forward: list[fx.Node], position: dict[fx.Node, int], end: int
+) -> int:
+    """Where forward last reads the value's storage: its last forward reader (`forward`, of
+    the value or an alias), or the wait of an asynchronous collective reading it
+    (`capture.ops.reads_until_wait`), whichever is later."""
+    last = position[node]
+    for user in forward:
+        last = max(last, position[user])
+        if reads_until_wait(user.target):
+            last = max([last, *(position[w] for w in user.users if position[w] < end)])
     return last
 
 
@@ -122,9 +120,9 @@ def offload_pass(
     reloaded tensor, and forward views they read are replayed on it after the wait. On the
     CPU the ops are `workbench::*` (the host is a separate buffer per copy), elsewhere
     torch's `ao::*`. Requests it cannot honour safely (an alias of another node's storage,
-    written in place, returned, not read in backward) are skipped, saying why in the words
-    of the rules (`Refusal`). Writes the `OffloadPlan` to `gm.meta[OFFLOAD_META]` and
-    returns `gm`, rewritten in place."""
+    written in place, returned, not read in backward: `examine_offload`) are skipped, with
+    why (`Refused`). Writes the `OffloadPlan` to `gm.meta[OFFLOAD_META]` and returns `gm`,
+    rewritten in place."""
     options = options or OffloadOptions()
     nodes = list(gm.graph.nodes)
     position = {node: p for p, node in enumerate(nodes)}
@@ -132,25 +130,16 @@ def offload_pass(
     end = next((p for p, b in enumerate(backward) if b), len(nodes))
     by_name = {n.name: n for n in nodes}
     wanted: list[_Value] = []
-    skipped: dict[str, str] = {}
+    skipped: dict[str, Refused] = {}
     for name in names:
-        node = by_name.get(name)
-        if node is None or position[node] >= end or node.op != "call_function":
-            skipped[name] = Refusal.NOT_FORWARD.say()
-            continue
-        found, reason = _examine(node, position, end)
-        if found is None:
-            skipped[name] = str(reason)
+        found = _examine(by_name.get(name), position, end)
+        if isinstance(found, Refused):
+            skipped[name] = found
         else:
             wanted.append(found)
     wanted.sort(key=lambda v: position[v.node])
     values = [
-        Offloaded(
-            position[v.node],
-            _last_forward_use(v, position, end),
-            min(position[r] for r in v.readers),
-        )
-        for v in wanted
+        Offloaded(position[v.node], v.last_use, min(position[r] for r in v.readers)) for v in wanted
     ]
     layers = [layer_of(n) for n in nodes]
     places = place_offloads(backward, layers, values, options)
@@ -212,7 +201,8 @@ def _insert(
         else:
             waited = add(ops.wait, (reloads[k], host[k]), k, reloads[k].meta["val"], True)
             replayed = {node: waited}
-            for alias in _needed_aliases(wanted[k]):  # views backward reads, on the reload
+            value = wanted[k]  # the views backward reads, replayed on the reload
+            for alias in needed_aliases(value.aliases, value.read_aliases, _inputs):
                 args, kwargs = _remap(alias, replayed)
                 new = add(alias.target, args, k, _run(alias.target, args, kwargs), True)
                 new.kwargs = kwargs
@@ -229,17 +219,8 @@ def _remap(node: fx.Node, replayed: dict[fx.Node, fx.Node]) -> Any:
     return fx.node.map_arg((node.args, node.kwargs), lambda n: replayed.get(n, n))
 
 
-def _needed_aliases(value: _Value) -> list[fx.Node]:
-    """The forward aliases backward reads, with the aliases they are made from, in order."""
-    needed: set[fx.Node] = set()
-    todo = [a for a in value.aliases if any(r in a.users for r in value.readers)]
-    aliases = set(value.aliases)
-    while todo:
-        alias = todo.pop()
-        if alias not in needed:
-            needed.add(alias)
-            todo.extend(x for x in alias.all_input_nodes if x in aliases)
-    return [a for a in value.aliases if a in needed]
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    return node.all_input_nodes
 
 
 def _run(target: Any, args: Any, kwargs: Any) -> Any:

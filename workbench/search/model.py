@@ -20,6 +20,7 @@ from workbench.decide.decider import rules_of
 from workbench.decide.engine import forced_save, save_layer_boundaries, save_written_inputs
 from workbench.decide.offloadable import offload_refusal
 from workbench.decide.plan import last_layer
+from workbench.decide.presets import WORKBENCH
 from workbench.decide.tags import Tag, Why
 from workbench.rewrite.index import GraphIndex
 
@@ -107,9 +108,9 @@ class LinearModel:
             if name not in forced:
                 self.source[position[name]] = self.source[position[leader]]
         self.cross: list[tuple[int, ...]] = [()] * len(facts)  # users across a layer boundary
-        for name, users in self.plan.boundaries:
+        for name, users in self.plan.boundaries[WORKBENCH]:
             self.cross[position[name]] = tuple(position[u] for u in users)
-        involved = {n for name, users in self.plan.boundaries for n in (name, *users)}
+        involved = {n for name, users in self.plan.boundaries[WORKBENCH] for n in (name, *users)}
         self._boundary_nodes = sorted(((n, position[n]) for n in involved), key=lambda x: x[1])
         self._write_readers = [position[n] for n in self.plan.writes.readers]
         self.storages, self.sizes, self.storage_owner = _storages(index, self.names)
@@ -147,7 +148,7 @@ class LinearModel:
         flags = [c == RECOMPUTED or (c >= 0 and c not in saved) for c in source]
         if self._boundary_nodes:
             tags = {name: _TAGS[flags[p]] for name, p in self._boundary_nodes}
-            save_layer_boundaries(tags, self.plan.boundaries)
+            save_layer_boundaries(tags, self.plan.boundaries[WORKBENCH])
             for name, p in self._boundary_nodes:
                 flags[p] = tags[name].recompute
         if any(flags[p] for p in self._write_readers):

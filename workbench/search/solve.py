@@ -22,7 +22,7 @@ from workbench.cost.profiles import DeviceProfile, get_profile
 from workbench.decide.decider import rules_of
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Action, Policy
-from workbench.decide.presets import OFFLOAD_PRESETS, PRESETS
+from workbench.decide.presets import PRESETS
 from workbench.errors import INT64_MAX, WorkbenchError, check_int
 from workbench.search.model import LinearModel
 from workbench.search.select import greedy_path, select_exact, select_greedy, select_knapsack
@@ -281,7 +281,7 @@ def _presets(fsdp_reshard: bool, host_budget: int | None = 0) -> list[Policy]:
     return [
         Policy(p, fsdp_reshard=fsdp_reshard, offload=offload)
         for p in PRESETS
-        if host_budget != 0 or p not in OFFLOAD_PRESETS
+        if host_budget != 0 or PRESETS[p].offloads is None
     ]
 
 
@@ -388,7 +388,7 @@ def _offloaded(
     model = search.model
     everything = set(range(len(model.candidates)))
     bases: list[tuple[str | None, set[int]]] = [
-        (p.preset, everything) for p, _ in search.presets if p.preset not in OFFLOAD_PRESETS
+        (p.preset, everything) for p, _ in search.presets if PRESETS[p.preset].offloads is None
     ]
     top = model.evaluate(everything)[0]
     bases += [

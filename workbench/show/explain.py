@@ -7,16 +7,15 @@ Entry points: `explain(policy, graph=None) -> dict` (one JSON object) and `expla
 from __future__ import annotations
 
 import collections
-import inspect
 from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
 from workbench.decide.decider import Decisions, decide
-from workbench.decide.engine import STEPS, TITAN_STEPS
+from workbench.decide.engine import STEPS_OF
 from workbench.decide.policy import Policy
-from workbench.decide.presets import PRESETS, TITAN_PRESETS
+from workbench.decide.presets import GRAPH_TRAINER, graph_trainer_preset, preset_record
 from workbench.decide.tags import DECISIONS, Why
 from workbench.errors import WorkbenchError
 from workbench.interop.titan import (
@@ -40,14 +39,9 @@ __all__ = ["explain", "explain_text", "steps"]
 
 
 def steps(preset: str) -> tuple[str, ...]:
-    """The deciding steps in words, in the order the engine takes them (`STEPS`; graph
-    trainer's `TITAN_STEPS` for `titan-*`): the engine's own record, next to its code."""
-    return tuple(step.words for step in (TITAN_STEPS if preset in TITAN_PRESETS else STEPS))
-
-
-def _rule_words(preset: str) -> str:
-    """The preset factory's docstring, on one line: the rule's one description."""
-    return " ".join(inspect.cleandoc(PRESETS[preset].__doc__ or "").split())
+    """The deciding steps in words, in the order the engine takes them for the preset's
+    dialect (`STEPS_OF`): the engine's own record, next to its code."""
+    return tuple(step.words for step in STEPS_OF[preset_record(preset).dialect])
 
 
 def _decisions_by_reason(decisions: Decisions) -> dict[str, dict[str, int]]:
@@ -62,7 +56,7 @@ def _decisions_by_reason(decisions: Decisions) -> dict[str, dict[str, int]]:
 def _written_in_place(graph: JointGraph, decisions: Decisions) -> list[dict[str, str]]:
     """The nodes the in-place rule saved (`Why.WRITTEN_INPUT`), each with why."""
     return [
-        {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail}
+        {"node": n, "module": graph.nodes[n].module, "op": graph.nodes[n].op, "why": t.detail_words}
         for n, t in decisions.items()
         if t.why is Why.WRITTEN_INPUT
     ]
@@ -132,7 +126,9 @@ def _offload_placement(policy: Policy, graph: JointGraph | None) -> dict[str, An
         },
         "only_graph_trainer": sorted(set(tagged) - set(passed)),
         "only_workbench": sorted(set(passed) - set(tagged)),
-        "skipped_by_pass": passes.workbench.meta[OFFLOAD_META].skipped,
+        "skipped_by_pass": {
+            name: why.words for name, why in passes.workbench.meta[OFFLOAD_META].skipped.items()
+        },
     }
     return result
 
@@ -146,19 +142,21 @@ def explain(policy: Policy | str, graph: JointGraph | None = None) -> dict[str, 
     that explains it."""
     policy = policy if isinstance(policy, Policy) else Policy(policy)
     preset = policy.preset
+    record = preset_record(preset)
+    graph_trainers = record.dialect == GRAPH_TRAINER
     memory_policy = counterpart(preset)
     result: dict[str, Any] = {
         "policy": policy.to_json(),
         "preset": preset,
-        "kind": "graph trainer's" if preset in TITAN_PRESETS else "workbench",
-        "rule": _rule_words(preset),
+        "kind": "graph trainer's" if graph_trainers else "workbench",
+        "rule": record.description,
         "steps": list(steps(preset)),
         "selectors": [{"select": s.select, "action": s.action} for s in policy.selectors],
         "overrides": dict(sorted(policy.overrides.items())),
         "graph_trainer_counterpart": memory_policy,
         "differences": [d.to_json() for d in differences_of(preset)],
         "cpu_forced_rule": CPU_FORCED.to_json() if preset in CPU_FORCED.presets else None,
-        "not_reproduced": list(NOT_REPRODUCED) if preset in TITAN_PRESETS else [],
+        "not_reproduced": list(NOT_REPRODUCED) if graph_trainers else [],
         # where the pass puts the copies, against graph trainer's apply_cpu_offload_pass
         "offload_placement": _offload_placement(policy, graph),
     }
@@ -183,13 +181,14 @@ def explain_text(result: dict[str, Any]) -> str:
     lines += [f"override {key}: {action}" for key, action in result["overrides"].items()]
     if counterpart_name is None:
         lines.append("graph trainer (torchtitan 0.3.0) has no memory policy of this name")
-    elif preset in TITAN_PRESETS:
+    elif result["kind"] == "graph trainer's":
         lines.append(f"graph trainer's `{counterpart_name}`, node for node, but for:")
         lines += [f"  - {rule}" for rule in result["not_reproduced"]]
     else:
         lines.append(
             f"differs from graph trainer's `{counterpart_name}` "
-            f"(`titan-{counterpart_name}` here) in {len(result['differences'])} rules:"
+            f"(`{graph_trainer_preset(counterpart_name)}` here) in "
+            f"{len(result['differences'])} rules:"
         )
         for d in result["differences"]:
             lines.append(f"  - {d['rule']}: here {d['workbench']}; there {d['graph_trainer']}")

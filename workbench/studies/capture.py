@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
 
 from workbench.capture.ops import is_random, mutates, op_name
 from workbench.capture.workload import Workload, eager_step
-from workbench.decide.engine import eager_tag
+from workbench.decide.engine import Request, eager_tag
 from workbench.decide.facts import OpCounter
 from workbench.decide.policy import Policy
 from workbench.decide.presets import preset_rule
@@ -102,7 +102,7 @@ def every_other_mm_policy() -> Callable[..., CheckpointPolicy]:
         op = op_name(func)
         row = (op, "layers.0", op, is_random(func), mutates(func), None, (), None, None)
         facts = counters[bool(ctx.is_recompute)].facts(row)
-        return eager_tag(facts, rule, "eager", (), {}).policy
+        return eager_tag(facts, rule, Request("eager")).policy
 
     return policy_fn
 

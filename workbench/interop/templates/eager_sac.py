@@ -19,7 +19,7 @@ from torch.utils.checkpoint import (
 )
 
 from workbench.capture.ops import is_random, mutates, op_name
-from workbench.decide.engine import eager_tag
+from workbench.decide.engine import Request, eager_tag
 from workbench.decide.facts import OpCounter
 from workbench.decide.presets import preset_rule
 from workbench.interop.templates.constants import (
@@ -32,6 +32,7 @@ from workbench.interop.templates.constants import (
 )
 
 _RULE = preset_rule(PRESET)
+_REQUEST = Request(preset=PRESET, selectors=SELECTORS, overrides=OVERRIDES)
 # The module stack kept by apply_ac's hooks, and one op counter each for the original forward
 # and the recompute (`ctx.is_recompute`). Reset at the start of every layer forward.
 _STACK: list[str] = []
@@ -56,7 +57,7 @@ def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolic
         None,
     )
     facts = _COUNTERS[bool(ctx.is_recompute)].facts(row)
-    return eager_tag(facts, _RULE, PRESET, SELECTORS, OVERRIDES, WRITTEN_LATER).policy
+    return eager_tag(facts, _RULE, _REQUEST, WRITTEN_LATER).policy
 
 
 def context_fn() -> Any:

@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.fx
 
-from workbench.decide.engine import decide_ops, selector_matches
+from workbench.decide.engine import Request, decide_ops, selector_matches
 from workbench.decide.facts import fx_rows, op_facts
 from workbench.decide.offloadable import OffloadOptions
 from workbench.interop.templates.constants import (
@@ -52,8 +52,14 @@ def tag_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     selectors and overrides that match nothing. Returns `gm`.
     """
     facts = op_facts(fx_rows(gm, module_paths(gm).__getitem__))
-    offload = OffloadOptions(*OFFLOAD_OPTIONS)
-    tags = decide_ops(facts, PRESET, SELECTORS, OVERRIDES, FSDP_RESHARD, offload)
+    request = Request(
+        preset=PRESET,
+        selectors=SELECTORS,
+        overrides=OVERRIDES,
+        fsdp_reshard=FSDP_RESHARD,
+        offload=OffloadOptions(*OFFLOAD_OPTIONS),
+    )
+    tags = decide_ops(facts, request)
     for node in gm.graph.nodes:
         node.meta.pop("recompute", None)
         if node.name in tags:

@@ -52,8 +52,8 @@ class Editing(ExplorerCore):
         else:
             where = "in every identical layer" if self.all_layers else "in this layer"
             self.message = f"{name} is now {_WORDS[after.action]} {where}"
-        if skipped:
-            self.message += f" (offload not offered: {skipped})"
+        if skipped is not None:
+            self.message += f" (offload not offered: {name} {skipped.words})"
         self.message += newly_forced(old, self.decisions, name)
         self._autosave()
 

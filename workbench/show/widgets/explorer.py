@@ -71,7 +71,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     history: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     history_plots: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
-    presets = traitlets.List(list(PRESETS)).tag(sync=True)
+    presets: traitlets.List[str] = traitlets.List().tag(sync=True)  # set when made
     profiles = traitlets.List(list(PROFILES)).tag(sync=True)
     profile = traitlets.Unicode("h100").tag(sync=True)
     all_layers = traitlets.Bool(True).tag(sync=True)
@@ -119,6 +119,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.presets = list(PRESETS)  # the registry as it is now, any preset added since import
         self.stages_model = stages_model  # the stages of a pipelined job (None: one graph)
         if isinstance(source, ExplorerModel):
             self.model = source

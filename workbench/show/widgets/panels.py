@@ -201,7 +201,7 @@ def _offload_words(graph: JointGraph, decisions: Decisions, policy: Policy, name
     if name not in decisions:
         return "-"
     refusal = rules_of(graph).offload_refusal(name, decisions, policy.preset)
-    return "possible" if refusal is None else f"not possible: it {refusal}"
+    return "possible" if refusal is None else f"not possible: it {refusal.words}"
 
 
 def details_panel(

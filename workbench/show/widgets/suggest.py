@@ -8,14 +8,14 @@ Entry points: `suggestion(graph, current, budget_bytes, ...) -> (policy, message
 from __future__ import annotations
 
 import collections
-import re
 
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import BudgetKind, Estimate, Estimator
 from workbench.decide.decider import decide, layer_key, node_keys, rules_of
 from workbench.decide.facts import MIN_OFFLOAD_BYTES
-from workbench.decide.offloadable import OffloadOptions, Refusal
+from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Action, Policy
+from workbench.decide.tags import Refusal
 from workbench.errors import INT64_MAX, check_int
 from workbench.search.solve import SOLVER_DEFER_LAYERS, SolveOptions, solve
 from workbench.units import format_bytes, format_flops, format_seconds
@@ -56,19 +56,15 @@ def rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
     return result if same else None
 
 
-def _refusal_label(sentence: str) -> str:
-    """The short form of an offload refusal (`Refusal`) for a count: `outside the layers`.
+def _refusal_label(why: Refusal) -> str:
+    """The short form of an offload refusal for a count: `outside the layers`.
 
-    >>> _refusal_label("is in the last layer (3): backward reads it at once")
-    'in the last layer'
+    >>> _refusal_label(Refusal.LAST_LAYER), _refusal_label(Refusal.TOO_SMALL)
+    ('in the last layer', 'under the 4096-byte minimum')
     """
-    kind = next(
-        (r for r in Refusal if re.fullmatch(re.escape(r.value).replace(r"\{\}", ".*"), sentence)),
-        None,
-    )
-    if kind is Refusal.TOO_SMALL:
+    if why is Refusal.TOO_SMALL:
         return f"under the {MIN_OFFLOAD_BYTES}-byte minimum"
-    text = (kind.value if kind else sentence).split(":")[0].split(" (")[0]
+    text = why.value.split(":")[0].split(" (")[0]
     verb, _, rest = text.partition(" ")
     return rest if verb in ("is", "has", "returns") and rest else text
 
@@ -95,7 +91,7 @@ def no_offload_words(
         if why is None:
             movable.append(name)
         else:
-            refused[_refusal_label(why)] += 1
+            refused[_refusal_label(why.why)] += 1
     reasons = ", ".join(f"{count} {label}" for label, count in refused.most_common())
     reasons = f" (refused: {reasons})" if reasons else ""
     if not recomputed:
