@@ -401,3 +401,18 @@ def test_estimate_ep_overlap_reports_each_ep_pass(capsys: pytest.CaptureFixture[
     steps = {step["name"]: step["status"] for step in result["passes"]["passes"][6:]}
     assert steps["isolate_ep_process_group_pass"] == "ran" and result["peak_bytes"] > 0
     assert "graph trainer: " in result["passes"]["skipped"]["ep_overlap_chunk_pass"]
+
+
+@pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
+def test_gpu_shaped_rank_through_graph_trainers_pipeline(preset: str) -> None:
+    """A rank traced for an H100 (flex attention's op, its score and mask subgraphs, which
+    graph trainer's remat pass copies with the flex attention it recomputes): the what-if is
+    exact against the graph its passes make."""
+    workload = load_workload("torchtitan:deepseek_v3/debugmodel", device="meta", **SHAPE)  # type: ignore[arg-type]
+    rank = trace(workload, "fake", Parallel(fsdp=2, ep=2))
+    assert rank.attention_counts() == {"flex_attention": 2}
+    estimator = estimator_for(rank, "graph-trainer", ("h100",))
+    cleaned = estimator.graph
+    result = run_pipeline(cleaned, preset)
+    full = estimate_remat(cleaned, result.gm, estimator)
+    assert estimator.estimate(Policy(preset)).totals() == full.totals()

@@ -153,6 +153,9 @@ class GraphIndex:
                     )
                 if not self.is_bwd[e] and node.meta.get("autograd_backward", False):
                     e = space.replayed(e) if node.meta.get(REPLAYED_VIEW) else space.copy(e)
+            if e in args and node.op == "get_attr":
+                entry[node] = e  # a subgraph read again (graph trainer's remat copies them)
+                continue
             if e in args:
                 raise WorkbenchError(
                     f"node {node.name!r} maps to an entry already in the schedule: the "
