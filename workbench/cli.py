@@ -257,6 +257,7 @@ _LONG_TEXT = 100  # characters: longer values print as their start and a note
 
 
 _LIST_ROWS = 12  # rows of a list shown before "… N more"
+_WHOLE_TEXT = frozenset({"verdict"})  # sentences a person needs whole (verify's before_policy)
 
 
 def _human_value(key: str, value: Any, parent: str = "") -> str:
@@ -271,7 +272,7 @@ def _human_value(key: str, value: Any, parent: str = "") -> str:
     if value in ({}, [], ""):
         return "none"
     text = str(value)
-    if len(text) > _LONG_TEXT:
+    if len(text) > _LONG_TEXT and key not in _WHOLE_TEXT:
         return f"{text[:_LONG_TEXT]}… ({len(text):,} characters; --json prints all)"
     return text
 

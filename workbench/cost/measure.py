@@ -201,6 +201,9 @@ def _fails_in_one_line(what: str) -> Iterator[None]:
         raise WorkbenchError(f"{what} failed when run for real: {describe(err)}") from None
 
 
+fails_in_one_line = _fails_in_one_line  # for `workbench.cost.reference`
+
+
 def measure_step(
     name: str,
     step: Callable[[], list[torch.Tensor]],
