@@ -415,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     measure.add_argument(
         "--baselines", action="store_true", help="also measure no AC and eager SAC"
     )
+    measure.add_argument(
+        "--blocks",
+        help="module path of the blocks eager SAC wraps (default: the traced graph's, e.g. "
+        "model.layers, transformer.h)",
+    )
     measure.set_defaults(run=cmd_measure)
 
     solve = commands.add_parser("solve", help="search the cheapest policy within a budget")

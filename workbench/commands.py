@@ -401,8 +401,15 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     policy = parse_policy(args.policy)
     _refuse_unfit(args, policy, args.device)
     workload = _workload_from_args(args, "real", device=args.device)
+    if args.blocks is not None and not args.baselines:
+        raise WorkbenchError("--blocks names what eager SAC wraps: it goes with --baselines")
     result = measure_policy(
-        workload, policy, baselines=args.baselines, warmup=args.warmup, repeats=args.repeat
+        workload,
+        policy,
+        baselines=args.baselines,
+        layers_attr=args.blocks,
+        warmup=args.warmup,
+        repeats=args.repeat,
     )
     return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.ops import block_container
 from workbench.capture.trace import trace
 from workbench.capture.workload import Workload, eager_step
 from workbench.cost.estimate import Estimate, Estimator, estimate_remat
@@ -36,7 +37,7 @@ def measure_eager(
     workload: Workload,
     policy: Policy | None = None,
     *,
-    layers_attr: str = "layers",
+    layers_attr: str | None = None,
     regions: Sequence[str] | None = None,
     warmup: int = 1,
     repeats: int = 5,
@@ -45,7 +46,8 @@ def measure_eager(
     """An eager train step: no AC (`policy=None`), or eager SAC with the exported policy_fn
     wrapped around every block (on a copy of the model), or around each submodule matching
     `regions` (`apply_eager_sac_to`, e.g. `["layers.*.attention", "layers.*.feed_forward"]`).
-    `graph`: the workload's traced graph, for the export (`eager.load_policy_fn`)."""
+    `graph`: the workload's traced graph, for the export (`eager.load_policy_fn`).
+    `layers_attr`: the blocks' container; by default the one `graph` traced, else `layers`."""
     if policy is None:
         target, name = workload, "no AC"
     else:
@@ -53,7 +55,8 @@ def measure_eager(
         # eager SAC cannot offload: it runs the policy with its offloads saved
         preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
         if regions is None:
-            model = apply_eager_sac(copied, policy, layers_attr, graph=graph)
+            blocks = layers_attr or _traced_blocks(graph)
+            model = apply_eager_sac(copied, policy, blocks, graph=graph)
             name = f"eager SAC ({preset})"
         else:
             model = apply_eager_sac_to(copied, policy, regions, graph=graph)
@@ -96,11 +99,18 @@ class PolicyMeasurement:
         }
 
 
+def _traced_blocks(graph: JointGraph | None) -> str:
+    """The container of the traced graph's blocks (`model.layers`, `transformer.h`, ...)."""
+    modules = (info.module for info in graph.nodes.values()) if graph is not None else ()
+    return block_container(modules) or "layers"
+
+
 def measure_policy(
     workload: Workload,
     policy: Policy,
     *,
     baselines: bool = False,
+    layers_attr: str | None = None,
     warmup: int = 1,
     repeats: int = 5,
     graph: JointGraph | None = None,
@@ -129,6 +139,13 @@ def measure_policy(
     if baselines:
         others = [
             measure_eager(workload, None, warmup=warmup, repeats=repeats),
-            measure_eager(workload, policy, warmup=warmup, repeats=repeats, graph=graph),
+            measure_eager(
+                workload,
+                policy,
+                layers_attr=layers_attr,
+                warmup=warmup,
+                repeats=repeats,
+                graph=graph,
+            ),
         ]
     return PolicyMeasurement(measured, est, not mismatched, mismatched, others)

@@ -60,7 +60,9 @@ def apply_eager_sac(
     nothing to recompute leaves the model as it is. `namespace`: an already loaded export;
     `graph`: the model's traced graph, for the export (`load_policy_fn`).
     """
-    blocks = getattr(model, layers_attr, None)
+    blocks: Any = model  # a dotted path: `model.layers`, `transformer.h`
+    for attr in layers_attr.split("."):
+        blocks = getattr(blocks, attr, None)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         raise WorkbenchError(
             f"{type(model).__name__} has no container of blocks at {layers_attr!r} "

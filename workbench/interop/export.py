@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.ops import block_container
 from workbench.decide import EMBEDDED
 from workbench.decide.decider import rules_of, validate
 from workbench.decide.engine import written_later_keys
@@ -257,6 +258,7 @@ def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
             f"WRAP_LAYERS = {wrap}",
             f"WRAPPED_MARKER = {py_str(WRAPPED_MARKER)}",
             *_written_later_table(graph),
+            *_layers_attr(graph),
         ],
     )
 
@@ -277,6 +279,18 @@ def _written_later_table(graph: JointGraph | None) -> list[str]:
         return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset()"]
     rows = _items(map(py_str, sorted(keys)), " " * 8)
     return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset(", "    {", *rows, "    }", ")"]
+
+
+def _layers_attr(graph: JointGraph | None) -> list[str]:
+    """`LAYERS_ATTR`: the container of the traced graph's blocks, `apply_ac`'s default."""
+    container = None
+    if graph is not None:
+        container = block_container(info.module for info in graph.nodes.values())
+    origin = "the block container of the traced graph" if container else "torchtitan's name"
+    return [
+        f"# apply_ac's default blocks: {origin}.",
+        f"LAYERS_ATTR = {py_str(container or 'layers')}",
+    ]
 
 
 def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:

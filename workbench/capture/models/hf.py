@@ -47,7 +47,6 @@ class HfModel:
     model: str
     kind: Kind
     make: Callable[[int, int], dict[str, Any]]  # (layers, seq) -> config kwargs
-    blocks: str  # the container of its repeated blocks (`apply_ac`'s layers_attr)
 
 
 def _decoder(layers: int, seq: int) -> dict[str, Any]:
@@ -109,8 +108,8 @@ def _vit(layers: int, seq: int) -> dict[str, Any]:
 
 
 HF_MODELS: dict[str, HfModel] = {
-    "llama": HfModel("LlamaConfig", "LlamaForCausalLM", "causal", _decoder, "model.layers"),
-    "qwen2": HfModel("Qwen2Config", "Qwen2ForCausalLM", "causal", _decoder, "model.layers"),
+    "llama": HfModel("LlamaConfig", "LlamaForCausalLM", "causal", _decoder),
+    "qwen2": HfModel("Qwen2Config", "Qwen2ForCausalLM", "causal", _decoder),
     "qwen2-moe": HfModel(
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
@@ -123,18 +122,16 @@ HF_MODELS: dict[str, HfModel] = {
                 "shared_expert_intermediate_size": 256,
             }
         ),
-        "model.layers",
     ),
     "mixtral": HfModel(
         "MixtralConfig",
         "MixtralForCausalLM",
         "causal",
         _moe({"num_local_experts": 4, "num_experts_per_tok": 2}),
-        "model.layers",
     ),
-    "gpt2": HfModel("GPT2Config", "GPT2LMHeadModel", "causal", _gpt2, "transformer.h"),
-    "bert": HfModel("BertConfig", "BertForMaskedLM", "masked", _bert, "bert.encoder.layer"),
-    "vit": HfModel("ViTConfig", "ViTForImageClassification", "image", _vit, "vit.encoder.layer"),
+    "gpt2": HfModel("GPT2Config", "GPT2LMHeadModel", "causal", _gpt2),
+    "bert": HfModel("BertConfig", "BertForMaskedLM", "masked", _bert),
+    "vit": HfModel("ViTConfig", "ViTForImageClassification", "image", _vit),
 }
 
 
@@ -213,7 +210,6 @@ def load_hf(
         "seq": seq,
         "batch": batch,
         "dtype": str(dtype).removeprefix("torch."),
-        "blocks": entry.blocks,
     }
     notes = [_kernels_note(model)]
     if entry.kind == "image":
