@@ -23,13 +23,10 @@ from workbench.capture.workload import Workload, eager_step
 from workbench.decide.decider import layer_key, node_keys
 from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
-from workbench.interop.export import export
+from workbench.interop.export import NEVER_DISPATCHED, export
 from workbench.interop.templates.constants import WRAPPED_MARKER
 
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-# Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is
-# Python unpacking a multi-output op's tuple, not a dispatched op.
-NEVER_DISPATCHED = frozenset({"aten.detach.default", "getitem"})
 
 
 def load_policy_fn(policy: Policy, graph: JointGraph | None = None) -> dict[str, Any]:
