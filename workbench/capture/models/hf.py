@@ -246,6 +246,7 @@ def _image_workload(
 def _kernels_note(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None) or "default"
-    experts = getattr(config, "_experts_implementation", None)
+    moe = any(hasattr(config, k) for k in ("num_experts", "num_local_experts"))
+    experts = getattr(config, "_experts_implementation", None) if moe else None
     note = f"transformers {check_transformers().__version__}: attention {attention!r}"
     return note + (f", experts {experts!r}" if experts else "")
