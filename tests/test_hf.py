@@ -173,3 +173,21 @@ def test_dtype_reaches_factories_or_is_refused() -> None:
     assert given.config["dtype_given"] == "torch.bfloat16"
     with pytest.raises(WorkbenchError, match="--dtype bfloat16: model factory .* built float32"):
         load_workload("user_models:mlp_float32", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "vit"])
+def test_torchs_memory_estimator_agrees_without_recomputation(name: str) -> None:
+    """An oracle from torch itself (issue 37, item 7): inductor's `memory_estimator` (its
+    device filter opened to the CPU) gives the workbench's peak on the graph without
+    recomputation. After torch's remat pass it over-counts (recomputed copies share their
+    original's fake storage), so only `none` is compared."""
+    from unittest import mock
+
+    from torch._inductor.fx_passes import memory_estimator
+
+    graph = trace(load_workload(f"hf:{name}", device="meta"), "fake", kernels="cpu")
+    gm = remat(graph, Policy("none")).gm
+    with mock.patch.object(memory_estimator, "device_filter", lambda device: True):
+        profile = memory_estimator.build_memory_profile(gm.graph, lambda n: n.op != "placeholder")
+    estimate = Estimator(graph, (), optimizer="none").estimate(Policy("none"), 1)
+    assert max(profile) == estimate.peak_bytes
