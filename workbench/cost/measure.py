@@ -298,6 +298,9 @@ def _refuse_written_inputs(
         )
 
 
+refuse_written_inputs = _refuse_written_inputs  # for `workbench.cost.reference`
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes: NaN equals an identical NaN, 0.0 differs from -0.0
     (`torch.equal` compares values, so a NaN loss would never be equal to itself).

@@ -30,7 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workbench.capture.graph import JointGraph
 from workbench.capture.ops import op_name
 from workbench.capture.workload import Workload, eager_step
-from workbench.cost.measure import bitwise_equal, device_of, fails_in_one_line
+from workbench.cost.measure import (
+    bitwise_equal,
+    device_of,
+    fails_in_one_line,
+    refuse_written_inputs,
+)
 
 __all__ = ["NONDETERMINISTIC_ON_CPU", "Reference", "policy_mismatches", "reference_run"]
 
@@ -177,8 +182,15 @@ def reference_run(graph: JointGraph, workload: Workload, seed: int = 0) -> Refer
         with torch.no_grad():
             return list(graph.gm(*inputs))
 
+    kinds = [spec.kind for spec in graph.inputs]
+    before = [
+        t.clone() if isinstance(t, torch.Tensor) and kind == "param" else None
+        for t, kind in zip(inputs, kinds, strict=False)
+    ]
     with fails_in_one_line(f"the graph of {graph.model_name!r}"):
         traced = _run_seeded(run_graph, seed, devices)
+    refuse_written_inputs(graph, inputs, before)  # eager would start from other weights
+    with fails_in_one_line(f"the graph of {graph.model_name!r}"):
         traced_again = _run_seeded(run_graph, seed, devices)
     counter = _OpCounts()
     with fails_in_one_line(f"the eager step of {graph.model_name!r}"):
