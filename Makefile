@@ -28,7 +28,7 @@ ALLOW_ROOT := $(if $(ROOT),--allow-root,)
 
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: venv system lab lint test clean
+.PHONY: venv system jslint lab lint test clean
 
 # --- internal: Python environment -------------------------------------------------------
 
@@ -78,6 +78,25 @@ system:
 		echo "      (without graphviz, graph pictures fail; without chromium, the browser test is skipped)"; \
 	fi
 
+# --- internal: the explorer's JS/CSS linter (biome, pinned in package.json) ---------------
+
+# `npm ci` installs package-lock.json's biome into node_modules/ again only when package.json
+# or the lock file changes; without npm one line says the JS/CSS check is skipped.
+NPM       ?= npm
+NPM_STAMP := node_modules/.installed
+
+$(NPM_STAMP): package.json package-lock.json
+	$(NPM) ci --no-audit --no-fund
+	touch $@
+
+jslint:
+	@if command -v $(NPM) >/dev/null 2>&1; then \
+		{ $(MAKE) -q $(NPM_STAMP) || $(MAKE) --no-print-directory $(NPM_STAMP); } && \
+		node_modules/.bin/biome check --error-on-warnings; \
+	else \
+		echo "NOTE: npm is not installed: the explorer's JS/CSS are not checked (biome); install it with: sudo apt-get install -y npm"; \
+	fi
+
 # --- user targets -------------------------------------------------------------------------
 
 # Opens working copies in out/lab/ (git-ignored, made once; delete one to get the repo's
@@ -96,6 +115,7 @@ lint: venv
 	$(VENV)/bin/ruff check workbench tests
 	$(VENV)/bin/ruff format --check workbench tests
 	$(VENV)/bin/mypy
+	@$(MAKE) --no-print-directory jslint
 
 test: venv system
 	$(MAKE) --no-print-directory lint
@@ -103,6 +123,6 @@ test: venv system
 		--timeout=1200 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	find . -name .ipynb_checkpoints -type d -prune -exec rm -rf {} +

@@ -37,10 +37,15 @@ EXPLORER_CELLS = [
 START_SECONDS = 60
 
 
-def open_notebook(browser: Any, url: str, width: int, height: int) -> Any:
+def open_notebook(
+    browser: Any, url: str, width: int, height: int, init_script: str | None = None
+) -> Any:
     """A new page of `browser` (playwright's) at `url`, `width` x `height` pixels, once the
-    notebook's kernel is idle: the point where a test or a screenshot starts clicking."""
+    notebook's kernel is idle: the point where a test or a screenshot starts clicking.
+    `init_script` runs in the page before any of its own scripts."""
     page = browser.new_page(viewport={"width": width, "height": height})
+    if init_script:
+        page.add_init_script(init_script)
     page.goto(url)
     page.wait_for_function(
         "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"

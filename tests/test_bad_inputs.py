@@ -420,6 +420,26 @@ def test_bad_parallel_flags(
     fails(capsys, ["trace", *small, *flags], message)
 
 
+BASELINE_FLAGS: list[tuple[list[str], str]] = [
+    (["--pp", "2"], "^error: --baselines with --pp: eager baselines run a whole model's step"),
+    (["--fsdp", "2", "--ep", "2"], "--baselines with --ep/--cp: eager baselines shard with FSDP2"),
+    (["--fsdp", "2", "--mode", "real"], "in --mode real: a sharded job's eager baselines run on"),
+    (["--model", "torchtitan:llama3/debugmodel", "--fsdp", "2"], "sharded by graph trainer's"),
+    (["--max-split-size-mb", "4"], "--max-split-size-mb: max_split_size must be above"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"), BASELINE_FLAGS, ids=[" ".join(f) for f, _ in BASELINE_FLAGS]
+)
+def test_estimate_baselines_refuses_what_it_cannot_run(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    """`estimate --baselines` refuses before anything is traced (`check_baseline_args`)."""
+    small = ["--model", "dsv3-debug", "--mode", "fake", "--layers", "2", "--seq", "16"]
+    fails(capsys, ["estimate", *small, *flags, "--baselines"], message)
+
+
 def test_unknown_torchtitan_version(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["export", "--model", "llama3-debug", "--layers", "1", "--seq", "8",
             "--format", "torchtitan", "--torchtitan-version", "9.9"]  # fmt: skip

@@ -6,6 +6,7 @@ download). Screenshots go to `out/browser/`. Every server started here is stoppe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -204,6 +205,16 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             )
             page.locator(".sacwb-export").scroll_into_view_if_needed()
             page.screenshot(path=str(SHOTS / "explorer-export.png"))
+
+            # 8. the eager baselines, asked once: three rows beside the estimate
+            page.locator(".sacwb-baselines").click()
+            page.wait_for_selector(".sacwb-baselines-table", timeout=300_000)
+            cells = page.locator(".sacwb-baselines-table td:first-child").all_inner_texts()
+            assert cells == ["no AC", "eager SAC", "eager full AC"]
+            side = page.eval_on_selector(".sacwb-side", "s => s.getBoundingClientRect().width")
+            assert side <= 345
+            page.locator(".sacwb-metrics").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "explorer-baselines.png"))
         finally:
             browser.close()
 
@@ -438,5 +449,154 @@ def test_a_click_on_a_stage_opens_it_and_a_flip_moves_its_peak(
             after = page.locator('.sacwb-stages g.stage-cell[data-stage="1"]').text_content()
             assert _rank_peak(after or "") != before
             page.screenshot(path=str(SHOTS / "explorer-stages.png"))
+        finally:
+            browser.close()
+
+
+# --- one set of listeners per live view (issue 34, item 5) -----------------------------------
+
+# One explorer displayed in ten cells: ten views of one widget.
+REDISPLAYED = [
+    "import os\n"
+    'os.environ["SAC_WORKBENCH_AUTOSAVE_DIR"] = "."\n'
+    "from IPython.display import display\n"
+    "from workbench.capture.models import load_workload\n"
+    "from workbench.show.widgets import PolicyExplorer\n"
+    'explorer = PolicyExplorer(load_workload("llama3-debug", layers=2, seq=32), "default")',
+    *["display(explorer)"] * 10,
+]
+
+# Counts, kept by the page itself, of the window and document listeners and the resize
+# observers that the explorer's module adds (code loaded from a blob: URL, as anywidget loads
+# a widget's ES module), each forgotten when it is removed or its AbortSignal aborts.
+COUNT_PAGE_LISTENERS = """(() => {
+  const counts = { window: 0, document: 0, observers: 0 };
+  window.__pageListeners = counts;
+  const fromWidget = () => {
+    const limit = Error.stackTraceLimit;
+    Error.stackTraceLimit = 50;
+    const stack = new Error().stack || "";
+    Error.stackTraceLimit = limit;
+    return stack.includes("blob:");
+  };
+  const added = [];
+  const add = EventTarget.prototype.addEventListener;
+  const remove = EventTarget.prototype.removeEventListener;
+  const captures = (options) => (typeof options === "boolean" ? options : !!options?.capture);
+  EventTarget.prototype.addEventListener = function (type, listener, options) {
+    const kind = this === window ? "window" : this === document ? "document" : "";
+    if (kind && listener && fromWidget()) {
+      const entry = { target: this, type, listener, capture: captures(options), kind, live: true };
+      const forget = () => {
+        if (entry.live) { entry.live = false; counts[kind] -= 1; }
+      };
+      entry.forget = forget;
+      added.push(entry);
+      counts[kind] += 1;
+      options?.signal?.addEventListener("abort", forget, { once: true });
+    }
+    return add.call(this, type, listener, options);
+  };
+  EventTarget.prototype.removeEventListener = function (type, listener, options) {
+    for (const e of added) {
+      if (e.live && e.target === this && e.type === type && e.listener === listener
+          && e.capture === captures(options)) e.forget();
+    }
+    return remove.call(this, type, listener, options);
+  };
+  const Observer = window.ResizeObserver;
+  window.ResizeObserver = class extends Observer {
+    constructor(callback) { super(callback); this.ours = fromWidget(); this.watching = false; }
+    observe(target, options) {
+      if (this.ours && !this.watching) { this.watching = true; counts.observers += 1; }
+      return super.observe(target, options);
+    }
+    disconnect() {
+      if (this.watching) { this.watching = false; counts.observers -= 1; }
+      return super.disconnect();
+    }
+  };
+})();"""
+
+LISTENERS = (
+    "() => ({ module: { ...window.__sacwbListeners }, page: { ...window.__pageListeners } })"
+)
+
+
+@pytest.fixture
+def redisplayed_lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The same, serving `REDISPLAYED`."""
+    yield from _served(tmp_path, REDISPLAYED)
+
+
+def _settle(page: Page, views: int) -> dict[str, dict[str, int]]:
+    """The listener counts once `views` explorer views are drawn, the kernel is idle and the
+    views removed have run their cleanup (a count that stays too high fails the test with
+    the counts, after a few seconds)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.wait_for_function(
+        "(n) => document.querySelectorAll('.sacwb .sacwb-graph svg').length === n"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+        " === 'idle'",
+        arg=views,
+        timeout=180_000,
+    )
+    with contextlib.suppress(PlaywrightTimeout):
+        page.wait_for_function(
+            "(n) => window.__sacwbListeners?.views === n", arg=views, timeout=10_000
+        )
+    page.wait_for_timeout(500)
+    counts: dict[str, dict[str, int]] = page.evaluate(LISTENERS)
+    assert counts["module"]["views"] == views, counts
+    return counts
+
+
+def test_each_live_view_holds_one_set_of_listeners(redisplayed_lab: tuple[str, Path]) -> None:
+    """The explorer displayed in ten cells holds ten sets of listeners (window, resize
+    observer, model handlers); re-running cells swaps views without adding any, and clearing
+    outputs removes every listener of the views that went."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = redisplayed_lab
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = open_notebook(browser, url, 1500, 1100, COUNT_PAGE_LISTENERS)
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            ten = _settle(page, 10)
+            print("ten views:", ten)
+            module, seen = ten["module"], ten["page"]
+            per_view = module["model"] // 10
+            assert per_view > 20 and module["model"] == 10 * per_view  # one handler a traitlet
+            assert module["window"] == module["observers"] == 10 and module["document"] == 0
+            assert seen == {"window": 10, "document": 0, "observers": 10}
+
+            # a request from one view (anywidget's invoke) reaches Python and comes back
+            first = page.locator(".sacwb").nth(0)
+            first.locator(".sacwb-search").fill("mm_4")
+            first.locator(".sacwb-search").press("Enter")
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText.startsWith('mm_4 (')",
+                timeout=60_000,
+            )
+            assert page.evaluate(LISTENERS) == ten  # no view added a listener to search
+
+            # re-running five cells: five views removed, five new ones
+            for cell in range(1, 6):
+                _run_cells(page, "notebook:run-cell", cell)
+            assert _settle(page, 10) == ten
+
+            # clearing every output: no view left, no listener left
+            page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+            none = _settle(page, 0)
+            assert none["page"] == {"window": 0, "document": 0, "observers": 0}, none
+            assert set(none["module"].values()) == {0}, none
+
+            # one cell again: one set
+            _run_cells(page, "notebook:run-cell", 3)
+            one = _settle(page, 1)
+            assert one["page"] == {"window": 1, "document": 0, "observers": 1}, one
+            assert one["module"] == {**module, **{k: v // 10 for k, v in module.items()}}, one
         finally:
             browser.close()

@@ -251,6 +251,37 @@ def test_estimate_json_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0 <= result["exposed_transfer_seconds"]["h100"] <= result["transfer_seconds"]["h100"]
 
 
+def test_estimate_baselines_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """`estimate --baselines`: the eager baselines beside the graph estimate, each with its
+    allocated and reserved peak, the tracker's categories and the module at the peak."""
+    result = run_json(
+        capsys, "estimate", "--model", "llama3-debug", "--layers", "2", "--seq", "512",
+        "--mode", "fake", "--fsdp", "2", "--tp", "2", "--profile", "h100", "--baselines",
+        "--expandable-segments", "--json",
+    )  # fmt: skip
+    baselines = result["baselines"]
+    assert [b["name"] for b in baselines] == ["no AC", "eager SAC", "eager full AC"]
+    keys = {"peak_bytes", "reserved_peak_bytes", "peak_breakdown", "peak_module", "peak_phase"}
+    for b in baselines:
+        assert keys <= set(b) and b["tracker"] == "FSDPMemTracker" and b["kernels"] == "h100"
+        assert sum(b["peak_breakdown"].values()) == b["peak_bytes"] <= b["reserved_peak_bytes"]
+        assert b["module_peaks"] and b["allocator"]["segments"] >= 1
+    assert baselines[2]["peak_bytes"] < baselines[1]["peak_bytes"] < baselines[0]["peak_bytes"]
+    assert any("cudnn_attention" in n for n in result["notes"])
+
+
+def test_estimate_baselines_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --json the baselines are rows of the printed output, maps by their largest
+    entries."""
+    argv = ["estimate", "--model", "llama3-debug", "--layers", "1", "--seq", "64", "--mode",
+            "fake", "--profile", "h100", "--baselines"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("baselines: 3 rows") :].splitlines()
+    assert table[1].split()[:4] == ["name", "peak_bytes", "reserved_peak_bytes", "peak_module"]
+    assert table[2].startswith("  no AC") and "MiB" in table[2] and "{" not in table[2]
+
+
 def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
         capsys, "measure", "--model", "llama3-debug", "--layers", "1", "--seq", "16",
@@ -261,6 +292,8 @@ def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert result["bitwise_equal"] is True and result["device"] == "cpu"
     assert [b["name"] for b in result["baselines"]] == ["no AC", "eager SAC (full)"]
+    for b in result["baselines"]:  # torch's tracker beside each measured eager peak
+        assert 0 < b["tracker_peak_bytes"] <= b["peak_bytes"] and b["tracker_peak_phase"]
 
 
 def test_measure_says_what_its_two_peaks_count(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.show.viz import render_overview, svg_id
 from workbench.show.widgets import PolicyExplorer
+from workbench.show.widgets.baselines import baseline_options, baseline_rows, cached_rows
 from workbench.show.widgets.model import STATE
 from workbench.show.widgets.session import Autosave, Edits, History, Point, graph_key
 from workbench.show.widgets.stages import STAGES_STATE
@@ -657,3 +658,34 @@ def test_figures_reach_the_front_end_as_text(
     assert ex.message == "offload options: " + ex.offload_text
     js = (Path(__file__).parents[1] / "workbench/show/widgets/explorer.js").read_text()
     assert "toFixed" not in js and "bytesText" not in js and "secondsText" not in js
+
+
+def test_eager_baselines_in_the_side_panel(
+    small_graphs: dict[str, Fixture], tmp_path: Path
+) -> None:
+    """Asked once (the panel's button sends `baselines`), the eager baselines are rows of the
+    side panel, computed once per graph and shown again without running."""
+    workload, graph = small_graphs["llama3-debug"]
+    ex = PolicyExplorer(graph, "eager", workload=workload, autosave=tmp_path / "p.json")
+    assert ex.baselines == [] and cached_rows(graph) == []
+    rows = ex.show_baselines()
+    assert [r["name"] for r in rows] == ["no AC", "eager SAC", "eager full AC"]
+    assert ex.baselines == rows and "eager baselines: no AC" in ex.message
+    assert all(r["peak"].endswith("iB") and r["reserved"] == "-" for r in rows)  # real: no GPU
+    again = PolicyExplorer(graph, "full", workload=workload, autosave=tmp_path / "q.json")
+    assert again.baselines == rows  # once per graph
+    assert baseline_rows(graph, None, again.estimator) is cached_rows(graph)
+    ex.model.message = ""
+    ex._on_msg(ex, {"type": "baselines"}, [])  # the panel's button
+    assert ex.message.startswith("eager baselines: no AC")
+
+
+def test_eager_baselines_need_the_workload(rank_debug: JointGraph, tmp_path: Path) -> None:
+    """A rank's baselines run its job: the sharding, kernels and optimizer of its graph and
+    estimator; without the workload the message line says what to give."""
+    ex = PolicyExplorer(rank_debug, "default", autosave=tmp_path / "p.json")
+    options = baseline_options(rank_debug, ex.estimator)
+    assert options.parallel is not None and (options.parallel.fsdp, options.parallel.tp) == (2, 2)
+    assert options.mode == "fake" and options.kernels == "h100" and options.optimizer == "adamw"
+    ex._on_msg(ex, {"type": "baselines"}, [])
+    assert "open the explorer with its workload" in ex.message and ex.baselines == []

@@ -437,7 +437,7 @@ def test_views_are_arranged_to_the_panel_the_front_end_reports(
     assert model.graph_aspect == 0.5 and model.picture.arrangement == "TB"
     model.set_graph_aspect(1.6)
     assert model.picture.arrangement == wide
-    assert model._arranged[("module:layers.0.attention", 1.6)] == wide  # laid out once per panel
+    assert model.canvas.arranged[("module:layers.0.attention", 1.6)] == wide  # once per panel
     for bad, said in ((0.0, "must lie in 0.1–10.0"), (float("inf"), "must lie in"),
                       (float("nan"), "must lie in"), ("wide", "must be a number, not str"),
                       (True, "must be a number, not bool")):  # fmt: skip

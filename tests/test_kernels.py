@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workbench.capture.flex import causal_block_mask
+from workbench.capture.flex import block_mask_sparsity, causal_block_mask
 from workbench.capture.graph import JointGraph
 from workbench.capture.kernels import (
     KERNEL_TARGETS,
@@ -227,6 +227,11 @@ def test_flex_attention_is_its_own_op_with_its_saved_tensors() -> None:
     est = estimator.estimate(Policy("titan-default"))
     flex = [b for n, b in est.saved_by_node.items() if graph.nodes[n].op == "flex_attention"]
     assert flex == [OUT + LSE] * 2  # bf16 output + fp32 lse
+    # its FLOPs: torch's formula for the op, at the tiles the block mask visits (all at S=64)
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    forward = [i.flops for i in graph.ops() if i.op == "flex_attention"]
+    assert forward == [sdpa_flop_count((B, H, S, D), (B, H, S, D), (B, H, S, D))] * 2
     for preset in ("titan-default", "titan-full", "default", "full"):
         policy = Policy(preset)
         assert estimator.estimate(policy).peak_bytes == (
@@ -279,3 +284,20 @@ def test_causal_block_mask_is_create_block_masks(batch: int, seq: int, block: in
 
         assert rows(ours) == rows(torchs), side
     assert ours.to_dense().equal(torchs.to_dense())
+
+
+def test_attention_flops_count_what_the_kernel_computes(cpu_graph: JointGraph) -> None:
+    """torch's flop counter counts every (query, key) pair; a causal kernel computes (S + 1) /
+    2S of them, flex attention the tiles its block mask visits (torch's `sparsity_hint`); the
+    CPU's flash op, which torch's counter lacks, is counted as SDPA."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    every_pair = sdpa_flop_count((B, H, S, D), (B, H, S, D), (B, H, S, D))
+    causal = every_pair * (S + 1) // (2 * S)
+    gpu = _gpu_graph(CUDNN)
+    for graph in (gpu, cpu_graph):
+        forward = [i.flops for i in graph.ops() if i.op in graph.attention_counts()]
+        assert forward == [causal] * 2
+    mask = causal_block_mask(B, S)  # 1 block of 128 x 128 at S = 64: all of it visited
+    assert block_mask_sparsity(mask) == 0.0
+    assert block_mask_sparsity(causal_block_mask(B, 512)) == 1 - 10 / 16

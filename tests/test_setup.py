@@ -47,6 +47,38 @@ def test_torchtitan_can_be_left_out() -> None:
     assert "torchtitan and triton not installed" in "\n".join(lines)
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_the_front_end_linter_installs_from_the_lock_file_once() -> None:
+    """biome comes from package-lock.json by `npm ci`, again only when the lock changes; the
+    JS/CSS check runs in `make lint` (hence `make test`)."""
+    install = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-B", "node_modules/.installed"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "npm ci" in install and "touch node_modules/.installed" in install
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(NPM_STAMP): package.json package-lock.json" in makefile
+    assert "biome check --error-on-warnings" in makefile
+    lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert "jslint" in lint
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_without_npm_the_front_end_check_is_skipped_in_one_line() -> None:
+    out = subprocess.run(
+        ["make", "--no-print-directory", "jslint", "NPM=/no/such/npm"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("NOTE: npm is not installed")
+
+
 def test_transformers_is_a_pinned_test_extra_that_brings_no_torch() -> None:
     """`make test` installs `.[test]` after the CPU torch: the pinned transformers (issue 37)
     must not ask pip for a torch of its own (a CUDA wheel from the index), and

@@ -4,6 +4,7 @@ of FSDP x TP (x EP), and a model whose first layer differs (DeepSeek-V3's dense 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import replace
 from typing import Any
 
@@ -96,6 +97,34 @@ def test_stamped_graph_is_the_full_trace(name: str, layers: int, parallel: Any) 
     assert f"layers 2-{layers - 2} stamped from layer 1" in stamped.notes
     full = trace(workload, "fake", parallel, stamp=False)
     assert set(full.notes) <= set(stamped.notes)  # what tracing noted (EP's routing) stays
+    assert_same_graph(stamped, full)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan not installed: pip install -e '.[torchtitan]'",
+)
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [
+        # graph trainer's rank: a mesh placeholder per DTensor parameter, flex attention's
+        # numbered score and mask subgraphs per layer, fused wqkv
+        ("torchtitan:llama3/debugmodel", Parallel(fsdp=2, tp=2)),
+        # tied embeddings (lm_head's gradient too), MoE over EP, unbound token counts bound
+        ("torchtitan:qwen3/debugmodel_moe", Parallel(fsdp=2, ep=2)),
+        # a dense first layer; the routing's size arithmetic the tracer makes and erases
+        ("torchtitan:deepseek_v3/debugmodel", Parallel(fsdp=2, ep=2)),
+    ],
+)
+def test_torchtitan_ranks_are_stamped_as_full_traces(name: str, parallel: Parallel) -> None:
+    """torchtitan models traced through graph trainer's `parallelize` stamp from three
+    layers too, node for node (names, targets, metadata, values, inputs, code) the full
+    trace."""
+    workload = load_workload(name, layers=5, seq=256, device="meta")
+    stamped = trace(workload, "fake", parallel)
+    assert "layers 2-3 stamped from layer 1" in stamped.notes
+    full = trace(workload, "fake", parallel, stamp=False)
+    assert set(full.notes) <= set(stamped.notes)
     assert_same_graph(stamped, full)
 
 

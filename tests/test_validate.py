@@ -17,7 +17,7 @@ from workbench.cost.profiles import PROFILES, get_profile
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.published import PUBLISHED_RUNS, PublishedRun, select_runs
-from workbench.interop.validate import RowResult
+from workbench.interop.validate import RowResult, eager_kind
 
 GIB = 2**30
 CHEAP = "pr2570-8b-fsdp4-tp2-default"  # one rank of Llama3-8B, cut to 1 layer and 128 tokens
@@ -184,3 +184,22 @@ def test_the_notebooks_stored_table_is_of_todays_rows() -> None:
     for row in stored["rows"]:
         assert row["config"] == PUBLISHED_RUNS[row["id"]].to_json(), row["id"]
         assert row["comparable"] and row["difference_bytes"] is not None
+
+
+def test_eager_runs_are_estimated_as_eager_runs_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """A row that ran eagerly gets its eager baseline under torch's trackers, the graph
+    preset's figures beside; graph runs, pipelines and torchtitan ranks keep the graph's."""
+    kinds = {run_id: eager_kind(run) for run_id, run in PUBLISHED_RUNS.items()}
+    assert (
+        kinds["pr2377-8b-tp2-fsdp2-eager"] == "sac" and kinds["pr2377-8b-tp2-fsdp2-none"] == "none"
+    )
+    assert kinds["bench2412-70b-fsdp32-tp8-full"] == "full"
+    assert kinds["pr2377-8b-tp2-fsdp2-default"] is None  # graph SAC
+    assert kinds["bench2412-405b-pp8-1f1b"] is None  # a pipeline: no eager baseline
+    assert kinds["pr3429-dsv3-16b-full"] is None  # graph trainer's rank
+    row = run_cli(capsys, ["validate", "--rows", "bench2412-8b-fsdp8-sac", *QUICK])["rows"][0]
+    assert row["ran"] == row["estimated_by"] == "eager"
+    graph = row["graph_estimate"]
+    assert graph["policy"] == "eager" and graph["allocated_peak_bytes"] > 0
+    assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] > 0
+    assert row["peak_at"].endswith(("(forward)", "(backward)"))

@@ -84,8 +84,10 @@ class _Split(types.ModuleType):
             module = importlib.import_module(home)
             if hasattr(module, attr):
                 return getattr(module, attr)
-        raise AttributeError(f"module {self.__name__!r} (moved to {', '.join(self._homes)}) "
-                             f"has no attribute {attr!r}")  # fmt: skip
+        raise AttributeError(
+            f"module {self.__name__!r} (moved to {', '.join(self._homes)}) "
+            f"has no attribute {attr!r}"
+        )
 
 
 class _Loader(importlib.abc.Loader):

@@ -174,10 +174,16 @@ def bench_gpu(
     graph = trace(workload, mode="real")
     estimator = Estimator(graph, profiles=(), optimizer="none")  # a graph run holds none
     rows = [
-        _bench_preset(graph, workload, estimator, name, record or record_cuda_step,
-                      _Runs(warmup, repeats, out, overwrite, files_named or graph.model_name))
+        _bench_preset(
+            graph,
+            workload,
+            estimator,
+            name,
+            record or record_cuda_step,
+            _Runs(warmup, repeats, out, overwrite, files_named or graph.model_name),
+        )
         for name in presets
-    ]  # fmt: skip
+    ]
     device = device_of(graph.example_inputs or [])
     return {
         "model": graph.model_name,

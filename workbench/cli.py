@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from workbench.baseline_commands import with_baselines
 from workbench.capture.models import DTYPES
 from workbench.commands import (
     FSDP_CHOICES,
@@ -303,13 +304,31 @@ def _human_lines(result: dict[str, Any], indent: str = "") -> list[str]:
     return lines
 
 
+_CELL_ENTRIES = 3  # entries of a map shown in one table cell, largest first
+
+
+def _cell(column: str, value: Any) -> str:
+    """A table cell: a map of figures as its largest entries with their units (`Activation
+    32.2 GiB, OptState 15.0 GiB, …`), other maps and lists by their length."""
+    if isinstance(value, dict) and value:
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
+            return f"{len(value)} entries"
+        top = sorted(value.items(), key=lambda kv: -kv[1])[:_CELL_ENTRIES]
+        more = ", …" if len(value) > _CELL_ENTRIES else ""
+        return ", ".join(f"{k} {_human_value(k, v, column)}" for k, v in top) + more
+    if isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
+        return f"{len(value)} items"
+    return _human_value(column, value)
+
+
 def _table(rows: list[dict[str, Any]], indent: str) -> list[str]:
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    cells = [[_human_value(c, row.get(c, "")) for c in columns] for row in rows]
+    cells = [[_cell(c, row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = [indent + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    return line + [indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
-                   for r in cells]  # fmt: skip
+    return line + [
+        indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells
+    ]
 
 
 def _print_human(result: dict[str, Any]) -> None:
@@ -392,7 +411,13 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     _add_passes_arg(estimate)
     _add_cost_args(estimate, calibrate=True)
     add_pipeline_args(estimate)
-    estimate.set_defaults(run=pipelined(cmd_estimate, cmd_estimate_stages))
+    estimate.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also run no AC, eager SAC and eager full AC as eager runs them (FSDP2/TP where "
+        "sharded) under torch's memory trackers: their peaks beside the graph's",
+    )
+    estimate.set_defaults(run=with_baselines(pipelined(cmd_estimate, cmd_estimate_stages)))
 
     compare = commands.add_parser(
         "compare-snapshot", help="a measured memory snapshot against the estimate, op by op"

@@ -90,6 +90,13 @@ def _itemised(row: dict[str, Any]) -> list[str]:
     if row["saved_at_peak_by_op"]:
         ops = ", ".join(f"{op} {b / GIB:.2f}" for op, b in row["saved_at_peak_by_op"].items())
         lines.append(f"    saved at the peak by op: {ops} GiB")
+    graph = row.get("graph_estimate")
+    if graph is not None:
+        lines.append(
+            f"    the graph preset {graph['policy']!r} beside it: allocated "
+            f"{_gib(graph['allocated_peak_bytes'])}, reserved "
+            f"{_gib(graph['reserved_peak_bytes'])} GiB (peak at {graph['peak_at']})"
+        )
     outside = row["outside_allocator_bytes"]
     lines.append(
         f"    outside the allocator (not in the published figure): CUDA context "
@@ -107,8 +114,8 @@ def validate_table(result: dict[str, Any], itemised: bool = True) -> str:
     if "seconds" not in result:
         return _list_table(rows)
     head = (
-        f"{'id':<34} {'policy':<13} {'alloc':>6} {'reserv':>6} {'+outs':>5} {'publ':>6} "
-        f"{'diff':>7} {'diff%':>7} {'s':>5}"
+        f"{'id':<34} {'policy':<13} {'by':<5} {'alloc':>6} {'reserv':>6} {'+outs':>5} "
+        f"{'publ':>6} {'diff':>7} {'diff%':>7} {'s':>5}"
     )
     lines = [head]
     for row in rows:
@@ -117,15 +124,18 @@ def validate_table(result: dict[str, Any], itemised: bool = True) -> str:
         diff, pct = row["difference_bytes"], row["difference_pct"]
         mark = "*" if row["compared"] == "allocated" else " "
         lines.append(
-            f"{row['id']:<34} {row['policy']:<13} {_gib(row['allocated_peak_bytes']):>6} "
+            f"{row['id']:<34} {row['policy']:<13} {row['estimated_by']:<5} "
+            f"{_gib(row['allocated_peak_bytes']):>6} "
             f"{_gib(reserved):>6} {outside / GIB:>5.2f} {row['published_gib']:>6.2f} "
             f"{'-' if diff is None else f'{diff / GIB:+.2f}':>7}{mark}"
             f"{'-' if pct is None else f'{pct:+.1f}':>7} {row['seconds']:>5.1f}"
         )
     lines.append(
-        "GiB per GPU. publ: torchtitan's max_memory_reserved; diff = reserved estimate - "
-        "published (* allocated: no reserved model over a pipeline schedule); +outs: CUDA "
-        "context and NCCL buffers, outside the allocator and the published figure"
+        "GiB per GPU. by: graph (the preset on the workbench's graph) or eager (the run's AC "
+        "as eager runs it, under torch's memory trackers: the published run was eager). publ: "
+        "torchtitan's max_memory_reserved; diff = reserved estimate - published (* allocated: "
+        "no reserved model over a pipeline schedule); +outs: CUDA context and NCCL buffers, "
+        "outside the allocator and the published figure"
     )
     if result["layers"] is not None or result["seq"] is not None:
         lines.append(

@@ -25,7 +25,13 @@ from torch.nn.attention.flex_attention import (
     create_block_mask,
 )
 
-__all__ = ["BLOCK_MASK_FIELDS", "block_mask_names", "causal_block_mask", "flex_attention_op"]
+__all__ = [
+    "BLOCK_MASK_FIELDS",
+    "block_mask_names",
+    "block_mask_sparsity",
+    "causal_block_mask",
+    "flex_attention_op",
+]
 
 # A BlockMask's tensors, in the order its `as_tuple()` hands them to the op.
 BLOCK_MASK_FIELDS = (
@@ -89,6 +95,16 @@ def causal_block_mask(batch: int, seq: int, block_size: int | tuple[int, int] = 
         BLOCK_SIZE=(size, size),
         mask_mod=_causal,
     )
+
+
+def block_mask_sparsity(mask: BlockMask) -> float:
+    """The share of (query block, key block) tiles the kernel skips: torch's flop counter
+    takes it as flex attention's `sparsity_hint` (it counts every pair otherwise)."""
+    visited = mask.kv_num_blocks.sum() + (
+        mask.full_kv_num_blocks.sum() if mask.full_kv_num_blocks is not None else 0
+    )
+    batch, heads, rows, columns = mask.kv_indices.shape
+    return 1.0 - float(visited) / (batch * heads * rows * columns)
 
 
 def block_mask_names(mask: BlockMask, prefix: str = "attention_masks") -> dict[int, str]:

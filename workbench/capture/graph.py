@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from workbench.capture.ops import is_random, layer_of, layer_pattern, mutates, op_name
 
@@ -280,19 +280,58 @@ def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs:
     return 2 * out_val.numel() * a.shape[-1]
 
 
-_EXTRA_FLOPS: dict[Any, Any] = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+def _cpu_flash_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    """torch's flop counter has no formula for the CPU's flash op: its SDPA count."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward_flops(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
+) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_EXTRA_FLOPS: dict[Any, Any] = {
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+}
 
 
 def _flops(node: fx.Node) -> int:
+    """FLOPs of the node's op by torch's flop counter (higher-order ops such as flex
+    attention included, with the `sparsity_hint` their node carries), causal attention
+    counted for the pairs it attends (`_causal_share`)."""
     target = node.target
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        formula = flop_registry.get(target)
+        if formula is None:
+            return 0
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val"), _node_meta=node.meta))
     if not isinstance(target, torch._ops.OpOverload):
         return 0
     packet = target.overloadpacket
     formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
     if formula is None:
         return 0
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
+    return int(flops * _causal_share(target, args, kwargs))
+
+
+def _causal_share(target: torch._ops.OpOverload, args: Any, kwargs: Any) -> float:
+    """The share of (query, key) pairs a causal SDPA kernel attends, (S + 1) / 2S for S
+    queries and keys: torch's flop counter counts every pair ("we aren't accounting for
+    causal attention here"); the fused kernels skip the masked ones. 1 for other ops."""
+    names = [a.name for a in target._schema.arguments]
+    if "is_causal" not in names:
+        return 1.0
+    given = dict(zip(names, args, strict=False)) | kwargs
+    query = given.get("query")
+    if not given.get("is_causal") or not isinstance(query, torch.Tensor):
+        return 1.0
+    seq = int(query.shape[-2])
+    return (seq + 1) / (2 * seq)
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')

@@ -139,10 +139,12 @@ def kernels_note(kernels: str, mode: str) -> str:
 @dataclass(frozen=True)
 class ModelKernels:
     """What a model's own kernel switch (`Workload.kernel_context`) did while traced: names for
-    the tensors its kernels close over (`id(tensor) -> fqn`, lifted to graph inputs) and notes
-    saying what runs."""
+    the tensors its kernels close over (`id(tensor) -> fqn`, lifted to graph inputs), what
+    the nodes of some ops carry in `meta["custom"]` (op name -> entries: flex attention's
+    `sparsity_hint`, which torch's flop counter reads) and notes saying what runs."""
 
     names: dict[int, str] = field(default_factory=dict)
+    custom: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
 

@@ -21,7 +21,7 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.capture.fresh import FreshValues, flat
-from workbench.capture.graph import InputSpec, JointGraph, describe_nodes
+from workbench.capture.graph import GRAPH_TRAINER_MODULE, InputSpec, JointGraph, describe_nodes
 from workbench.capture.ops import layer_of
 from workbench.capture.tracing import Mode, collector_paused, last_input
 from workbench.capture.workload import Workload
@@ -85,8 +85,12 @@ def trace_layers(
     try:
         _check_alike(full, ids)
         graph = stamp_graph(template, template_layers, ids)
-        expected = [name for name, _ in full.model.named_parameters()]
-        if graph.param_names != expected:
+        # tied parameters once (the workbench's traces) or each time (graph trainer's)
+        expected = [
+            [name for name, _ in full.model.named_parameters(remove_duplicate=dedup)]
+            for dedup in (True, False)
+        ]
+        if graph.param_names not in expected:
             raise StampRefused(f"the stamped parameters differ from {full.name!r}'s")
     except StampRefused as why:
         graph = trace_fn(full, mode, parallel)
@@ -176,7 +180,7 @@ def stamp_graph(
         except KeyError as missing:  # a read the checks did not foresee
             raise StampRefused(f"no stamped counterpart for {missing}") from None
         with _use_lazy_graph_module(True):
-            gm = _make_graph_module(template.gm, graph)
+            gm = _make_graph_module(stamper.attribute_root(), graph)
         nodes = describe_nodes(gm)
     inputs = [
         InputSpec(new.name, spec.kind, _renamed(spec.fqn, unit.source, unit.target))
@@ -251,12 +255,16 @@ def _node_layers(template: JointGraph, ids: Sequence[int]) -> dict[fx.Node, int 
     """Each node's layer: its module's, a placeholder's parameter's, or (for a node outside
     every module computed from one layer's parameters alone, a shard's view) theirs."""
     fqn = {spec.placeholder: spec.fqn for spec in template.inputs}
+    kind = {spec.placeholder: spec.kind for spec in template.inputs}
     layer: dict[fx.Node, int | None] = {}
     derived: set[fx.Node] = set()
+    previous: int | None = None  # the layer of the placeholder before
     for node in template.gm.graph.nodes:
         found: int | None = None
         if node.op == "placeholder":
-            found = layer_of(fqn[node.name])
+            # graph trainer's tracer gives each DTensor parameter its mesh just after it
+            found = previous if kind[node.name] == "mesh" else layer_of(fqn[node.name])
+            previous = found
         elif node.op != "output":
             found = template.nodes[node.name].layer
             inputs = node.all_input_nodes
@@ -268,7 +276,7 @@ def _node_layers(template: JointGraph, ids: Sequence[int]) -> dict[fx.Node, int 
                     derived.add(node)
         if found is not None and found not in ids:
             raise StampRefused(f"node {node.name} belongs to layer {found}, not a template layer")
-        if found is not None and node.op == "get_attr":
+        if found is not None and node.op == "get_attr" and not _is_subgraph(template, node):
             raise StampRefused(f"layer {found} holds a constant ({node.name})")
         layer[node] = found
     return layer
@@ -307,6 +315,73 @@ def _segments(template: JointGraph, ids: Sequence[int]) -> _Cut:
         cut.groups.append(group)
         k += TEMPLATE_LAYERS
     return cut
+
+
+def _is_subgraph(template: JointGraph, node: fx.Node) -> bool:
+    """A `get_attr` of a graph an op takes (a flex attention's score or mask function)."""
+    return isinstance(getattr(template.gm, str(node.target), None), fx.GraphModule)
+
+
+_DIGITS_RE = re.compile(r"\d+$")
+_ARG_RE = re.compile(r"arg\d+_1")
+
+
+def _attr_prefix(target: str) -> str:
+    """What make_fx numbers a subgraph attribute after (`sdpa_score3` -> `sdpa_score`).
+
+    >>> _attr_prefix("joint_graph12"), _attr_prefix("sdpa_mask0")
+    ('joint_graph', 'sdpa_mask')
+    """
+    return _DIGITS_RE.sub("", target)
+
+
+def _same_target(a: fx.Node, b: fx.Node) -> bool:
+    """Two layers' nodes run the same thing: the same op, or (`get_attr`) subgraphs of the
+    same prefix and code, as make_fx gives each call its own numbered copy."""
+    if a.op != "get_attr":
+        return a.target == b.target
+    owner = a.graph.owning_module
+    first, second = (getattr(owner, str(n.target), None) for n in (a, b))
+    if not isinstance(first, fx.GraphModule) or not isinstance(second, fx.GraphModule):
+        return a.target == b.target
+    same_prefix = _attr_prefix(str(a.target)) == _attr_prefix(str(b.target))
+    return same_prefix and first.code == second.code
+
+
+_SUFFIX_RE = re.compile(r"_(\d+)$")
+
+
+def _name_base(name: str) -> str:
+    """A node name without FX's counter (`mul_12` -> `mul`).
+
+    >>> _name_base("mul_12"), _name_base("sym_size_int"), _name_base("getitem_3")
+    ('mul', 'sym_size_int', 'getitem')
+    """
+    return _SUFFIX_RE.sub("", name)
+
+
+def _name_gaps(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Per call node, how many names of its base FX handed out since the previous node of
+    that base and no node holds now: nodes the tracer made and erased (graph trainer's trace
+    of expert routing drops unused size arithmetic). A stamped copy skips as many, so its
+    nodes get the full trace's names."""
+    names = {node.name for node in graph.nodes}
+    last: dict[str, int] = {}
+    gaps: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        base = _name_base(node.name)
+        match = _SUFFIX_RE.search(node.name)
+        number = int(match.group(1)) if match and base != node.name else 0
+        if base not in last:  # FX never hands out a builtin's bare name (`slice` -> `slice_1`)
+            last[base] = -1 if fx.graph._Namespace().create_name(base, None) == base else 0
+        skipped = range(last[base] + 1, number)
+        gap = sum((f"{base}_{k}" if k else base) not in names for k in skipped)
+        if gap > 0:
+            gaps[node] = gap
+        last[base] = max(number, last[base])
+    return gaps
 
 
 def _same_facts(a: fx.Node, b: fx.Node, why: str) -> None:
@@ -352,7 +427,7 @@ def _check_neighbours(cut: _Cut, ids: Sequence[int]) -> dict[fx.Node, fx.Node]: 
                 f"{len(b_nodes)} nodes)"
             )
         for a, b in zip(a_nodes, b_nodes, strict=True):
-            if a.op != b.op or (a.op != "placeholder" and a.target != b.target):
+            if a.op != b.op or (a.op != "placeholder" and not _same_target(a, b)):
                 raise StampRefused(f"{why} differ at {a.name} ({a.target} vs {b.target})")
             _same_facts(a, b, why)
             shape_a, refs_a = _references(a)
@@ -437,6 +512,9 @@ class _Stamper:
         self.copies = [_Copy(s, t, FreshValues(keys)) for s, t in zip(sources, layers, strict=True)]
         self.names: dict[Any, str] = {}  # an op's name as make_fx derives it
         self.modules: dict[tuple[str, int, int], str] = {}
+        self.attributes: dict[str, Any] = {}  # what the stamped graph's get_attrs read
+        self.gaps = _name_gaps(template.gm.graph)
+        self.counts: dict[str, int] = {}  # subgraph copies numbered so far, by prefix
 
     def _at(self, index: int, middle_node: fx.Node) -> fx.Node:
         """Copy `index`'s node at `middle_node`'s place (the last copy: the last layer's)."""
@@ -471,7 +549,7 @@ class _Stamper:
             return self.root.env[node]
         return self.copies[0 if owner == self.ids[0] else -1].env[node]
 
-    def emit(self, index: int | None, node: fx.Node, shift: int) -> None:  # noqa: PLR0912
+    def emit(self, index: int | None, node: fx.Node, shift: int) -> None:
         """Append `node` as copy `index` makes it (outside the layers when None)."""
         unit = self.root if index is None else self.copies[index]
         if index is None:
@@ -480,15 +558,9 @@ class _Stamper:
             args, kwargs = fx.node.map_arg(
                 (node.args, node.kwargs), lambda n: self._lookup(index, n)
             )
-        target, name = node.target, None
-        if node.op == "placeholder":
-            target = f"arg{len(self.placeholders)}_1"
-        elif isinstance(target, torch._ops.OpOverload):  # as make_fx names an op's node
-            name = self.names.get(target)
-            if name is None:
-                name = self.names[target] = self.graph._target_to_str(
-                    target.overloadpacket.__name__
-                )
+        target, name = self._target_and_name(node)
+        for _ in range(self.gaps.get(node, 0)):  # names the full trace gave nodes it erased
+            self.graph._graph_namespace.create_name(_name_base(node.name), None)
         new = self.graph.create_node(node.op, target, args, kwargs, name=name)
         if node.op == "placeholder":
             self.placeholders.append((new, self.specs[node.name], unit, node))
@@ -502,11 +574,12 @@ class _Stamper:
             meta["eager_input_vals"] = fresh.mapped(meta["eager_input_vals"])
         if unit.source != unit.target and isinstance(meta.get("custom"), dict):
             custom = dict(meta["custom"])
-            if isinstance(custom.get("module"), str):
-                key = (custom["module"], unit.source, unit.target)
-                if key not in self.modules:
-                    self.modules[key] = _renamed(*key)
-                custom["module"] = self.modules[key]
+            for field_ in ("module", GRAPH_TRAINER_MODULE):  # ours, and graph trainer's
+                if isinstance(custom.get(field_), str):
+                    key = (custom[field_], unit.source, unit.target)
+                    if key not in self.modules:
+                        self.modules[key] = _renamed(*key)
+                    custom[field_] = self.modules[key]
             meta["custom"] = custom
         seq = meta.get("seq_nr")
         if isinstance(seq, int):
@@ -518,6 +591,55 @@ class _Stamper:
                 meta["seq_nr"] = unit.seq[seq] = seq + shift
         new.meta = meta
         unit.env[node] = new
+
+    def _target_and_name(self, node: fx.Node) -> tuple[Any, str | None]:
+        """The new node's target and name as a full trace makes them (None: FX's own)."""
+        target = node.target
+        if node.op == "placeholder":  # make_fx's `argN_1`; inputs lifted after tracing keep theirs
+            numbered = _ARG_RE.fullmatch(str(target)) is not None
+            return (f"arg{len(self.placeholders)}_1" if numbered else target), None
+        if node.op == "get_attr":
+            attribute = self._attribute(str(target))
+            return attribute, attribute
+        if isinstance(target, torch._ops.OpOverload):  # as make_fx names an op's node
+            name = self.names.get(target)
+            if name is None:
+                name = self.names[target] = self._op_name(node, target)
+            return target, name
+        return target, None
+
+    def _op_name(self, node: fx.Node, target: torch._ops.OpOverload) -> str:
+        """The name make_fx gives `target`'s nodes: its packet's (`mm`), or, for the size
+        queries it records for symbolic sizes (`aten.sym_size.int`), its overload's too
+        (`sym_size_int`): the template's node says which."""
+        full = re.sub(r"\W", "_", self.graph._target_to_str(target.__name__))
+        if node.name == full or node.name.startswith(f"{full}_"):
+            return full
+        return self.graph._target_to_str(target.overloadpacket.__name__)
+
+    def _attribute(self, target: str) -> str:
+        """A `get_attr`'s target in the stamped graph: a subgraph gets the next number of its
+        prefix, as make_fx numbers one copy per call (`sdpa_score0`, `sdpa_score1`, ...), and
+        the template's module under that name; other attributes keep their target."""
+        value = getattr(self.template.gm, target)
+        if not isinstance(value, fx.GraphModule):
+            self.attributes[target] = value
+            return target
+        prefix = _attr_prefix(target)
+        count = self.counts.get(prefix, 0)
+        self.counts[prefix] = count + 1
+        self.attributes[f"{prefix}{count}"] = value
+        return f"{prefix}{count}"
+
+    def attribute_root(self) -> nn.Module:
+        """The module the stamped graph's `get_attr`s read from."""
+        root = nn.Module()
+        for target, value in self.attributes.items():
+            if isinstance(value, nn.Module):
+                root.add_module(target, value)
+            else:
+                setattr(root, target, value)
+        return root
 
     def build(self) -> fx.Graph:
         starts: dict[fx.Node, _Group] = {}
@@ -567,6 +689,14 @@ class _Stamper:
             and not (n.meta.get("autograd_backward") and s in self.forward_seqs)
         ]
 
+    def _mesh(self, value: Any) -> bool:
+        """A mesh placeholder: graph trainer's tracer gives every DTensor parameter one, and a
+        gradient's mesh in the outputs is the last of its object's placeholders."""
+        if not isinstance(value, fx.Node) or value.op != "placeholder":
+            return False
+        spec = self.specs.get(value.name)
+        return spec is not None and spec.kind == "mesh"
+
     def _emit_output(self, node: fx.Node) -> None:
         """The outputs (`[loss, *grads, ...]`): those outside the layers as they are, each
         run of the three layers' gradients as every stamped layer's, in layer order."""
@@ -576,11 +706,14 @@ class _Stamper:
         runs: list[tuple[int | None, list[Any]]] = []
         for value in outputs:
             owner = self.cut.layer[value] if isinstance(value, fx.Node) else None
-            if runs and owner is not None and runs[-1][0] == owner:
+            if self._mesh(value) and runs and runs[-1][0] is not None:
+                runs[-1][1].append(value)  # a DTensor gradient's mesh follows its local tensor
+            elif runs and owner is not None and runs[-1][0] == owner:
                 runs[-1][1].append(value)
             else:
                 runs.append((owner, [value]))
         new_outputs: list[Any] = []
+        grads = 0  # layer values (not meshes) the stamped layers add to the template's
         k = 0
         while k < len(runs):
             owner, values = runs[k]
@@ -592,11 +725,14 @@ class _Stamper:
                 k += 1
                 continue
             for unit in self.copies:
-                new_outputs += [unit.env[v] for v in triple[unit.source]]
+                values = triple[unit.source]
+                new_outputs += [self._outside(v) if self._mesh(v) else unit.env[v] for v in values]
+                grads += sum(not self._mesh(v) for v in values)
+            grads -= sum(not self._mesh(v) for layer in self.ids for v in triple[layer])
             k += TEMPLATE_LAYERS
         params = sum(spec.kind == "param" for _, spec, _, _ in self.placeholders)
         added = params - sum(spec.kind == "param" for spec in self.template.inputs)
-        if len(new_outputs) - len(outputs) != added:
+        if grads != added:
             raise StampRefused("the gradients do not follow the parameters layer by layer")
         new = self.graph.output(type(outputs)(new_outputs))
         new.meta = dict(node.meta)

@@ -32,9 +32,9 @@ from workbench.capture.kernels import gpu_arch
 from workbench.capture.models.torchtitan import adapt_config, parse_spec, titan_kernels
 from workbench.capture.tracing import (
     Mode,
+    apply_model_kernels,
     kernel_dispatch,
     kernel_notes,
-    lift_constants,
     record_absent_outputs,
 )
 from workbench.capture.workload import Workload
@@ -213,7 +213,7 @@ def _build_rank_model(
     family, flavor = parse_spec(workload.name)
     spec = importlib.import_module(f"{_GRAPH_TRAINER}.{family}").model_registry(flavor)
     config = spec.model
-    layers, seq = int(workload.config["layers"]), int(workload.config["seq"])
+    layers, seq = _layer_count(workload), int(workload.config["seq"])
     notes = adapt_config(config, workload.name, layers, seq, flex=gpu_arch(kernels) is not None)
     _, parallelism, _ = _configs(workload, parallel)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
@@ -232,6 +232,15 @@ def _build_rank_model(
     finally:
         torch.set_default_dtype(previous)
     return spec, model, notes
+
+
+def _layer_count(workload: Workload) -> int:
+    """The blocks the rank's model holds: the workload model's (a template for stamping
+    keeps its first ones, `workbench.capture.stamp.keep_layers`), else the config's."""
+    layers = getattr(workload.model, "layers", None)
+    if isinstance(layers, torch.nn.ModuleDict):
+        return len(layers)
+    return int(workload.config["layers"])
 
 
 def _parallel_dims(parallel: Parallel) -> Any:
@@ -343,7 +352,7 @@ def trace_titan_rank(
         *bind_token_counts(traced.gm, parallel),
     ]
     graph = _joint_graph(traced, n_params, model_state, workload, mode, parallel, mesh_dims, notes)
-    lifted = lift_constants(graph.gm, switched.names)
+    lifted = apply_model_kernels(graph.gm, switched)
     graph.inputs += [spec for spec, _ in lifted]
     if graph.example_inputs is not None:
         graph.example_inputs += [value for _, value in lifted]
@@ -441,14 +450,12 @@ def bind_token_counts(gm: fx.GraphModule, parallel: Parallel) -> list[str]:
     would) and receives `ep_imbalance x T / ep` from each (1: balanced; more: this rank's
     experts are the hottest). The ops themselves are unchanged. Returns the note stating it."""
     hints: dict[sympy.Symbol, int] = {}
-    exchanges = 0
     for node in gm.graph.nodes:
         custom = node.meta.get("custom") or {}
         if node.target is None or str(node.target) != _A2A:
             continue
         if custom.get(_EP_TOKEN_EXCHANGE) != "dispatch" or node.meta.get("autograd_backward"):
             continue
-        exchanges += 1
         sent = int(node.args[0].meta["val"].shape[0])
         receive, send = node.args[1], node.args[2]
         balanced, hottest = ep_token_splits(sent, len(send), parallel.ep_imbalance)
@@ -460,7 +467,7 @@ def bind_token_counts(gm: fx.GraphModule, parallel: Parallel) -> list[str]:
     if not hints:
         return []
     _concretize(gm, hints)
-    return [routing_note(f"{exchanges} here", parallel.ep_imbalance, parallel.ep)]
+    return [routing_note("one per MoE layer", parallel.ep_imbalance, parallel.ep)]
 
 
 def _symbol(size: Any) -> sympy.Symbol | None:

@@ -114,12 +114,19 @@ def trace(
 
 
 def _reference_layers(workload: Workload) -> list[int]:
-    """The layer ids of a reference model (Llama3, DeepSeek-V3), whose identical blocks are
-    stamped; none for other models. Without the zoo imported, no model is one of them."""
+    """The layer ids of a model whose identical blocks are stamped: a reference model
+    (Llama3, DeepSeek-V3) or a torchtitan decoder (its `layers` ModuleDict, one device or
+    one rank of graph trainer's `parallelize`); none for other models. Without the zoo
+    imported, no model is one of them."""
     llama3 = sys.modules.get("workbench.capture.models.llama3")
-    if llama3 is None or not isinstance(workload.model, llama3.Llama3):
+    layers = getattr(workload.model, "layers", None)
+    reference = llama3 is not None and isinstance(workload.model, llama3.Llama3)
+    titan = workload.name.startswith("torchtitan:") and isinstance(layers, torch.nn.ModuleDict)
+    if not (reference or titan) or not isinstance(layers, torch.nn.ModuleDict):
         return []
-    return [int(key) for key in workload.model.layers]
+    if not all(str(k).isdigit() for k in layers):
+        return []
+    return [int(key) for key in layers]
 
 
 def timed_trace(

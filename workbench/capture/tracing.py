@@ -37,6 +37,7 @@ from workbench.capture.kernels import (
     gpu_kernels,
     kernels_note,
 )
+from workbench.capture.ops import op_name
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError, describe
 
@@ -292,7 +293,7 @@ def trace_step(
     drop_constant_reads(gm, workload.name)
     record_absent_outputs(gm)
     inputs = _input_specs(gm, kinds)
-    lifted = lift_constants(gm, switched.names)
+    lifted = apply_model_kernels(gm, switched)
     inputs += [spec for spec, _ in lifted]
     return JointGraph(
         gm=gm,
@@ -324,6 +325,18 @@ def record_absent_outputs(gm: fx.GraphModule) -> None:
         if isinstance(outputs, (tuple, list)) and isinstance(index, int):
             if not isinstance(outputs[index], torch.Tensor):
                 node.meta["val"] = outputs[index]
+
+
+def apply_model_kernels(
+    gm: fx.GraphModule, switched: ModelKernels
+) -> list[tuple[InputSpec, torch.Tensor]]:
+    """After tracing, what the model's kernel switch asked of the graph: its ops' custom
+    metadata set, its constants lifted to inputs (`lift_constants`, whose result it returns)."""
+    for node in gm.graph.nodes:
+        entries = switched.custom.get(op_name(node.target)) if node.op == "call_function" else None
+        if entries:
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), **entries}
+    return lift_constants(gm, switched.names)
 
 
 def lift_constants(

@@ -452,10 +452,14 @@ def _node_differences(allocations: list[Allocation], table: StorageTable) -> lis
     differing = [n for n in set(measured) | set(estimated) if measured[n] != estimated[n]]
     differing.sort(key=lambda n: (-abs(measured[n] - estimated[n]), n))
     return [
-        {"node": n, "measured_bytes": measured[n], "estimated_bytes": estimated[n],
-         "difference_bytes": measured[n] - estimated[n]}
+        {
+            "node": n,
+            "measured_bytes": measured[n],
+            "estimated_bytes": estimated[n],
+            "difference_bytes": measured[n] - estimated[n],
+        }
         for n in differing
-    ]  # fmt: skip
+    ]
 
 
 def _timeline(

@@ -109,12 +109,14 @@ def calibration_table(prof: torch.profiler.profile) -> list[dict[str, Any]]:
         if not avg.key.startswith("aten::") or not avg.count:
             continue
         micros = avg.device_time if avg.device_time > 0 else avg.cpu_time
-        rows.append({
-            "op": avg.key,
-            "input_shapes": [list(s) for s in _shapes(avg.input_shapes)],
-            "seconds": micros * 1e-6,
-            "count": avg.count,
-        })  # fmt: skip
+        rows.append(
+            {
+                "op": avg.key,
+                "input_shapes": [list(s) for s in _shapes(avg.input_shapes)],
+                "seconds": micros * 1e-6,
+                "count": avg.count,
+            }
+        )
     return rows
 
 

@@ -449,7 +449,7 @@ class Estimator:
                     steps,
                     self._optimizer_tensors,
                     self.allocator,
-                ),  # fmt: skip
+                ),
                 device=DeviceStorages(
                     sizes[device],
                     born[device],
@@ -570,12 +570,14 @@ class Estimator:
         rows = []
         for i in self.index.entry_node(at[offload_step(n, at) == 0]).tolist():
             stalls = {name: t.copy_stalls.get(i, [0.0, 0.0]) for name, t in times.items()}
-            rows.append({
-                "node": self.index.names[i],
-                "bytes": offloaded[i],
-                "d2h_exposed_seconds": {name: s[0] for name, s in stalls.items()},
-                "h2d_exposed_seconds": {name: s[1] for name, s in stalls.items()},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "node": self.index.names[i],
+                    "bytes": offloaded[i],
+                    "d2h_exposed_seconds": {name: s[0] for name, s in stalls.items()},
+                    "h2d_exposed_seconds": {name: s[1] for name, s in stalls.items()},
+                }
+            )
         return rows
 
 

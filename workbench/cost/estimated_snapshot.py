@@ -130,8 +130,9 @@ def _frames(estimator: Estimator, entry: str, position: int, title: str) -> list
     ]
     source = _SOURCE.match(info.source) if info is not None and info.source else None
     if source:
-        frames.append({"filename": source["file"], "line": int(source["line"]),
-                       "name": source["name"]})  # fmt: skip
+        frames.append(
+            {"filename": source["file"], "line": int(source["line"]), "name": source["name"]}
+        )
     frames.append({"filename": "sac-workbench estimate", "line": 0, "name": title})
     return frames
 
@@ -163,8 +164,14 @@ def estimated_snapshot(estimator: Estimator, est: Estimate, title: str = "") -> 
     ]
 
     def event(action: str, addr: int, size: int, step: int, frames: list[Any]) -> dict[str, Any]:
-        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": step,
-                "frames": frames}  # fmt: skip
+        return {
+            "action": action,
+            "addr": addr,
+            "size": size,
+            "stream": 0,
+            "time_us": step,
+            "frames": frames,
+        }
 
     def malloc(key: int, nbytes: int, step: int, frames: list[Any], kind: str) -> None:
         mapped = len(allocator.mapped)
@@ -254,9 +261,18 @@ def _segments(
     none: list[dict[str, Any]] = []
     cached = [(b, 0, none, "inactive") for b in allocator.cached_blocks()]
     for block, nbytes, frames, state in held_blocks + cached:
-        blocks.append((block.addr, {"address": BASE_ADDRESS + block.addr, "size": block.size,
-                                    "requested_size": nbytes, "state": state,
-                                    "frames": frames}))  # fmt: skip
+        blocks.append(
+            (
+                block.addr,
+                {
+                    "address": BASE_ADDRESS + block.addr,
+                    "size": block.size,
+                    "requested_size": nbytes,
+                    "state": state,
+                    "frames": frames,
+                },
+            )
+        )
     blocks.sort(key=lambda b: b[0])
     starts = [b[0] for b in blocks]
     segments = []
@@ -266,18 +282,20 @@ def _segments(
         if sum(b["size"] for b in inside) != size:
             raise AssertionError(f"blocks of segment {addr:#x} do not tile its {size} bytes")
         used = [b for b in inside if b["state"] == "active_allocated"]
-        segments.append({
-            "device": 0,
-            "address": BASE_ADDRESS + addr,
-            "total_size": size,
-            "allocated_size": sum(b["size"] for b in used),
-            "active_size": sum(b["size"] for b in used),
-            "requested_size": sum(b["requested_size"] for b in used),
-            "stream": 0,
-            "segment_type": "small" if small else "large",
-            "segment_pool_id": (0, 0),
-            "is_expandable": expandable,
-            "frames": [],
-            "blocks": inside,
-        })  # fmt: skip
+        segments.append(
+            {
+                "device": 0,
+                "address": BASE_ADDRESS + addr,
+                "total_size": size,
+                "allocated_size": sum(b["size"] for b in used),
+                "active_size": sum(b["size"] for b in used),
+                "requested_size": sum(b["requested_size"] for b in used),
+                "stream": 0,
+                "segment_type": "small" if small else "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": expandable,
+                "frames": [],
+                "blocks": inside,
+            }
+        )
     return segments

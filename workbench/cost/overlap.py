@@ -172,9 +172,10 @@ class Streams:
             self.nbytes[i] = c.bytes
             self.group[i] = (sizes.get(c.mesh_dim or "", graph.world_size), c.mesh_dim)
         self.fsdp = {
-            i for i, (_, dim) in self.group.items() if dim == "fsdp" and self.kind[i] in
-            ("all_gather", "reduce_scatter")
-        }  # fmt: skip
+            i
+            for i, (_, dim) in self.group.items()
+            if dim == "fsdp" and self.kind[i] in ("all_gather", "reduce_scatter")
+        }
         n = index.n
         self._alias = np.array(
             [graph.nodes[name].is_view for name in index.names], dtype=bool

@@ -137,8 +137,16 @@ class RankTimeline:
         return list(zip(self.actions, self.starts, self.ends, self.lives, strict=True))
 
     def to_json(self) -> dict[str, Any]:
-        names = ("rank", "stages", "peak_bytes", "peak_action", "inflight_microbatches",
-                 "busy_seconds", "bubble_seconds", "bubble_fraction")  # fmt: skip
+        names = (
+            "rank",
+            "stages",
+            "peak_bytes",
+            "peak_action",
+            "inflight_microbatches",
+            "busy_seconds",
+            "bubble_seconds",
+            "bubble_fraction",
+        )
         data = {name: getattr(self, name) for name in names}
         return {**data, "timeline": [list(t) for t in self.timeline]}
 

@@ -64,10 +64,13 @@ def stage_cost(
     steps = len(estimate.order)
     traced = [index.index_of[estimator.traced_node(name)] for name in estimate.order]
     backward = next(
-        (p for p, (i, name) in enumerate(zip(traced, estimate.order, strict=True))
-         if index.phase[i] == "backward" or name.endswith(RECOMPUTED_SUFFIX)),
+        (
+            p
+            for p, (i, name) in enumerate(zip(traced, estimate.order, strict=True))
+            if index.phase[i] == "backward" or name.endswith(RECOMPUTED_SUFFIX)
+        ),
         steps,
-    )  # fmt: skip
+    )
     split = graph.config.get(WEIGHT_GRADS_FROM, "absent")
     bounds = [0, backward]
     if split != "absent":
@@ -235,21 +238,23 @@ class PipelineEstimate:
         ranks = {r.rank: r for r in self.schedule.ranks}
         for row, cost, est in zip(self.schedule.stages, self.costs, self.estimates, strict=True):
             stage = row.stage
-            stages.append({
-                "stage": stage,
-                "rank": row.rank,
-                "peak_bytes": row.peak_bytes,
-                "inflight_microbatches": row.inflight_microbatches,
-                "bubble_seconds": ranks[row.rank].bubble_seconds,
-                "bubble_fraction": ranks[row.rank].bubble_fraction,
-                "layers": list(self.layout.layers[stage]),
-                "resident_bytes": cost.resident_bytes,
-                "grad_bytes": cost.grad_bytes,
-                "microbatch_bytes": cost.phases["F"].residue_bytes,
-                "saved_activation_bytes": est.saved_activation_bytes,
-                "recompute_flops": est.recompute_flops,
-                "phase_seconds": {k: p.seconds for k, p in cost.phases.items()},
-            })  # fmt: skip
+            stages.append(
+                {
+                    "stage": stage,
+                    "rank": row.rank,
+                    "peak_bytes": row.peak_bytes,
+                    "inflight_microbatches": row.inflight_microbatches,
+                    "bubble_seconds": ranks[row.rank].bubble_seconds,
+                    "bubble_fraction": ranks[row.rank].bubble_fraction,
+                    "layers": list(self.layout.layers[stage]),
+                    "resident_bytes": cost.resident_bytes,
+                    "grad_bytes": cost.grad_bytes,
+                    "microbatch_bytes": cost.phases["F"].residue_bytes,
+                    "saved_activation_bytes": est.saved_activation_bytes,
+                    "recompute_flops": est.recompute_flops,
+                    "phase_seconds": {k: p.seconds for k, p in cost.phases.items()},
+                }
+            )
         return {
             "peak_bytes": self.peak_bytes,
             "profile": self.profile,

@@ -113,9 +113,25 @@ class OpCounter:
         self.seen[(module, op)] += 1
         key, layer_key = f"{layer_pattern(module)}::{op}#{k}", f"{module}::{op}#{k}"
         return OpFacts(
-            name, module, op, layer, k, self.matmuls[layer], random, mutation, parent, users,
-            key, layer_key, gather, storage, inputs, alias, writes, unshard_output,
-        )  # fmt: skip
+            name,
+            module,
+            op,
+            layer,
+            k,
+            self.matmuls[layer],
+            random,
+            mutation,
+            parent,
+            users,
+            key,
+            layer_key,
+            gather,
+            storage,
+            inputs,
+            alias,
+            writes,
+            unshard_output,
+        )
 
 
 def op_facts(rows: Iterable[Row]) -> list[OpFacts]:
@@ -177,7 +193,7 @@ def fx_rows(gm: torch.fx.GraphModule, module_of: Callable[[torch.fx.Node], str])
                 alias_input(node),
                 written_inputs(node),
                 node.name in kept,
-            )  # fmt: skip
+            )
         )
     return rows
 

@@ -168,7 +168,7 @@ class Policy:
             selectors=[
                 Selector(s.select, "save" if s.action == "offload" else s.action)
                 for s in self.selectors
-            ],  # fmt: skip
+            ],
             overrides={k: "save" if a == "offload" else a for k, a in self.overrides.items()},
             offload=OffloadOptions(),
         )

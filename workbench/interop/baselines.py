@@ -2,7 +2,8 @@
 exported (the `policy_fn` export wrapped around every block or around chosen regions).
 
 Entry points: `measure_policy(workload, policy, baselines=...)` (trace, remat, estimate,
-refuse what cannot fit, run, check bitwise) and `measure_eager(workload, policy=None)`.
+refuse what cannot fit, run, check bitwise), `measure_eager(workload, policy=None)` and
+`track_eager(workload, policy=None)` (the same eager step under torch's memory tracker).
 """
 
 from __future__ import annotations
@@ -30,7 +31,44 @@ from workbench.cost.measure import (
 from workbench.cost.profiles import allocation_granularity
 from workbench.decide.policy import Policy
 from workbench.interop.eager import apply_eager_sac, apply_eager_sac_to
+from workbench.interop.trackers import TrackedStep, track_step
 from workbench.rewrite.remat import remat
+
+
+def eager_target(
+    workload: Workload,
+    policy: Policy | None = None,
+    *,
+    layers_attr: str | None = None,
+    regions: Sequence[str] | None = None,
+    graph: JointGraph | None = None,
+) -> tuple[Workload, str]:
+    """The workload an eager baseline runs, and its name: the workload itself for no AC
+    (`policy=None`), else a copy whose model runs eager SAC with the exported policy_fn around
+    every block, or around each submodule matching `regions` (`apply_eager_sac_to`, e.g.
+    `["layers.*.attention", "layers.*.feed_forward"]`). `graph`: the workload's traced graph,
+    for the export (`eager.load_policy_fn`). `layers_attr`: the blocks' container; by default
+    the one `graph` traced (`model.layers`, `transformer.h`, ...), else `layers`."""
+    if policy is None:
+        return workload, "no AC"
+    copied = copy.deepcopy(workload.model)
+    # eager SAC cannot offload: it runs the policy with its offloads saved
+    preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
+    if regions is None:
+        blocks = layers_attr or _traced_blocks(graph)
+        model = apply_eager_sac(copied, policy, blocks, graph=graph)
+        name = f"eager SAC ({preset})"
+    else:
+        model = apply_eager_sac_to(copied, policy, regions, graph=graph)
+        name = f"eager SAC ({preset}; {', '.join(regions)})"
+    target = Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name)
+    return target, name
+
+
+def _traced_blocks(graph: JointGraph | None) -> str:
+    """The container of the traced graph's blocks (`model.layers`, `transformer.h`, ...)."""
+    modules = (info.module for info in graph.nodes.values()) if graph is not None else ()
+    return block_container(modules) or "layers"
 
 
 def measure_eager(
@@ -43,27 +81,32 @@ def measure_eager(
     repeats: int = 5,
     graph: JointGraph | None = None,
 ) -> Measurement:
-    """An eager train step: no AC (`policy=None`), or eager SAC with the exported policy_fn
-    wrapped around every block (on a copy of the model), or around each submodule matching
-    `regions` (`apply_eager_sac_to`, e.g. `["layers.*.attention", "layers.*.feed_forward"]`).
-    `graph`: the workload's traced graph, for the export (`eager.load_policy_fn`).
-    `layers_attr`: the blocks' container; by default the one `graph` traced, else `layers`."""
-    if policy is None:
-        target, name = workload, "no AC"
-    else:
-        copied = copy.deepcopy(workload.model)
-        # eager SAC cannot offload: it runs the policy with its offloads saved
-        preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
-        if regions is None:
-            blocks = layers_attr or _traced_blocks(graph)
-            model = apply_eager_sac(copied, policy, blocks, graph=graph)
-            name = f"eager SAC ({preset})"
-        else:
-            model = apply_eager_sac_to(copied, policy, regions, graph=graph)
-            name = f"eager SAC ({preset}; {', '.join(regions)})"
-        target = Workload(model, workload.inputs, workload.target, workload.loss_fn, workload.name)
+    """An eager train step (`eager_step`) of `eager_target`'s model: no AC, or eager SAC with
+    the exported policy_fn (on a copy of the model)."""
+    target, name = eager_target(
+        workload, policy, layers_attr=layers_attr, regions=regions, graph=graph
+    )
     held = [*target.model.parameters(), *target.model.buffers(), *target.inputs, target.target]
     return measure_run(name, lambda: eager_step(target), held, workload.tokens, warmup, repeats)
+
+
+def track_eager(
+    workload: Workload,
+    policy: Policy | None = None,
+    *,
+    layers_attr: str | None = None,
+    regions: Sequence[str] | None = None,
+    graph: JointGraph | None = None,
+) -> TrackedStep:
+    """The step `measure_eager` measures, run once under torch's `MemTracker`
+    (`workbench.interop.trackers.track_step`): its estimate of the same peak. It counts the
+    tensors ops make; what kernels allocate inside themselves and what is made outside torch's
+    dispatch (checkpoints' RNG-state stashes) a CPU measurement sees and it does not."""
+    target, _ = eager_target(
+        workload, policy, layers_attr=layers_attr, regions=regions, graph=graph
+    )
+    held = [*target.inputs, target.target]
+    return track_step(lambda: eager_step(target), target.model, held=held)[1]
 
 
 @dataclass
@@ -75,6 +118,8 @@ class PolicyMeasurement:
     bitwise_equal: bool
     mismatched: list[str]
     baselines: list[Measurement] = field(default_factory=list)
+    # torch's tracker on each baseline's step, in `baselines` order (`track_eager`)
+    tracked: list[TrackedStep] = field(default_factory=list)
 
     @property
     def estimated_peak_bytes(self) -> int:
@@ -95,14 +140,11 @@ class PolicyMeasurement:
             "bitwise_equal": self.bitwise_equal,
             "mismatched": self.mismatched,
             "device": self.graph_sac.device,
-            "baselines": [b.to_json() for b in self.baselines],
+            "baselines": [
+                {**b.to_json(), **_tracked_json(t)}
+                for b, t in zip(self.baselines, self.tracked, strict=True)
+            ],
         }
-
-
-def _traced_blocks(graph: JointGraph | None) -> str:
-    """The container of the traced graph's blocks (`model.layers`, `transformer.h`, ...)."""
-    modules = (info.module for info in graph.nodes.values()) if graph is not None else ()
-    return block_container(modules) or "layers"
 
 
 def measure_policy(
@@ -135,17 +177,26 @@ def measure_policy(
         graph, result.gm, name=f"graph SAC ({policy.preset})", warmup=warmup, repeats=repeats
     )
     mismatched = bitwise_mismatches(graph, result.gm, workload)
-    others = []
-    if baselines:
-        others = [
-            measure_eager(workload, None, warmup=warmup, repeats=repeats),
+    others, tracked = [], []
+    for eager_policy in (None, policy) if baselines else ():
+        others.append(
             measure_eager(
                 workload,
-                policy,
+                eager_policy,
                 layers_attr=layers_attr,
                 warmup=warmup,
                 repeats=repeats,
                 graph=graph,
-            ),
-        ]
-    return PolicyMeasurement(measured, est, not mismatched, mismatched, others)
+            )
+        )
+        tracked.append(track_eager(workload, eager_policy, layers_attr=layers_attr, graph=graph))
+    return PolicyMeasurement(measured, est, not mismatched, mismatched, others, tracked)
+
+
+def _tracked_json(tracked: TrackedStep) -> dict[str, Any]:
+    """The tracker's estimate beside a measured baseline's peak."""
+    return {
+        "tracker_peak_bytes": tracked.peak_bytes,
+        "tracker_peak_module": tracked.peak_module,
+        "tracker_peak_phase": tracked.peak_phase,
+    }

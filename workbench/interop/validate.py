@@ -29,6 +29,7 @@ from workbench.cost.allocator import AllocatorConfig
 from workbench.cost.estimate import Estimator
 from workbench.cost.stages import PipelineEstimate, PipelineModel
 from workbench.decide.policy import Policy
+from workbench.interop.eager_runs import AcKind, BaselineOptions, estimate_baselines
 from workbench.interop.published import PublishedRun
 
 __all__ = ["RowResult", "estimate_run", "validate"]
@@ -59,6 +60,11 @@ class RowResult:
     trace_reused: bool = False
     layers: int | None = None
     seq: int | None = None
+    estimated_by: str = "graph"
+    """What the figures are of: `graph` (the preset on the workbench's graph) or `eager` (the
+    run's AC as eager runs it, under torch's trackers: the row ran eagerly)."""
+    graph: dict[str, Any] | None = None
+    """For an eager-estimated row, the graph preset's figures beside it."""
 
     @property
     def compared(self) -> Literal["reserved", "allocated"]:
@@ -106,6 +112,9 @@ class RowResult:
             "difference_bytes": self.difference_bytes,
             "difference_pct": self.difference_pct,
             "peak_at": self.peak_at,
+            "ran": run.ran,
+            "estimated_by": self.estimated_by,
+            "graph_estimate": self.graph,
             "breakdown": self.breakdown,
             "saved_at_peak_by_op": self.saved_at_peak_by_op,
             "differences": list(run.differences),
@@ -133,12 +142,16 @@ def _pipeline(run: PublishedRun) -> Pipeline:
     return Pipeline(pp=run.pp, schedule=run.pp_schedule or "1F1B", microbatches=run.microbatches)
 
 
+def _workload(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
+    return load_workload(
+        run.model, layers=layers, seq=seq or run.seq, batch=run.local_batch, device="meta"
+    )
+
+
 def _trace(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
     """The row's graph (one rank) or, pipelined, its stage graphs and layout: what
     `estimate` traces for the row's flags (`PublishedRun.estimate_argv`)."""
-    workload = load_workload(
-        run.model, layers=layers, seq=seq or run.seq, batch=run.local_batch, device="meta"
-    )
+    workload = _workload(run, layers, seq)
     kernels = run.profile  # the row's GPU's kernels, as `estimate --profile` traces them
     if run.pp == 1:
         return trace(workload, "fake", _parallel(run), kernels=kernels)
@@ -197,16 +210,67 @@ def _pipeline_row(run: PublishedRun, model: PipelineModel) -> RowResult:
     )
 
 
+# A published AC run and the eager baseline that runs it (`workbench.interop.eager_runs`).
+_EAGER_KINDS: dict[str, AcKind] = {"none": "none", "eager": "sac", "full": "full"}
+
+
+def eager_kind(run: PublishedRun) -> AcKind | None:
+    """The eager baseline standing for a row that ran eagerly; None where there is none (a
+    graph run, a preset with no eager counterpart, or a job the baselines cannot run: a
+    pipeline, expert or context parallelism, a torchtitan model's graph trainer ranks)."""
+    kind = _EAGER_KINDS.get(run.policy)
+    if run.ran != "eager" or kind is None or run.model.startswith("torchtitan:"):
+        return None
+    return kind if run.pp == run.ep == run.cp == 1 else None
+
+
+def _eager_row(
+    run: PublishedRun, graph_row: RowResult, layers: int | None, seq: int | None
+) -> RowResult:
+    """The row's AC run as eager runs it (its eager baseline), the graph's figures beside."""
+    kind = eager_kind(run)
+    assert kind is not None
+    workload = _workload(run, layers, seq)
+    options = BaselineOptions(
+        parallel=_parallel(run),
+        kernels=run.profile,
+        optimizer=run.optimizer,
+        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
+        kinds=(kind,),
+    )
+    [baseline] = estimate_baselines(workload, options)
+    tracked = baseline.tracked
+    return RowResult(
+        run=run,
+        allocated_bytes=baseline.peak_bytes,
+        reserved_bytes=baseline.reserved_peak_bytes,
+        outside_bytes=graph_row.outside_bytes,
+        breakdown=dict(tracked.peak_breakdown),
+        peak_at=f"{tracked.peak_module} ({tracked.peak_phase})",
+        estimated_by="eager",
+        graph={
+            "policy": run.policy,
+            "allocated_peak_bytes": graph_row.allocated_bytes,
+            "reserved_peak_bytes": graph_row.reserved_bytes,
+            "peak_at": graph_row.peak_at,
+        },
+    )
+
+
 def estimate_run(
     run: PublishedRun,
     traced: Any,
     estimators: dict[Any, Estimator] | None = None,
+    layers: int | None = None,
+    seq: int | None = None,
 ) -> RowResult:
-    """One row's figures from its traced graph (`PipelineModel` for a pipelined row);
+    """One row's figures from its traced graph (`PipelineModel` for a pipelined row), or, for
+    a row that ran eagerly, from its eager baseline (`eager_kind`) with the graph's beside;
     `estimators` keeps a graph's Estimator for the rows sharing it."""
     if isinstance(traced, PipelineModel):
         return _pipeline_row(run, traced)
-    return _graph_row(run, traced, {} if estimators is None else estimators)
+    row = _graph_row(run, traced, {} if estimators is None else estimators)
+    return _eager_row(run, row, layers, seq) if eager_kind(run) is not None else row
 
 
 def validate(
@@ -230,7 +294,7 @@ def validate(
             trace_seconds = time.perf_counter() - start
         traced, estimators = traces[run.trace_key]
         start = time.perf_counter()
-        result = estimate_run(run, traced, estimators)
+        result = estimate_run(run, traced, estimators, layers, seq)
         result.trace_seconds, result.trace_reused = trace_seconds, reused
         result.estimate_seconds = time.perf_counter() - start
         result.layers, result.seq = layers, seq

@@ -139,8 +139,9 @@ def ops_for(device: torch.device) -> Ops:
         return Ops(w.offload.default, w.reload.default, w.wait_tensor.default)
     importlib.import_module("torch._functorch._activation_offloading.offload_ops")  # ao::
 
-    return Ops(torch.ops.ao.offload.default, torch.ops.ao.reload.default,
-               torch.ops.ao.wait_tensor.default)  # fmt: skip
+    return Ops(
+        torch.ops.ao.offload.default, torch.ops.ao.reload.default, torch.ops.ao.wait_tensor.default
+    )
 
 
 def host_buffer_pool(device: torch.device) -> contextlib.AbstractContextManager[Any]:

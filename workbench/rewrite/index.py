@@ -279,8 +279,9 @@ class GraphIndex:
         total = int(t.slot_start[-1])
         starts = t.slot_start[:-1]
         # key of an entry's slot s: base[e] + s; one key per offload step
-        base = np.concatenate((starts, starts + total, starts + 2 * total,
-                               3 * total + np.arange(4 * n)))  # fmt: skip
+        base = np.concatenate(
+            (starts, starts + total, starts + 2 * total, 3 * total + np.arange(4 * n))
+        )
         key_shift = (entries // n) * total  # by position, for regular entries
 
         at = np.flatnonzero(regular)

@@ -210,7 +210,12 @@ def titan_kernels(
     after."""
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-    from workbench.capture.flex import block_mask_names, causal_block_mask, flex_attention_op
+    from workbench.capture.flex import (
+        block_mask_names,
+        block_mask_sparsity,
+        causal_block_mask,
+        flex_attention_op,
+    )
     from workbench.capture.kernels import ModelKernels, gpu_arch
 
     holders = [
@@ -239,7 +244,9 @@ def titan_kernels(
         inner.forward = _with_mask(inner.forward, mask)
     FlexAttention._compiled_flex_attn = staticmethod(flex_attention_op)  # type: ignore[assignment]
     try:
-        yield ModelKernels(names=block_mask_names(mask), notes=(FLEX_NOTE,))
+        hint = {"sparsity_hint": block_mask_sparsity(mask)}
+        custom = {"flex_attention": hint, "flex_attention_backward": hint}
+        yield ModelKernels(names=block_mask_names(mask), custom=custom, notes=(FLEX_NOTE,))
     finally:
         FlexAttention._compiled_flex_attn = compiled
         for inner, forward in zip(inners, own, strict=True):

@@ -46,8 +46,16 @@ def current_module() -> str:
 
 def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save or recompute `func`'s output by the rules above (see `eager_tag`)."""
-    row = (str(func), current_module(), op_name(func), is_random(func), mutates(func), None, (),
-           None)  # fmt: skip
+    row = (
+        str(func),
+        current_module(),
+        op_name(func),
+        is_random(func),
+        mutates(func),
+        None,
+        (),
+        None,
+    )
     facts = _COUNTERS[bool(ctx.is_recompute)].facts(row)
     return eager_tag(facts, _RULE, PRESET, SELECTORS, OVERRIDES, WRITTEN_LATER).policy
 

@@ -27,9 +27,15 @@ __all__ = [
 ]
 
 COLUMNS = (
-    "node", "module", "op", "before", "after", "Δ kept bytes", "Δ recompute FLOPs",
+    "node",
+    "module",
+    "op",
+    "before",
+    "after",
+    "Δ kept bytes",
+    "Δ recompute FLOPs",
     "Δ offloaded bytes",
-)  # fmt: skip
+)
 
 
 @dataclass

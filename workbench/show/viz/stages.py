@@ -67,18 +67,20 @@ def stage_rows(
         layers = list(layout.layers[stage])
         first, last = stage == 0, stage == layout.n_stages - 1
         peak = row.peak_bytes
-        rows.append({
-            "stage": stage,
-            "rank": row.rank,
-            "layers": layers,
-            "holds": layers_words(layers, first, last),
-            "peak_bytes": peak,
-            "peak": format_bytes(peak),
-            "inflight_microbatches": row.inflight_microbatches,
-            "policy": labels[stage],
-            "budget_fraction": peak / budget_bytes if budget_bytes else None,
-            "fits": peak <= budget_bytes if budget_bytes else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "stage": stage,
+                "rank": row.rank,
+                "layers": layers,
+                "holds": layers_words(layers, first, last),
+                "peak_bytes": peak,
+                "peak": format_bytes(peak),
+                "inflight_microbatches": row.inflight_microbatches,
+                "policy": labels[stage],
+                "budget_fraction": peak / budget_bytes if budget_bytes else None,
+                "fits": peak <= budget_bytes if budget_bytes else None,
+            }
+        )
     return sorted(rows, key=lambda r: r["stage"])
 
 

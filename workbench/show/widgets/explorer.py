@@ -1,7 +1,7 @@
 """The policy explorer widget: the anywidget shell around `ExplorerModel`. It holds the synced
-traitlets `explorer.js` draws, sends front-end messages to the model's actions, and mirrors
-the model back after each; the session itself (plain Python) is
-`workbench.show.widgets.model`.
+traitlets `explorer.js` draws, runs the front end's requests (`workbench.show.widgets.actions`,
+over anywidget's `invoke`) on the model, and mirrors the model back after each; the session
+itself (plain Python) is `workbench.show.widgets.model`.
 
 Entry points: `PolicyExplorer(graph_or_workload_or_model_name, policy=...)`, and
 `PolicyExplorer.pipeline(workload, Pipeline(pp=...))` for a pipelined job (the stages side by
@@ -19,6 +19,7 @@ from typing import Any
 
 import anywidget
 import traitlets
+from anywidget.experimental import command
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
@@ -33,34 +34,14 @@ from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.export import FORMATS
 from workbench.show.viz.arrange import PANEL_ASPECT
+from workbench.show.widgets.actions import perform
 from workbench.show.widgets.model import STATE, ExplorerModel
-from workbench.show.widgets.panels import with_measured
-from workbench.show.widgets.session import policy_label
+from workbench.show.widgets.policy_state import policy_label
 from workbench.show.widgets.stages import STAGES_STATE, StagesModel
-from workbench.units import format_bytes
 
 __all__ = ["PolicyExplorer"]
 
 HERE = Path(__file__).parent
-_MISSING = object()
-
-
-def _field(content: dict[str, Any], name: str, kind: type, default: Any = _MISSING) -> Any:
-    """One field of a front-end message, checked: a one-line error names what is wrong."""
-    action = content.get("type")
-    if name not in content or content[name] is None:
-        if default is not _MISSING:
-            return default
-        raise WorkbenchError(f"message {action!r} lacks the field {name!r} ({kind.__name__})")
-    value = content[name]
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise WorkbenchError(
-            f"message {action!r}: field {name!r} must be {kind.__name__}, "
-            f"not {type(value).__name__}"
-        )
-    return value
 
 
 class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
@@ -116,6 +97,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     fsdp_reshard = traitlets.Bool(True).tag(sync=True)
     # the picture panel's width / height, set by the front end: views are arranged to fill it
     graph_aspect = traitlets.Float(PANEL_ASPECT).tag(sync=True)
+    # the eager baselines' rows (`workbench.show.widgets.baselines`), once asked for this graph
+    baselines: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     # a pipelined job (`PolicyExplorer.pipeline`): the stages' rows and strip, and the
     # stage shown (-1: none)
     stages: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
@@ -137,8 +120,6 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     ) -> None:
         super().__init__(**kwargs)
         self.stages_model = stages_model  # the stages of a pipelined job (None: one graph)
-        # a loaded memory snapshot's live bytes per step, drawn beside the estimate's
-        self._measured: tuple[list[int], str] | None = None
         if isinstance(source, ExplorerModel):
             self.model = source
         else:
@@ -159,7 +140,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "profile": lambda name: self.model.set_profile(name),
             "all_layers": lambda on: setattr(self.model, "all_layers", bool(on)),
             "export_format": lambda fmt: self.model.set_export_format(fmt),
-            "export_path": lambda path: setattr(self.model.exports, "path", Path(path)),
+            "export_path": lambda path: self.model.set_export_path(path),
             "suggest_method": lambda method: setattr(self.model, "suggest_method", method),
             "suggest_host_budget_bytes": lambda n: self.model.set_host_budget(n),
             "graph_aspect": lambda aspect: self.model.set_graph_aspect(aspect),
@@ -189,9 +170,14 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             if not isinstance(pipeline, Pipeline):
                 raise WorkbenchError("a workload is split by a Pipeline(pp=...), not a layout")
             stages = StagesModel.trace(
-                source, pipeline, mode=mode, parallel=parallel,
-                policy=policy, profile=profile, budget_bytes=budget_bytes,
-            )  # fmt: skip
+                source,
+                pipeline,
+                mode=mode,
+                parallel=parallel,
+                policy=policy,
+                profile=profile,
+                budget_bytes=budget_bytes,
+            )
         else:
             layout = pipeline if isinstance(pipeline, StageLayout) else None
             if layout is None:
@@ -199,8 +185,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                     "stage graphs come with their StageLayout (Pipeline.layout(n_layers)); "
                     "give a Workload to trace them under a Pipeline"
                 )
-            stages = StagesModel(source, layout, policy, profile=profile,
-                                 budget_bytes=budget_bytes)  # fmt: skip
+            stages = StagesModel(source, layout, policy, profile=profile, budget_bytes=budget_bytes)
         widget = cls(stages.open(stage), stages_model=stages, **kwargs)
         if stages.notes:
             widget.model.message = " · ".join(stages.notes)
@@ -342,31 +327,18 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             return self.model.run(repeats)
 
     def load_snapshot(self, path: str | Path, device: int | None = None) -> dict[str, Any]:
-        """A memory snapshot of a run of the current policy's rematerialized graph (torch's
-        `_dump_snapshot` pickle) against its estimate (`compare_snapshot`): the timeline
-        draws the measured live bytes beside the estimate's, and the message says the peaks;
-        returns the comparison's JSON. The line stays, labelled with its policy, until
-        another snapshot is loaded."""
-        from workbench.cost.attribution import compare_snapshot
-        from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
-        from workbench.cost.snapshot import load_snapshot
-        from workbench.rewrite.remat import remat
-
-        m = self.model
-        snapshot = load_snapshot(path)
-        schedule = m.estimator.schedule_for(m.decisions, m.policy.offload)
-        est = m.estimator.simulate(schedule, CUDA_ALLOC_GRANULARITY)
-        gm = remat(m.graph, m.decisions, m.policy.offload).gm if m.passes == "workbench" else None
-        result = compare_snapshot(snapshot, m.estimator, est, gm, device)
-        label = f"measured: {Path(path).name} ({policy_label(m.policy_json)})"
+        """A memory snapshot of a run of the current policy's rematerialized graph against
+        its estimate: the timeline draws the measured live bytes beside the estimate's
+        (`ExplorerModel.load_snapshot`); returns the comparison's JSON."""
         with self._synced():
-            self._measured = (result.measured_timeline, label)
-            said = [
-                f"{format_bytes(side['allocated_peak_bytes'])} at {side['allocated_peak_node']}"
-                for side in (result.measured, result.estimated)
-            ]
-            m.message = f"{label}: peak {said[0]}, estimated {said[1]}"
-        return result.to_json()
+            return self.model.load_snapshot(path, device)
+
+    def show_baselines(self) -> list[dict[str, Any]]:
+        """No AC, eager SAC and eager full AC as eager runs them, under torch's memory
+        trackers: rows of the side panel beside the estimate, run once per graph
+        (`ExplorerModel.show_baselines`)."""
+        with self._synced():
+            return self.model.show_baselines()
 
     def open_stage(self, stage: int) -> None:
         """Show stage `stage` of a pipelined job (its own policy and undo stack); the
@@ -405,62 +377,37 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
                 "one-microbatch graph's, the strip's peaks each rank's pipelined peak"
             )
 
-    # --- messages and traitlets from the front end ------------------------------------------
+    # --- requests and traitlets from the front end ------------------------------------------
+
+    @command
+    def act(self, request: Any, _buffers: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+        """The front end's requests (anywidget's `invoke("act", {type, ...})`): each runs as
+        `_act` does, and the reply says whether it did and the message line after it."""
+        return self._act(request), []
 
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
-        """Run one front-end message. Nothing escapes: every failure sets the message line."""
-        m = self.model
-        if not isinstance(content, dict):
-            with self._synced():
-                m.message = f"ignored a message that is not an object: {type(content).__name__}"
+        """A plain message (`model.send({type, ...})`, where a front end has no `invoke`):
+        run as a request, without a reply; anywidget's own requests are answered by `act`."""
+        if isinstance(content, dict) and content.get("kind") == "anywidget-command":
             return
-        c = content
-        handlers: dict[str, Callable[[], object]] = {
-            "click": lambda: m.click(
-                _field(c, "id", str), select_only=_field(c, "shift", bool, False)
-            ),
-            "show": lambda: m.show(_field(c, "view", str)),
-            "search": lambda: m.search(_field(c, "query", str)),
-            "peak": m.go_to_peak,
-            "preset": lambda: m.set_preset(_field(c, "name", str)),
-            "fsdp": lambda: m.set_fsdp_reshard(_field(c, "reshard", bool)),
-            "selector": lambda: m.add_selector(_field(c, "select", str), _field(c, "action", str)),
-            "switch": lambda: m.switch_op(
-                _field(c, "module", str), _field(c, "op", str), _field(c, "action", str)
-            ),
-            "remove_selector": lambda: m.remove_selector(_field(c, "index", int)),
-            "edit_selector": lambda: m.edit_selector(
-                _field(c, "index", int), _field(c, "action", str)
-            ),
-            "override": lambda: m.set_override(
-                _field(c, "key", str), _field(c, "action", str, None)
-            ),
-            "offload": lambda: m.set_offload(
-                _field(c, "budget_bytes", int, None),
-                _field(c, "prefetch_layers", int, 1),
-                _field(c, "defer_layers", int, 0),
-            ),
-            "undo": m.undo,
-            "redo": m.redo,
-            "reset": m.reset,
-            "restore": lambda: m.restore(_field(c, "index", int)),
-            "save_export": lambda: m.save_export(_field(c, "path", str, "") or None),
-            "run": m.run,
-            "suggest": lambda: m.suggest(_field(c, "budget", int)),
-            "sweep": m.sweep,
-            "host_budget": lambda: m.set_host_budget(_field(c, "bytes", int)),
-            "stage": lambda: self._open_stage(_field(c, "stage", int)),
-        }
-        action = c.get("type")
+        self._act(content)
+
+    def _act(self, content: Any) -> dict[str, Any]:
+        """Run one front-end request (`actions.perform`). Nothing escapes: every failure
+        sets the message line, and the model is whatever it was before."""
+        shown = self.model
+        ok = False
         with self._synced():
-            if not isinstance(action, str) or action not in handlers:
-                m.message = f"unknown action {action!r}; known: {', '.join(handlers)}"
-                return
+            shown.message = ""
             try:
-                with m.explained():
-                    handlers[action]()
+                perform(content, shown, self)
+                ok = True
+            except WorkbenchError as err:
+                shown.message = str(err)
             except Exception as err:  # a bug must not kill the widget: say what happened
-                m.message = f"{action} failed: {type(err).__name__}: {err}"
+                name = content.get("type")  # a dict: anything else is refused above
+                shown.message = f"{name} failed: {type(err).__name__}: {err}"
+        return {"ok": ok, "message": self.model.message}
 
     def _on_set(self, change: dict[str, Any]) -> None:
         """A traitlet set from outside: the model takes it (a bad value is refused on the
@@ -488,8 +435,6 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         with self.hold_sync():
             for name in STATE:
                 setattr(self, name, getattr(self.model, name))
-            if self._measured is not None:
-                self.timeline = with_measured(self.model.timeline, *self._measured)
             if self.stages_model is not None:
                 self.stages_model.sync()
                 for name in STAGES_STATE:

@@ -26,7 +26,7 @@ from workbench.decide.policy import Policy
 from workbench.show.viz import View
 from workbench.show.viz.render import EDGE_WORDS, OFFLOAD_EDGE_WORDS
 from workbench.show.viz.style import COLLECTIVE_WORDS
-from workbench.show.widgets.session import policy_label
+from workbench.show.widgets.policy_state import policy_label
 from workbench.units import byte_ticks, format_bytes, format_flops, format_seconds
 
 __all__ = [
@@ -139,9 +139,15 @@ def timeline_panel(
         if len(spots) > 1 and decision is not None and (decision.recompute or decision.offload):
             again = "recomputed" if decision.recompute else "reloaded"
             marks[again], labels[again] = spots[-1] / last, again
-    return {"values": downsample(totals, TIMELINE_POINTS), "max": max(totals, default=0),
-            "steps": len(totals), "marks": marks, "labels": labels, "width": TIMELINE_WIDTH,
-            "placed": place_labels(marks, labels, TIMELINE_WIDTH)}  # fmt: skip
+    return {
+        "values": downsample(totals, TIMELINE_POINTS),
+        "max": max(totals, default=0),
+        "steps": len(totals),
+        "marks": marks,
+        "labels": labels,
+        "width": TIMELINE_WIDTH,
+        "placed": place_labels(marks, labels, TIMELINE_WIDTH),
+    }
 
 
 def with_measured(timeline: dict[str, Any], measured: list[int], label: str) -> dict[str, Any]:
@@ -154,8 +160,12 @@ def with_measured(timeline: dict[str, Any], measured: list[int], label: str) -> 
     ([2, 6], 6, 'measured')
     """
     top = max(measured, default=0)
-    return {**timeline, "measured": downsample(measured, TIMELINE_POINTS),
-            "max": max(timeline.get("max", 0), top), "measured_label": label}  # fmt: skip
+    return {
+        **timeline,
+        "measured": downsample(measured, TIMELINE_POINTS),
+        "max": max(timeline.get("max", 0), top),
+        "measured_label": label,
+    }
 
 
 def place_labels(
@@ -347,8 +357,13 @@ def budget_slider(low: int, high: int) -> dict[str, Any]:
         f"from {format_bytes(low)}, the lowest peak of full recompute or no AC: Suggest "
         "searches no lower budget, with or without a host budget"
     )
-    return {"min": low, "max": high, "stops": stops, "texts": [format_bytes(b) for b in stops],
-            "note": note}  # fmt: skip
+    return {
+        "min": low,
+        "max": high,
+        "stops": stops,
+        "texts": [format_bytes(b) for b in stops],
+        "note": note,
+    }
 
 
 def _ticks(lo: float, hi: float) -> list[float]:
@@ -394,14 +409,17 @@ def history_plots(rows: list[dict[str, Any]], profile: str) -> list[dict[str, An
         if not points:
             continue
         where = points[0]["profile"] if measured else profile
-        plots.append({
-            "measured": measured,
-            "title": f"measured (Run) on {where}" if measured else f"estimated on {where}",
-            "x_label": f"step time measured on {where}" if measured
-            else f"step time on {where} (estimate)",
-            "x": _axis([r["step_seconds"] for r in points], _second_ticks, 1e-6),
-            "y": _axis([r["peak_bytes"] for r in points], _byte_ticks, 1),
-        })  # fmt: skip
+        plots.append(
+            {
+                "measured": measured,
+                "title": f"measured (Run) on {where}" if measured else f"estimated on {where}",
+                "x_label": f"step time measured on {where}"
+                if measured
+                else f"step time on {where} (estimate)",
+                "x": _axis([r["step_seconds"] for r in points], _second_ticks, 1e-6),
+                "y": _axis([r["peak_bytes"] for r in points], _byte_ticks, 1),
+            }
+        )
     return plots
 
 

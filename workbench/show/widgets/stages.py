@@ -23,8 +23,9 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, check_int
 from workbench.search.stages import solve_stages
 from workbench.show.viz.stages import StageStrip, stage_rows, stage_strip
+from workbench.show.widgets.autosave import Autosave, default_autosave
 from workbench.show.widgets.model import ExplorerModel
-from workbench.show.widgets.session import Autosave, default_autosave, policy_label, start_policy
+from workbench.show.widgets.policy_state import policy_label, start_policy
 from workbench.units import format_bytes
 
 __all__ = ["STAGES_STATE", "StagesModel"]

@@ -105,8 +105,13 @@ def no_offload_words(
     overrides = dict(policy.overrides)
     overrides |= {layer_key(graph.nodes[n], keys[n]): "offload" for n in movable}
     options = OffloadOptions(host_budget_bytes, defer_layers=SOLVER_DEFER_LAYERS)
-    alternative = Policy(policy.preset, list(policy.selectors), overrides,  # type: ignore[arg-type]
-                         policy.fsdp_reshard, offload=options)  # fmt: skip
+    alternative = Policy(
+        policy.preset,
+        list(policy.selectors),
+        overrides,  # type: ignore[arg-type]
+        policy.fsdp_reshard,
+        offload=options,
+    )
     now, then = estimator.estimate(policy), estimator.estimate(alternative)
 
     def cost(est: Estimate) -> float:
@@ -176,8 +181,9 @@ def suggestion(
         else ", no offload (host budget 0)"
     )
     if host_budget_bytes and not solution.estimate.offloaded_bytes:
-        why = no_offload_words(graph, solution.policy, int(budget_bytes), host_budget_bytes,
-                               profile, estimator)  # fmt: skip
+        why = no_offload_words(
+            graph, solution.policy, int(budget_bytes), host_budget_bytes, profile, estimator
+        )
         offloaded += f": {why}"
     message = (
         f"suggested by {solution.method} for a budget of {format_bytes(budget_bytes)} "
