@@ -246,6 +246,31 @@ MODEL_SPECS: list[Any] = [
         ),
     ),
 ]
+_NO_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
+# Issue 37: Hugging Face models, --dtype for factories, measure --blocks.
+HF_FLAGS: list[Any] = [
+    pytest.param(["trace", "--model", "hf:nope"], "unknown Hugging Face model 'hf:nope'; "
+                 "choose one of hf:llama", marks=_NO_TRANSFORMERS),
+    pytest.param(["trace", "--model", "hf:vit", "--seq", "15"], "hf:vit: --seq counts image "
+                 "patches .* must be a square number", marks=_NO_TRANSFORMERS),
+    (["trace", "--model", "user_models:mlp_float32", "--dtype", "bfloat16"],
+     "--dtype bfloat16: model factory 'user_models:mlp_float32' built float32 parameters"),
+    (["measure", "--model", "user_models:mlp", "--blocks", "blocks", "--repeat", "1"],
+     "--blocks names what eager SAC wraps: it goes with --baselines"),
+    (["measure", "--model", "user_models:mlp", "--baselines", "--blocks", "nope",
+      "--repeat", "1", "--policy", "full"], "TinyMLP has no container of blocks at 'nope'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "message"), HF_FLAGS)
+def test_bad_own_model_flags(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    fails(capsys, argv, message)
+
+
 RUNS: list[tuple[list[str], str]] = [
     (
         ["verify", "--model", "bad_models:wrong_input_dtype"],

@@ -3,6 +3,7 @@ without pip's red dependency ERROR (issue 27, item 13), the reason for triton sa
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -76,3 +77,21 @@ def test_without_npm_the_front_end_check_is_skipped_in_one_line() -> None:
     )
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("NOTE: npm is not installed")
+
+
+def test_transformers_is_a_pinned_test_extra_that_brings_no_torch() -> None:
+    """`make test` installs `.[test]` after the CPU torch: the pinned transformers (issue 37)
+    must not ask pip for a torch of its own (a CUDA wheel from the index), and
+    environment.yml keeps the same pin."""
+    import importlib.metadata
+
+    extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+    test_extra = extras.split("test = [", 1)[1].split("]", 1)[0]
+    assert re.findall(r'"(transformers[^"]*)"', test_extra) == ["transformers==5.24.0"]
+    assert "transformers=5.24.0" in (ROOT / "environment.yml").read_text()
+    try:
+        requires = importlib.metadata.requires("transformers") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("transformers is not installed")
+    unconditional = [r for r in requires if ";" not in r]
+    assert not any(r.split()[0].lower().startswith("torch") for r in unconditional), requires

@@ -99,3 +99,63 @@ def written_blocks(layers: int = 2, batch: int = 8):
     """A model whose layers read a storage before an in-place write (`WrittenBlock`)."""
     torch.manual_seed(0)
     return WrittenBlocks(depth=layers), (torch.randn(batch, 16), torch.randint(0, 4, (batch,)))
+
+
+def mlp_with_dtype(dtype: torch.dtype = torch.float32):
+    """A factory taking `dtype`: --dtype reaches it (recorded for the test)."""
+    torch.manual_seed(0)
+    model = TinyMLP().to(dtype)
+    inputs = (torch.randn(8, 16, dtype=dtype), torch.randint(0, 4, (8,)))
+    return Workload(model, *inputs, name="mlp", config={"dtype_given": str(dtype)})
+
+
+def mlp_float32():
+    """A factory that builds float32 whatever the default dtype: --dtype cannot apply."""
+    torch.manual_seed(0)
+    return TinyMLP().float(), (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+
+def _hf_llama(seq: int = 64):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class HfOwnLoss(nn.Module):
+    """transformers' own loss through `labels=`: the model returns the loss itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = _hf_llama()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids, labels=ids).loss
+
+
+def hf_llama_own_loss():
+    """(model, (ids, None), loss_fn): the target is None, the loss the model's own."""
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    return HfOwnLoss(), (ids, None), lambda loss, _: loss
+
+
+class HfMasked(nn.Module):
+    """The old workaround: an all-ones attention mask, which transformers turns into a dense
+    mask under tracing (SDPA with attn_mask) and drops eagerly (SDPA with is_causal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = _hf_llama()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def hf_llama_masked():
+    ids = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(0))
+    return HfMasked(), (ids[:, :-1], ids[:, 1:])

@@ -258,6 +258,7 @@ _LONG_TEXT = 100  # characters: longer values print as their start and a note
 
 
 _LIST_ROWS = 12  # rows of a list shown before "… N more"
+_WHOLE_TEXT = frozenset({"verdict"})  # sentences a person needs whole (verify's before_policy)
 
 
 def _human_value(key: str, value: Any, parent: str = "") -> str:
@@ -272,7 +273,7 @@ def _human_value(key: str, value: Any, parent: str = "") -> str:
     if value in ({}, [], ""):
         return "none"
     text = str(value)
-    if len(text) > _LONG_TEXT:
+    if len(text) > _LONG_TEXT and key not in _WHOLE_TEXT:
         return f"{text[:_LONG_TEXT]}… ({len(text):,} characters; --json prints all)"
     return text
 
@@ -438,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     measure.add_argument("--warmup", type=int, default=1)
     measure.add_argument(
         "--baselines", action="store_true", help="also measure no AC and eager SAC"
+    )
+    measure.add_argument(
+        "--blocks",
+        help="module path of the blocks eager SAC wraps (default: the traced graph's, e.g. "
+        "model.layers, transformer.h)",
     )
     measure.set_defaults(run=cmd_measure)
 

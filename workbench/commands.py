@@ -140,9 +140,11 @@ def cmd_bench_trace(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    """Remat with torch's pass, run under no_grad, compare loss and grads bitwise to eager
-    (both from one generator state, so dropout draws alike); refuses what cannot fit."""
-    from workbench.cost.measure import bitwise_mismatches
+    """Remat with torch's pass, run under no_grad, compare loss and grads bitwise with the
+    traced graph's (all from one generator state, so dropout draws alike); before that, the
+    traced graph against eager and eager against itself (`cost.reference`), so a mismatch
+    says whose it is; refuses what cannot fit."""
+    from workbench.cost.reference import policy_mismatches, reference_run
     from workbench.rewrite.remat import remat
 
     if args.mode != "real":
@@ -159,12 +161,14 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     workload = _workload_from_args(args, "real")
     graph, _ = timed_trace(workload, "real")
     result = remat(graph, policy)
-    mismatched = bitwise_mismatches(graph, result.gm, workload)
+    reference = reference_run(graph, workload)
+    mismatched = policy_mismatches(graph, result.gm, reference)
     return {
         "model": graph.model_name,
         "policy": policy.to_json(),
-        "bitwise_equal": not mismatched,
+        "bitwise_equal": not mismatched,  # the policy's verdict: graph against graph
         "mismatched": mismatched,
+        "before_policy": reference.to_json(),
         **result.report.to_json(),
         # what no request can change, and why: node -> reason
         "forced": {n: result.decisions[n].explanation for n in result.report.forced},
@@ -397,8 +401,15 @@ def cmd_measure(args: argparse.Namespace) -> dict[str, Any]:
     policy = parse_policy(args.policy)
     _refuse_unfit(args, policy, args.device)
     workload = _workload_from_args(args, "real", device=args.device)
+    if args.blocks is not None and not args.baselines:
+        raise WorkbenchError("--blocks names what eager SAC wraps: it goes with --baselines")
     result = measure_policy(
-        workload, policy, baselines=args.baselines, warmup=args.warmup, repeats=args.repeat
+        workload,
+        policy,
+        baselines=args.baselines,
+        layers_attr=args.blocks,
+        warmup=args.warmup,
+        repeats=args.repeat,
     )
     return {"model": workload.name, "policy": policy.to_json(), **result.to_json()}
 

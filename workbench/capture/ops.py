@@ -94,6 +94,24 @@ class NodeKey(NamedTuple):
         return cls(module, op, int(k))
 
 
+def block_container(modules: Any) -> str | None:
+    """The module path holding a model's repeated blocks: what precedes the block index in
+    the paths that have one, the most common such prefix (None when no path has one).
+
+    >>> block_container(["model.layers.0.mlp", "model.layers.1", "lm_head"])
+    'model.layers'
+    >>> block_container(["transformer.h.3.attn"]), block_container(["norm"])
+    ('transformer.h', None)
+    """
+    counts: dict[str, int] = {}
+    for module in modules:
+        match = _LAYER_RE.search(module)
+        if match:
+            prefix = module[: match.start() - 1]
+            counts[prefix] = counts.get(prefix, 0) + 1
+    return max(counts, key=lambda p: counts[p]) if counts else None
+
+
 def op_name(target: Any) -> str:
     """`aten.mm.default` for an OpOverload; a plain callable's name (`getitem`) otherwise."""
     if isinstance(target, torch._ops.OpOverload):

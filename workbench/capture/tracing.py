@@ -18,11 +18,17 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._guards import TracingContext, tracing
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.traceback import annotate, preserve_node_meta
 
+from workbench.capture.constant_reads import (
+    DATA_DEPENDENT_ADVICE,
+    drop_constant_reads,
+    user_frame,
+)
+from workbench.capture.fake_kernels import traceable_kernels
 from workbench.capture.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.capture.kernels import (
     AttentionRecord,
@@ -267,18 +273,24 @@ def trace_step(
             annotate_modules(workload.model),
             collector_paused(),
             kernel_dispatch(kernels) as record,
+            traceable_kernels(),
         ):
-            gm = make_fx(step, record_stack_traces=True)(*fake_args)
+            # every input is fake: a real tensor is a constant the step built, whose value
+            # it may read (`workbench.capture.constant_reads`)
+            gm = make_fx(step, record_stack_traces=True, _error_on_data_dependent_ops=False)(
+                *fake_args
+            )
     except WorkbenchError:
         raise
-    except GuardOnDataDependentSymNode as err:
+    except (GuardOnDataDependentSymNode, DataDependentOutputException) as err:
         raise WorkbenchError(
             f"model {workload.name!r} cannot be traced: Python control flow depends on "
-            f"tensor values ({_where(err)}); use torch.where/torch.cond or fix the shapes"
+            f"tensor values ({user_frame(err) or _where(err)}); {DATA_DEPENDENT_ADVICE}"
         ) from None
     except Exception as err:  # torch raises many types; the user needs one clear line
         raise WorkbenchError(f"model {workload.name!r} cannot be traced: {describe(err)}") from err
     _refuse_data_dependent_shapes(gm, workload.name)
+    drop_constant_reads(gm, workload.name)
     record_absent_outputs(gm)
     inputs = _input_specs(gm, kinds)
     lifted = apply_model_kernels(gm, switched)
@@ -300,8 +312,12 @@ def record_absent_outputs(gm: fx.GraphModule) -> None:
     """A getitem of an op's output that is no tensor (the GPU attention ops' `cum_seq_q` None,
     `max_q` an int) carries no `meta["val"]` when traced through DTensor or graph trainer's
     tracer, where make_fx otherwise records the value: record it, so the getitem reads as
-    holding no storage."""
+    holding no storage. Likewise a placeholder whose argument is no tensor (a target of None:
+    the model computes its own loss)."""
     for node in gm.graph.nodes:
+        if node.op == "placeholder" and "val" not in node.meta:
+            node.meta["val"] = None
+            continue
         if node.op != "call_function" or "val" in node.meta or node.target is not operator.getitem:
             continue
         source, index = node.args

@@ -239,10 +239,19 @@ def written_later_keys(plan: DecidePlan) -> frozenset[str]:
     storage a later forward node writes in place: what eager SAC may not cache."""
     wp = plan.writes
     return frozenset(
-        plan.by_name[name].layer_key
+        _dispatched(plan, name).layer_key
         for name, at in wp.position.items()
         if any(later > at for later, _ in wp.writes.get(wp.root[name], ()))
     )
+
+
+def _dispatched(plan: DecidePlan, name: str) -> OpFacts:
+    """The op eager SAC sees for `name`: a getitem's is the multi-output op it unpacks
+    (`aten.topk`, not `getitem#0`: getitem is Python unpacking, never dispatched)."""
+    facts = plan.by_name[name]
+    while facts.op == "getitem" and facts.parent in plan.by_name:
+        facts = plan.by_name[facts.parent]
+    return facts
 
 
 def _written_input(

@@ -33,8 +33,12 @@ from workbench.capture.ops import (
 FOLLOWERS = frozenset({"getitem", WAIT})
 
 
-# Matmuls, counted per layer forward (the `eager` preset recomputes every second one).
-MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
+# Matmuls, counted per layer forward (the `eager` preset recomputes every second one). A
+# linear with a bias runs as `addmm` (GPT-2, BERT, ViT): counted too, or `eager` would recompute
+# none of their matmuls (torchtitan's rule counts mm and linear only: `TITAN_MATMUL_OPS`).
+MATMUL_OPS: frozenset[str] = frozenset(
+    {"aten.mm.default", "aten.addmm.default", "aten.linear.default"}
+)
 
 
 # Offload moves whole storages: smaller ones cost more in transfer overhead than they free

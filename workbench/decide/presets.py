@@ -295,11 +295,12 @@ def _save_compute_intensive() -> Rule:
     memory_policy="eager",
     memory_policy_note="torchtitan also alternates matmuls outside the layers; the workbench "
     "keeps everything outside the layers (preset 'titan-eager' is torchtitan's).",
-    differences=(*_SAVE_LIST, "eager outside layers"),
+    differences=(*_SAVE_LIST, "eager outside layers", "eager addmm"),
 )
 def _eager_every_other_mm() -> Rule:
     """torchtitan's eager SAC rule: only layers are checkpointed, and within a layer every
-    second matmul is recomputed; everything outside the layers is saved as autograd would."""
+    second matmul (`mm`, `linear`, and `addmm`: a linear with a bias) is recomputed;
+    everything outside the layers is saved as autograd would."""
     compute_intensive = _save_compute_intensive()
 
     def rule(facts: OpFacts) -> CheckpointPolicy:
@@ -377,6 +378,8 @@ TITAN_SAVE_OPS: frozenset[str] = frozenset(
 
 
 TITAN_UNTAGGED_MODULES = ("lm_head", "loss")  # module path prefixes graph trainer skips
+# What graph trainer's `eager` counts as a matmul (`mm_ops`): an `addmm` is saved, uncounted.
+TITAN_MATMUL_OPS: frozenset[str] = frozenset({"aten.mm.default", "aten.linear.default"})
 
 _NODE_FOR_NODE = (
     "the same tags node for node (workbench.decide.engine.decide_titan_ops), except random "
@@ -429,7 +432,7 @@ def _titan_eager() -> Rule:
         layer = titan_layer(facts.module)
         if layer not in (TITAN_NOT_IN_LAYERS, current):
             count, current = 0, layer
-        if facts.op in MATMUL_OPS:
+        if facts.op in TITAN_MATMUL_OPS:
             count += 1
             if facts.op in TITAN_SAVE_OPS and count % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE

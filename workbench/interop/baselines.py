@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.ops import block_container
 from workbench.capture.trace import trace
 from workbench.capture.workload import Workload, eager_step
 from workbench.cost.estimate import Estimate, Estimator, estimate_remat
@@ -38,7 +39,7 @@ def eager_target(
     workload: Workload,
     policy: Policy | None = None,
     *,
-    layers_attr: str = "layers",
+    layers_attr: str | None = None,
     regions: Sequence[str] | None = None,
     graph: JointGraph | None = None,
 ) -> tuple[Workload, str]:
@@ -46,14 +47,16 @@ def eager_target(
     (`policy=None`), else a copy whose model runs eager SAC with the exported policy_fn around
     every block, or around each submodule matching `regions` (`apply_eager_sac_to`, e.g.
     `["layers.*.attention", "layers.*.feed_forward"]`). `graph`: the workload's traced graph,
-    for the export (`eager.load_policy_fn`)."""
+    for the export (`eager.load_policy_fn`). `layers_attr`: the blocks' container; by default
+    the one `graph` traced (`model.layers`, `transformer.h`, ...), else `layers`."""
     if policy is None:
         return workload, "no AC"
     copied = copy.deepcopy(workload.model)
     # eager SAC cannot offload: it runs the policy with its offloads saved
     preset = f"{policy.preset}, offload saved" if policy.offloads else policy.preset
     if regions is None:
-        model = apply_eager_sac(copied, policy, layers_attr, graph=graph)
+        blocks = layers_attr or _traced_blocks(graph)
+        model = apply_eager_sac(copied, policy, blocks, graph=graph)
         name = f"eager SAC ({preset})"
     else:
         model = apply_eager_sac_to(copied, policy, regions, graph=graph)
@@ -62,11 +65,17 @@ def eager_target(
     return target, name
 
 
+def _traced_blocks(graph: JointGraph | None) -> str:
+    """The container of the traced graph's blocks (`model.layers`, `transformer.h`, ...)."""
+    modules = (info.module for info in graph.nodes.values()) if graph is not None else ()
+    return block_container(modules) or "layers"
+
+
 def measure_eager(
     workload: Workload,
     policy: Policy | None = None,
     *,
-    layers_attr: str = "layers",
+    layers_attr: str | None = None,
     regions: Sequence[str] | None = None,
     warmup: int = 1,
     repeats: int = 5,
@@ -85,7 +94,7 @@ def track_eager(
     workload: Workload,
     policy: Policy | None = None,
     *,
-    layers_attr: str = "layers",
+    layers_attr: str | None = None,
     regions: Sequence[str] | None = None,
     graph: JointGraph | None = None,
 ) -> TrackedStep:
@@ -143,6 +152,7 @@ def measure_policy(
     policy: Policy,
     *,
     baselines: bool = False,
+    layers_attr: str | None = None,
     warmup: int = 1,
     repeats: int = 5,
     graph: JointGraph | None = None,
@@ -170,9 +180,16 @@ def measure_policy(
     others, tracked = [], []
     for eager_policy in (None, policy) if baselines else ():
         others.append(
-            measure_eager(workload, eager_policy, warmup=warmup, repeats=repeats, graph=graph)
+            measure_eager(
+                workload,
+                eager_policy,
+                layers_attr=layers_attr,
+                warmup=warmup,
+                repeats=repeats,
+                graph=graph,
+            )
         )
-        tracked.append(track_eager(workload, eager_policy, graph=graph))
+        tracked.append(track_eager(workload, eager_policy, layers_attr=layers_attr, graph=graph))
     return PolicyMeasurement(measured, est, not mismatched, mismatched, others, tracked)
 
 

@@ -23,13 +23,10 @@ from workbench.capture.workload import Workload, eager_step
 from workbench.decide.decider import layer_key, node_keys
 from workbench.decide.policy import Action, Policy
 from workbench.errors import WorkbenchError
-from workbench.interop.export import export
+from workbench.interop.export import NEVER_DISPATCHED, export
 from workbench.interop.templates.constants import WRAPPED_MARKER
 
 RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-# Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is
-# Python unpacking a multi-output op's tuple, not a dispatched op.
-NEVER_DISPATCHED = frozenset({"aten.detach.default", "getitem"})
 
 
 def load_policy_fn(policy: Policy, graph: JointGraph | None = None) -> dict[str, Any]:
@@ -60,7 +57,9 @@ def apply_eager_sac(
     nothing to recompute leaves the model as it is. `namespace`: an already loaded export;
     `graph`: the model's traced graph, for the export (`load_policy_fn`).
     """
-    blocks = getattr(model, layers_attr, None)
+    blocks: Any = model  # a dotted path: `model.layers`, `transformer.h`
+    for attr in layers_attr.split("."):
+        blocks = getattr(blocks, attr, None)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         raise WorkbenchError(
             f"{type(model).__name__} has no container of blocks at {layers_attr!r} "

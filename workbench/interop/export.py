@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.ops import block_container
 from workbench.decide import EMBEDDED
 from workbench.decide.decider import rules_of, validate
 from workbench.decide.engine import written_later_keys
@@ -283,6 +284,7 @@ def _policy_fn(policy: Policy, graph: JointGraph | None) -> str:
             f"WRAP_LAYERS = {wrap}",
             f"WRAPPED_MARKER = {py_str(WRAPPED_MARKER)}",
             *_written_later_table(graph),
+            *_layers_attr(policy, graph),
         ],
     )
 
@@ -303,6 +305,44 @@ def _written_later_table(graph: JointGraph | None) -> list[str]:
         return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset()"]
     rows = _items(map(py_str, sorted(keys)), " " * 8)
     return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset(", "    {", *rows, "    }", ")"]
+
+
+def _layers_attr(policy: Policy, graph: JointGraph | None) -> list[str]:
+    """`LAYERS_ATTR`: the container of the traced graph's blocks, `apply_ac`'s default; and
+    the overrides eager SAC never applies, said."""
+    container = None
+    if graph is not None:
+        container = block_container(info.module for info in graph.nodes.values())
+    origin = "the block container of the traced graph" if container else "torchtitan's name"
+    lines = [f"# apply_ac's default blocks: {origin}."]
+    unseen = _unseen_overrides(policy, container or "layers")
+    if unseen:
+        text = (
+            f"Overrides eager SAC never applies ({len(unseen)} of {len(policy.overrides)}): "
+            "apply_ac wraps only the blocks, where autograd saves what backward reads, and "
+            "getitem and detach are never dispatched: " + ", ".join(unseen)
+        )
+        lines += [comment(line) for line in textwrap.wrap(text, LINE_LENGTH - 2)]
+    return [*lines, f"LAYERS_ATTR = {py_str(container or 'layers')}"]
+
+
+# Graph ops eager SAC is never asked about: torch's SAC ignores aten.detach, and getitem is
+# Python unpacking a multi-output op's tuple, not a dispatched op.
+NEVER_DISPATCHED = frozenset({"aten.detach.default", "getitem"})
+
+
+def _unseen_overrides(policy: Policy, container: str) -> list[str]:
+    """`KEY (action)` of each override outside `container` or naming an op never dispatched.
+
+    >>> _unseen_overrides(Policy("full", overrides={"norm::aten.mul.Tensor#0": "save"}), "layers")
+    ['norm::aten.mul.Tensor#0 (save)']
+    """
+    unseen = []
+    for key, action in sorted(policy.overrides.items()):
+        module, _, op = key.partition("::")
+        if not module.startswith(f"{container}.") or op.rpartition("#")[0] in NEVER_DISPATCHED:
+            unseen.append(f"{key} ({action})")
+    return unseen
 
 
 def _graph_pass(policy: Policy, graph: JointGraph | None) -> str:

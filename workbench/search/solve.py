@@ -9,6 +9,7 @@ bisection); `fsdp_choices(graph)`, `preset_points(graph)` for context.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -170,7 +171,7 @@ class _Search:
     model: LinearModel
     objective: str
     profile: str
-    floor: Estimate  # the lowest peak: full recompute's (or no AC's, on tiny graphs)
+    floor: Estimate  # the lowest peak of the presets (full recompute's, or another's)
     floor_policy: Policy
     top: Estimate  # no AC
     presets: list[tuple[Policy, Estimate]]
@@ -226,19 +227,19 @@ def _search(
     """The model for one FSDP choice, calibrated on the exact estimates of the presets."""
     profile, host_budget = options.profile_name, options.host_budget_bytes
     model = LinearModel(graph, estimator, options.objective, profile, fsdp_reshard)
-    floor_policy = Policy("full", fsdp_reshard=fsdp_reshard)
     none = estimator.estimate(Policy("none", fsdp_reshard=fsdp_reshard))
-    floor = estimator.estimate(floor_policy)
     kind = options.budget_kind
-    if none.budget_bytes(kind) < floor.budget_bytes(kind):  # recompute temporaries win
-        floor_policy, floor = Policy("none", fsdp_reshard=fsdp_reshard), none
+    presets = [(p, estimator.estimate(p)) for p in _presets(fsdp_reshard, host_budget)]
+    # the lowest peak known before searching: full recompute's is not always the lowest (its
+    # recompute temporaries can outweigh what `default` or no AC keeps); the search may find
+    # lower still, so budgets below it are searched too (`Solver.solve`)
+    floor_policy, floor = min(presets, key=lambda pe: pe[1].budget_bytes(kind))
     everything = set(range(len(model.candidates)))
     top = estimator.estimate(_policy_of(model, everything, fsdp_reshard))
     # all saved activations are alive together where backward starts: the peak there is a
     # constant plus the saved bytes (the model's guess, corrected by exact estimates)
     offset = top.budget_bytes(kind) - model.evaluate(everything)[0]
     path = greedy_path(model)
-    presets = [(p, estimator.estimate(p)) for p in _presets(fsdp_reshard, host_budget)]
     return _Search(
         graph,
         estimator,
@@ -305,10 +306,11 @@ def _repair(
     """Move the model's byte cap by each exact estimate's miss (bisecting once a cap that
     fits and one that does not are known); the best fitting policy and its cap. The best
     preset that fits (at least full recompute) is the answer when nothing better fits."""
-    # a preset that fits is a policy too: the search starts from the best of them
+    # a preset that fits is a policy too: the search starts from the best of them; where
+    # none fits, from the lowest peak known (infinite cost: replaced by any policy that fits)
+    fitting = [(search.cost(e), p, e) for p, e in search.presets if search.peak(e) <= budget]
     best: _Best = min(
-        ((search.cost(e), p, e) for p, e in search.presets if search.peak(e) <= budget),
-        key=lambda b: b[0],
+        fitting, key=lambda b: b[0], default=(math.inf, search.floor_policy, search.floor)
     )
     seen: dict[frozenset[int], Estimate] = {}
     fits, overshoots = -np.inf, np.inf  # largest cap known to fit, smallest known not to
@@ -319,6 +321,8 @@ def _repair(
             seen[chosen] = search.estimator.estimate(search.policy(set(chosen)))
         est = seen[chosen]
         step = budget - search.peak(est)
+        if best[0] == math.inf and search.peak(est) < search.peak(best[2]):
+            best = (math.inf, search.policy(set(chosen)), est)  # nothing fits: the lowest
         if step >= 0:
             if search.cost(est) < best[0]:
                 best = (search.cost(est), search.policy(set(chosen)), est)
@@ -455,7 +459,8 @@ class Solver:
 
     @property
     def floor_bytes(self) -> int:
-        """The lowest peak any policy of the search reaches: the smallest feasible budget."""
+        """The lowest peak of the presets (over the FSDP choices): a budget at or above it is
+        feasible; the search may reach lower (`solve` tries any budget)."""
         return min(s.peak(s.floor) for s in self._searches)
 
     @property
@@ -466,21 +471,20 @@ class Solver:
     def solve(self, budget_bytes: int) -> Solution:
         """The best solution for `budget_bytes` over the FSDP choices: least cost, then
         lowest peak, then the first choice (reshard after forward, FSDP's default). Raises
-        WorkbenchError below `floor_bytes`."""
+        WorkbenchError where no policy the search tries fits, naming the lowest peak it found."""
         start = time.perf_counter()
         budget = check_int("budget_bytes", budget_bytes, 1, INT64_MAX, "int64")
-        floor = self.floor_bytes
-        if budget < floor:
-            raise WorkbenchError(
-                f"budget {budget} bytes ({budget / GIB:.4g} GiB) is below what full recompute "
-                f"reaches: the smallest feasible budget for {self.graph.model_name!r} is "
-                f"{floor} bytes ({floor / GIB:.4g} GiB)"
-            )
         method = self.options.method
-        found = [
-            _solve_budget(s, budget, method) for s in self._searches if s.peak(s.floor) <= budget
-        ]
         kind = self.options.budget_kind
+        tried = [_solve_budget(s, budget, method) for s in self._searches]
+        found = [sol for sol in tried if sol.estimate.budget_bytes(kind) <= budget]
+        if not found:
+            lowest = min(sol.estimate.budget_bytes(kind) for sol in tried)
+            raise WorkbenchError(
+                f"budget {budget} bytes ({budget / GIB:.4g} GiB) is below every peak the "
+                f"search reaches: the smallest feasible budget found for "
+                f"{self.graph.model_name!r} is {lowest} bytes ({lowest / GIB:.4g} GiB)"
+            )
         best = min(
             found, key=lambda sol: (sol.cost(), sol.estimate.budget_bytes(kind), found.index(sol))
         )

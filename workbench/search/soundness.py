@@ -20,8 +20,8 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.capture.ops import layer_pattern
 from workbench.capture.parallel import Parallel
-from workbench.cost.measure import bitwise_mismatches
 from workbench.cost.ranks import check_ranks
+from workbench.cost.reference import Reference, policy_mismatches, reference_run
 from workbench.decide.decider import decide, forced_by_reason, rules_of
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions
@@ -130,6 +130,7 @@ class SoundnessReport:
     checks: list[PolicyCheck]
     seconds: float
     config: dict[str, Any] = field(default_factory=dict)
+    reference: Reference | None = None  # the checks before any policy (one process only)
 
     @property
     def failures(self) -> list[PolicyCheck]:
@@ -150,23 +151,29 @@ class SoundnessReport:
             "bitwise_equal": not self.failures,
             "failures": [c.to_json() for c in self.failures],
             "forced_by_reason": forced,  # over the policies, each counted once
+            **({"before_policy": self.reference.to_json()} if self.reference else {}),
             "seconds": round(self.seconds, 3),
         }
 
 
 def check_policies(
-    workload: Workload, graph: JointGraph, policies: Sequence[Policy]
+    workload: Workload,
+    graph: JointGraph,
+    policies: Sequence[Policy],
+    reference: Reference | None = None,
 ) -> list[PolicyCheck]:
     """Remat `graph` (traced in real mode from `workload`) with each policy, run it and
-    compare loss and gradients bitwise with eager (`measure.bitwise_mismatches`). A policy
-    the remat pass refuses or that fails to run is a failure with its error."""
+    compare loss and gradients bitwise with the traced graph's own, nothing rematerialized
+    (`cost.reference`: whether that equals eager is checked once, apart, in `reference`). A
+    policy the remat pass refuses or that fails to run is a failure with its error."""
     if graph.example_inputs is None:
         raise WorkbenchError("check_policies runs the graph: trace it in real mode")
+    reference = reference or reference_run(graph, workload)
     checks = []
     for index, policy in enumerate(policies):
         try:
             result = remat(graph, policy)
-            mismatched = tuple(bitwise_mismatches(graph, result.gm, workload))
+            mismatched = tuple(policy_mismatches(graph, result.gm, reference))
             checks.append(
                 PolicyCheck(index, policy, mismatched, forced=forced_by_reason(result.decisions))
             )
@@ -207,8 +214,10 @@ def run_soundness(
     gloo ranks when `parallel` is given (`graph` is then one rank's, for the node names)."""
     start = time.perf_counter()
     policies = random_policies(graph, count, seed)
+    reference = None
     if parallel is None:
-        checks = check_policies(workload, graph, policies)
+        reference = reference_run(graph, workload)
+        checks = check_policies(workload, graph, policies, reference)
     else:
         checks = check_rank_policies(graph.model_name, parallel, policies, **(shape or {}))
         forced = [forced_by_reason(decide(graph, policy)) for policy in policies]
@@ -216,4 +225,5 @@ def run_soundness(
     config = {k: graph.config.get(k) for k in ("layers", "seq", "batch", "dtype")}
     if parallel is not None:
         config.update(fsdp=parallel.fsdp, tp=parallel.tp)
-    return SoundnessReport(graph.model_name, seed, checks, time.perf_counter() - start, config)
+    seconds = time.perf_counter() - start
+    return SoundnessReport(graph.model_name, seed, checks, seconds, config, reference)

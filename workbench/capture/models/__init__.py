@@ -2,8 +2,9 @@
 
 Entry point: `load_workload(spec, layers=, seq=, batch=, dtype=, device=)`, where `spec` is
 a registered name (`llama3-debug`, `llama3-8b`, `dsv3-debug`, `dsv3-16b`, ...),
-`package.module:callable` or `torchtitan:FAMILY/FLAVOR` (torchtitan's own models,
-`workbench.capture.models.torchtitan`).
+`package.module:callable`, `torchtitan:FAMILY/FLAVOR` (torchtitan's own models,
+`workbench.capture.models.torchtitan`) or `hf:NAME` (small Hugging Face transformers models,
+`workbench.capture.models.hf`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from torch import nn
 
 from workbench.capture.fits import check_build_fits
 from workbench.capture.models.deepseek_v3 import DSV3_FLAVORS, DeepSeekV3
+from workbench.capture.models.hf import PREFIX as HF_PREFIX
+from workbench.capture.models.hf import load_hf
 from workbench.capture.models.llama3 import LLAMA3_FLAVORS, Llama3
 from workbench.capture.models.torchtitan import PREFIX as TORCHTITAN_PREFIX
 from workbench.capture.models.torchtitan import load_torchtitan
@@ -80,7 +83,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def is_user_factory(spec: str) -> bool:
     """`package.module:callable` (built by the user's code, so never on meta by us)."""
-    return ":" in spec and not spec.startswith(TORCHTITAN_PREFIX)
+    return ":" in spec and not spec.startswith((TORCHTITAN_PREFIX, HF_PREFIX))
 
 
 # Far above any real model, far below what would build for minutes or overflow int64 sizes.
@@ -124,8 +127,12 @@ def load_workload(
         return load_torchtitan(  # type: ignore[no-any-return]
             spec, layers=layers, seq=seq, batch=batch, dtype=torch_dtype, device=device, seed=seed
         )
+    if spec.startswith(HF_PREFIX):
+        return load_hf(
+            spec, layers=layers, seq=seq, batch=batch, dtype=torch_dtype, device=device, seed=seed
+        )
     if ":" in spec:
-        return _load_user_workload(spec, layers=layers, seq=seq, batch=batch)
+        return _load_user_workload(spec, layers=layers, seq=seq, batch=batch, dtype=torch_dtype)
     if spec not in REFERENCE_MODELS:
         raise WorkbenchError(
             f"unknown model {spec!r}; choose one of {', '.join(model_names())} "
@@ -185,9 +192,47 @@ def _check_fits(
 
 
 def _load_user_workload(
-    spec: str, *, layers: int | None, seq: int | None, batch: int | None
+    spec: str,
+    *,
+    layers: int | None,
+    seq: int | None,
+    batch: int | None,
+    dtype: torch.dtype = torch.float32,
 ) -> Workload:
-    """`package.module:callable` returning a Workload, (model, batch) or (model, batch, loss)."""
+    """`package.module:callable` returning a Workload, (model, batch) or (model, batch, loss).
+    The size flags given go to the factory's arguments of those names; a dtype other than
+    float32 goes to its `dtype` argument, or (without one) the factory is called under that
+    default dtype and its parameters must come out in it."""
+    factory = _import_factory(spec)
+    overrides = {"layers": layers, "seq": seq, "batch": batch}
+    given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        params: Any = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        params = given
+    unsupported = [k for k in given if k not in params]
+    if unsupported:
+        raise WorkbenchError(
+            f"model factory {spec!r} takes no {', '.join(unsupported)} argument; "
+            f"it accepts: {', '.join(params) or 'nothing'}"
+        )
+    if dtype != torch.float32 and "dtype" in params:
+        given["dtype"] = dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        result = factory(**given)
+    except (Exception, SystemExit) as err:  # user code: its error, named, in one line
+        raise WorkbenchError(f"model factory {spec!r} failed: {describe(err)}") from None
+    finally:
+        torch.set_default_dtype(previous)
+    workload = _as_workload(spec, result)
+    if dtype != torch.float32:
+        _check_factory_dtype(spec, workload, dtype)
+    return workload
+
+
+def _import_factory(spec: str) -> Callable[..., Any]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise WorkbenchError(
@@ -206,22 +251,10 @@ def _load_user_workload(
             f"model factory {spec!r} is a {type(factory).__name__}, not a callable returning "
             "a Workload, (model, batch) or (model, batch, loss_fn)"
         )
-    overrides = {"layers": layers, "seq": seq, "batch": batch}
-    given = {k: v for k, v in overrides.items() if v is not None}
-    try:
-        params: Any = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        params = given
-    unsupported = [k for k in given if k not in params]
-    if unsupported:
-        raise WorkbenchError(
-            f"model factory {spec!r} takes no {', '.join(unsupported)} argument; "
-            f"it accepts: {', '.join(params) or 'nothing'}"
-        )
-    try:
-        result = factory(**given)
-    except (Exception, SystemExit) as err:  # user code: its error, named, in one line
-        raise WorkbenchError(f"model factory {spec!r} failed: {describe(err)}") from None
+    return factory  # type: ignore[no-any-return]
+
+
+def _as_workload(spec: str, result: Any) -> Workload:
     if isinstance(result, Workload):
         return result
     if not isinstance(result, tuple) or len(result) not in (2, 3):
@@ -232,3 +265,21 @@ def _load_user_workload(
     model, batch_, *loss = result
     inputs, target = batch_ if isinstance(batch_, tuple) and len(batch_) == 2 else (batch_, None)
     return Workload(model, inputs, target, loss[0] if loss else None, name=spec)
+
+
+def _check_factory_dtype(spec: str, workload: Workload, dtype: torch.dtype) -> None:
+    """--dtype applies to a factory or is refused: never silently ignored."""
+    others = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for p in workload.model.parameters()
+            if p.is_floating_point() and p.dtype != dtype
+        }
+    )
+    if others:
+        raise WorkbenchError(
+            f"--dtype {str(dtype).removeprefix('torch.')}: model factory {spec!r} built "
+            f"{', '.join(others)} parameters; give it a dtype argument (it receives --dtype) "
+            "or build the model in the default dtype"
+        )
+    workload.config.setdefault("dtype", str(dtype).removeprefix("torch."))

@@ -16,6 +16,8 @@ WRAP_LAYERS = True
 # Set on a block by the generated `apply_ac`, so a model is never checkpointed twice.
 WRAPPED_MARKER = "_sac_workbench_checkpointed"
 WRITTEN_LATER: frozenset[str] = frozenset()
+# The module path of the blocks `apply_ac` checkpoints: the container the graph was traced with.
+LAYERS_ATTR = "layers"
 
 # `graph_pass`
 FSDP_RESHARD = True

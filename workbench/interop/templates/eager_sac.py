@@ -23,6 +23,7 @@ from workbench.decide.engine import Request, eager_tag
 from workbench.decide.facts import OpCounter
 from workbench.decide.presets import preset_rule
 from workbench.interop.templates.constants import (
+    LAYERS_ATTR,
     OVERRIDES,
     PRESET,
     SELECTORS,
@@ -65,17 +66,19 @@ def context_fn() -> Any:
     return create_selective_checkpoint_contexts(policy_fn)
 
 
-def apply_ac(model: torch.nn.Module, layers_attr: str = "layers") -> torch.nn.Module:
+def apply_ac(model: torch.nn.Module, layers_attr: str = LAYERS_ATTR) -> torch.nn.Module:
     """Checkpoint every block of `model.<layers_attr>` with `policy_fn`, in place.
 
-    Each block's forward is replaced by a non-reentrant `checkpoint` of the original (module
+    `layers_attr` defaults to the block container of the traced graph (`LAYERS_ATTR`: for
+    Hugging Face models `model.layers`, `transformer.h`, `bert.encoder.layer`, ...). Each
+    block's forward is replaced by a non-reentrant `checkpoint` of the original (module
     names and state_dict keys stay), and the block's submodules get forward hooks that keep
     the module stack `policy_fn` reads. Nothing outside the blocks is checkpointed. Returns
     `model`; deep-copy it first to keep an unwrapped one.
     """
     if not WRAP_LAYERS:
         return model
-    blocks = functools.reduce(getattr, layers_attr.split("."), model)
+    blocks = _blocks(model, layers_attr)
     for name, block in blocks.named_children():
         path = f"{layers_attr}.{name}"
         if getattr(block, WRAPPED_MARKER, False):
@@ -87,6 +90,18 @@ def apply_ac(model: torch.nn.Module, layers_attr: str = "layers") -> torch.nn.Mo
         block.forward = _checkpointed(block.forward, path)
         setattr(block, WRAPPED_MARKER, True)
     return model
+
+
+def _blocks(model: torch.nn.Module, layers_attr: str) -> torch.nn.Module:
+    """`model.<layers_attr>`, or a ValueError naming the module lists the model has."""
+    try:
+        return functools.reduce(getattr, layers_attr.split("."), model)  # type: ignore[no-any-return]
+    except AttributeError:
+        lists = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+        raise ValueError(
+            f"apply_ac: {type(model).__name__} has no {layers_attr!r}; pass layers_attr= the "
+            f"module holding its blocks (its module lists: {', '.join(lists) or 'none'})"
+        ) from None
 
 
 def _enter(path: str, module: torch.nn.Module, args: Any) -> None:
