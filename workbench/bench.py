@@ -21,12 +21,14 @@ from workbench.capture.models import Workload
 from workbench.capture.trace import trace
 from workbench.cost.attribution import compare_snapshot
 from workbench.cost.calibrate import measured_basis
-from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.estimate import Estimate, Estimator, estimate_remat
 from workbench.cost.measure import Recording, device_of
+from workbench.cost.pipelines import PipelineEstimator, estimator_for
 from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
 from workbench.cost.snapshot import parse_snapshot, write_snapshot
-from workbench.decide.decider import decide, flip
+from workbench.decide.decider import Decisions, decide, flip
 from workbench.decide.policy import Policy
+from workbench.errors import WorkbenchError
 from workbench.files import file_stem, write_file
 from workbench.rewrite.remat import remat
 
@@ -70,22 +72,40 @@ def bench_trace(trace_once: Callable[[], tuple[JointGraph, float]], repeat: int)
 
 
 def bench_whatif(
-    graph: JointGraph, policy: Policy, *, flips: int, full_path: int, seed: int
+    graph: JointGraph,
+    policy: Policy,
+    *,
+    flips: int,
+    full_path: int,
+    seed: int,
+    passes: str = "workbench",
 ) -> dict[str, Any]:
-    """Random flips (save -> recompute -> offload where allowed): the what-if's time per
-    flip (flip, decide, replay with the offload steps, simulate) against
-    the full path (tag, torch's remat pass, simulate), and whether both gave equal figures.
-    Also the median time of each what-if stage, to say where the time goes."""
-    estimator = Estimator(graph)
+    """Random flips (save -> recompute -> offload where allowed) under a pass pipeline
+    (`cost.pipelines.estimator_for`): the what-if's time per flip (flip, decide, the replay
+    of the pipeline's passes, simulate) against the full path, and whether both gave equal
+    figures. The full path: `workbench`, tag, torch's remat pass, simulate; `graph-trainer`,
+    graph trainer's own passes run and their graph simulated (the what-if before it replayed
+    them). Also the median time of each what-if stage, to say where the time goes, the flips
+    whose schedule ran the passes in place of the replay and the load average."""
+    estimator = estimator_for(graph, passes)
+    graph = estimator.graph  # graph-trainer: its cleaned graph
     decisions = decide(graph, policy)
     candidates = sorted(n for n, d in decisions.items() if not d.forced)
     rng = random.Random(seed)
-    whatif, full, exact = [], [], True
+    whatif, full, exact, fallbacks = [], [], True, 0
     stages: dict[str, list[float]] = {"decide": [], "replay": [], "simulate": []}
-    for k in range(flips):
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    k = 0
+    while k < flips:
+        if not candidates:
+            raise WorkbenchError(f"no node of {graph.model_name} can flip under this policy")
         node = rng.choice(candidates)
         start = time.perf_counter()
-        policy = flip(graph, policy, node, all_layers=rng.random() < 0.5, decisions=decisions)
+        try:
+            policy = flip(graph, policy, node, all_layers=rng.random() < 0.5, decisions=decisions)
+        except WorkbenchError:  # a save the rules keep (written in place): not a flip
+            candidates.remove(node)
+            continue
         decisions = decide(graph, policy)
         replayed = time.perf_counter()
         schedule = estimator.schedule_for(decisions, policy.offload)
@@ -96,13 +116,16 @@ def bench_whatif(
         stages["decide"].append(replayed - start)
         stages["replay"].append(simulated - replayed)
         stages["simulate"].append(end - simulated)
+        fallbacks += isinstance(estimator, PipelineEstimator) and estimator.fallback is not None
         if k < full_path:
             start = time.perf_counter()
-            slow = estimate_remat(graph, remat(graph, decisions, policy.offload), estimator)
+            slow = _full_path(estimator, decisions, policy)
             full.append(time.perf_counter() - start)
             exact = exact and fast == slow
+        k += 1
     return {
         "model": graph.model_name,
+        "passes": passes,
         "nodes": len(graph.gm.graph.nodes),
         "flips": flips,
         "whatif_p50_seconds": round(statistics.median(whatif), 4),
@@ -111,8 +134,19 @@ def bench_whatif(
         "full_path_seconds": round(statistics.median(full), 3) if full else None,
         "full_path_runs": len(full),
         "equal_to_full_path": exact,
+        "replay_fallbacks": fallbacks,
         "cpu_count": os.cpu_count(),
+        "load_average": round(load, 2) if load is not None else None,
     }
+
+
+def _full_path(estimator: Estimator, decisions: Decisions, policy: Policy) -> Estimate:
+    """The figures of the graph the pipeline's own passes make: torch's remat pass and the
+    workbench's offload pass, or graph trainer's passes (`PipelineEstimator`)."""
+    if isinstance(estimator, PipelineEstimator):
+        return estimator.simulate(estimator.pipeline_schedule(decisions, policy.offload))
+    graph = estimator.graph
+    return estimate_remat(graph, remat(graph, decisions, policy.offload), estimator)
 
 
 def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, Any]:

@@ -475,9 +475,19 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     _add_policy_arg(bench_whatif)
     bench_whatif.add_argument("--flips", type=int, default=50)
     bench_whatif.add_argument(
-        "--full-path", type=int, default=3, help="flips also run through torch's pass"
+        "--full-path",
+        type=int,
+        default=3,
+        help="flips also run through the pipeline's own passes (torch's remat pass, or graph "
+        "trainer's with --passes graph-trainer)",
     )
     bench_whatif.add_argument("--seed", type=int, default=0)
+    bench_whatif.add_argument(
+        "--passes",
+        default="workbench",
+        help="pass pipeline whose what-if is timed: workbench (default) or graph-trainer "
+        "(graph trainer's passes replayed on indices; the full path runs them)",
+    )
     bench_whatif.set_defaults(run=cmd_bench_whatif, mode="fake")
 
     render = commands.add_parser("render", help="draw the graph coloured by a policy")

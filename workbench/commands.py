@@ -421,9 +421,15 @@ def cmd_bench_whatif(args: argparse.Namespace) -> dict[str, Any]:
     check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one what-if")
     check_int("--full-path", args.full_path, 0, MAX_FULL_PATH, "each runs torch's remat pass")
     check_int("--seed", args.seed, 0, SEED_MAX)
+    check_passes(args)
     graph, trace_seconds = _trace_from_args(args)
     result = bench_whatif(
-        graph, parse_policy(args.policy), flips=args.flips, full_path=args.full_path, seed=args.seed
+        graph,
+        parse_policy(args.policy),
+        flips=args.flips,
+        full_path=args.full_path,
+        seed=args.seed,
+        passes=args.passes,
     )
     return {**result, "trace_seconds": round(trace_seconds, 3)}
 

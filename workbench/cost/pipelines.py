@@ -2,9 +2,10 @@
 
 Entry point: `estimator_for(graph, passes, ...) -> Estimator`. `workbench`: the Estimator of
 the traced graph, which replays torch's remat pass and the workbench's offload pass on
-indices. `graph-trainer`: a `PipelineEstimator` of graph trainer's cleaned graph, whose every
-schedule is that of the graph graph trainer's own passes make (`run_pipeline`), so it is exact
-against them by construction, at the cost of running them on each estimate.
+indices. `graph-trainer`: a `PipelineEstimator` of graph trainer's cleaned graph, which
+replays graph trainer's offload and remat passes on indices (`graph_trainer_replay`), equal
+schedule for schedule to running them; `reference=True` runs them on every estimate instead,
+and `check_replay(policy)` compares the two.
 """
 
 from __future__ import annotations
@@ -12,28 +13,99 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import DEFAULT_PROFILES, Estimator, OptimizerName
+from workbench.cost.graph_trainer_replay import Unreplayable, replay_graph_trainer
 from workbench.cost.profiles import DeviceProfile
-from workbench.decide.decider import Decisions
+from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
+from workbench.decide.policy import Policy
 from workbench.rewrite.graph_trainer import prepare, run_pipeline
 from workbench.rewrite.schedule import Flat
 
 __all__ = ["PipelineEstimator", "estimator_for"]
 
+REPLAYED = "replayed on indices"
+
 
 class PipelineEstimator(Estimator):
     """An Estimator of a cleaned graph (`rewrite.graph_trainer.cleanup`) whose schedules are
-    those of graph trainer's pipeline: tagging, its offload pass, its remat pass."""
+    those of graph trainer's pipeline: tagging, its offload pass, its remat pass. They are
+    replayed on indices (`replay_graph_trainer`); where the replay cannot say
+    (`Unreplayable`), or with `reference=True`, graph trainer's passes run (`run_pipeline`).
+    `fallback` says why the last schedule ran them (None: replayed)."""
 
     passes = "graph-trainer"
+
+    def __init__(
+        self,
+        graph: JointGraph,
+        profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES,
+        optimizer: OptimizerName = "adamw",
+        *,
+        reference: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(graph, profiles, optimizer, **options)
+        self.reference = reference
+        self.fallback: str | None = None
 
     def schedule_for(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
         """The schedule of the graph graph trainer's passes make of `graph` tagged with
         `decisions` (offloads placed with `options`)."""
+        self.fallback = "reference: graph trainer's passes ran" if self.reference else None
+        if not self.reference:
+            try:
+                return replay_graph_trainer(self.index, decisions, options)
+            except Unreplayable as why:
+                self.fallback = f"graph trainer's passes ran: {why}"
+        return self.pipeline_schedule(decisions, options)
+
+    def pipeline_schedule(
+        self, decisions: Decisions, options: OffloadOptions | None = None
+    ) -> Flat:
+        """The schedule of the graph graph trainer's own passes make (`run_pipeline`): the
+        reference the replay equals."""
         result = run_pipeline(self.graph, decisions, options or OffloadOptions())
         return self.index.flat(self.schedule_of(result.gm))
+
+    def whatif_note(self) -> str:
+        """How the last schedule was made: replayed, or why graph trainer's passes ran."""
+        return self.fallback or REPLAYED
+
+    def check_replay(self, policy: Policy | Decisions) -> list[str]:
+        """Where the replay and graph trainer's own passes differ for `policy`, in words
+        (empty: the same schedule, entry for entry and input for input; a policy the replay
+        cannot say is listed with why)."""
+        decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
+        options = policy.offload if isinstance(policy, Policy) else OffloadOptions()
+        try:
+            replayed = replay_graph_trainer(self.index, decisions, options)
+        except Unreplayable as why:
+            return [f"not replayed: {why}"]
+        ran = self.pipeline_schedule(decisions, options)
+        return _differences(self, replayed, ran)
+
+
+def _differences(estimator: Estimator, replayed: Flat, ran: Flat) -> list[str]:
+    """The first entry and the first input where two schedules differ, named."""
+    names = estimator._entry_names
+    found = []
+    a, b = replayed.entries, ran.entries
+    if len(a) != len(b) or not np.array_equal(a, b):
+        k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        here = [names[x] for x in a[k : k + 1]], [names[x] for x in b[k : k + 1]]
+        found.append(f"order differs at step {k}: replayed {here[0]}, graph trainer's {here[1]}")
+    elif not (np.array_equal(replayed.reader, ran.reader) and np.array_equal(replayed.read, ran.read)):
+        k = next(
+            k
+            for k in range(min(len(replayed.read), len(ran.read)))
+            if replayed.read[k] != ran.read[k] or replayed.reader[k] != ran.reader[k]
+        ) if min(len(replayed.read), len(ran.read)) else 0
+        found.append(f"inputs differ at input {k} of {names[a[min(k, len(a) - 1)]]}")
+    return found
 
 
 def estimator_for(
@@ -41,12 +113,15 @@ def estimator_for(
     passes: str = "workbench",
     profiles: Iterable[str | DeviceProfile] = DEFAULT_PROFILES,
     optimizer: OptimizerName = "adamw",
+    *,
+    reference: bool = False,
     **options: Any,
 ) -> Estimator:
     """The Estimator of the graph a pass pipeline analyses (`prepare(graph, passes)`; a
     prepared graph is taken as it is); `options` are Estimator's allocator, overlap and
-    calibration settings."""
+    calibration settings; `reference` (graph-trainer) runs graph trainer's passes on every
+    estimate in place of their replay."""
     prepared = prepare(graph, passes)
     if passes == "workbench":
         return Estimator(prepared, profiles, optimizer, **options)
-    return PipelineEstimator(prepared, profiles, optimizer, **options)
+    return PipelineEstimator(prepared, profiles, optimizer, reference=reference, **options)

@@ -125,7 +125,7 @@ class GraphIndex:
         forward node that runs in backward is its recomputed copy or a view the offload pass
         replays on a reloaded tensor (marked `REPLAYED_VIEW`). The
         offload pass's copies, frees, reloads and waits are the steps of the value they move
-        (`OFFLOAD_STEPS`)."""
+        (`OFFLOAD_STEPS`). Raises `WorkbenchError` for a node read before it runs."""
         space = self.space
         entry: dict[fx.Node, int] = {}
         order: list[int] = []
@@ -163,6 +163,12 @@ class GraphIndex:
                 )
             entry[node] = e
             order.append(e)
+            unmade = [x.name for x in node.all_input_nodes if x not in entry]
+            if unmade:
+                raise WorkbenchError(
+                    f"node {node.name!r} reads {', '.join(unmade)} before it runs: the graph "
+                    "cannot run in its order"
+                )
             args[e] = tuple(entry[x] for x in node.all_input_nodes)
         return order, args
 
