@@ -108,14 +108,25 @@ def _trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     )
 
 
-def _pipeline_json(args: argparse.Namespace, graph: JointGraph, policy: Policy) -> dict[str, Any]:
+def _pipeline_json(
+    args: argparse.Namespace,
+    graph: JointGraph,
+    policy: Policy,
+    estimator: Estimator | None = None,
+) -> dict[str, Any]:
     """What the chosen pipeline did for `policy`: for graph-trainer each of its passes, run,
-    replaced or skipped (and why); `graph` is the prepared graph (`prepare`)."""
+    replaced or skipped (and why), and with the `estimator` that estimated it how its
+    what-if made the schedule (`PipelineEstimator.whatif_note`); `graph` is the prepared
+    graph (`prepare`)."""
     if args.passes == "workbench":
         return {"passes": {"pipeline": "workbench"}}
+    from workbench.cost.pipelines import PipelineEstimator
     from workbench.rewrite.graph_trainer import run_pipeline
 
-    return {"passes": run_pipeline(graph, policy, ep_overlap=args.ep_overlap).to_json()}
+    report = run_pipeline(graph, policy, ep_overlap=args.ep_overlap).to_json()
+    if isinstance(estimator, PipelineEstimator):
+        report["whatif"] = estimator.whatif_note()
+    return {"passes": report}
 
 
 def _prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
@@ -311,7 +322,7 @@ def cmd_estimate(args: argparse.Namespace) -> dict[str, Any]:
         "model": graph.model_name,
         "mode": graph.mode,
         "policy": policy.to_json(),
-        **_pipeline_json(args, graph, policy),
+        **_pipeline_json(args, graph, policy, estimator),
         "trace_seconds": round(seconds, 3),
         **est.to_json(timeline=args.timeline),
         "time_basis": time_basis(estimator.profiles, estimator.calibration),

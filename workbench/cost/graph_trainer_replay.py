@@ -293,7 +293,7 @@ class _Lists:
     def order(self) -> np.ndarray:
         """Every entry in order: each original node with its lists around it."""
         n = self.n
-        most = max((len(held) for held in (*self.before.values(), *self.after.values())))
+        most = max(len(held) for held in (*self.before.values(), *self.after.values()))
         span = 2 * most + 2
         keys = [np.arange(n) * span + most]
         extra: list[int] = []
@@ -401,9 +401,9 @@ def _offload_inputs(facts: _Facts, infos: dict[int, _Offload]) -> tuple[np.ndarr
             reads += inputs
         readers += [wait, wait]
         reads += [reload, free]
-        for v, inputs in zip(info.views, info.view_inputs, strict=True):
-            readers += [space.replayed(v)] * len(inputs)
-            reads += inputs
+        for v, view_inputs in zip(info.views, info.view_inputs, strict=True):
+            readers += [space.replayed(v)] * len(view_inputs)
+            reads += view_inputs
     return (
         np.concatenate((reader, np.array(readers, np.int64))),
         np.concatenate((read, np.array(reads, np.int64))),

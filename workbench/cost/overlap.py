@@ -10,7 +10,7 @@ host copy on the host stream; a wait stalls compute only until its collective or
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, cast
 
@@ -256,7 +256,7 @@ class Streams:
         space, opts = self.index.space, self.options
         moved = self.issue_positions(entries) if opts.prefetch else {}
         events: list[tuple[int, str, Hashable, int]] = []  # (at, what, key, cost)
-        shapes = []
+        shapes: list[tuple[str, int, int, str | None]] = []
         for b, (issue, waits, shape) in enumerate(self._collectives(entries)):
             events.append((moved.get(issue, issue), "comm", ("c", b), len(shapes)))
             shapes.append(shape)
@@ -421,7 +421,7 @@ def walk_streams(
 
 def _walk(
     clock: np.ndarray,
-    events: list[tuple[int, str, Hashable, int]],
+    events: Sequence[tuple[int, str, Hashable, int]],
     seconds: list[float],
     max_copies_in_flight: int | None,
 ) -> dict[Hashable, float]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
 from workbench.capture.graph import JointGraph
 from workbench.cost.estimate import DEFAULT_PROFILES, Estimator, OptimizerName
 from workbench.cost.graph_trainer_replay import Unreplayable, replay_graph_trainer
@@ -90,22 +88,27 @@ class PipelineEstimator(Estimator):
 
 
 def _differences(estimator: Estimator, replayed: Flat, ran: Flat) -> list[str]:
-    """The first entry and the first input where two schedules differ, named."""
+    """Where two schedules of one estimator first differ, in its entries' names: in their
+    order, else in an entry's inputs."""
     names = estimator._entry_names
-    found = []
-    a, b = replayed.entries, ran.entries
-    if len(a) != len(b) or not np.array_equal(a, b):
-        k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-        here = [names[x] for x in a[k : k + 1]], [names[x] for x in b[k : k + 1]]
-        found.append(f"order differs at step {k}: replayed {here[0]}, graph trainer's {here[1]}")
-    elif not (np.array_equal(replayed.reader, ran.reader) and np.array_equal(replayed.read, ran.read)):
-        k = next(
-            k
-            for k in range(min(len(replayed.read), len(ran.read)))
-            if replayed.read[k] != ran.read[k] or replayed.reader[k] != ran.reader[k]
-        ) if min(len(replayed.read), len(ran.read)) else 0
-        found.append(f"inputs differ at input {k} of {names[a[min(k, len(a) - 1)]]}")
-    return found
+    a, b = replayed.entries.tolist(), ran.entries.tolist()
+    if a != b:
+        k = _first_difference(a, b)
+        mine, theirs = (names[x[k]] if k < len(x) else "the end" for x in (a, b))
+        return [f"step {k}: replayed {mine}, graph trainer's passes {theirs}"]
+    pairs = list(zip(replayed.reader.tolist(), replayed.read.tolist(), strict=True))
+    other = list(zip(ran.reader.tolist(), ran.read.tolist(), strict=True))
+    if pairs == other:
+        return []
+    k = _first_difference(pairs, other)
+    at = (pairs if k < len(pairs) else other)[k][0]
+    return [f"the inputs of step {at} ({names[a[at]]}) differ"]
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> int:
+    """The first index where two different lists differ (one's length if it is the other's
+    start)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
 
 
 def estimator_for(

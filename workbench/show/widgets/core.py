@@ -74,7 +74,7 @@ class ExplorerCore:
         self.workload = workload or loaded
         self.profile = check_profile(profile)
         # the pass pipeline's graph and what-if (`cost.pipelines`): with graph-trainer each
-        # flip re-runs graph trainer's passes on its cleaned graph
+        # flip replays graph trainer's passes on its cleaned graph's indices
         self.passes = passes
         self.estimator = estimator_for(traced, passes, list(PROFILES))
         self.graph = self.estimator.graph
