@@ -8,13 +8,16 @@ import ast
 import functools
 import importlib.util
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.bench import bench_whatif
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
 from workbench.capture.parallel import Parallel
@@ -22,9 +25,12 @@ from workbench.capture.titan_rank import graph_trainer_imports
 from workbench.capture.trace import trace
 from workbench.cli import main
 from workbench.cost.estimate import Estimator, estimate_remat
-from workbench.cost.pipelines import PipelineEstimator, estimator_for
+from workbench.cost.graph_trainer_replay import replay_graph_trainer
+from workbench.cost.pipelines import REPLAYED, PipelineEstimator, estimator_for
+from workbench.decide.decider import decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
+from workbench.decide.tags import MUST, Tag, Why
 from workbench.errors import WorkbenchError
 from workbench.interop.titan import graph_trainer_log
 from workbench.rewrite.graph_trainer import (
@@ -39,6 +45,7 @@ from workbench.rewrite.graph_trainer import (
     run_pipeline,
 )
 from workbench.rewrite.placement import is_offload_node
+from workbench.search.soundness import random_policies
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
@@ -230,11 +237,12 @@ def test_pipeline_graph_computes_what_eager_does(preset: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
 
 
-def test_explorer_flip_reruns_graph_trainers_pipeline(
+def test_explorer_flip_replays_graph_trainers_pipeline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`PolicyExplorer(..., passes="graph-trainer")` shows the cleaned graph; a flip runs
-    graph trainer's passes again, and the figures are those of the graph they make."""
+    """`PolicyExplorer(..., passes="graph-trainer")` shows the cleaned graph; a flip replays
+    graph trainer's passes on indices without running them, and the figures are those of
+    the graph they make."""
     from workbench.cost import pipelines
     from workbench.show.widgets.explorer import PolicyExplorer
 
@@ -253,7 +261,7 @@ def test_explorer_flip_reruns_graph_trainers_pipeline(
     before = len(runs)
     name = next(n for n, tag in explorer.model.decisions.items() if tag.recompute)
     explorer.flip(name)
-    assert len(runs) > before
+    assert len(runs) == before
     assert not explorer.model.decisions[name].recompute
     result = run_pipeline(explorer.graph, explorer.model.decisions, explorer.model.policy.offload)
     full = estimate_remat(explorer.graph, result.gm, explorer.estimator)
@@ -267,7 +275,8 @@ def test_commands_estimate_graph_trainers_output(
     """`estimate` and `solve --passes graph-trainer` report the figures of the graph graph
     trainer's passes make for the policy, and name each pass's fate."""
     argv = [*command, "--model", MODELS[0], "--layers", "2", "--seq", "32", "--profile", "h100"]
-    if command[0] == "estimate":
+    estimating = command[0] == "estimate"
+    if estimating:
         argv += ["--policy", "titan-sac_and_offload", "--optimizer", "none"]
     assert main([*argv, "--passes", "graph-trainer", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -276,6 +285,7 @@ def test_commands_estimate_graph_trainers_output(
         set(result["passes"]["skipped"]) == set(SKIPPED) | {name for _, name in EP_PASSES}
         and steps["apply_cpu_offload_pass"] == "ran"
     )
+    assert result["passes"].get("whatif") == (REPLAYED if estimating else None)
     policy = Policy.from_json(result["policy"])
     cleaned = cleanup(traced(MODELS[0]))
     optimizer = "none" if command[0] == "estimate" else "adamw"
@@ -416,3 +426,138 @@ def test_gpu_shaped_rank_through_graph_trainers_pipeline(preset: str) -> None:
     result = run_pipeline(cleaned, preset)
     full = estimate_remat(cleaned, result.gm, estimator)
     assert estimator.estimate(Policy(preset)).totals() == full.totals()
+
+
+# --- the what-if replays graph trainer's passes on indices ----------------------------------
+
+# The presets with graph trainer's offload defaults and others (prefetch and defer 0 and 2):
+# offload placed from the pre-remat graph, frees deferred, reloads prefetched and hoisted in
+# front of the copies that read them.
+PRESETS = [
+    *(Policy(preset, offload=GT_OFFLOAD) for preset in TITAN),
+    *(Policy(preset) for preset in ("default", "full", "eager", "offload")),
+    Policy("titan-sac_and_offload", offload=OffloadOptions(prefetch_layers=0, defer_layers=0)),
+    Policy("offload", offload=OffloadOptions(prefetch_layers=2, defer_layers=2)),
+]
+
+
+def _check_replay(graph: JointGraph, policies: list[Policy]) -> None:
+    """Each policy's replayed schedule is the one graph trainer's own passes make (entry for
+    entry, input for input), with no fall back to running them; some offload, all recompute."""
+    estimator = estimator_for(graph, "graph-trainer", ("h100",))
+    assert isinstance(estimator, PipelineEstimator)
+    offloading = 0
+    for policy in policies:
+        assert estimator.check_replay(policy) == [], policy
+        schedule = estimator.schedule_for(decide(estimator.graph, policy), policy.offload)
+        assert estimator.fallback is None
+        offloading += bool(estimator.index.space.is_step(schedule.entries).any())
+    assert offloading >= 2
+
+
+@pytest.mark.parametrize("spec", MODELS)
+def test_replay_is_graph_trainers_passes(spec: str) -> None:
+    """Presets and random policies (selectors, overrides, offload budgets, prefetch and defer
+    0 to 2) on the four families, one device."""
+    graph = cleanup(traced(spec))
+    _check_replay(graph, [*PRESETS, *random_policies(graph, 12, seed=MODELS.index(spec))])
+
+
+@pytest.mark.parametrize(
+    ("spec", "parallel"),
+    [
+        (MODELS[0], Parallel(fsdp=2, tp=2)),
+        (MODELS[2], Parallel(fsdp=2, ep=2)),
+        (MODELS[3], Parallel(fsdp=2, ep=2)),
+    ],
+    ids=["llama3-fsdp2-tp2", "qwen3-moe-fsdp2-ep2", "deepseek-v3-fsdp2-ep2"],
+)
+def test_replay_is_graph_trainers_passes_on_gpu_shaped_ranks(spec: str, parallel: Parallel) -> None:
+    """Ranks traced for an H100 on fake tensors (flex attention's op, whose recomputed copies
+    read its subgraphs; FSDP all-gathers, TP and EP collectives): presets and random
+    policies, FSDP reshard choices among them."""
+    workload = load_workload(spec, device="meta", **SHAPE)  # type: ignore[arg-type]
+    graph = cleanup(trace(workload, "fake", parallel))
+    _check_replay(graph, [*PRESETS, *random_policies(graph, 8, seed=1)])
+
+
+def test_replay_is_graph_trainers_passes_for_tags_no_policy_writes() -> None:
+    """Tags drawn at random on every forward and loss op, outside the rules (the loss and
+    lm_head recomputed, any tensor graph trainer's pass accepts offloaded, in or out of the
+    layers): frees deferred past other offloaded values, reloads hoisted for copies."""
+    from torchtitan.experiments.graph_trainer.cpu_offload import _is_view
+
+    graph = cleanup(traced(MODELS[0]))
+    estimator = estimator_for(graph, "graph-trainer", ("h100",))
+    assert isinstance(estimator, PipelineEstimator)
+    nodes = {node.name: node for node in graph.gm.graph.nodes}
+    base = decide(graph, Policy("titan-default"))
+    rng = random.Random(0)
+    for _ in range(20):
+        recompute, offload = rng.choice([0.1, 0.4, 0.8]), rng.choice([0.1, 0.3])
+        decisions = dict(base)
+        for name, tag in base.items():
+            draw, node = rng.random(), nodes[name]
+            if tag.why.forced:  # random ops: graph trainer's remat refuses them
+                continue
+            movable = not _is_view(node) and isinstance(node.meta.get("val"), torch.Tensor)
+            action = "recompute" if draw < recompute else "save"
+            if recompute <= draw < recompute + offload and movable:
+                action = "offload"
+            decisions[name] = Tag(MUST[action], Why.OVERRIDE)
+        options = OffloadOptions(None, rng.randint(0, 2), rng.randint(0, 2))
+        replayed = replay_graph_trainer(estimator.index, decisions, options)
+        ran = estimator.pipeline_schedule(decisions, options)
+        assert all(np.array_equal(a, b) for a, b in zip(replayed, ran, strict=True))
+
+
+def test_what_the_replay_cannot_say_runs_graph_trainers_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A schedule the replay cannot say (`Unreplayable`) is made by graph trainer's passes,
+    for that estimate only, and `fallback` says why; a view tagged for offload gets graph
+    trainer's own refusal that way. `reference=True` runs them for every estimate."""
+    from workbench.cost import graph_trainer_replay, pipelines
+
+    graph = traced(MODELS[0])
+    estimator = estimator_for(graph, "graph-trainer", ("h100",))
+    assert isinstance(estimator, PipelineEstimator)
+    policy = Policy("titan-sac_and_offload", offload=GT_OFFLOAD)
+    replayed = estimator.estimate(policy)
+    assert estimator.whatif_note() == REPLAYED
+    reference = estimator_for(graph, "graph-trainer", ("h100",), reference=True)
+    assert reference.estimate(policy) == replayed
+    assert isinstance(reference, PipelineEstimator) and "reference" in reference.whatif_note()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise graph_trainer_replay.Unreplayable("not this one")
+
+    monkeypatch.setattr(pipelines, "replay_graph_trainer", refuse)
+    assert estimator.estimate(policy) == replayed
+    assert estimator.whatif_note() == "graph trainer's passes ran: not this one"
+    monkeypatch.undo()
+    assert estimator.estimate(policy) == replayed and estimator.fallback is None
+    decisions = decide(estimator.graph, Policy("titan-default"))
+    nodes = {node.name: node for node in estimator.graph.gm.graph.nodes}
+    view = next(n for n in decisions if nodes[n].target is torch.ops.aten.reshape.default)
+    decisions[view] = Tag(MUST["offload"], Why.OVERRIDE)
+    with pytest.raises(WorkbenchError, match="apply_cpu_offload_pass failed: .* is a view op"):
+        estimator.estimate(decisions)
+    assert estimator.fallback is not None and "is a view" in estimator.fallback
+    assert estimator.check_replay(decisions)[0].startswith("not replayed: ")
+
+
+def test_bench_whatif_replays_graph_trainers_passes() -> None:
+    """`bench whatif --passes graph-trainer`: flips through the replay, equal to the figures
+    of the graph graph trainer's passes make, none run in its place."""
+    result = bench_whatif(
+        traced(MODELS[0]),
+        Policy("titan-sac_and_offload", offload=GT_OFFLOAD),
+        flips=6,
+        full_path=3,
+        seed=2,
+        passes="graph-trainer",
+    )
+    assert result["passes"] == "graph-trainer" and result["equal_to_full_path"] is True
+    assert result["full_path_runs"] == 3 and result["replay_fallbacks"] == 0
+    assert set(result["stage_p50_seconds"]) == {"decide", "replay", "simulate"}
