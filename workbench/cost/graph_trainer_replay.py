@@ -33,6 +33,8 @@ __all__ = ["Unreplayable", "replay_graph_trainer"]
 
 _GT = "torchtitan.experiments.graph_trainer"
 _COPY, _FREE, _RELOAD, _WAIT = range(4)  # the offload steps (`schedule.OFFLOAD_STEPS`)
+# what graph trainer's passes do with a tag: 1 recompute (`must_recompute`), 2 offload
+_KIND = {**dict.fromkeys(RECOMPUTE, 1), CheckpointPolicy.MUST_CPU_OFFLOAD: 2}
 
 
 class Unreplayable(Exception):
@@ -233,17 +235,14 @@ def replay_graph_trainer(
     cannot say."""
     facts = _facts(index)
     options = options or OffloadOptions()
+    where = index.index_of
+    nodes = np.fromiter((where.get(name, -1) for name in decisions), np.int64, len(decisions))
+    kinds = np.fromiter((_KIND.get(tag.policy, 0) for tag in decisions.values()), np.int8)
+    tagged = (nodes >= 0) & facts.call[nodes]  # its passes read call nodes' tags only
     recompute = np.zeros(index.n, bool)
-    offloaded: list[int] = []
-    for name, tag in decisions.items():
-        i = index.index_of.get(name, -1)
-        if i < 0 or not facts.call[i]:
-            continue
-        if tag.policy in RECOMPUTE:
-            recompute[i] = True
-        elif tag.policy is CheckpointPolicy.MUST_CPU_OFFLOAD:
-            offloaded.append(i)
-    infos = {i: info for i in sorted(offloaded) if (info := facts.offload(i)) is not None}
+    recompute[nodes[tagged & (kinds == 1)]] = True
+    offloaded = np.sort(nodes[tagged & (kinds == 2)]).tolist()
+    infos = {i: info for i in offloaded if (info := facts.offload(i)) is not None}
     steps = _offload_pass(facts, infos, options) if infos else None
     if not recompute.any():
         return index.identity_flat if steps is None else steps.flat(index.space)

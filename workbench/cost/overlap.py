@@ -191,24 +191,29 @@ class Streams:
             self._issue[[i, space.copy(i)]] = True
         for i in self.waits:
             self._wait[[i, space.copy(i)]] = True
+        self._ends = np.full(index.n, -1, np.int64)  # wait node -> the collective it ends
+        self._ends[list(self.waits)] = list(self.waits.values())
 
     def _buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
         """Per issued collective (or FSDP bucket): the positions of its members and of the
-        waits on them, in issue order."""
+        waits on them, in issue order. A wait ends the latest issue of its collective
+        before it (its node or the node's recomputed copy)."""
         index, opts = self.index, self.options
+        if not opts.bucket_layers:
+            return self._unbucketed(entries)
         at = np.flatnonzero(self._issue[entries] | self._wait[entries]).tolist()
         nodes = index.space.node(entries[at]).tolist()
         groups: list[tuple[list[int], list[int]]] = []
         owner: dict[int, int] = {}  # node -> its latest issued group
         last_key: tuple[Any, ...] | None = None
         last_group = -1
-        for p, node in zip(at, nodes, strict=True):
+        copies = (entries[at] >= index.space.copies).tolist()  # recomputed copies
+        for p, node, copy in zip(at, nodes, copies, strict=True):
             if node in self.waits:
                 g = owner.get(self.waits[node])
                 if g is not None:
                     groups[g][1].append(p)
                 continue
-            copy = bool(entries[p] >= index.space.copies)  # a recomputed copy
             key = (self.kind[node], index.layer[node], copy)
             bucket = opts.bucket_layers and node in self.fsdp and index.layer[node] is not None
             if bucket and key == last_key:
@@ -222,6 +227,26 @@ class Streams:
             owner[node] = g
         return groups
 
+    def _unbucketed(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
+        """`_buckets` without FSDP buckets, on arrays: one group per issue."""
+        space, length = self.index.space, len(entries) + 1
+        issues = np.flatnonzero(self._issue[entries])
+        keys = space.node(entries[issues]) * length + issues  # by (collective, position)
+        by_key = np.argsort(keys)
+        waits = np.flatnonzero(self._wait[entries])
+        ends = self._ends[space.node(entries[waits])]
+        k = np.searchsorted(keys[by_key], ends * length + waits) - 1
+        found = k >= 0
+        found[found] = keys[by_key[k[found]]] // length == ends[found]
+        group = by_key[k[found]]
+        order = np.argsort(group, kind="stable")  # waits come in position order
+        ends_at = np.cumsum(np.bincount(group, minlength=len(issues))).tolist()
+        at = waits[found][order].tolist()
+        return [
+            ([p], at[(ends_at[g - 1] if g else 0) : ends_at[g]])
+            for g, p in enumerate(issues.tolist())
+        ]
+
     def _collectives(self, entries: np.ndarray) -> list[_Collective]:
         """Per issued collective (or FSDP bucket) of a schedule: its issue position, its
         waits' positions and its shape (kind, bytes, group size, mesh dimension); kept for
@@ -229,8 +254,10 @@ class Streams:
         if self._last is not None and self._last[0] is entries:
             return self._last[1]
         result = []
+        at = np.flatnonzero(self._issue[entries])
+        node_at = dict(zip(at.tolist(), self.index.space.node(entries[at]).tolist(), strict=True))
         for members, waits in self._buckets(entries):
-            nodes = self.index.space.node(entries[members]).tolist()
+            nodes = [node_at[p] for p in members]
             kind = self.kind[nodes[0]]
             world, dim = self.group[nodes[0]]
             shape = (kind, sum(self.nbytes[i] for i in nodes), world, dim)
