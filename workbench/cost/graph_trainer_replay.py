@@ -33,8 +33,13 @@ __all__ = ["Unreplayable", "replay_graph_trainer"]
 
 _GT = "torchtitan.experiments.graph_trainer"
 _COPY, _FREE, _RELOAD, _WAIT = range(4)  # the offload steps (`schedule.OFFLOAD_STEPS`)
-# what graph trainer's passes do with a tag: 1 recompute (`must_recompute`), 2 offload
-_KIND = {**dict.fromkeys(RECOMPUTE, 1), CheckpointPolicy.MUST_CPU_OFFLOAD: 2}
+
+
+def _kind(tag: Tag) -> int:
+    """What graph trainer's passes do with a tag: 1 recompute (`must_recompute`), 2 offload
+    (`apply_cpu_offload_pass` reads MUST_CPU_OFFLOAD only), 0 nothing."""
+    policy = tag.policy
+    return 1 if policy in RECOMPUTE else 2 if policy is CheckpointPolicy.MUST_CPU_OFFLOAD else 0
 
 
 class Unreplayable(Exception):
@@ -237,7 +242,7 @@ def replay_graph_trainer(
     options = options or OffloadOptions()
     where = index.index_of
     nodes = np.fromiter((where.get(name, -1) for name in decisions), np.int64, len(decisions))
-    kinds = np.fromiter((_KIND.get(tag.policy, 0) for tag in decisions.values()), np.int8)
+    kinds = np.fromiter(map(_kind, decisions.values()), np.int8, len(decisions))
     tagged = (nodes >= 0) & facts.call[nodes]  # its passes read call nodes' tags only
     recompute = np.zeros(index.n, bool)
     recompute[nodes[tagged & (kinds == 1)]] = True
