@@ -290,17 +290,19 @@ class Streams:
             if opts.sink_waits and reads is not None:
                 waits = [self._first_use(w, entries, reads) for w in waits]
             events.extend((max(w, issue), "wait", ("c", b), -1) for w in waits)
-        at = np.flatnonzero(space.is_step(entries)).tolist()
-        steps = space.step(entries[at]).tolist()
+        at = np.flatnonzero(space.is_step(entries))
+        steps, nodes = space.step(entries[at]).tolist(), space.node(entries[at]).tolist()
         copies: list[int] = []
-        for p, k in zip(at, steps, strict=True):
-            node = int(space.node(entries[p]))
+        for p, k, node in zip(at.tolist(), steps, nodes, strict=True):
             if k in (0, 2):
                 events.append((p, "copy", (node, k), len(shapes) + len(copies)))
                 copies.append(offloaded[node])
             else:
                 events.append((p, "wait", (node, k - 1), -1))
-        order = sorted(range(len(events)), key=lambda i: (events[i][0], events[i][1] == "wait", i))
+        # `walk_streams`' order: by position, issues before waits, then as listed
+        position = np.fromiter((e[0] for e in events), np.int64, len(events))
+        waiting = np.fromiter((e[1] == "wait" for e in events), bool, len(events))
+        order = np.lexsort((np.arange(len(events)), waiting, position)).tolist()
         plan = _Plan(shapes, copies, [events[i] for i in order])
         self._last_plan = (key, plan)
         return plan
