@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from workbench import commands
 from workbench.capture.ops import module_matches
+from workbench.cli import args as cli_args
 from workbench.cli import main
 from workbench.decide import policy as policy_module
 from workbench.decide.policy import Policy
@@ -550,7 +550,6 @@ SOLVER_FLAGS = [
     [
         *((["floor"], flag, value) for flag, value in SOLVER_FLAGS),
         (["floor"], "--tolerance-bytes", "0"),
-        (["bench", "offload"], "--method", "simplex"),  # floor's old name
         *((["solve", "--budget-frac", "0.5"], flag, value) for flag, value in SOLVER_FLAGS),
         (["solve", "--budget-frac", "0.5"], "--objective", "memory"),
         *((["pareto"], flag, value) for flag, value in SOLVER_FLAGS),
@@ -563,13 +562,13 @@ def test_solver_commands_refuse_a_bad_flag_before_tracing(
     flag: str,
     value: str,
 ) -> None:
-    """One check (`commands._solve_options_from_args`, on the library's own tests) for every
+    """One check (`cli.args.solve_options_from_args`, on the library's own tests) for every
     command that runs the solver: the error names the flag and what is valid."""
 
-    def no_trace(args: object) -> None:
+    def no_trace(*args: object) -> None:
         raise AssertionError("traced before checking the flags")
 
-    monkeypatch.setattr(commands, "_trace_from_args", no_trace)
+    monkeypatch.setattr(cli_args, "timed_trace", no_trace)
     message = fails(capsys, [*command, *MLP, flag, value], f"^error: {re.escape(flag)}")
     if flag in ("--method", "--profile", "--objective"):
         assert "choose one of" in message
@@ -604,7 +603,7 @@ def test_verify_random_refuses_a_bad_flag_before_tracing(
     def no_trace(*args: object) -> None:
         raise AssertionError("traced before checking the flags")
 
-    monkeypatch.setattr(commands, "timed_trace", no_trace)
+    monkeypatch.setattr(cli_args, "timed_trace", no_trace)
     fails(capsys, ["verify", *MLP, *flags], re.escape(message))
 
 
@@ -851,8 +850,7 @@ def _no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("traced before checking the input")
 
-    monkeypatch.setattr(commands, "_trace_from_args", refuse)
-    monkeypatch.setattr(commands, "timed_trace", refuse)
+    monkeypatch.setattr(cli_args, "timed_trace", refuse)
 
 
 EXTREME_FLAGS: list[tuple[list[str], str]] = [

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import doctest
 
-from workbench import bench
-from workbench.bench import bench_render, bench_trace, bench_whatif, percentile
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.trace import timed_trace
+from workbench.cli import benchmarks as bench
+from workbench.cli.benchmarks import bench_render, bench_trace, bench_whatif, percentile
 from workbench.decide.policy import Policy
 
 

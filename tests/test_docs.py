@@ -24,10 +24,6 @@ PAGES = [README, *DOCS]
 MAX_README_WORDS = 1500
 MAX_SCREENSHOT_BYTES = 400_000
 
-# `floor` is the search split's name for `bench offload`, with the same flags. Until that
-# split lands the parser only knows the old name, and examples of `floor` are parsed as it.
-# Delete once `python -m workbench floor` parses.
-
 FENCE = re.compile(r"^ *```.*?^ *```", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

@@ -1,6 +1,6 @@
 """`floor_search`: the lowest peak at eager's step time, with and without offload, and the
 floor; its figures keep the relations that must hold and are the policies' own; the `floor`
-command and its old name `bench offload`."""
+command."""
 
 from __future__ import annotations
 
@@ -110,26 +110,6 @@ def test_floor_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["floor", *shape, "--host-budget-bytes", "0"]) == 0
     out = capsys.readouterr().out
     assert "solver, host 0 GiB" in out and "below eager" in out and "(greedy)" in out
-
-
-def test_bench_offload_is_floor_under_its_old_name(capsys: pytest.CaptureFixture[str]) -> None:
-    """For one release `bench offload` runs `floor`, with one line on stderr saying so."""
-    shape = ["--model", "llama3-debug", "--layers", "1", "--seq", "16", "--optimizer", "none"]
-    assert main(["bench", "offload", *shape, "--host-budget-bytes", "0", "--json"]) == 0
-    captured = capsys.readouterr()
-    assert captured.err.splitlines() == [
-        "warning: `bench offload` is deprecated and goes in the next release: use "
-        "`python -m workbench floor` (same flags)"
-    ]
-    old = json.loads(captured.out)
-    assert main(["floor", *shape, "--host-budget-bytes", "0", "--json"]) == 0
-    new = json.loads(capsys.readouterr().out)
-    for result in (old, new):
-        for key in ("seconds", "trace_seconds"):
-            del result[key]
-    assert old == new
-    assert main(["bench", "offload", *shape, "--host-budget-bytes", "0"]) == 0
-    assert "lowest peak at eager's step time" in capsys.readouterr().out
 
 
 def test_floor_search_refuses_what_it_cannot_answer(offload_graph: JointGraph) -> None:

@@ -17,13 +17,13 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workbench.bench import bench_whatif
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
 from workbench.capture.parallel import Parallel
 from workbench.capture.titan_rank import graph_trainer_imports
 from workbench.capture.trace import trace
 from workbench.cli import main
+from workbench.cli.benchmarks import bench_whatif
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.graph_trainer_replay import replay_graph_trainer
 from workbench.cost.pipelines import REPLAYED, PipelineEstimator, estimator_for

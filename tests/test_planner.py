@@ -15,9 +15,9 @@ from workbench.capture.models import Workload, load_workload
 from workbench.capture.parallel import Parallel
 from workbench.capture.stages import trace_stages
 from workbench.cli import main
+from workbench.cli.plan import plan_table
 from workbench.cost.stages import PipelineModel
 from workbench.decide.policy import Policy
-from workbench.plan_command import plan_table
 from workbench.search.planner import (
     Candidate,
     ParamCounts,

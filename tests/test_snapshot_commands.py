@@ -14,11 +14,11 @@ import pytest
 import torch
 from snapshot_fixtures import cpu_recording, record_snapshot
 
-from workbench.bench import bench_gpu, bench_gpu_paths
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.trace import trace
 from workbench.cli import main
+from workbench.cli.benchmarks import bench_gpu, bench_gpu_paths
 from workbench.cost.calibrate import measured_basis, time_basis
 from workbench.cost.estimate import Estimator
 from workbench.cost.measure import measure_graph

@@ -1,64 +1,65 @@
-"""Command line: `python -m workbench COMMAND ... [--json]`.
+"""The command line's parser: every command, its flags, and the function that runs it (the
+parsed arguments' `run`, one of the command groups' `cmd_*`).
 
-Entry point: `main(argv)`. With `--json` every command prints exactly one JSON object on
-stdout; errors print one line on stderr and exit with status 2.
+Entry points: `build_parser()`; `CommandParser`, argparse reporting bad input in one line; the
+flag groups several commands share (`add_model_args`, `add_policy_arg`, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
-import json
-import os
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from workbench.baseline_commands import with_baselines
 from workbench.capture.models import DTYPES
-from workbench.commands import (
-    FSDP_CHOICES,
-    check_common_args,
-    cmd_activations,
-    cmd_bench_offload,
-    cmd_bench_render,
-    cmd_bench_trace,
-    cmd_bench_whatif,
+from workbench.cli.args import FSDP_CHOICES
+from workbench.cli.bench import cmd_bench_gpu, cmd_bench_render, cmd_bench_trace, cmd_bench_whatif
+from workbench.cli.estimate import (
+    cmd_compare_snapshot,
     cmd_estimate,
-    cmd_export,
-    cmd_floor,
     cmd_measure,
-    cmd_pareto,
-    cmd_policy_explain,
-    cmd_render,
-    cmd_solve,
-    cmd_trace,
-    cmd_verify,
+    with_baselines,
 )
-from workbench.decide.presets import PRESETS
-from workbench.errors import WorkbenchError, torch_logs_held
-from workbench.plan_command import cmd_plan, plan_table
-from workbench.snapshot_commands import cmd_bench_gpu, cmd_compare_snapshot
-from workbench.stage_commands import (
-    add_pipeline_args,
+from workbench.cli.plan import cmd_plan
+from workbench.cli.policy import cmd_policy_explain
+from workbench.cli.render import cmd_activations, cmd_render
+from workbench.cli.solve import cmd_floor, cmd_pareto, cmd_solve
+from workbench.cli.stages import (
     cmd_bench_trace_stages,
     cmd_estimate_stages,
     cmd_solve_stages,
     cmd_trace_stages,
     pipelined,
 )
-from workbench.units import format_value
-from workbench.validate_command import add_validate_parser, validate_table
+from workbench.cli.trace import cmd_export, cmd_trace, cmd_verify
+from workbench.cli.validate import cmd_validate
+from workbench.decide.presets import PRESETS
+from workbench.interop.published import PUBLISHED_RUNS
 
-if TYPE_CHECKING:
-    pass
-
+__all__ = [
+    "EXIT_USAGE",
+    "CommandParser",
+    "add_cost_args",
+    "add_model_args",
+    "add_optimizer_arg",
+    "add_passes_arg",
+    "add_pipeline_args",
+    "add_policy_arg",
+    "add_solve_args",
+    "build_parser",
+]
 
 EXIT_USAGE = 2
 
+DESCRIPTION = """Command line: `python -m workbench COMMAND ... [--json]`.
 
-class _Parser(argparse.ArgumentParser):
+Entry point: `main(argv)`. With `--json` every command prints exactly one JSON object on
+stdout; errors print one line on stderr and exit with status 2.
+"""
+
+
+class CommandParser(argparse.ArgumentParser):
     """argparse reporting bad input as every command does: one line, `PROG: error: MESSAGE`
     naming the flag and what is valid, exit status 2, instead of a usage block. A command
     (a parser with a `run`) refuses flags it does not know itself, with close matches; a
@@ -86,7 +87,10 @@ class _Parser(argparse.ArgumentParser):
         return [flag for action in self._actions for flag in action.option_strings]
 
 
-def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+# --- flags several commands share --------------------------------------------------------
+
+
+def add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument(
         "--model",
         required=required,
@@ -121,10 +125,14 @@ def _add_model_args(parser: argparse.ArgumentParser, required: bool = True) -> N
         help="tokens this rank's experts receive, as a multiple of the balanced count "
         "(fake tensors cannot route; default 1: balanced)",
     )
+    add_json_arg(parser)
+
+
+def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "default") -> None:
+def add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "default") -> None:
     parser.add_argument(
         "--policy",
         default=default,
@@ -132,7 +140,7 @@ def _add_policy_arg(parser: argparse.ArgumentParser, default: str | None = "defa
     )
 
 
-def _add_passes_arg(parser: argparse.ArgumentParser) -> None:
+def add_passes_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--passes",
         default="workbench",
@@ -148,7 +156,7 @@ def _add_passes_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
+def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
         choices=("adamw", "sgd", "none"),
@@ -158,7 +166,7 @@ def _add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> None:
+def add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> None:
     """What the GPU will see: the caching allocator's settings and the streams' options."""
     group = parser.add_argument_group("allocator and streams")
     group.add_argument(
@@ -188,7 +196,9 @@ def _add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> 
         )
 
 
-def _add_budget_kind_arg(parser: argparse.ArgumentParser) -> None:
+def add_solve_args(parser: argparse.ArgumentParser) -> None:
+    add_optimizer_arg(parser)
+    add_cost_args(parser)
     parser.add_argument(
         "--budget-kind",
         choices=("allocated", "reserved"),
@@ -196,12 +206,6 @@ def _add_budget_kind_arg(parser: argparse.ArgumentParser) -> None:
         help="hold the budget against allocated bytes (default) or the caching allocator's "
         "reserved bytes",
     )
-
-
-def _add_solve_args(parser: argparse.ArgumentParser) -> None:
-    _add_optimizer_arg(parser)
-    _add_cost_args(parser)
-    _add_budget_kind_arg(parser)
     parser.add_argument(
         "--host-budget-bytes",
         type=int,
@@ -222,136 +226,40 @@ def _add_solve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_floor_args(parser: argparse.ArgumentParser) -> None:
-    """`floor`'s flags (and those of `bench offload`, its old name); fake mode by default."""
-    _add_model_args(parser)
-    _add_optimizer_arg(parser)
-    parser.add_argument("--profile", default="h100", help="device profile (default h100)")
-    parser.add_argument(
-        "--host-budget-bytes",
-        type=int,
-        default=64 * 2**30,
-        help="host memory offloaded activations may take (default 64 GiB); 0: no offload",
+def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("pipeline parallelism")
+    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (ranks)")
+    group.add_argument(
+        "--pp-schedule",
+        default="1F1B",
+        help="torch.distributed.pipelining schedule: 1F1B (default), GPipe, Interleaved1F1B, "
+        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
     )
-    parser.add_argument(
-        "--tolerance-bytes",
-        type=int,
-        default=2**20,
-        help="bisection over the device budget stops within this many bytes (default 1 MiB)",
+    group.add_argument(
+        "--microbatches", type=int, help="microbatches per step (default: one per stage)"
     )
-    parser.add_argument("--method", default="greedy", help="solve's: greedy, knapsack or exact")
-    parser.add_argument(
-        "--host-link",
-        choices=("in-step", "benchmark", "fresh-pinned"),
-        default="in-step",
-        help="host link rate: as measured in a step from a reused pinned pool (default), as "
-        "benchmarked, or with fresh pinned allocations",
-    )
-    _add_cost_args(parser)
-    # what the solver's other flags would say: step time decides, both FSDP settings tried
-    parser.set_defaults(
-        mode="fake", objective="recompute_time", fsdp_choice="search", budget_kind="allocated"
+    group.add_argument("--stage", type=int, help="only this stage's graph (default: all)")
+    group.add_argument(
+        "--layers-per-stage", type=int, help="torchtitan's pipeline_parallel_layers_per_stage"
     )
 
 
-_LONG_TEXT = 100  # characters: longer values print as their start and a note
+# --- the commands, in the order `--help` lists them -----------------------------------------
+
+Commands = Any  # what `add_subparsers` returns (argparse's private `_SubParsersAction`)
 
 
-_LIST_ROWS = 12  # rows of a list shown before "… N more"
-_WHOLE_TEXT = frozenset({"verdict"})  # sentences a person needs whole (verify's before_policy)
-
-
-def _human_value(key: str, value: Any, parent: str = "") -> str:
-    """One value with the unit its key names (`workbench.units.unit_of`)."""
-    if isinstance(value, bool) or value is None:
-        return "yes" if value is True else "no" if value is False else "-"
-    if isinstance(value, int | float):
-        formatted = format_value(key, value, parent)
-        if formatted is not None:
-            return formatted
-        return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
-    if value in ({}, [], ""):
-        return "none"
-    text = str(value)
-    if len(text) > _LONG_TEXT and key not in _WHOLE_TEXT:
-        return f"{text[:_LONG_TEXT]}… ({len(text):,} characters; --json prints all)"
-    return text
-
-
-def _human_lines(result: dict[str, Any], indent: str = "") -> list[str]:
-    """Aligned `key  value` lines; nested objects indented, lists of objects as tables."""
-    lines: list[str] = []
-    width = max((len(k) for k in result), default=0)
-    for key, value in result.items():
-        if isinstance(value, dict) and value:
-            lines.append(f"{indent}{key}:")
-            if all(not isinstance(v, dict | list) for v in value.values()):
-                inner = {k: _human_value(k, v, key) for k, v in value.items()}
-                lines += _human_lines(inner, indent + "  ")
-            else:
-                lines += _human_lines(value, indent + "  ")
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            lines.append(f"{indent}{key}: {len(value)} rows")
-            lines += _table(value[:_LIST_ROWS], indent + "  ")
-            if len(value) > _LIST_ROWS:
-                lines.append(f"{indent}  … {len(value) - _LIST_ROWS} more (--json prints all)")
-        elif isinstance(value, list) and value:
-            shown = ", ".join(_human_value(key, v) for v in value[:_LIST_ROWS])
-            more = f", … {len(value) - _LIST_ROWS} more" if len(value) > _LIST_ROWS else ""
-            lines.append(f"{indent}{key:<{width}}  {_human_value('', shown + more)}")
-        else:
-            lines.append(f"{indent}{key:<{width}}  {_human_value(key, value)}")
-    return lines
-
-
-_CELL_ENTRIES = 3  # entries of a map shown in one table cell, largest first
-
-
-def _cell(column: str, value: Any) -> str:
-    """A table cell: a map of figures as its largest entries with their units (`Activation
-    32.2 GiB, OptState 15.0 GiB, …`), other maps and lists by their length."""
-    if isinstance(value, dict) and value:
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
-            return f"{len(value)} entries"
-        top = sorted(value.items(), key=lambda kv: -kv[1])[:_CELL_ENTRIES]
-        more = ", …" if len(value) > _CELL_ENTRIES else ""
-        return ", ".join(f"{k} {_human_value(k, v, column)}" for k, v in top) + more
-    if isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
-        return f"{len(value)} items"
-    return _human_value(column, value)
-
-
-def _table(rows: list[dict[str, Any]], indent: str) -> list[str]:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    cells = [[_cell(c, row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    line = [indent + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    return line + [
-        indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells
-    ]
-
-
-def _print_human(result: dict[str, Any]) -> None:
-    """What a person reads without --json: units, tables, long values shortened."""
-    if "code" in result and "path" in result:  # export --out: say where, not the whole file
-        lines = result["code"].count("\n") + 1
-        print(f"wrote the {result['format']} export ({lines} lines) to {result['path']}")
-        return
-    print("\n".join(_human_lines(result)))
-
-
-def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one statement a flag)
-    parser = _Parser(prog="python -m workbench", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _add_trace(commands: Commands) -> None:
     trace = commands.add_parser("trace", help="trace a train step and summarise the graph")
-    _add_model_args(trace)
+    add_model_args(trace)
     add_pipeline_args(trace)
     trace.set_defaults(run=pipelined(cmd_trace, cmd_trace_stages))
 
+
+def _add_verify(commands: Commands) -> None:
     verify = commands.add_parser("verify", help="remat a policy and check numerics bitwise")
-    _add_model_args(verify)
-    _add_policy_arg(verify, default=None)  # None: not given (`--random` takes its place)
+    add_model_args(verify)
+    add_policy_arg(verify, default=None)  # None: not given (`--random` takes its place)
     verify.add_argument(
         "--random",
         type=int,
@@ -362,9 +270,11 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     verify.add_argument("--seed", type=int, default=0, help="seed of the --random policies")
     verify.set_defaults(run=cmd_verify)
 
+
+def _add_export(commands: Commands) -> None:
     export = commands.add_parser("export", help="export a policy as code")
-    _add_model_args(export)
-    _add_policy_arg(export)
+    add_model_args(export)
+    add_policy_arg(export)
     export.add_argument(
         "--format", default="policy_fn", help="policy_fn, graph_pass, torchtitan or json"
     )
@@ -377,14 +287,18 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     export.set_defaults(run=cmd_export)
 
+
+def _add_activations(commands: Commands) -> None:
     activations = commands.add_parser(
         "activations", help="graph trainer's per-activation table (layer, bytes, tag, op, ...)"
     )
-    _add_model_args(activations)
-    _add_policy_arg(activations)
-    _add_passes_arg(activations)
+    add_model_args(activations)
+    add_policy_arg(activations)
+    add_passes_arg(activations)
     activations.set_defaults(run=cmd_activations)
 
+
+def _add_policy(commands: Commands) -> None:
     policy = commands.add_parser("policy", help="what a policy does")
     policies = policy.add_subparsers(dest="subcommand", required=True)
     explain = policies.add_parser(
@@ -392,13 +306,16 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
         help="a policy's rules in words, where it differs from graph trainer's, and (with "
         "--model) its decisions by reason and mismatches with graph trainer's tagging",
     )
-    _add_model_args(explain, required=False)
-    _add_policy_arg(explain)
+    add_model_args(explain, required=False)
+    add_policy_arg(explain)
     explain.set_defaults(run=cmd_policy_explain)
+    policy.commands = tuple(policies.choices or ())
 
+
+def _add_estimate(commands: Commands) -> None:
     estimate = commands.add_parser("estimate", help="estimate peak memory and step time")
-    _add_model_args(estimate)
-    _add_policy_arg(estimate)
+    add_model_args(estimate)
+    add_policy_arg(estimate)
     estimate.add_argument(
         "--profile", default="h100,h200,cpu", help="device profiles, comma-separated"
     )
@@ -407,9 +324,9 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
         "--snapshot", metavar="OUT.pickle", help="write the estimate as a memory snapshot"
     )
     estimate.add_argument("--overwrite", action="store_true", help="replace an existing file")
-    _add_optimizer_arg(estimate)
-    _add_passes_arg(estimate)
-    _add_cost_args(estimate, calibrate=True)
+    add_optimizer_arg(estimate)
+    add_passes_arg(estimate)
+    add_cost_args(estimate, calibrate=True)
     add_pipeline_args(estimate)
     estimate.add_argument(
         "--baselines",
@@ -419,21 +336,25 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     )
     estimate.set_defaults(run=with_baselines(pipelined(cmd_estimate, cmd_estimate_stages)))
 
+
+def _add_compare_snapshot(commands: Commands) -> None:
     compare = commands.add_parser(
         "compare-snapshot", help="a measured memory snapshot against the estimate, op by op"
     )
     compare.add_argument("snapshot", help="torch.cuda.memory._dump_snapshot's pickle")
-    _add_model_args(compare)
-    _add_policy_arg(compare)
-    _add_optimizer_arg(compare)
-    _add_cost_args(compare)
+    add_model_args(compare)
+    add_policy_arg(compare)
+    add_optimizer_arg(compare)
+    add_cost_args(compare)
     compare.add_argument("--device", type=int, help="the snapshot's device (default: its one)")
     compare.add_argument("--top", type=int, default=20, help="nodes differing most (20)")
     compare.set_defaults(run=cmd_compare_snapshot, mode="fake")  # nothing runs
 
+
+def _add_measure(commands: Commands) -> None:
     measure = commands.add_parser("measure", help="run remat'd graph for real: peak, step time")
-    _add_model_args(measure)
-    _add_policy_arg(measure)
+    add_model_args(measure)
+    add_policy_arg(measure)
     measure.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     measure.add_argument("--repeat", type=int, default=5, help="timed runs (median reported)")
     measure.add_argument("--warmup", type=int, default=1)
@@ -447,32 +368,39 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     )
     measure.set_defaults(run=cmd_measure)
 
+
+def _add_solve(commands: Commands) -> None:
     solve = commands.add_parser("solve", help="search the cheapest policy within a budget")
-    _add_model_args(solve)
-    _add_solve_args(solve)
+    add_model_args(solve)
+    add_solve_args(solve)
     budget = solve.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-bytes", type=int, help="estimated peak must fit this")
     budget.add_argument("--budget-frac", type=float, help="fraction of the no-AC peak")
-    _add_passes_arg(solve)
+    add_passes_arg(solve)
     add_pipeline_args(solve)
     solve.set_defaults(run=pipelined(cmd_solve, cmd_solve_stages))
 
+
+def _add_pareto(commands: Commands) -> None:
     pareto = commands.add_parser("pareto", help="memory-vs-recompute front and the presets")
-    _add_model_args(pareto)
-    _add_solve_args(pareto)
+    add_model_args(pareto)
+    add_solve_args(pareto)
     pareto.add_argument("--points", type=int, default=20, help="budgets in the sweep")
     pareto.set_defaults(run=cmd_pareto)
 
+
+def _add_bench(commands: Commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print measured figures")
     benches = bench.add_subparsers(dest="subcommand", required=True)
     bench_trace = benches.add_parser("trace", help="time tracing (median of --repeat runs)")
-    _add_model_args(bench_trace)
+    add_model_args(bench_trace)
     bench_trace.add_argument("--repeat", type=int, default=1)
     add_pipeline_args(bench_trace)
     bench_trace.set_defaults(run=pipelined(cmd_bench_trace, cmd_bench_trace_stages))
+
     bench_whatif = benches.add_parser("whatif", help="time what-if flips against the full path")
-    _add_model_args(bench_whatif)
-    _add_policy_arg(bench_whatif)
+    add_model_args(bench_whatif)
+    add_policy_arg(bench_whatif)
     bench_whatif.add_argument("--flips", type=int, default=50)
     bench_whatif.add_argument(
         "--full-path",
@@ -490,24 +418,10 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     )
     bench_whatif.set_defaults(run=cmd_bench_whatif, mode="fake")
 
-    render = commands.add_parser("render", help="draw the graph coloured by a policy")
-    _add_model_args(render)
-    _add_policy_arg(render)
-    render.add_argument(
-        "--view",
-        default="overview",
-        help="overview, layer:N, module:PATH, diff:OTHER_POLICY or graph (every op)",
-    )
-    render.add_argument("--out", required=True, help="file to write: .svg, .png, .pdf or .dot")
-    render.add_argument("--force", action="store_true", help="lay out huge views anyway")
-    render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    _add_passes_arg(render)
-    render.set_defaults(run=cmd_render)
-
     bench_gpu = benches.add_parser(
         "gpu", help="per preset on CUDA: peaks, step time, snapshot, trace, vs the estimate"
     )
-    _add_model_args(bench_gpu)
+    add_model_args(bench_gpu)
     bench_gpu.add_argument(
         "--presets", default="none,default,eager,full,offload", help="presets, comma-separated"
     )
@@ -520,27 +434,69 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one parser, one
     bench_gpu.set_defaults(run=cmd_bench_gpu)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")
-    _add_model_args(bench_render)
-    _add_policy_arg(bench_render)
+    add_model_args(bench_render)
+    add_policy_arg(bench_render)
     bench_render.add_argument("--repeat", type=int, default=3)
     bench_render.set_defaults(run=cmd_bench_render, mode="fake")
+    bench.commands = tuple(benches.choices or ())
 
+
+def _add_render(commands: Commands) -> None:
+    render = commands.add_parser("render", help="draw the graph coloured by a policy")
+    add_model_args(render)
+    add_policy_arg(render)
+    render.add_argument(
+        "--view",
+        default="overview",
+        help="overview, layer:N, module:PATH, diff:OTHER_POLICY or graph (every op)",
+    )
+    render.add_argument("--out", required=True, help="file to write: .svg, .png, .pdf or .dot")
+    render.add_argument("--force", action="store_true", help="lay out huge views anyway")
+    render.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    add_passes_arg(render)
+    render.set_defaults(run=cmd_render)
+
+
+def _add_floor(commands: Commands) -> None:
+    """`floor`: fake mode by default; the solver's other flags as it fixes them."""
     floor = commands.add_parser(
         "floor", help="lowest peak at eager's step time, with and without offload; the floor"
     )
-    _add_floor_args(floor)
-    floor.set_defaults(run=cmd_floor)
-    bench_offload = benches.add_parser("offload", help="deprecated: the old name of `floor`")
-    _add_floor_args(bench_offload)
-    bench_offload.set_defaults(run=cmd_bench_offload)
-    _add_plan_parser(commands)
-    add_validate_parser(commands)
-    for owner, choices in ((parser, commands), (policy, policies), (bench, benches)):
-        owner.commands = tuple(choices.choices or ())
-    return parser
+    add_model_args(floor)
+    add_optimizer_arg(floor)
+    floor.add_argument("--profile", default="h100", help="device profile (default h100)")
+    floor.add_argument(
+        "--host-budget-bytes",
+        type=int,
+        default=64 * 2**30,
+        help="host memory offloaded activations may take (default 64 GiB); 0: no offload",
+    )
+    floor.add_argument(
+        "--tolerance-bytes",
+        type=int,
+        default=2**20,
+        help="bisection over the device budget stops within this many bytes (default 1 MiB)",
+    )
+    floor.add_argument("--method", default="greedy", help="solve's: greedy, knapsack or exact")
+    floor.add_argument(
+        "--host-link",
+        choices=("in-step", "benchmark", "fresh-pinned"),
+        default="in-step",
+        help="host link rate: as measured in a step from a reused pinned pool (default), as "
+        "benchmarked, or with fresh pinned allocations",
+    )
+    add_cost_args(floor)
+    # what the solver's other flags would say: step time decides, both FSDP settings tried
+    floor.set_defaults(
+        mode="fake",
+        objective="recompute_time",
+        fsdp_choice="search",
+        budget_kind="allocated",
+        run=cmd_floor,
+    )
 
 
-def _add_plan_parser(commands: Any) -> None:
+def _add_plan(commands: Commands) -> None:
     plan = commands.add_parser(
         "plan", help="rank the parallel layouts of a job on N GPUs by tokens/s per GPU"
     )
@@ -569,69 +525,51 @@ def _add_plan_parser(commands: Any) -> None:
     )
     plan.add_argument("--plot", help="draw memory vs tokens/s per GPU to this file (.svg, .png)")
     plan.add_argument("--overwrite", action="store_true", help="replace an existing --plot")
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_arg(plan)
     plan.set_defaults(run=cmd_plan)
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """While a `--json` command runs, whatever it prints (a user factory's print, a native
-    library writing to file descriptor 1) goes to stderr: stdout holds only the JSON."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no file descriptor 1: Python-level redirection is all there is
-        saved = None
-    try:
-        if saved is not None:
-            os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stderr.flush()
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
+def _add_validate(commands: Commands) -> None:
+    validate = commands.add_parser(
+        "validate", help="published per-GPU memory of real runs beside the estimate of each"
+    )
+    validate.add_argument(
+        "--rows", help=f"comma-separated row ids (default: all): {', '.join(PUBLISHED_RUNS)}"
+    )
+    validate.add_argument(
+        "--list", action="store_true", help="list the rows with their sources; estimate none"
+    )
+    validate.add_argument(
+        "--layers",
+        type=int,
+        help="override every row's layer count (a quick check: no longer comparable)",
+    )
+    validate.add_argument(
+        "--seq", type=int, help="override every row's sequence length (no longer comparable)"
+    )
+    add_json_arg(validate)
+    validate.set_defaults(run=cmd_validate)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
-    try:
-        with _stdout_to_stderr() if args.json else contextlib.nullcontext(), torch_logs_held():
-            check_common_args(args)
-            result = run(args)
-    except WorkbenchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except SystemExit as err:  # user code (a factory, a loss) called sys.exit mid-command
-        print(
-            f"error: {args.command} stopped: code it ran called sys.exit({err.code!r})",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    except KeyboardInterrupt:  # Ctrl-C, or user code raising it: one line, not a traceback
-        print(f"error: {args.command} interrupted (KeyboardInterrupt)", file=sys.stderr)
-        return EXIT_USAGE
-    if args.json:
-        print(json.dumps(result))
-    elif args.command == "export" and not args.out:
-        print(result["code"])
-    elif args.command == "activations":
-        print(result["table"])
-    elif args.command == "floor" or args.command == "bench" and args.subcommand == "offload":
-        from workbench.search.floor import floor_table
-
-        print(floor_table(result))
-        print(f"{result['seconds']:.1f} s (trace {result['trace_seconds']:.1f} s)")
-    elif args.command == "plan":
-        print(plan_table(result))
-    elif args.command == "validate":
-        print(validate_table(result))
-    elif args.command == "policy":
-        from workbench.show.explain import explain_text
-
-        print(explain_text(result))
-    else:
-        _print_human(result)
-    return 0
+def build_parser() -> CommandParser:
+    """Every command, in the order `--help` lists them; each parsed command's `run` is the
+    function that runs it (`args -> Result`)."""
+    parser = CommandParser(prog="python -m workbench", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_trace(commands)
+    _add_verify(commands)
+    _add_export(commands)
+    _add_activations(commands)
+    _add_policy(commands)
+    _add_estimate(commands)
+    _add_compare_snapshot(commands)
+    _add_measure(commands)
+    _add_solve(commands)
+    _add_pareto(commands)
+    _add_bench(commands)
+    _add_render(commands)
+    _add_floor(commands)
+    _add_plan(commands)
+    _add_validate(commands)
+    parser.commands = tuple(commands.choices or ())
+    return parser

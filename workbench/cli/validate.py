@@ -1,8 +1,8 @@
 """The `validate` command: published per-GPU memory of real runs beside the workbench's
 estimate of each (`workbench.interop.published`, `workbench.interop.validate`).
 
-Entry points: `add_validate_parser(commands)`, `cmd_validate(args)` (the command's JSON) and
-`validate_table(result)` (what a person reads).
+Entry points: `cmd_validate(args)` (its result, a `Validation`) and `validate_table(result)`
+(what a person reads of the table's JSON, stored as `notebooks/validate.json` or fresh).
 """
 
 from __future__ import annotations
@@ -13,43 +13,29 @@ import sys
 import time
 from typing import Any
 
+from workbench.cli.report import Report
 from workbench.errors import check_int
-from workbench.interop.published import PUBLISHED_RUNS, select_runs
+from workbench.interop.published import select_runs
 
-__all__ = ["add_validate_parser", "cmd_validate", "validate_table"]
+__all__ = ["Validation", "cmd_validate", "validate_table"]
 
 GIB = 2**30
 MAX_LAYERS = 1024  # an override above any model's depth
 MAX_SEQ = 2**20
 
 
-def add_validate_parser(commands: Any) -> None:
-    validate = commands.add_parser(
-        "validate", help="published per-GPU memory of real runs beside the estimate of each"
-    )
-    validate.add_argument(
-        "--rows", help=f"comma-separated row ids (default: all): {', '.join(PUBLISHED_RUNS)}"
-    )
-    validate.add_argument(
-        "--list", action="store_true", help="list the rows with their sources; estimate none"
-    )
-    validate.add_argument(
-        "--layers",
-        type=int,
-        help="override every row's layer count (a quick check: no longer comparable)",
-    )
-    validate.add_argument(
-        "--seq", type=int, help="override every row's sequence length (no longer comparable)"
-    )
-    validate.add_argument("--json", action="store_true", help="print one JSON object")
-    validate.set_defaults(run=cmd_validate)
+class Validation(Report):
+    """The rows' JSON (with `--list`, the rows alone); a person reads `validate_table`."""
+
+    def __str__(self) -> str:
+        return validate_table(self.data)
 
 
-def cmd_validate(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_validate(args: argparse.Namespace) -> Validation:
     """Every chosen row traced and estimated, with a progress line per row on stderr."""
     runs = select_runs(args.rows)
     if args.list:
-        return {"rows": [run.to_json() for run in runs]}
+        return Validation({"rows": [run.to_json() for run in runs]})
     if args.layers is not None:
         check_int("--layers", args.layers, 1, MAX_LAYERS, "transformer blocks")
     if args.seq is not None:
@@ -61,13 +47,15 @@ def cmd_validate(args: argparse.Namespace) -> dict[str, Any]:
 
     start = time.perf_counter()
     results = validate(runs, layers=args.layers, seq=args.seq, progress=progress)
-    return {
-        "rows": [r.to_json() for r in results],
-        "layers": args.layers,
-        "seq": args.seq,
-        "seconds": round(time.perf_counter() - start, 3),
-        "cpu_count": os.cpu_count(),
-    }
+    return Validation(
+        {
+            "rows": [r.to_json() for r in results],
+            "layers": args.layers,
+            "seq": args.seq,
+            "seconds": round(time.perf_counter() - start, 3),
+            "cpu_count": os.cpu_count(),
+        }
+    )
 
 
 def _gib(value: int | None) -> str:

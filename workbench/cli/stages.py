@@ -1,8 +1,9 @@
 """`trace`, `estimate`, `solve` and `bench trace` of a pipelined job (`--pp`): one graph per
 stage, figures per stage over torch's schedule.
 
-Entry points: `add_pipeline_args(parser)` and `pipelined(cmd, cmd_stages)`, which runs
-`cmd_stages` when `--pp` is given (the cmd_* of `workbench.commands` otherwise).
+Entry points: `pipelined(cmd, cmd_stages)`, which runs `cmd_stages` when `--pp` is given (the
+one-graph command otherwise); the `cmd_*_stages` commands; `stage_policies` (`--policy` for
+a pipeline).
 """
 
 from __future__ import annotations
@@ -11,44 +12,37 @@ import argparse
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
-from workbench.commands import _parallel_from_args, _solve_options_from_args, kernels_from_args
+from workbench.cli.args import (
+    check_positive,
+    kernels_from_args,
+    parallel_from_args,
+    solve_options_from_args,
+)
+from workbench.cli.report import Command, Report, Result
 from workbench.cost.calibrate import time_basis
 from workbench.cost.profiles import get_profile
 from workbench.decide.policy import Policy, parse_policy
 from workbench.errors import WorkbenchError
 from workbench.files import read_file
 
-__all__ = ["add_pipeline_args", "pipelined"]
+__all__ = [
+    "cmd_bench_trace_stages",
+    "cmd_estimate_stages",
+    "cmd_solve_stages",
+    "cmd_trace_stages",
+    "pipelined",
+    "stage_policies",
+]
 
-Command = Callable[[argparse.Namespace], dict[str, Any]]
 POLICY_FILE_LIMIT = 16 * 2**20
 
 
-def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("pipeline parallelism")
-    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (ranks)")
-    group.add_argument(
-        "--pp-schedule",
-        default="1F1B",
-        help="torch.distributed.pipelining schedule: 1F1B (default), GPipe, Interleaved1F1B, "
-        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
-    )
-    group.add_argument(
-        "--microbatches", type=int, help="microbatches per step (default: one per stage)"
-    )
-    group.add_argument("--stage", type=int, help="only this stage's graph (default: all)")
-    group.add_argument(
-        "--layers-per-stage", type=int, help="torchtitan's pipeline_parallel_layers_per_stage"
-    )
-
-
 def pipelined(cmd: Command, cmd_stages: Command) -> Command:
-    def run(args: argparse.Namespace) -> dict[str, Any]:
+    def run(args: argparse.Namespace) -> Result:
         return cmd(args) if args.pp == 1 else cmd_stages(args)
 
     run.__doc__ = cmd.__doc__
@@ -69,7 +63,7 @@ def _stages_from_args(args: argparse.Namespace) -> tuple[list[JointGraph], Stage
     from workbench.capture.models import is_user_factory, load_workload
 
     pipeline = _pipeline(args)
-    parallel = _parallel_from_args(args)
+    parallel = parallel_from_args(args)
     device = "meta" if args.mode == "fake" and not is_user_factory(args.model) else "cpu"
 
     def load(batch: int | None) -> Any:
@@ -94,18 +88,19 @@ def _stages_from_args(args: argparse.Namespace) -> tuple[list[JointGraph], Stage
     return graphs, layout, time.perf_counter() - start
 
 
-def cmd_trace_stages(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_trace_stages(args: argparse.Namespace) -> Report:
     graphs, layout, seconds = _stages_from_args(args)
-    return {
-        "pipeline": layout.to_json(),
-        "stages": [g.summary() for g in graphs],
-        "seconds": round(seconds, 3),
-    }
+    return Report(
+        {
+            "pipeline": layout.to_json(),
+            "stages": [g.summary() for g in graphs],
+            "seconds": round(seconds, 3),
+        }
+    )
 
 
-def cmd_bench_trace_stages(args: argparse.Namespace) -> dict[str, Any]:
-    from workbench.bench import bench_trace
-    from workbench.preflight import check_positive
+def cmd_bench_trace_stages(args: argparse.Namespace) -> Report:
+    from workbench.cli.benchmarks import bench_trace
 
     check_positive("--repeat", args.repeat)
     shapes: dict[str, Any] = {}
@@ -125,7 +120,7 @@ def cmd_bench_trace_stages(args: argparse.Namespace) -> dict[str, Any]:
         return graphs[0], seconds
 
     result = bench_trace(run, args.repeat)
-    return {**result, **shapes}
+    return Report({**result, **shapes})
 
 
 def stage_policies(spec: str, stages: int) -> list[Policy]:
@@ -166,7 +161,7 @@ def _model(args: argparse.Namespace, profile: str) -> tuple[Any, list[JointGraph
     return PipelineModel(graphs, layout, profile, args.optimizer), graphs, seconds
 
 
-def cmd_estimate_stages(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_estimate_stages(args: argparse.Namespace) -> Report:
     """Per stage: the peak of its rank over the schedule and the microbatches in flight
     then; the top-level peak is the largest."""
     if args.snapshot is not None:
@@ -174,19 +169,21 @@ def cmd_estimate_stages(args: argparse.Namespace) -> dict[str, Any]:
     profile = args.profile.split(",")[0]
     model, graphs, seconds = _model(args, profile)
     est = model.estimate(stage_policies(args.policy, len(graphs)))
-    return {
-        "model": graphs[0].model_name,
-        "trace_seconds": round(seconds, 3),
-        **est.to_json(),
-        "time_basis": time_basis([get_profile(profile)]),
-    }
+    return Report(
+        {
+            "model": graphs[0].model_name,
+            "trace_seconds": round(seconds, 3),
+            **est.to_json(),
+            "time_basis": time_basis([get_profile(profile)]),
+        }
+    )
 
 
-def cmd_solve_stages(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_solve_stages(args: argparse.Namespace) -> Report:
     """One policy per stage under the per-GPU budget, beside the best single policy."""
     from workbench.search.stages import solve_stages, stage_ladders
 
-    options = _solve_options_from_args(args)
+    options = solve_options_from_args(args)
     model, graphs, seconds = _model(args, args.profile)
     ladders = stage_ladders(model, options=options)
     if args.budget_bytes is not None:
@@ -196,16 +193,18 @@ def cmd_solve_stages(args: argparse.Namespace) -> dict[str, Any]:
         budget = int(top * args.budget_frac)
     plan = solve_stages(model, budget, ladders=ladders)
     one = solve_stages(model, budget, per_stage=False, ladders=ladders)
-    return {
-        "model": graphs[0].model_name,
-        "trace_seconds": round(seconds, 3),
-        **plan.to_json(),
-        "time_basis": time_basis([get_profile(args.profile)]),
-        "one_policy": {
-            "feasible": one.feasible,
-            "peak_bytes": one.estimate.peak_bytes,
-            "est_step_seconds": one.estimate.schedule.step_seconds,
-            "est_tokens_per_second_per_gpu": one.estimate.tokens_per_second_per_gpu,
-            "policy": one.policies[0].to_json(),
-        },
-    }
+    return Report(
+        {
+            "model": graphs[0].model_name,
+            "trace_seconds": round(seconds, 3),
+            **plan.to_json(),
+            "time_basis": time_basis([get_profile(args.profile)]),
+            "one_policy": {
+                "feasible": one.feasible,
+                "peak_bytes": one.estimate.peak_bytes,
+                "est_step_seconds": one.estimate.schedule.step_seconds,
+                "est_tokens_per_second_per_gpu": one.estimate.tokens_per_second_per_gpu,
+                "policy": one.policies[0].to_json(),
+            },
+        }
+    )

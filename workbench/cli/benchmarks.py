@@ -1,8 +1,8 @@
 """Benchmarks: measured figures for tracing, the what-if, rendering and a GPU's memory.
 
 Entry points: `bench_trace`, `bench_whatif`, `bench_render` and `bench_gpu` (with
-`bench_gpu_paths`, the files it writes); `python -m workbench bench ...` prints them (what
-offload buys is a search: `workbench.search.floor`).
+`bench_gpu_paths`, the files it writes); `python -m workbench bench ...` prints them
+(`workbench.cli.bench`; what offload buys is a search: `workbench.search.floor`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The `plan` command: every parallel layout of a model over N GPUs, ranked by estimated
 tokens/s per GPU under the GPU's memory (`workbench.search.planner`).
 
-Entry points: `cmd_plan(args)` (the command's JSON) and `plan_table(result)` (what a person
-reads).
+Entry points: `cmd_plan(args)` (its result, a `Planned`) and `plan_table(result)` (what a
+person reads of the plan's JSON, stored or fresh).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import sys
 import time
 from typing import Any
 
+from workbench.cli.report import Report
 from workbench.errors import WorkbenchError
 from workbench.files import check_writable
 
-__all__ = ["cmd_plan", "plan_table"]
+__all__ = ["Planned", "cmd_plan", "plan_table"]
 
 GIB = 2**30
 CLEAR_LINE = "\r\033[K"  # back to the line's start and erase it
@@ -47,7 +48,14 @@ def _multiples(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
+class Planned(Report):
+    """The plan's JSON (`Plan.to_json`, with `plot` when drawn); a person reads `plan_table`."""
+
+    def __str__(self) -> str:
+        return plan_table(self.data)
+
+
+def cmd_plan(args: argparse.Namespace) -> Planned:
     """Enumerate, prune, trace and solve every layout (`planner.plan`); `--plot` draws the
     layouts' memory against tokens/s per GPU with the feasible front."""
     from workbench.search.planner import (
@@ -100,7 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
         figure = plot_plan(result["configs"], result["memory_bytes"])
         result["plot"] = str(save_figure(figure, args.plot, overwrite=args.overwrite))
-    return result
+    return Planned(result)
 
 
 def plan_table(result: dict[str, Any], rows: int = 20) -> str:

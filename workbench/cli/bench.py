@@ -1,0 +1,122 @@
+"""`bench trace`, `bench whatif`, `bench render` and `bench gpu`: benchmarks that print measured
+figures (the functions that measure are `workbench.cli.benchmarks`'). `bench trace` of a
+pipelined job (`--pp`) is `workbench.cli.stages`'.
+
+Entry points: `cmd_bench_trace`, `cmd_bench_whatif`, `cmd_bench_render` and `cmd_bench_gpu`
+(each `args -> Result`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from workbench.cli.args import (
+    MAX_FLIPS,
+    MAX_FULL_PATH,
+    MAX_RUNS,
+    SEED_MAX,
+    check_passes,
+    check_positive,
+    parallel_from_args,
+    trace_from_args,
+    workload_from_args,
+)
+from workbench.cli.report import Report
+from workbench.decide.policy import parse_policy
+from workbench.errors import WorkbenchError, check_int
+from workbench.files import check_writable
+
+__all__ = ["cmd_bench_gpu", "cmd_bench_render", "cmd_bench_trace", "cmd_bench_whatif"]
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> Report:
+    """Median of --repeat traces (see `workbench.cli.benchmarks.bench_trace`)."""
+    from workbench.cli.benchmarks import bench_trace
+
+    check_positive("--repeat", args.repeat)
+    return Report(bench_trace(lambda: trace_from_args(args), args.repeat))
+
+
+def cmd_bench_whatif(args: argparse.Namespace) -> Report:
+    """Random flips: what-if time per flip vs the full path (see `workbench.cli.benchmarks`)."""
+    from workbench.cli.benchmarks import bench_whatif
+
+    check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one what-if")
+    check_int("--full-path", args.full_path, 0, MAX_FULL_PATH, "each runs torch's remat pass")
+    check_int("--seed", args.seed, 0, SEED_MAX)
+    check_passes(args)
+    graph, trace_seconds = trace_from_args(args)
+    result = bench_whatif(
+        graph,
+        parse_policy(args.policy),
+        flips=args.flips,
+        full_path=args.full_path,
+        seed=args.seed,
+        passes=args.passes,
+    )
+    return Report({**result, "trace_seconds": round(trace_seconds, 3)})
+
+
+def cmd_bench_render(args: argparse.Namespace) -> Report:
+    """Time the overview and one layer's view (see `workbench.cli.benchmarks`)."""
+    from workbench.cli.benchmarks import bench_render
+
+    check_positive("--repeat", args.repeat)
+    graph, trace_seconds = trace_from_args(args)
+    result = bench_render(graph, parse_policy(args.policy), args.repeat)
+    return Report({**result, "trace_seconds": round(trace_seconds, 3)})
+
+
+def _out_folder(args: argparse.Namespace, model: str, presets: list[str]) -> Path:
+    """`bench gpu --out`: a folder (made if missing, in an existing one) whose files for
+    each preset may be written."""
+    from workbench.cli.benchmarks import bench_gpu_paths
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise WorkbenchError(f"--out {out}: is not a folder; name a folder for the files")
+    if not out.exists() and not out.parent.is_dir():
+        raise WorkbenchError(f"--out {out}: its parent folder {str(out.parent)!r} is missing")
+    if out.is_dir():
+        for preset in presets:
+            for path in bench_gpu_paths(out, model, preset).values():
+                check_writable(path, overwrite=args.overwrite)
+    return out
+
+
+def cmd_bench_gpu(args: argparse.Namespace) -> Report:
+    """Per preset on CUDA: measured peaks, step time, a memory snapshot and a Chrome trace
+    written to --out, the bitwise check and the snapshot against the estimate (see
+    `workbench.cli.benchmarks.bench_gpu`); every flag is checked first, and without CUDA it
+    says so and exits 0."""
+    import torch
+
+    from workbench.cli.benchmarks import bench_gpu
+    from workbench.decide.presets import PRESETS
+
+    check_positive("--repeat", args.repeat)
+    check_int("--warmup", args.warmup, 0, MAX_RUNS, "each one is a run of the step")
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise WorkbenchError(
+            f"--presets {args.presets!r}: unknown {', '.join(unknown) or 'none given'}; "
+            f"choose from {', '.join(PRESETS)}"
+        )
+    if parallel_from_args(args) is not None:
+        raise WorkbenchError("bench gpu runs one unsharded process: drop --fsdp/--tp")
+    out = _out_folder(args, args.model, presets)
+    if not torch.cuda.is_available():
+        return Report({"skipped": "no CUDA device here: bench gpu measures on one", "presets": []})
+    out.mkdir(exist_ok=True)
+    result = bench_gpu(
+        lambda: workload_from_args(args, "real", device="cuda"),
+        presets,
+        warmup=args.warmup,
+        repeats=args.repeat,
+        out=out,
+        overwrite=args.overwrite,
+        files_named=args.model,
+    )
+    return Report(result)
