@@ -121,27 +121,3 @@ def test_stages_import_only_downward() -> None:
             if theirs is None or STAGES.index(theirs) > STAGES.index(stage):
                 wrong.append(f"{name} imports {other}")
     assert wrong == []
-
-
-def test_old_module_names_still_import_for_one_release() -> None:
-    code = (
-        "import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-        "import workbench.decide.engine as engine, workbench.show.viz.style as style\n"
-        "try:\n"
-        "    import workbench.rules\n"
-        "except DeprecationWarning as e:\n"
-        "    print(e)\n"
-        "warnings.simplefilter('ignore')\n"
-        "import workbench.rules, workbench.viz.style, workbench.policy\n"
-        "from workbench.models import load_workload\n"
-        "print(workbench.rules.decide_ops is engine.decide_ops,\n"
-        "      workbench.viz.style is style, callable(workbench.policy.decide))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [
-        "workbench.rules moved to workbench.capture.ops / workbench.decide.facts / "
-        "workbench.decide.tags / workbench.decide.presets / workbench.decide.plan / "
-        "workbench.decide.offloadable / workbench.decide.engine; the old name goes in the "
-        "next release",
-        "True True True",
-    ]

@@ -3,20 +3,18 @@
 Flow, one package per stage, each importing only the ones before it: `capture` (workload ->
 `trace` -> `JointGraph`) -> `decide` (`Policy` -> tags) -> `rewrite` (torch's remat pass, the
 offload pass) -> `cost` (estimate, measure) -> `search` (solver, Pareto front) -> `interop`
-(exports, torchtitan, eager baselines) -> `show` (pictures, the explorer).
+(exports, torchtitan, eager baselines) -> `show` (pictures, the explorer); `cli`, the command
+line, over them all.
 """
 
 from typing import Any
 
-from workbench import _moved
 from workbench.capture.graph import JointGraph, NodeInfo
 from workbench.capture.trace import trace
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
 
 __all__ = ["JointGraph", "NodeInfo", "Workload", "WorkbenchError", "load_workload", "trace"]
-
-_moved.install()  # `workbench.rules`, `workbench.policy`, ... for one release, with a warning
 
 
 def __getattr__(name: str) -> Any:
