@@ -100,7 +100,8 @@ jslint:
 # --- user targets -------------------------------------------------------------------------
 
 # Opens working copies in out/lab/ (git-ignored, made once; delete one to get the repo's
-# version again), trusted so their pictures show: running cells never modifies the repo.
+# version again), trusted so their pictures show: running cells never modifies the repo. The
+# kernels import studies/ (not installed) from the repo's root, on their PYTHONPATH.
 LAB_DIR := out/lab
 
 lab: venv system
@@ -109,11 +110,11 @@ lab: venv system
 		[ -e $(LAB_DIR)/$$(basename $$nb) ] || cp $$nb $(LAB_DIR)/; \
 	done
 	$(VENV)/bin/jupyter trust $(LAB_DIR)/*.ipynb
-	exec $(VENV)/bin/jupyter-lab $(ALLOW_ROOT) $(LAB_ARGS) $(LAB_DIR)/$(notdir $(NOTEBOOK))
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} exec $(VENV)/bin/jupyter-lab $(ALLOW_ROOT) $(LAB_ARGS) $(LAB_DIR)/$(notdir $(NOTEBOOK))
 
 lint: venv
-	$(VENV)/bin/ruff check workbench tests
-	$(VENV)/bin/ruff format --check workbench tests
+	$(VENV)/bin/ruff check workbench studies tests
+	$(VENV)/bin/ruff format --check workbench studies tests
 	$(VENV)/bin/mypy
 	@$(MAKE) --no-print-directory jslint
 

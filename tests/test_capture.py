@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from studies.capture import compile_eager_sac, every_other_mm_policy
 from workbench.capture.models import load_workload
 from workbench.decide.policy import Policy
-from workbench.studies.capture import compile_eager_sac, every_other_mm_policy
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The house: packages by stage importing only downward, no cycle; what is core and what
-is a study (the pipeline imports neither the studies nor the zoo). Function size is ruff's
-complexity rules (pyproject.toml), not a cap on lines."""
+is a study (the pipeline imports neither the studies nor the zoo; no workbench module imports
+`studies`, which is not installed). Function size is ruff's complexity rules
+(pyproject.toml), not a cap on lines."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ CORE = [
 def test_core_modules_import_no_study(module: str) -> None:
     code = (
         f"import sys, {module}; "
-        "print(sorted(m for m in sys.modules if m.startswith('workbench.studies')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'studies'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -106,8 +107,8 @@ def test_no_import_cycle() -> None:
 
 
 def test_stages_import_only_downward() -> None:
-    """capture <- decide <- rewrite <- cost <- search <- interop <- show; the studies and the
-    top level (cli, bench, the package itself) may import any stage, no stage a study."""
+    """capture <- decide <- rewrite <- cost <- search <- interop <- show; the top level (the
+    cli package, the package itself) may import any stage, no stage the cli."""
     modules = _modules()
     wrong = []
     for name, path in modules.items():
@@ -120,4 +121,20 @@ def test_stages_import_only_downward() -> None:
             theirs = _stage(other)
             if theirs is None or STAGES.index(theirs) > STAGES.index(stage):
                 wrong.append(f"{name} imports {other}")
+    assert wrong == []
+
+
+def test_no_workbench_module_imports_a_study() -> None:
+    """`studies` (the repository's, not installed) imports the workbench, never the reverse:
+    not a stage, not the cli; function-level imports count."""
+    wrong = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            wrong += [f"{name} imports {n}" for n in names if n.split(".")[0] == "studies"]
     assert wrong == []

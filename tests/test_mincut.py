@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from studies.mincut import min_cut_partition, read_by_backward, saved_by_op
+from studies.partition import split_saved
 from workbench.capture.models import load_workload
 from workbench.capture.trace import trace
 from workbench.capture.workload import eager_step
 from workbench.decide.policy import Policy
 from workbench.rewrite.remat import remat
-from workbench.studies.mincut import min_cut_partition, read_by_backward, saved_by_op
-from workbench.studies.partition import split_saved
 
 
 def test_budget_trades_saved_bytes_for_recompute() -> None:

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.capture.models import load_workload
-from workbench.capture.ops import ALL_GATHER
-from workbench.capture.parallel import Parallel, fake_process_group, shard_workload
-from workbench.show.viz import diff
-from workbench.studies.partition import (
+from studies.partition import (
     Partition,
     activation_bytes,
     as_joint_graph,
@@ -22,6 +18,10 @@ from workbench.studies.partition import (
     repartition_forward,
     to_first_names,
 )
+from workbench.capture.models import load_workload
+from workbench.capture.ops import ALL_GATHER
+from workbench.capture.parallel import Parallel, fake_process_group, shard_workload
+from workbench.show.viz import diff
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from studies.partition import Partition, Saved, split_saved
 from workbench.capture.graph import JointGraph, NodeInfo, short_op
 from workbench.capture.workload import Workload
 from workbench.rewrite.index import graph_index
 from workbench.rewrite.remat import RematResult
-from workbench.studies.partition import Partition, Saved, split_saved
 
 
 def saved_by_op(infos: Iterable[NodeInfo]) -> dict[str, tuple[int, int]]:
