@@ -16,7 +16,6 @@ from workbench.cost.estimate import Estimator
 from workbench.cost.profiles import H100
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
-from workbench.decide.presets import OFFLOAD_PRESETS as OFFLOADS
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.export import export
@@ -107,7 +106,11 @@ def test_infeasible_budget_names_the_floor(llama_debug: Fixture) -> None:
     reaches is refused with the lowest one it found."""
     _, graph = llama_debug
     estimator = Estimator(graph, PROFILES)
-    peaks = {p: estimator.estimate(Policy(p)).peak_bytes for p in PRESETS if p not in OFFLOADS}
+    peaks = {
+        p: estimator.estimate(Policy(p)).peak_bytes
+        for p, preset in PRESETS.items()
+        if preset.offloads is None
+    }
     floor = Solver(graph, estimator=estimator).floor_bytes
     assert floor == min(peaks.values())
     assert solve(graph, floor, estimator=estimator).estimate.peak_bytes <= floor
@@ -174,7 +177,11 @@ def test_solver_answers_many_budgets_as_solve_does(small_graphs: dict[str, Fixtu
     solver = Solver(graph, SolveOptions(profile=H100), estimator)
     assert SolveOptions(profile=H100).profile_name == "h100"
     none = estimator.estimate(Policy("none")).peak_bytes
-    lowest = min(estimator.estimate(Policy(p)).peak_bytes for p in PRESETS if p not in OFFLOADS)
+    lowest = min(
+        estimator.estimate(Policy(p)).peak_bytes
+        for p, preset in PRESETS.items()
+        if preset.offloads is None
+    )
     assert solver.floor_bytes == lowest and solver.top_bytes == none
     for budget in (solver.floor_bytes, (solver.floor_bytes + none) // 2, none):
         mine, theirs = solver.solve(budget), solve(graph, budget, estimator=estimator)
