@@ -458,7 +458,7 @@ def test_go_to_peak_focuses_the_peak_op_with_its_neighbours(small: Fixture, tmp_
     )
     serial = focus["serial"]
     model.go_to_peak()
-    assert model.focus["serial"] == serial + 1  # the front end focuses again
+    assert model.focus["serial"] > serial  # a new request: the front end focuses again
 
 
 def test_the_legend_lists_every_shade_the_view_can_show(small: Fixture, tmp_path: Path) -> None:

@@ -180,6 +180,21 @@ def test_widget_opens_stages_and_flips_within_one(one_f_one_b: Job) -> None:
     assert repr(widget) == "PolicyExplorer(llama3-debug, stage 0, policy default)"
 
 
+def test_every_focus_request_is_new_whatever_the_stage(one_f_one_b: Job) -> None:
+    """Find and Go to peak in one stage, then another: each request carries a number the
+    front end has not seen (it drops one it has handled), also across the stages' sessions."""
+    widget = PolicyExplorer.pipeline(*one_f_one_b)
+    serials = []
+    for stage in (1, 0, 1):
+        widget.open_stage(stage)
+        widget.search("wo")
+        serials.append(widget.focus["serial"])
+        assert widget.focus["id"] == widget.selected_id and widget.view.startswith("layer:")
+        widget.go_to_peak()
+        serials.append(widget.focus["serial"])
+    assert serials == sorted(set(serials)), serials
+
+
 def test_widget_refuses_stages_on_one_graph(one_f_one_b: Job) -> None:
     widget = PolicyExplorer(one_f_one_b[0][0])
     with pytest.raises(WorkbenchError, match="PolicyExplorer.pipeline"):

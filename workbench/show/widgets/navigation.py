@@ -7,6 +7,8 @@ Entry point: `Navigation` (`select`, `show`, `search`, `reveal`, `go_to_peak`,
 
 from __future__ import annotations
 
+import itertools
+
 from workbench.decide.decider import decidable
 from workbench.errors import WorkbenchError
 from workbench.show.viz import svg_id
@@ -21,6 +23,11 @@ from workbench.show.widgets.panels import (
 from workbench.units import format_bytes
 
 __all__ = ["Navigation"]
+
+# Every focus request of the process, numbered once: a front end centres a request whose
+# number it has not handled yet, so two sessions shown in one view (a pipelined job's stages)
+# never hand it a number it has already seen.
+_FOCUS_SERIALS = itertools.count(1)
 
 
 class Navigation(ExplorerCore):
@@ -88,7 +95,7 @@ class Navigation(ExplorerCore):
         self.focus = {
             "id": target,
             "ids": self.picture.around(target),
-            "serial": self.focus.get("serial", 0) + 1,
+            "serial": next(_FOCUS_SERIALS),
         }
 
     def go_to_peak(self) -> None:
