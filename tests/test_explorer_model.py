@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ from workbench.show.widgets.session import (
     History,
     Point,
     default_autosave,
+    export_stem,
     graph_key,
 )
 from workbench.show.widgets.suggest import rebased, suggestion
@@ -324,7 +326,7 @@ def test_exports_name_their_file_and_never_clobber(small: Fixture, tmp_path: Pat
     for fmt, ending in EXPORT_NAMES.items():
         exports.set_format(fmt)
         assert exports.path.name == "m" + ending
-    exports.path = tmp_path / "mine.py"
+    exports.choose(tmp_path / "mine.py")
     exports.set_format("torchtitan")
     assert exports.path == tmp_path / "mine.sh"
     with pytest.raises(WorkbenchError, match="unknown export format 'cobol'; choose one of"):
@@ -341,6 +343,47 @@ def test_exports_name_their_file_and_never_clobber(small: Fixture, tmp_path: Pat
     assert exports.refusal and exports.code.startswith("# cannot export as policy_fn")
     with pytest.raises(WorkbenchError):
         exports.save(tmp_path / "other.py")
+
+
+def test_default_export_names_are_per_graph_safe_and_importable(
+    small: Fixture, tmp_path: Path
+) -> None:
+    """Default names are the graph key's (as the autosave's), without a character some OS
+    refuses (`:` on Windows) and importable by module name; a default name holding another
+    explorer's file moves on to the next free one, a chosen one is refused."""
+    import importlib
+    import sys
+
+    graph = small[1]
+    for name in ("torchtitan:llama3/debugmodel-seq32-fake-0a1b2c3d", "llama3-debug", "3b"):
+        stem = export_stem(name)
+        assert stem.isidentifier() and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", stem), stem
+    exports = Exports(graph_key(graph), tmp_path)
+    assert exports.path.name == f"{export_stem(graph_key(graph))}_sac_policy_fn.py"
+    exports.show(Policy("eager"), graph)
+    saved = exports.save()
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(saved.stem)
+        assert callable(module.policy_fn)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(saved.stem, None)
+    again = Exports(graph_key(graph), tmp_path)  # a second explorer on the same graph
+    again.show(Policy("full"), graph)
+    moved = again.save()
+    assert moved.name == f"{export_stem(graph_key(graph))}_2_sac_policy_fn.py"
+    assert saved.name in again.saved_words(moved) and "left as it is" in again.saved_words(moved)
+    again.set_format("json")
+    assert again.path.name.endswith("_2_sac_policy.json")
+    again.choose(saved.with_suffix(".json"))
+    again.show(Policy("full"), graph)
+    again.save()
+    again.choose(saved)
+    again.set_format("policy_fn")
+    again.show(Policy("full"), graph)
+    with pytest.raises(WorkbenchError, match="not written by this explorer"):
+        again.save()  # a name chosen: refused, never moved
 
 
 def test_default_autosave_follows_the_environment(

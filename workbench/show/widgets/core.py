@@ -26,7 +26,7 @@ from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.search.solve import fsdp_choices
 from workbench.show.viz import View
-from workbench.show.widgets.autosave import Autosave
+from workbench.show.widgets.autosave import Autosave, graph_key
 from workbench.show.widgets.canvas import Canvas
 from workbench.show.widgets.exports import Exports
 from workbench.show.widgets.history import History, Point
@@ -79,7 +79,7 @@ class ExplorerCore:
         self.estimator = estimator_for(traced, passes, list(PROFILES))
         self.graph = self.estimator.graph
         self.autosave = Autosave.of(self.graph, autosave)
-        self.exports = Exports(self.graph.model_name, self.autosave.path.parent)
+        self.exports = Exports(graph_key(self.graph), self.autosave.path.parent)
         self.on_change: Callable[[], None] = lambda: None
         self.all_layers = True
         self.message = self.status = self.selected = self.selected_id = ""

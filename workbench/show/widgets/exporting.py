@@ -37,7 +37,7 @@ class Exporting(ExplorerCore):
 
     def set_export_path(self, path: str) -> None:
         """The file Save writes next (its name as the front end's path box has it)."""
-        self.exports.path = Path(path)
+        self.exports.choose(path)
 
     def save_export(self, path: str | None = None) -> Path:
         """Write the shown code. A file that changed since this explorer wrote it is kept."""

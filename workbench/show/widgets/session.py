@@ -7,7 +7,7 @@ here under the one import place they have always had.
 - `autosave`: the policy file that never loses a user's policy (`Autosave`, `graph_key`,
   `default_autosave`, `legacy_autosave`);
 - `exports`: the policy as code, saved without replacing anyone's file (`Exports`,
-  `EXPORT_NAMES`);
+  `EXPORT_NAMES`, `export_stem`);
 - `sources`: what an explorer opens on (`load_source`).
 """
 
@@ -19,7 +19,7 @@ from workbench.show.widgets.autosave import (
     graph_key,
     legacy_autosave,
 )
-from workbench.show.widgets.exports import EXPORT_NAMES, Exports
+from workbench.show.widgets.exports import EXPORT_NAMES, Exports, export_stem
 from workbench.show.widgets.history import History, Point
 from workbench.show.widgets.policy_state import Edits, PolicyState, policy_label, start_policy
 from workbench.show.widgets.sources import load_source
@@ -33,6 +33,7 @@ __all__ = [
     "Point",
     "PolicyState",
     "default_autosave",
+    "export_stem",
     "graph_key",
     "legacy_autosave",
     "load_source",
