@@ -62,7 +62,7 @@ from workbench.show.widgets.session import (
     export_stem,
     graph_key,
 )
-from workbench.show.widgets.suggest import rebased, suggestion
+from workbench.show.widgets.suggest import rebased, suggestion, without_idle_overrides
 from workbench.units import format_bytes, format_seconds
 
 Fixture = tuple[Workload, JointGraph]
@@ -415,6 +415,35 @@ def test_suggestion_fits_the_budget_and_says_so(small: Fixture) -> None:
     assert estimator.estimate(policy).peak_bytes <= budget
     assert message.startswith("suggested by greedy for a budget of " + format_bytes(budget))
     assert "no offload (host budget 0)" in message and "FSDP" not in message
+
+
+def test_suggest_leaves_out_overrides_that_change_nothing(small: Fixture) -> None:
+    """A recompute override whose op backward never runs again (its saved view keeps the
+    output) changes nothing: Suggest's policies leave it out, the step stays the same."""
+    graph = small[1]
+    estimator = Estimator(graph, ["h100"])
+    wq = "layers.*.attention.wq::aten"
+    idle, useful = f"{wq}.mm.default#0", "layers.*.feed_forward.w1::aten.mm.default#0"
+    save = f"{wq}._unsafe_view.default#0"
+    policy = Policy("default", overrides={idle: "recompute", save: "save", useful: "recompute"})
+    pruned, left = without_idle_overrides(graph, policy, estimator)
+    assert left == 1 and set(pruned.overrides) == {save, useful}
+    before, after = estimator.estimate(policy), estimator.estimate(pruned)
+    assert (before.order, before.peak_bytes) == (after.order, after.peak_bytes)
+    assert after.recompute_flops_by_node.get(_named(graph, useful), 0) > 0
+    assert without_idle_overrides(graph, pruned, estimator) == (pruned, 0)
+    peaks = [estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none")]
+    suggested, _ = suggestion(graph, Policy("default"), sum(peaks) // 2, method="greedy",
+                              profile="h100", estimator=estimator, host_budget_bytes=0,
+                              has_fsdp=False)  # fmt: skip
+    assert without_idle_overrides(graph, suggested, estimator)[1] == 0
+
+
+def _named(graph: JointGraph, key: str) -> str:
+    """The first node a `layers.*` override key names."""
+    from workbench.decide.decider import node_keys
+
+    return next(n for n, k in node_keys(graph).items() if k == key)
 
 
 def test_load_source_refuses_what_it_cannot_explore(small: Fixture) -> None:

@@ -272,6 +272,39 @@ def test_diff_lists_exactly_the_flipped_nodes(two_layers: JointGraph) -> None:
         assert "changed: save → recompute" in changed.render(two_layers, f"layer:{layer}").svg()
 
 
+def test_recompute_figures_are_what_remat_recomputes(two_layers: JointGraph) -> None:
+    """One recompute figure everywhere, the estimate's: FLOPs backward runs again. wq's
+    matmul tagged recompute while its view is saved runs once (backward reads the view's
+    storage): the boxes, the op view and a diff all leave it out, as the estimate does."""
+    from workbench.units import format_flops
+
+    wq = "layers.*.attention.wq::aten"
+    useless = Policy(
+        "default",
+        overrides={f"{wq}.mm.default#0": "recompute", f"{wq}._unsafe_view.default#0": "save"},
+    )
+    for policy in (Policy("default"), Policy("full"), useless):
+        decisions = decide(two_layers, policy)
+        est = estimate(two_layers, decisions)
+        tagged = sum(two_layers.nodes[n].flops for n, d in decisions.items() if d.recompute)
+        shown = overview(two_layers, decisions)
+        boxes = sum(b.recompute_flops for g in shown.groups for b in g.boxes.values())
+        assert shown.recompute_flops == boxes == est.recompute_flops, policy
+        assert sum(est.recompute_flops_by_node.values()) == est.recompute_flops
+        layer = expand(two_layers, decisions, "layer:0").svg()
+        ops = [n for n, i in two_layers.nodes.items() if i.layer == 0 and i.phase == "forward"]
+        here = sum(est.recompute_flops_by_node.get(n, 0) for n in ops)
+        assert f"run again in backward here: {format_flops(here)}" in html.unescape(layer)
+        if policy is useless:
+            assert tagged > 0 == est.recompute_flops
+            assert "recompute: none" in render_overview(two_layers, decisions).svg()
+    before, after = decide(two_layers, Policy("default")), decide(two_layers, Policy("full"))
+    changed = diff(two_layers, before, after)
+    assert changed.recompute_flops_delta == (
+        estimate(two_layers, after).recompute_flops - estimate(two_layers, before).recompute_flops
+    )
+
+
 def test_remat_diff_reports_no_longer_kept_activations(two_layers: JointGraph) -> None:
     result = remat(two_layers, Policy("default"))
     changed = remat_diff(two_layers, result)

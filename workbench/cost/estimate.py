@@ -111,6 +111,9 @@ class Estimate:
     exposed_comm_seconds: dict[str, float] = field(default_factory=dict)
     # per profile: bytes a rank holds outside the allocator (CUDA context, NCCL buffers)
     outside_allocator_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # FLOPs backward runs again, by traced node (`GraphIndex.recompute_flops_by_node`): what
+    # `recompute_flops` sums, and what pictures sum per box
+    recompute_flops_by_node: dict[str, int] = field(default_factory=dict, repr=False)
     allocator_input: _AllocatorInput | None = field(default=None, repr=False, compare=False)
     device_storages: DeviceStorages | None = field(default=None, repr=False, compare=False)
     _allocator: AllocatorReplay | None = field(default=None, repr=False, compare=False)
@@ -519,7 +522,7 @@ class Estimator:
         ]
         rows.sort(key=lambda r: (-r["bytes"], r["node"]))
         copy_array = space.original(walk.entries[space.is_copy(walk.entries)])
-        copies = copy_array.tolist()
+        recomputed = index.recompute_flops_by_node(walk.entries)
         names = self._entry_names
         times = {
             p.name: self.streams.run(
@@ -538,7 +541,8 @@ class Estimator:
             saved_by_node=dict(by_node),
             saved_by_layer=dict(by_layer),
             saved_at_peak=rows,
-            recompute_flops=sum(index.flops[i] for i in copies),
+            recompute_flops=sum(recomputed.values()),
+            recompute_flops_by_node=recomputed,
             recomputed_nodes=names[copy_array].tolist(),
             step_seconds={name: t.step_seconds for name, t in times.items()},
             recompute_seconds={

@@ -19,7 +19,13 @@ from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.placement import Offloaded, Place, interleave_arrays, place_offloads_arrays
 from workbench.rewrite.schedule import OFFLOAD_STEPS, Csr, Flat
 
-__all__ = ["offload_schedule", "recompute_flags", "replay", "saved_bytes_by_node"]
+__all__ = [
+    "offload_schedule",
+    "recompute_flags",
+    "recompute_flops_by_node",
+    "replay",
+    "saved_bytes_by_node",
+]
 
 
 def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> np.ndarray:
@@ -169,6 +175,20 @@ def saved_bytes_by_node(graph: JointGraph, decisions: Mapping[str, Tag] | None) 
         return index.saved_by_node(index.identity_flat)
     flags = recompute_flags(index, decisions)
     return index.saved_by_node(replay(index, flags, allow_random=True))
+
+
+def recompute_flops_by_node(
+    graph: JointGraph, decisions: Mapping[str, Tag] | None
+) -> dict[str, int]:
+    """FLOPs backward runs again, by forward node, once `decisions` are rematerialized:
+    `GraphIndex.recompute_flops_by_node` of the replayed schedule, the estimate's figure
+    (`Estimate.recompute_flops` is its total), never the FLOPs of every node tagged
+    recompute. Pictures and diffs read it."""
+    if decisions is None:
+        return {}
+    index = graph_index(graph)
+    flags = recompute_flags(index, decisions)
+    return index.recompute_flops_by_node(replay(index, flags, allow_random=True).entries)
 
 
 def offload_schedule(

@@ -385,6 +385,17 @@ class GraphIndex:
             result[name] = result.get(name, 0) + size
         return result
 
+    def recompute_flops_by_node(self, entries: np.ndarray) -> dict[str, int]:
+        """FLOPs backward runs again, by traced node: each recomputed copy among a schedule's
+        `entries` counts its original's FLOPs, and only those (a node tagged recompute that
+        no backward node needs is not run again). The one definition of recompute FLOPs:
+        its total is `Estimate.recompute_flops`, and pictures sum it per box."""
+        result: dict[str, int] = {}
+        for i in self.space.original(entries[self.space.is_copy(entries)]).tolist():
+            name = self.names[i]
+            result[name] = result.get(name, 0) + self.flops[i]
+        return result
+
     # --- per node, for a model of the pass that needs no schedule (the solver's) --------
 
     def activation_storages(self, name: str) -> tuple[int, ...]:

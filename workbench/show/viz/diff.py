@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.capture.graph import JointGraph
-from workbench.cost.replay import saved_bytes_by_node
+from workbench.cost.replay import recompute_flops_by_node, saved_bytes_by_node
 from workbench.decide.decider import Decisions
 from workbench.errors import WorkbenchError
 from workbench.rewrite.remat import RematResult
@@ -128,7 +128,7 @@ class PolicyDiff:
 
 
 def _delta(
-    graph: JointGraph, name: str, before: str, after: str, kept_delta: int, recompute_delta: int
+    graph: JointGraph, name: str, before: str, after: str, kept_delta: int, flops_delta: int
 ) -> DiffRow:
     info = graph.nodes[name]
     offloaded = (after == "offload") - (before == "offload")
@@ -142,7 +142,7 @@ def _delta(
         bytes=info.bytes,
         flops=info.flops,
         saved_bytes_delta=kept_delta,
-        recompute_flops_delta=info.flops * recompute_delta,
+        recompute_flops_delta=flops_delta,
         offloaded_bytes_delta=info.bytes * offloaded,
     )
 
@@ -160,21 +160,40 @@ def _kept_rows(
     return rows
 
 
+def _redone_rows(
+    graph: JointGraph, before: dict[str, int], after: dict[str, int], skip: set[str]
+) -> list[tuple[str, str, str, int]]:
+    """Nodes (not in `skip`) whose recompute changed without a change of their own (a node
+    tagged recompute that backward now needs, or no longer): (name, before, after, Δ FLOPs)."""
+    rows = []
+    for name in graph.nodes:
+        if name in skip or (name in before, before.get(name)) == (name in after, after.get(name)):
+            continue
+        was, now = ("recomputed" if name in d else "not recomputed" for d in (before, after))
+        rows.append((name, was, now, after.get(name, 0) - before.get(name, 0)))
+    return rows
+
+
 def diff(
     graph: JointGraph,
     decisions_a: Decisions,
     decisions_b: Decisions,
     names: tuple[str, str] = ("a", "b"),
 ) -> PolicyDiff:
-    """Nodes whose decision (save, recompute, offload) differs, and nodes whose kept bytes
-    changed without a change of their own (the base of a view that is now saved). Δ kept
-    bytes is the change of `saved_bytes_by_node` (the estimate's saved activation bytes,
-    offloaded ones included) at each node, so the rows add up to the estimates' difference;
-    Δ recompute FLOPs counts a changed node's FLOPs; Δ offloaded bytes its bytes moved to
-    host memory. MUST vs PREFER of the same action is no change."""
+    """Nodes whose decision (save, recompute, offload) differs, and nodes whose kept bytes or
+    recompute FLOPs changed without a change of their own (the base of a view that is now
+    saved, a node tagged recompute that backward now needs). Δ kept bytes is the change of
+    `saved_bytes_by_node` (the estimate's saved activation bytes, offloaded ones included)
+    at each node, Δ recompute FLOPs the change of `recompute_flops_by_node` (what backward
+    runs again), so the rows add up to the estimates' differences; Δ offloaded bytes its
+    bytes moved to host memory. MUST vs PREFER of the same action is no change."""
     kept_a, kept_b = (
         saved_bytes_by_node(graph, decisions_a),
         saved_bytes_by_node(graph, decisions_b),
+    )
+    redo_a, redo_b = (
+        recompute_flops_by_node(graph, decisions_a),
+        recompute_flops_by_node(graph, decisions_b),
     )
     rows, flipped = [], set()
     for name in graph.nodes:
@@ -183,11 +202,15 @@ def diff(
         before, after = decisions_a[name].action, decisions_b[name].action
         if before != after:
             delta = kept_b.get(name, 0) - kept_a.get(name, 0)
-            redo = (after == "recompute") - (before == "recompute")
+            redo = redo_b.get(name, 0) - redo_a.get(name, 0)
             rows.append(_delta(graph, name, before, after, delta, redo))
             flipped.add(name)
     for name, before, after, delta in _kept_rows(graph, kept_a, kept_b, flipped):
-        rows.append(_delta(graph, name, before, after, delta, 0))
+        redo = redo_b.get(name, 0) - redo_a.get(name, 0)
+        rows.append(_delta(graph, name, before, after, delta, redo))
+        flipped.add(name)
+    for name, before, after, redo in _redone_rows(graph, redo_a, redo_b, flipped):
+        rows.append(_delta(graph, name, before, after, 0, redo))
     order = {name: i for i, name in enumerate(graph.nodes)}
     rows.sort(key=lambda r: order[r.node])
     return PolicyDiff(rows, *names, decisions=decisions_b)
@@ -204,12 +227,13 @@ def remat_diff(graph: JointGraph, result: RematResult) -> PolicyDiff:
     rows = []
     for name, was, now, delta in _kept_rows(graph, before, after, set()):
         state = "recomputed" if name in recomputed and now == "not kept" else now
-        rows.append(_delta(graph, name, was, state, delta, int(name in recomputed)))
+        flops = graph.nodes[name].flops if name in recomputed else 0
+        rows.append(_delta(graph, name, was, state, delta, flops))
     shown = {r.node for r in rows}
     for name in graph.nodes:
         if name in recomputed and name not in shown:
             was = "kept" if name in before else "not kept"
-            rows.append(_delta(graph, name, was, "recomputed", 0, 1))
+            rows.append(_delta(graph, name, was, "recomputed", 0, graph.nodes[name].flops))
     order = {name: i for i, name in enumerate(graph.nodes)}
     rows.sort(key=lambda r: order[r.node])
     return PolicyDiff(rows, "before remat", "after remat", decisions=result.decisions)

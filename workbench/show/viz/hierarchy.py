@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from workbench.capture.graph import JointGraph, NodeInfo
-from workbench.cost.replay import saved_bytes_by_node
+from workbench.cost.replay import recompute_flops_by_node, saved_bytes_by_node
 from workbench.decide.decider import Decisions
 from workbench.errors import WorkbenchError
 from workbench.show.viz.elements import Element, Elements
-from workbench.show.viz.network import forward_side, is_offload, is_recompute, recompute_flops
+from workbench.show.viz.network import forward_side, is_offload, is_recompute
 from workbench.show.viz.render import Changes, View, new_digraph, op_view
 from workbench.show.viz.style import FADED, ORANGE, SKY, WHITE, legend_label, signed, svg_id
 from workbench.units import format_bytes, format_flops
@@ -172,9 +172,11 @@ def overview(
     """Group forward ops by module, `depth` levels below a layer; fold runs of consecutive
     layers whose ops, sizes and decisions are identical. Kept bytes are the saved activation
     bytes of `workbench.cost.replay.saved_bytes_by_node` (the estimate's figure), by the node owning
-    each storage; recompute FLOPs count forward ops tagged recompute."""
+    each storage; recompute FLOPs those of `recompute_flops_by_node` (the estimate's too: what
+    backward runs again, not every op tagged recompute)."""
     changes = changes or {}
     kept = saved_bytes_by_node(graph, decisions)
+    redone = recompute_flops_by_node(graph, decisions)
     units: dict[Unit, list[str]] = {}
     box_key: dict[str, str] = {}
     for info in graph.ops():
@@ -211,7 +213,7 @@ def overview(
                 box_of[name] = (len(groups), group.boxes[key])
         for box in group.boxes.values():
             box.saved_bytes = sum(kept.get(n, 0) for n in box.nodes)
-            box.recompute_flops = recompute_flops(graph, box.nodes, decisions)
+            box.recompute_flops = sum(redone.get(n, 0) for n in box.nodes)
             box.recompute_ops = sum(is_recompute(decisions, n) for n in box.nodes)
             box.offload_ops = sum(is_offload(decisions, n) for n in box.nodes)
             box.saved_ops = len(box.nodes) - box.recompute_ops if decisions else 0
@@ -236,7 +238,7 @@ def overview(
         groups=groups,
         edges=list(edges),
         saved_bytes=sum(kept.values()),
-        recompute_flops=recompute_flops(graph, fwd, decisions),
+        recompute_flops=sum(redone.get(n, 0) for n in fwd),
         forward_ops=len(fwd),
         backward_ops=len(graph.by_phase("backward")),
     )
@@ -311,7 +313,7 @@ def render_overview(
         f"{format_flops(data.recompute_flops)}; {data.forward_ops} forward ops, "
         f"{data.backward_ops} backward ops (not drawn)",
         "kept for backward = forward outputs backward reads that are not recomputed",
-        "recompute = FLOPs of forward ops tagged recompute (run again in backward)",
+        "recompute = FLOPs backward runs again (remat's copies of the ops it reads)",
         *[
             f"'{g.title}' = {len(g.layers)} identical layers drawn once; figures are totals"
             for g in data.groups

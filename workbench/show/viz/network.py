@@ -1,7 +1,7 @@
 """The joint graph as a networkx DiGraph, for analyses the workbench does not ship.
 
-Entry point: `to_networkx(graph, decisions=None, gm=None)`; `forward_side(info)` and
-`recompute_flops` are shared with the pictures.
+Entry point: `to_networkx(graph, decisions=None, gm=None)`; `forward_side(info)`,
+`is_recompute` and `is_offload` are shared with the pictures.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ __all__ = [
     "is_recompute",
     "node_facts",
     "original_of",
-    "recompute_flops",
     "to_networkx",
 ]
 
@@ -98,11 +97,6 @@ def is_offload(decisions: Decisions | None, name: str) -> bool:
     """Tagged to be offloaded to host memory between forward and backward."""
     decision = decisions.get(name) if decisions else None
     return decision is not None and decision.offload
-
-
-def recompute_flops(graph: JointGraph, names: list[str], decisions: Decisions | None) -> int:
-    """FLOPs of the nodes tagged recompute: what backward runs a second time, at most."""
-    return sum(graph.nodes[n].flops for n in names if is_recompute(decisions, n))
 
 
 @dataclass(frozen=True)

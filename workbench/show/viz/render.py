@@ -17,7 +17,7 @@ import graphviz
 import torch.fx as fx
 
 from workbench.capture.graph import JointGraph, short_op
-from workbench.cost.replay import saved_bytes_by_node
+from workbench.cost.replay import recompute_flops_by_node, saved_bytes_by_node
 from workbench.decide.decider import Decisions
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
@@ -29,7 +29,6 @@ from workbench.show.viz.network import (
     is_recompute,
     node_facts,
     original_of,
-    recompute_flops,
 )
 from workbench.show.viz.style import (
     BLUE,
@@ -307,6 +306,7 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
     check_layout_size(len(shown) + len(copies), force)
     # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
     kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
+    redone = recompute_flops_by_node(graph, decisions)
     diffing = changes is not None
     changes = changes or {}
     members = set(shown) | set(copies)
@@ -314,8 +314,7 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
     heading = title or f"{graph.model_name}: {len(shown)} ops"
     lines = [
         f"kept for backward here: {format_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
-        f" · recomputed here: {format_flops(recompute_flops(graph, fwd, decisions))}"
-        f" (of forward ops tagged recompute)",
+        f" · run again in backward here: {format_flops(sum(redone.get(n, 0) for n in fwd))}",
         "box: op · output shape and dtype · output size; hover for node name and reason",
         *EDGE_WORDS,
     ]

@@ -2,7 +2,8 @@
 edits on the user's own preset where that stays short, and the line that reports it.
 
 Entry points: `suggestion(graph, current, budget_bytes, ...) -> (policy, message)`,
-`rebased(graph, policy, base)` and `no_offload_words` (why a host budget moved nothing).
+`rebased(graph, policy, base)`, `without_idle_overrides` (the rows that change nothing left
+out) and `no_offload_words` (why a host budget moved nothing).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from workbench.decide.decider import decide, layer_key, node_keys, rules_of
 from workbench.decide.facts import MIN_OFFLOAD_BYTES
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Action, Policy
-from workbench.decide.tags import Refusal
+from workbench.decide.tags import Refusal, Why
 from workbench.errors import INT64_MAX, check_int
 from workbench.search.solve import SOLVER_DEFER_LAYERS, SolveOptions, solve
 from workbench.units import format_bytes, format_flops, format_seconds
 
-__all__ = ["no_offload_words", "rebased", "suggestion"]
+__all__ = ["no_offload_words", "rebased", "suggestion", "without_idle_overrides"]
 
 
 def rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
@@ -54,6 +55,50 @@ def rebased(graph: JointGraph, policy: Policy, base: Policy) -> Policy | None:
     got = decide(graph, result)
     same = all(got[n].action == d.action for n, d in want.items())
     return result if same else None
+
+
+def _same_step(a: Estimate, b: Estimate) -> bool:
+    """Whether two estimates are of one rematerialized step: the same schedule, peak and
+    offloads."""
+    return (a.order, a.peak_bytes, a.offloaded_bytes) == (b.order, b.peak_bytes, b.offloaded_bytes)
+
+
+def without_idle_overrides(
+    graph: JointGraph, policy: Policy, estimator: Estimator
+) -> tuple[Policy, int]:
+    """`policy` without the recompute overrides that change nothing: none of the nodes they
+    tag is run again in backward (not read in backward after remat: a saved view keeps
+    their output, say). Left out together when the step stays the same (`_same_step`),
+    else one by one where it does; also how many were left out."""
+    est = estimator.estimate(policy)
+    redone = est.recompute_flops_by_node
+    tagged: dict[str, set[str]] = {}
+    for name, tag in decide(graph, policy).items():
+        if tag.why is Why.OVERRIDE and isinstance(tag.detail, str):
+            tagged.setdefault(tag.detail, set()).add(name)
+    idle = [
+        key
+        for key, action in policy.overrides.items()
+        if action == "recompute" and not tagged.get(key, set()) & set(redone)
+    ]
+
+    def without(keys: list[str], base: Policy) -> Policy:
+        kept = {k: a for k, a in base.overrides.items() if k not in keys}
+        return Policy(
+            base.preset, list(base.selectors), kept, base.fsdp_reshard, offload=base.offload
+        )
+
+    if not idle:
+        return policy, 0
+    pruned = without(idle, policy)
+    if _same_step(estimator.estimate(pruned), est):
+        return pruned, len(idle)
+    pruned, left = policy, 0
+    for key in idle:
+        trial = without([key], pruned)
+        if _same_step(estimator.estimate(trial), est):
+            pruned, left = trial, left + 1
+    return pruned, left
 
 
 def _refusal_label(why: Refusal) -> str:
@@ -168,6 +213,8 @@ def suggestion(
     else:
         policy = solution.policy
         note = f" (on {current.preset!r} it would take many more overrides)"
+    policy, idle = without_idle_overrides(graph, policy, estimator)
+    left_out = f"; {idle} overrides that would change nothing left out" if idle else ""
     choice = "reshard after forward" if solution.policy.fsdp_reshard else "keep unsharded"
     fsdp = f"; FSDP {choice}" if has_fsdp else ""
     offloaded = (
@@ -188,6 +235,6 @@ def suggestion(
         f"{format_flops(solution.estimate.recompute_flops)}{offloaded}{fsdp}; "
         f"preset {policy.preset!r}{note} with "
         f"{len(policy.selectors)} selectors and {len(policy.overrides)} overrides (listed "
-        "under Policy); refine it by clicking ops"
+        f"under Policy){left_out}; refine it by clicking ops"
     )
     return policy, message
