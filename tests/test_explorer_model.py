@@ -23,7 +23,7 @@ from workbench.decide.policy import Policy
 from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
 from workbench.show.viz import Element, View, expand, render_view, svg_id
-from workbench.show.viz.style import KIND_STYLE, ORANGE, SKY
+from workbench.show.viz.style import KIND_STYLE, ORANGE, OUTLINES, SKY
 from workbench.show.widgets import ExplorerModel, panels, policy_edits, session
 from workbench.show.widgets.model import STATE, load_source
 from workbench.show.widgets.panels import (
@@ -537,11 +537,20 @@ def test_the_legend_lists_every_shade_the_view_can_show(small: Fixture, tmp_path
     model = model_of(small, tmp_path)
     model.show("layer:0")
     rows = [tuple(row) for row in model.legend["rows"]]
-    assert rows == model.picture.legend_rows  # the static render's rows, one source
+    drawn = len(model.picture.legend_rows)
+    assert rows[:drawn] == model.picture.legend_rows  # the static render's rows, one source
     for kind in ("must_recompute", "must_save", "forced_save", "prefer_save", "backward"):
         assert (KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]) in rows
+    # then the explorer's outlines, each with its look: the selected op, the peak (Go to peak)
+    assert rows[drawn:] == [(c, words, look) for c, look, words in OUTLINES.values()]
+    css = (Path(panels.__file__).parent / "explorer.css").read_text()
+    for kind, cls in (("selected", "sacwb-selected"), ("peak", "sacwb-peak-node")):
+        colour, look, _ = OUTLINES[kind]
+        rule = css.split(f"g.{cls} path {{", 1)[1].split("}", 1)[0]
+        assert f"stroke: {colour.lower()};" in rule and ("dasharray" in rule) == (look == "dashed")
+    assert "8e44ad" not in css  # the peak no longer looks like a forced save's purple
     model.show("overview")
-    assert [row[0] for row in model.legend["rows"]] == [SKY, ORANGE]
+    assert [row[0] for row in model.legend["rows"]][:2] == [SKY, ORANGE]
 
 
 def test_timeline_labels_never_overlap(small: Fixture) -> None:

@@ -13,11 +13,10 @@ import pytest
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
 from workbench.cost.estimate import Estimator
-from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.search.solve import SolveOptions, solve
 from workbench.show.viz import svg_id
-from workbench.show.viz.style import COLLECTIVE_WORDS
+from workbench.show.viz.style import COLLECTIVE_WORDS, KIND_STYLE, ORANGE, VERMILLION
 from workbench.show.widgets import PolicyExplorer
 
 
@@ -78,7 +77,8 @@ def test_explorer_on_a_rank_keeps_the_fsdp_choice(rank_debug: JointGraph, tmp_pa
     assert ex.metrics["peak_bytes"] <= budget
 
     def recomputed(policy: Policy) -> set[str]:
-        return {n for n, tag in decide(rank_debug, policy).items() if tag.recompute}
+        """What backward runs again (Suggest leaves out overrides that change nothing)."""
+        return set(ex.estimator.estimate(policy).recompute_flops_by_node)
 
     assert recomputed(ex.policy) == recomputed(expected.policy)
     assert ex.metrics["peak_bytes"] == expected.estimate.peak_bytes
@@ -101,6 +101,29 @@ def test_explorer_on_a_rank_keeps_the_fsdp_choice(rank_debug: JointGraph, tmp_pa
     # the budget slider spans both FSDP choices: up to keeping everything
     high = Estimator(rank_debug, ("h100",)).estimate(Policy("none", fsdp_reshard=False))
     assert ex.budget_range["max"] == high.peak_bytes
+
+
+def test_a_fresh_rank_explorer_says_who_chose_each_colour(
+    rank_debug: JointGraph, tmp_path: Path
+) -> None:
+    """Nobody chose the FSDP default (reshard after forward): its all-gather chains are drawn
+    as the preset's choice and the legend says FSDP chose them; a user's flip is "you chose".
+    Run is disabled on fake tensors, its tooltip saying why."""
+    ex = PolicyExplorer(rank_debug, "default", autosave=tmp_path / "fresh.json")
+    gather = _layer_op(rank_debug, "layers.0.attention.wq", "all_gather_into_tensor.default")
+    ex.show("layer:0")
+    fill = html.unescape(ex.svg).split(f'id="{svg_id("n", gather)}"', 1)[1].split("</g>", 1)[0]
+    assert f'fill="{ORANGE.lower()}"' in fill.lower()
+    words = dict((row[0], row[1]) for row in ex.legend["rows"])
+    assert "FSDP all-gathers: reshard after forward" in words[ORANGE]
+    assert "you chose" in words[VERMILLION] and "FSDP" not in words[VERMILLION]
+    assert ex.run_refusal.startswith("Run needs real tensors") and "fake" in ex.run_refusal
+    send(ex, type="run")
+    assert ex.message == ex.run_refusal and not ex.run_result
+    send(ex, type="click", id=svg_id("n", gather))  # now the user's: saved, "you chose"
+    fill = html.unescape(ex.svg).split(f'id="{svg_id("n", gather)}"', 1)[1].split("</g>", 1)[0]
+    assert ex.decisions[gather].action == "save"
+    assert f'fill="{KIND_STYLE["must_save"][0]["fillcolor"].lower()}"' in fill.lower()
 
 
 def test_fsdp_toggle_on_a_single_device_graph_explains(

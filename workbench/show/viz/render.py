@@ -19,6 +19,7 @@ import torch.fx as fx
 from workbench.capture.graph import JointGraph, short_op
 from workbench.cost.replay import recompute_flops_by_node, saved_bytes_by_node
 from workbench.decide.decider import Decisions
+from workbench.decide.tags import Why
 from workbench.errors import WorkbenchError
 from workbench.files import write_file
 from workbench.show.viz.elements import Element, Elements
@@ -271,8 +272,10 @@ def _attrs(kind: Kind, change: DiffRow | None, diffing: bool) -> dict[str, str]:
     return attrs
 
 
-def _legend_rows(kinds: Iterable[Kind], diffing: bool) -> list[tuple[str, str]]:
-    rows = kind_rows(kinds)
+def _legend_rows(
+    kinds: Iterable[Kind], diffing: bool, fsdp: Iterable[Kind] = ()
+) -> list[tuple[str, str]]:
+    rows = kind_rows(kinds, fsdp)
     rows.append((GREY, "note: backward ops of that module reading values from here"))
     if diffing:
         rows.append((FADED, "unchanged between the two policies"))
@@ -328,7 +331,9 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
     collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
     if collectives:
         lines.append(COLLECTIVE_WORDS)
-    rows = _legend_rows(kinds, diffing)
+    tags = decisions or {}
+    fsdp = {_kind(graph, n, decisions) for n in shown if n in tags and tags[n].why is Why.FSDP}
+    rows = _legend_rows(kinds, diffing, fsdp)
     drawing = Drawing()
     elements: Elements = {}
     for name in [*shown, *copies]:

@@ -14,7 +14,7 @@ from typing import Literal
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import COLLECTIVE_OPS, NodeInfo
-from workbench.decide.tags import Tag
+from workbench.decide.tags import Tag, Why
 
 __all__ = [
     "BLUE",
@@ -22,11 +22,13 @@ __all__ = [
     "COLLECTIVE_WORDS",
     "DECISION_KINDS",
     "FADED",
+    "FSDP_WORDS",
     "GREEN",
     "GREY",
     "KIND_STYLE",
     "Kind",
     "ORANGE",
+    "OUTLINES",
     "PURPLE",
     "SKY",
     "VERMILLION",
@@ -88,6 +90,14 @@ KIND_STYLE: dict[Kind, tuple[dict[str, str], str]] = {
         "copy recomputed in backward by remat (dashed edge from its original)",
     ),
 }
+# The explorer's outlines over the picture (drawn by its stylesheet, `explorer.css`): the
+# selected op, and the ops that stand for the estimated peak (Go to peak), each with its look
+# (a solid or dashed outline) and its words for the legend.
+OUTLINES: dict[str, tuple[str, str, str]] = {
+    "selected": ("#DD0000", "solid", "red outline: the selected op"),
+    "peak": ("#000000", "dashed", "black dashed outline: where the estimated peak happens"),
+}
+
 # Communication ops (all-gather, reduce-scatter, all-reduce, wait) of a per-rank graph: a
 # shape of their own, so the fill colour still tells their save/recompute decision.
 COLLECTIVE_STYLE: dict[str, str] = {"shape": "hexagon", "style": "filled"}
@@ -117,15 +127,24 @@ _POLICY_KIND: dict[CheckpointPolicy, Kind] = {
 }
 
 
+# Tags nobody chose by a row of their own: a preset's rule (graph trainer's write MUST_SAVE
+# and MUST_RECOMPUTE) and the policy's FSDP default. Drawn as the preset's choice, whatever
+# their MUST or PREFER: "you chose" is said of selectors and overrides only.
+_DEFAULTS = (Why.PRESET, Why.FSDP, Why.UNTAGGED)
+_AS_DEFAULT: dict[Kind, Kind] = {"must_save": "prefer_save", "must_recompute": "prefer_recompute"}
+
+
 def node_kind(info: NodeInfo, decision: Tag | None) -> Kind:
-    """What colour a node gets: its decision, or backward / untagged."""
+    """What colour a node gets: its decision (a MUST tag nobody chose, a preset's or the FSDP
+    default's, as the preset's choice), or backward / untagged."""
     if info.phase == "backward":
         return "backward"
     if decision is None:
         return "untagged"
     if decision.forced:
         return "forced_save"
-    return _POLICY_KIND.get(decision.policy, "prefer_save")
+    kind = _POLICY_KIND.get(decision.policy, "prefer_save")
+    return _AS_DEFAULT.get(kind, kind) if decision.why in _DEFAULTS else kind
 
 
 def forced_words(decision: Tag) -> str:
@@ -176,5 +195,26 @@ def legend_label(title: str, lines: Iterable[str], rows: Iterable[tuple[str, str
     return f'<<TABLE BORDER="0" CELLSPACING="1" CELLPADDING="1">{body}</TABLE>>'
 
 
-def kind_rows(kinds: Iterable[Kind]) -> list[tuple[str, str]]:
-    return [(KIND_STYLE[k][0]["fillcolor"], KIND_STYLE[k][1]) for k in kinds]
+# What the FSDP default adds to the preset's rows, on a graph with FSDP all-gathers: which
+# choice colours them is said by the tags the view draws (`Why.FSDP`, its detail).
+FSDP_WORDS: dict[Kind, str] = {
+    "prefer_recompute": "; FSDP all-gathers: reshard after forward",
+    "prefer_save": "; FSDP all-gathers: keep unsharded",
+}
+
+
+def kind_rows(kinds: Iterable[Kind], fsdp: Iterable[Kind] = ()) -> list[tuple[str, str]]:
+    """(colour, words) per kind; the kinds in `fsdp` also say that the FSDP default chose
+    them on this graph.
+
+    >>> kind_rows(["prefer_recompute"], fsdp=["prefer_recompute"])[0][1]
+    'recomputed in backward (preset chose; FSDP all-gathers: reshard after forward)'
+    """
+    chosen = set(fsdp)
+    rows = []
+    for kind in kinds:
+        colour, words = KIND_STYLE[kind][0]["fillcolor"], KIND_STYLE[kind][1]
+        if kind in chosen and kind in FSDP_WORDS:
+            words = words.removesuffix(")") + FSDP_WORDS[kind] + ")"
+        rows.append((colour, words))
+    return rows

@@ -151,6 +151,17 @@ class ExplorerCore:
         return self.state.can_redo
 
     @property
+    def run_refusal(self) -> str:
+        """Why Run cannot measure this session's graph, "" when it can: the front end
+        disables the button and says this as its tooltip."""
+        if self.graph.example_inputs is None or self.workload is None:
+            return (
+                "Run needs real tensors and the model: open the explorer on a Workload or a "
+                "model name (a graph traced on fake tensors can only be estimated)"
+            )
+        return ""
+
+    @property
     def offload_text(self) -> str:
         """The policy's offload options in words; "" when it keeps the defaults."""
         changed = self.policy.offload != OffloadOptions()

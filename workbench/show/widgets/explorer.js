@@ -151,6 +151,7 @@ const CONTROLS = [
   "message",
   "status",
   "running",
+  "run_refusal",
   "can_undo",
   "can_redo",
   "export_code",
@@ -200,15 +201,7 @@ function toolbarPanel({ model, request, store }) {
   );
   const undo = button("↶ Undo", "undo", "undo the last change");
   const redo = button("↷ Redo", "redo", "redo");
-  const run = h(
-    "button",
-    {
-      class: "sacwb-run",
-      title: "remat with torch's pass and measure for real",
-      onclick: () => request({ type: "run" }),
-    },
-    "▶ Run",
-  );
+  const run = h("button", { class: "sacwb-run", onclick: () => request({ type: "run" }) }, "▶ Run");
   const element = h(
     "div",
     { class: "sacwb-toolbar" },
@@ -245,7 +238,10 @@ function toolbarPanel({ model, request, store }) {
     reshardLabel.style.display = model.get("has_fsdp") ? "" : "none";
     undo.disabled = !model.get("can_undo");
     redo.disabled = !model.get("can_redo");
-    run.disabled = model.get("running");
+    // a graph Run cannot measure (fake tensors): disabled, saying why
+    const refusal = model.get("run_refusal");
+    run.disabled = model.get("running") || Boolean(refusal);
+    run.title = refusal || "remat with torch's pass and measure for real";
   };
   return { element, watch: [[CONTROLS, draw]] };
 }
@@ -514,13 +510,16 @@ function graphPanel(ctx) {
 
 function legendPanel({ model }) {
   const element = h("div", { class: "sacwb-legend" });
-  const row = ([colour, words]) =>
-    h(
-      "span",
-      { class: "sacwb-legend-row" },
-      h("span", { class: "sacwb-swatch", style: `background: ${colour}` }),
-      words,
-    );
+  // a colour sample, or (a third item: its look, solid or dashed) an outline the explorer draws
+  const swatch = (colour, look) =>
+    look
+      ? h("span", {
+          class: "sacwb-swatch sacwb-outline",
+          style: `border-color: ${colour}; border-style: ${look}`,
+        })
+      : h("span", { class: "sacwb-swatch", style: `background: ${colour}` });
+  const row = ([colour, words, look]) =>
+    h("span", { class: "sacwb-legend-row" }, swatch(colour, look), words);
   const draw = () => {
     const lg = model.get("legend");
     element.replaceChildren(

@@ -86,6 +86,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     export_code = traitlets.Unicode("").tag(sync=True)
     export_path = traitlets.Unicode("").tag(sync=True)
     running = traitlets.Bool(False).tag(sync=True)
+    run_refusal = traitlets.Unicode("").tag(sync=True)  # why Run cannot measure ("": it can)
     status = traitlets.Unicode("").tag(sync=True)
     run_result = traitlets.Dict().tag(sync=True)
     budget_range = traitlets.Dict().tag(sync=True)

@@ -55,6 +55,7 @@ STATE: tuple[str, ...] = (
     "export_path",
     # Suggest, Sweep and Run
     "running",
+    "run_refusal",
     "status",
     "run_result",
     "budget_range",

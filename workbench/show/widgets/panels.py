@@ -25,7 +25,7 @@ from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.show.viz import View
 from workbench.show.viz.render import EDGE_WORDS, OFFLOAD_EDGE_WORDS
-from workbench.show.viz.style import COLLECTIVE_WORDS
+from workbench.show.viz.style import COLLECTIVE_WORDS, OUTLINES
 from workbench.show.widgets.policy_state import policy_label
 from workbench.units import byte_ticks, format_bytes, format_flops, format_seconds
 
@@ -242,7 +242,8 @@ def legend_panel(
 ) -> dict[str, Any]:
     """Title, lines and colour samples beside the picture, read from the picture (its
     elements: folded layers, communication ops; its legend rows: every shade it can show,
-    as the static render explains them), never from its text."""
+    as the static render explains them), never from its text; then the explorer's own
+    outlines (`style.OUTLINES`: the selected op, the peak), each row's third item its look."""
     lines = [
         f"kept for backward (whole step): {format_bytes(est.saved_activation_bytes)} · "
         f"peak {format_bytes(est.peak_bytes)} at {est.peak_node}"
@@ -266,6 +267,7 @@ def legend_panel(
             lines.append(COLLECTIVE_WORDS)
     title = f"{model_name} · policy {policy_label(policy.to_json())}: {view}"
     rows = [[colour, words] for colour, words in picture.legend_rows]
+    rows += [[colour, words, look] for colour, look, words in OUTLINES.values()]
     return {"title": title, "lines": lines, "rows": rows}
 
 

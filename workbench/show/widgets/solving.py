@@ -95,11 +95,9 @@ class Solving(ExplorerCore):
         traced on one, else CPU), with the bitwise check against eager."""
         from workbench.interop.baselines import measure_policy
 
-        if self.graph.example_inputs is None or self.workload is None:
-            raise WorkbenchError(
-                "Run needs real tensors and the model: open the explorer on a Workload or a "
-                "model name (a graph traced on fake tensors can only be estimated)"
-            )
+        if self.run_refusal:
+            raise WorkbenchError(self.run_refusal)
+        assert self.workload is not None  # `run_refusal` says why not otherwise
         try:
             with self._busy("Run: rematerializing with torch's pass and measuring…"):
                 result = measure_policy(

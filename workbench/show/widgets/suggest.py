@@ -225,7 +225,7 @@ def suggestion(
     )
     if host_budget_bytes and not solution.estimate.offloaded_bytes:
         why = no_offload_words(
-            graph, solution.policy, int(budget_bytes), host_budget_bytes, profile, estimator
+            graph, policy, int(budget_bytes), host_budget_bytes, profile, estimator
         )
         offloaded += f": {why}"
     message = (
