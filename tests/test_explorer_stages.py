@@ -16,6 +16,7 @@ from workbench.cost.stages import PipelineModel
 from workbench.decide.decider import decidable
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
+from workbench.search.stages import solve_stages
 from workbench.show.viz.stages import layers_words, stage_rows, stage_strip
 from workbench.show.widgets import PolicyExplorer
 from workbench.show.widgets.stages import STAGES_STATE, StagesModel
@@ -206,8 +207,6 @@ def test_widget_refuses_stages_on_one_graph(one_f_one_b: Job) -> None:
 
 def test_suggest_gives_each_stage_the_solver_policy(one_f_one_b: Job) -> None:
     """Suggest puts `solve_stages`' policies on the stages, and the strip's peaks fit."""
-    from workbench.search.stages import solve_stages
-
     model = StagesModel(*one_f_one_b, policy="none")
     with pytest.raises(WorkbenchError, match="needs a per-GPU budget"):
         model.suggest()
@@ -222,3 +221,37 @@ def test_suggest_gives_each_stage_the_solver_policy(one_f_one_b: Job) -> None:
     widget = PolicyExplorer.pipeline(*one_f_one_b, policy="none", budget_bytes=budget)
     assert "within" in widget.suggest_stages()
     assert widget.policy == plan.policies[0] and all(r["fits"] for r in widget.stages)
+
+
+def test_a_pipelined_suggest_and_sweep_are_per_gpu(one_f_one_b: Job) -> None:
+    """The Suggest slider, Suggest, Sweep and the history of a pipelined explorer are in
+    per-GPU terms over the schedule: Suggest from the front end gives every stage its plan
+    and every rank's pipelined peak fits, never one stage's one-microbatch graph alone."""
+    widget = PolicyExplorer.pipeline(*one_f_one_b, policy="none")
+    stages = widget.stages_model
+    assert stages is not None
+    pipeline = PipelineModel(*one_f_one_b)
+    full = pipeline.estimate(Policy("full")).peak_bytes
+    none = pipeline.estimate(Policy("none")).peak_bytes
+    assert (widget.budget_range["min"], widget.budget_range["max"]) == (full, none)
+    assert "per GPU" in widget.budget_range["note"]
+    assert widget.budget_range != stages.explorers[0].budget_range  # not the stage's own
+    budget = widget.budget_range["stops"][len(widget.budget_range["stops"]) // 2]
+    reply = widget._act({"type": "suggest", "budget": budget})
+    assert reply["ok"] and "per GPU over the schedule" in widget.message, widget.message
+    assert stages.budget_bytes == budget and widget.budget_range["start"] == budget
+    assert all(row["fits"] for row in widget.stages)
+    assert max(r["peak_bytes"] for r in widget.stages) <= budget
+    assert stages.policies == solve_stages(pipeline, budget).policies
+    assert widget.history == stages.history and widget.history[-1]["current"]
+    assert widget.history[-1]["solver"] == "per stage" and not widget.running
+    assert widget._act({"type": "sweep"})["ok"] and "per-GPU budgets" in widget.message
+    points = widget.history
+    assert len(points) > 2 and all(len(p["policy"]["stages"]) == 2 for p in points)
+    assert widget.history_plots[0]["title"].startswith("per GPU over the schedule")
+    start = [Policy("none").to_json()] * 2  # where the session started, and a Sweep point
+    first = next(p for p in points if p["policy"]["stages"] == start)
+    assert first["name"].endswith("none on every stage") and first["peak_bytes"] == none
+    assert widget._act({"type": "restore", "index": first["index"]})["ok"]
+    assert stages.policies == [Policy("none")] * 2 and widget.policy == Policy("none")
+    assert widget.stages[0]["peak_bytes"] == stages.estimate.schedule.stages[0].peak_bytes

@@ -63,11 +63,13 @@ ACTIONS: dict[str, Action] = {
     "undo": _a("undo"),
     "redo": _a("redo"),
     "reset": _a("reset"),
-    "restore": _a("restore", Field("index", int)),
+    # a pipelined job's Suggest, Sweep and history are per GPU over the schedule: the
+    # widget sends them to its stages
+    "restore": Action("restore", (Field("index", int),), widget=True),
     "save_export": _a("save_export", Field("path", str, None)),
     "run": _a("run"),
-    "suggest": _a("suggest", Field("budget", int)),
-    "sweep": _a("sweep"),
+    "suggest": Action("suggest", (Field("budget", int),), widget=True),
+    "sweep": Action("sweep", widget=True),
     "host_budget": _a("set_host_budget", Field("bytes", int)),
     "stage": Action("open_stage", (Field("stage", int),), widget=True),
     "baselines": _a("show_baselines"),

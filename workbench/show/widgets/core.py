@@ -208,7 +208,7 @@ class ExplorerCore:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        return self.history_log.to_json(self.profile)
+        return self.history_log.to_json(self.profile, self.policy.to_json())
 
     @property
     def history_plots(self) -> list[dict[str, Any]]:

@@ -917,8 +917,10 @@ function suggestPanel({ model, request }) {
     if (!stops.length) return;
     budget.max = stops.length - 1;
     if (!budget.dataset.touched) {
-      // the stop nearest the current peak
-      const peak = model.get("metrics").peak_bytes ?? stops[stops.length - 1];
+      // the stop nearest where the range starts (a pipelined job's budget per GPU), else
+      // nearest the current peak
+      const range = model.get("budget_range");
+      const peak = range.start ?? model.get("metrics").peak_bytes ?? stops[stops.length - 1];
       budget.value = nearestStop(stops, peak);
     }
     budgetText.textContent = stop().text;
@@ -959,7 +961,7 @@ function hostBudgetBox(request) {
 // A scatter of peak memory against step time; `plot` (from Python) gives its title, axis
 // ranges and labelled ticks. Marks are circles (estimates) or squares (measured); clicking
 // one restores its policy.
-function scatterPlot(points, plot, current, onPick) {
+function scatterPlot(points, plot, onPick) {
   const [W, H, L, B, T, R] = [320, 206, 58, 34, 22, 10];
   const svg = s("svg", { width: W, height: H, class: "sacwb-scatter" });
   const { x, y } = plot;
@@ -996,14 +998,14 @@ function scatterPlot(points, plot, current, onPick) {
     "text-anchor": "start",
     class: "sacwb-axis-label sacwb-axis-label-y",
   };
-  svg.append(s("text", xTitle, plot.x_label), s("text", yTitle, "peak memory ↑"));
+  svg.append(s("text", xTitle, plot.x_label), s("text", yTitle, plot.y_label));
   const front = points.filter((p) => p.pareto).sort((a, b) => a.step_seconds - b.step_seconds);
   if (front.length > 1) {
     const line = front.map((p) => `${X(p.step_seconds)},${Y(p.peak_bytes)}`).join(" ");
     svg.append(s("polyline", { points: line, class: "sacwb-front" }));
   }
   for (const p of points) {
-    const mark = pointMark(p, X(p.step_seconds), Y(p.peak_bytes), current);
+    const mark = pointMark(p, X(p.step_seconds), Y(p.peak_bytes));
     mark.addEventListener("click", () => onPick(p.index));
     svg.append(mark);
   }
@@ -1011,11 +1013,11 @@ function scatterPlot(points, plot, current, onPick) {
 }
 
 // One point of the history: a circle (estimated) or a square (measured), titled
-function pointMark(p, cx, cy, current) {
+function pointMark(p, cx, cy) {
   const kinds = [
     p.pareto ? " pareto" : "",
     p.measured ? " measured" : "",
-    JSON.stringify(p.policy) === current ? " current" : "",
+    p.current ? " current" : "",
   ];
   const cls = `sacwb-point${kinds.join("")}`;
   const mark = p.measured
@@ -1031,13 +1033,11 @@ function historyPanel(ctx) {
   const element = h("div", { class: "sacwb-history" });
   const draw = () => {
     const points = model.get("history");
-    const current = JSON.stringify(model.get("policy_json"));
     const pick = (index) => request({ type: "restore", index });
     const plots = model.get("history_plots").map((plot) =>
       scatterPlot(
         points.filter((p) => p.measured === plot.measured),
         plot,
-        current,
         pick,
       ),
     );
@@ -1051,7 +1051,7 @@ function historyPanel(ctx) {
       ...plots,
     );
   };
-  return { element, watch: [[["policy_json", "history", "history_plots"], draw]] };
+  return { element, watch: [[["history", "history_plots"], draw]] };
 }
 
 // Copy the code: the clipboard where the page may use it, else the code selected

@@ -38,6 +38,7 @@ from workbench.show.widgets.actions import perform
 from workbench.show.widgets.model import STATE, ExplorerModel
 from workbench.show.widgets.policy_state import policy_label
 from workbench.show.widgets.stages import STAGES_STATE, StagesModel
+from workbench.units import format_bytes
 
 __all__ = ["PolicyExplorer"]
 
@@ -305,20 +306,43 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.model.reset()
 
     def restore(self, index: int) -> None:
+        """Load the policy of history point `index`; for a pipelined job, the policy of
+        every stage of a point of its per-GPU history."""
         with self._synced():
-            self.model.restore(index)
+            if self.stages_model is None:
+                self.model.restore(index)
+            else:
+                self.model.message = self.stages_model.restore(index)
 
     def set_host_budget(self, budget_bytes: int) -> None:
         with self._synced():
             self.model.set_host_budget(budget_bytes)
 
     def suggest(self, budget_bytes: int, method: str | None = None) -> None:
+        """The solver's cheapest policy whose peak fits `budget_bytes`; for a pipelined job,
+        one policy per stage whose every rank's pipelined peak fits it (per GPU)."""
+        if self.stages_model is not None:
+            self.suggest_stages(budget_bytes)
+            return
         with self._synced():
             self.model.suggest(budget_bytes, method)
 
     def sweep(self, points: int = 8) -> None:
-        with self._synced():
-            self.model.sweep(points)
+        """The solver's memory-vs-time front into the history; for a pipelined job, per-stage
+        plans for per-GPU budgets into the job's history."""
+        if self.stages_model is None:
+            with self._synced():
+                self.model.sweep(points)
+            return
+        stages, shown = self.stages_model, self.model
+
+        def progress(done: int, total: int) -> None:
+            shown.status = f"solving per-GPU budget {done} of {total}…"
+            shown.on_change()
+
+        with self._synced(), shown.busy(f"Sweep: solving {points} per-GPU budgets…"):
+            words = stages.sweep(points, progress)
+        shown.message = words
 
     def save_export(self, path: str | None = None) -> Path:
         with self._synced():
@@ -354,10 +378,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self._stages().set_budget(budget_bytes)
 
     def suggest_stages(self, budget_bytes: int | None = None) -> str:
-        """One policy per stage within the per-GPU budget (the stages' budget by default),
-        each given to its stage; the message says whether they fit."""
+        """One policy per stage within the per-GPU budget over the schedule (the stages'
+        budget by default), each given to its stage; the message says whether they fit."""
+        stages, shown = self._stages(), self.model
+        budget = stages.budget_bytes if budget_bytes is None else budget_bytes
+        words = "per GPU" if budget is None else f"{format_bytes(budget)} per GPU"
         with self._synced():
-            message = self._stages().suggest(budget_bytes)
+            with shown.busy(f"Suggest: one policy per stage for {words}…"):
+                message = stages.suggest(budget_bytes)
+            self.model.message = message
         return message
 
     def _stages(self) -> StagesModel:
@@ -376,7 +405,8 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             self.model.on_change = self._sync
             self.model.message = (
                 f"stage {stage} open: its edits change its policy only; the metrics are its "
-                "one-microbatch graph's, the strip's peaks each rank's pipelined peak"
+                "one-microbatch graph's, the strip's peaks each rank's pipelined peak; "
+                "Suggest, Sweep and the history are per GPU over the schedule"
             )
 
     # --- requests and traitlets from the front end ------------------------------------------
@@ -435,8 +465,10 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         """Every traitlet from the model (traitlets send only the ones that changed); for a
         pipelined job the shown stage's policy goes into the pipeline's estimate first."""
         with self.hold_sync():
+            pipelined = self.stages_model is not None
             for name in STATE:
-                setattr(self, name, getattr(self.model, name))
+                if not (pipelined and name in STAGES_STATE):  # the job's, below
+                    setattr(self, name, getattr(self.model, name))
             if self.stages_model is not None:
                 self.stages_model.sync()
                 for name in STAGES_STATE:

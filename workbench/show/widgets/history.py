@@ -28,10 +28,11 @@ class Point:
     measured: bool = False
     solver: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    label: str = ""  # what the point is called, where its policy is not one Policy's JSON
 
     @property
     def name(self) -> str:
-        return ("solver: " if self.solver else "") + policy_label(self.policy)
+        return ("solver: " if self.solver else "") + (self.label or policy_label(self.policy))
 
 
 class History:
@@ -53,14 +54,18 @@ class History:
         ]
         self.points.append(point)
 
-    def policy(self, index: int) -> Policy:
+    def point(self, index: int) -> Point:
         if not 0 <= index < len(self.points):
             raise WorkbenchError(f"no history point #{index}; there are {len(self.points)}")
-        return Policy.from_json(self.points[index].policy)
+        return self.points[index]
 
-    def to_json(self, profile: str) -> list[dict[str, Any]]:
+    def policy(self, index: int) -> Policy:
+        return Policy.from_json(self.point(index).policy)
+
+    def to_json(self, profile: str, current: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Points for the plot: `step_seconds` on `profile` for estimates (the measured time
-        for measured points) and `pareto` within each kind; `peak` and `step` as text."""
+        for measured points), `pareto` within each kind and `current` where the point's
+        policy is `current`; `peak` and `step` as text."""
         rows = []
         for index, p in enumerate(self.points):
             seconds = next(iter(p.seconds.values())) if p.measured else p.seconds[profile]
@@ -75,6 +80,7 @@ class History:
                     "peak": format_bytes(p.peak_bytes),
                     "step": format_seconds(seconds),
                     "profile": next(iter(p.seconds)) if p.measured else profile,
+                    "current": p.policy == current,
                     **({"solver": p.solver} if p.solver else {}),
                     **p.extra,
                 }

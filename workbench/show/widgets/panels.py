@@ -402,22 +402,33 @@ def _byte_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
     return [(float(v), text) for v, text in byte_ticks(lo, hi)]
 
 
-def history_plots(rows: list[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
+def history_plots(
+    rows: list[dict[str, Any]], profile: str, per_gpu: bool = False
+) -> list[dict[str, Any]]:
     """One scatter per kind of history point (estimated on `profile`, measured on a device):
-    its title, axis words, and axes with their tick labels."""
+    its title, axis words, and axes with their tick labels. `per_gpu`: a pipelined job's
+    points, each a policy per stage with its largest rank peak and its pipelined step."""
     plots = []
     for measured in (False, True):
         points = [r for r in rows if r["measured"] == measured]
         if not points:
             continue
         where = points[0]["profile"] if measured else profile
+        if per_gpu:
+            title, x_label = (
+                f"per GPU over the schedule, estimated on {where}",
+                f"pipelined step time on {where} (estimate)",
+            )
+        elif measured:
+            title, x_label = f"measured (Run) on {where}", f"step time measured on {where}"
+        else:
+            title, x_label = f"estimated on {where}", f"step time on {where} (estimate)"
         plots.append(
             {
                 "measured": measured,
-                "title": f"measured (Run) on {where}" if measured else f"estimated on {where}",
-                "x_label": f"step time measured on {where}"
-                if measured
-                else f"step time on {where} (estimate)",
+                "title": title,
+                "x_label": x_label,
+                "y_label": "peak per GPU ↑" if per_gpu else "peak memory ↑",
                 "x": _axis([r["step_seconds"] for r in points], _second_ticks, 1e-6),
                 "y": _axis([r["peak_bytes"] for r in points], _byte_ticks, 1),
             }

@@ -40,7 +40,7 @@ class Solving(ExplorerCore):
         """Load the solver's cheapest policy whose estimated peak fits `budget_bytes`
         (undoable, like any other change)."""
         budget = format_bytes(budget_bytes) if isinstance(budget_bytes, int) else budget_bytes
-        with self._busy(f"Suggest: solving for a budget of {budget}…"):
+        with self.busy(f"Suggest: solving for a budget of {budget}…"):
             policy, message = suggestion(
                 self.graph,
                 self.policy,
@@ -71,7 +71,7 @@ class Solving(ExplorerCore):
             host_budget_bytes=self.suggest_host_budget_bytes,
             budget_kind=self.budget_kind,
         )
-        with self._busy(f"Sweep: solving {points} budgets…"):
+        with self.busy(f"Sweep: solving {points} budgets…"):
             solutions = pareto(
                 self.graph,
                 points=points,
@@ -99,7 +99,7 @@ class Solving(ExplorerCore):
             raise WorkbenchError(self.run_refusal)
         assert self.workload is not None  # `run_refusal` says why not otherwise
         try:
-            with self._busy("Run: rematerializing with torch's pass and measuring…"):
+            with self.busy("Run: rematerializing with torch's pass and measuring…"):
                 result = measure_policy(
                     self.workload,
                     self.policy,
@@ -129,7 +129,7 @@ class Solving(ExplorerCore):
         return summary
 
     @contextlib.contextmanager
-    def _busy(self, words: str) -> Iterator[None]:
+    def busy(self, words: str) -> Iterator[None]:
         """A long action (Run, Suggest, Sweep): `running` and `status` say so, and reach the
         front end at once (`on_change`), until it ends, also when it fails; then the status
         line is the last Run's again (an action may say more)."""
