@@ -452,6 +452,43 @@ def test_policy_rows_show_solver_output_and_each_is_editable(
     assert key not in ex.policy_json["overrides"]
 
 
+def test_every_edit_says_what_it_did(small_graphs: dict[str, Fixture], tmp_path: Path) -> None:
+    """The message line after each edit of a row, Reset, Undo and Redo is that edit's own:
+    never the words of an earlier action left standing."""
+    ex = explorer(small_graphs["llama3-debug"], tmp_path)
+    send(ex, type="search", query="mm_4")
+    send(ex, type="click", id=svg_id("n", "mm_4"))
+    key = next(iter(ex.policy_json["overrides"]))
+    said = []
+    for request in (
+        {"type": "override", "key": key, "action": "save"},
+        {"type": "override", "key": key},
+        {"type": "selector", "select": "layers.*.attention.wo::aten.mm.default", "action": "save"},
+        {"type": "edit_selector", "index": 0, "action": "recompute"},
+        {"type": "preset", "name": "full"},
+        {"type": "remove_selector", "index": 0},
+        {"type": "undo"},
+        {"type": "redo"},
+        {"type": "reset"},
+        {"type": "switch", "module": "layers.*.attention", "op": "aten.mm.default",
+         "action": "save"},
+        {"type": "reset"},
+    ):  # fmt: skip
+        send(ex, **request)
+        assert ex.message and ex.message not in said, (request, ex.message)
+        said.append(ex.message)
+    assert said[0] == f"override {key}: now saved" and said[1].startswith("removed the override")
+    assert (
+        said[3].startswith("selector 1 now has layers.*.attention.wo") and "recomputed" in said[3]
+    )
+    assert said[5].startswith("removed selector 1: recompute")
+    assert said[6].startswith("undone:") and said[7].startswith("redone:")
+    assert said[8] == "nothing to reset: the preset full has no edits"
+    assert said[10] == (
+        "reset to the preset full alone: dropped 1 selector and 0 overrides (Undo brings them back)"
+    )
+
+
 def test_export_file_is_named_for_its_format(
     small_graphs: dict[str, Fixture], tmp_path: Path
 ) -> None:

@@ -63,7 +63,7 @@ from workbench.show.widgets.session import (
     graph_key,
 )
 from workbench.show.widgets.suggest import rebased, suggestion, without_idle_overrides
-from workbench.units import format_bytes, format_seconds
+from workbench.units import format_bytes, format_seconds, second_ticks
 
 Fixture = tuple[Workload, JointGraph]
 OFFLOAD = Policy("offload", offload=OffloadOptions(defer_layers=1))
@@ -253,12 +253,27 @@ def test_history_plots_label_their_ticks() -> None:
     for axis in (x, y):
         assert axis["lo"] < axis["hi"] and len(axis["ticks"]) >= 2
         assert all(axis["lo"] <= v <= axis["hi"] for v, _ in axis["ticks"])
-    assert all(text == format_seconds(v) for v, text in x["ticks"])
+    texts = [text for _, text in x["ticks"]]
+    assert len(set(texts)) == len(texts) and len({t.split()[-1] for t in texts}) == 1
     # peak ticks at round MiB (1.0, 1.5, ... not round bytes read as odd MiB), one unit
     for v, text in y["ticks"]:
         number, unit = text.split()
         assert unit == "MiB" and v == round(float(number) * 2**20) and float(number) * 2 % 1 == 0
     assert measured["y"]["lo"] < 5 * 2**20 < measured["y"]["hi"]  # one point: padded around it
+
+
+def test_step_time_ticks_never_repeat() -> None:
+    """Step times 1.336–1.351 s read `1.34 s, 1.34 s, 1.35 s` at format_seconds' digits: the
+    ticks take as many decimals as tell them apart, at round values of one unit."""
+    history = History()
+    for k, seconds in enumerate((1.3362, 1.3405, 1.3511)):
+        history.add(
+            Point(Policy("none", overrides={}).to_json() | {"k": k}, 2**20, {"h100": seconds})
+        )
+    (plot,) = history_plots(history.to_json("h100"), "h100")
+    texts = [text for _, text in plot["x"]["ticks"]]
+    assert len(texts) >= 2 and len(set(texts)) == len(texts), texts
+    assert texts == [text for _, text in second_ticks(plot["x"]["lo"], plot["x"]["hi"])]
 
 
 def test_history_ticks_sit_at_round_values_of_the_shown_unit() -> None:

@@ -20,6 +20,7 @@ from workbench.search.stages import solve_stages
 from workbench.show.viz.stages import layers_words, stage_rows, stage_strip
 from workbench.show.widgets import PolicyExplorer
 from workbench.show.widgets.stages import STAGES_STATE, StagesModel
+from workbench.units import format_seconds
 
 Job = tuple[list[JointGraph], StageLayout]
 
@@ -143,6 +144,19 @@ def test_the_strip_draws_one_cell_per_stage(interleaved: Job) -> None:
         assert f"rank peak {row['peak']}" in svg
     assert stage_strip(model.estimate, ["a"] * 4).selected is None
     assert "of the largest peak" not in svg
+
+
+def test_the_strip_says_its_figures_in_units(one_f_one_b: Job) -> None:
+    """One microbatch in flight is one microbatch; the step time reads as format_seconds
+    writes it (`13.82 s`, never `13821.98 ms`)."""
+    model = StagesModel(*one_f_one_b)
+    svg = model.stages_svg
+    inflight = {r["stage"]: r["inflight_microbatches"] for r in model.rows}
+    assert 1 in inflight.values() and "1 microbatch in flight" in svg
+    assert "1 microbatches" not in svg and "4 microbatches ·" in svg
+    step = format_seconds(model.estimate.schedule.step_seconds)
+    assert f"step {step} on h100" in svg
+    assert not re.search(r"\d{4,}\.\d+ ms", svg)
 
 
 def test_stage_rows_and_words(one_f_one_b: Job) -> None:

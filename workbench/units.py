@@ -1,7 +1,8 @@
 """Figures as people read them: bytes, FLOPs, seconds and rates, each formatted once, and the
 unit of a figure in the workbench's JSON (its key ends with it).
 
-Entry points: `format_bytes`, `format_flops`, `format_seconds`, `unit_of(key, parent)` and
+Entry points: `format_bytes`, `format_flops`, `format_seconds`, `format_count`,
+`byte_ticks` and `second_ticks` (axis ticks), `unit_of(key, parent)` and
 `format_value(key, value, parent)`, which the CLI's human output, the pictures, the
 explorer and graph trainer's activation log all call.
 """
@@ -15,9 +16,11 @@ __all__ = [
     "Unit",
     "byte_ticks",
     "format_bytes",
+    "format_count",
     "format_flops",
     "format_seconds",
     "format_value",
+    "second_ticks",
     "unit_of",
 ]
 
@@ -65,18 +68,58 @@ def byte_ticks(lo: float, hi: float, most: int = 4) -> list[tuple[int, str]]:
     low, high = lo / scale, hi / scale
     if not high > low:
         return [(round(lo), f"{low:g} {unit}")]
+    values = _round_steps(low, high, most, 1.0 if unit == "B" else 0.0)
+    digits = _decimals(values)  # as few decimals as show every tick exactly
+    return [(round(v * scale), f"{v:.{digits}f} {unit}") for v in values]
+
+
+def _round_steps(low: float, high: float, most: int, least: float = 0.0) -> list[float]:
+    """At most `most` round values (1, 2, 2.5, 5 times a power of ten, at least `least`
+    apart) spanning [low, high]."""
 
     def count(step: float) -> int:
         return math.floor(high / step + 1e-9) - math.ceil(low / step - 1e-9) + 1
 
     magnitude = 10 ** math.floor(math.log10((high - low) / most))
     steps = [m * magnitude * 10**e for e in (0, 1, 2) for m in (1, 2, 2.5, 5)]
-    step = next(s for s in steps if count(s) <= most and (unit != "B" or s >= 1))
+    step = next(s for s in steps if count(s) <= most and s >= least)
     first = math.ceil(low / step - 1e-9)
-    values = [k * step for k in range(first, first + count(step))]
-    # as few decimals as show every tick exactly, the same for all
-    digits = next(d for d in range(4) if all(abs(round(v, d) - v) < 1e-9 for v in values))
-    return [(round(v * scale), f"{v:.{digits}f} {unit}") for v in values]
+    return [k * step for k in range(first, first + count(step))]
+
+
+def _decimals(values: list[float]) -> int:
+    """As few decimals as show every value exactly, the same for all."""
+    return next(d for d in range(6) if all(abs(round(v, d) - v) < 1e-9 for v in values))
+
+
+def second_ticks(lo: float, hi: float, most: int = 4) -> list[tuple[float, str]]:
+    """Axis ticks spanning [lo, hi] seconds at round values of one unit (the one
+    `format_seconds` gives the larger end: µs, ms or s), each with its text in that unit, with
+    as many decimals as tell them apart: never `1.34 s, 1.34 s, 1.35 s`.
+
+    >>> [text for _, text in second_ticks(1.3352, 1.3518)]
+    ['1.340 s', '1.345 s', '1.350 s']
+    >>> [text for _, text in second_ticks(0.0102, 0.0131)]
+    ['11 ms', '12 ms', '13 ms']
+    """
+    unit, scale = ("µs", 1e-6) if max(abs(lo), abs(hi)) < 1e-3 else ("ms", 1e-3)
+    if max(abs(lo), abs(hi)) >= 1:
+        unit, scale = "s", 1.0
+    low, high = lo / scale, hi / scale
+    if not high > low:
+        return [(lo, f"{low:g} {unit}")]
+    values = _round_steps(low, high, most)
+    digits = _decimals(values)
+    return [(v * scale, f"{v:,.{digits}f} {unit}") for v in values]
+
+
+def format_count(n: int, word: str, plural: str = "") -> str:
+    """`n` things, in the singular for one.
+
+    >>> format_count(1, "microbatch", "microbatches"), format_count(3, "selector")
+    ('1 microbatch', '3 selectors')
+    """
+    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def format_flops(n: float) -> str:

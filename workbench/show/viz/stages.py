@@ -15,7 +15,7 @@ from typing import Any
 from workbench.cost.stages import PipelineEstimate
 from workbench.errors import WorkbenchError, check_int
 from workbench.show.viz.style import BLUE, GREY, SKY, VERMILLION, WHITE
-from workbench.units import format_bytes
+from workbench.units import format_bytes, format_count, format_seconds
 
 __all__ = ["StageStrip", "layers_words", "stage_rows", "stage_strip"]
 
@@ -123,7 +123,7 @@ class StageStrip:
             f"stage {stage} · rank {row['rank']}" + (" · open" if is_open else ""),
             row["holds"],
             f"rank peak {row['peak']}",
-            f"{row['inflight_microbatches']} microbatches in flight",
+            f"{format_count(row['inflight_microbatches'], 'microbatch', 'microbatches')} in flight",
             f"policy {row['policy']}",
         ]
         texts = "".join(
@@ -172,9 +172,11 @@ def stage_strip(
     layout = estimate.layout
     worst = max(rows, key=lambda r: r["peak_bytes"])
     title = (
-        f"{layout.pipeline.schedule} · pp {layout.pipeline.pp} · {layout.n_stages} stages · "
-        f"{layout.microbatches} microbatches · peak {worst['peak']} (rank {worst['rank']})"
+        f"{layout.pipeline.schedule} · pp {layout.pipeline.pp} · "
+        f"{format_count(layout.n_stages, 'stage')} · "
+        f"{format_count(layout.microbatches, 'microbatch', 'microbatches')} · "
+        f"peak {worst['peak']} (rank {worst['rank']})"
         + (f" · budget {format_bytes(budget_bytes)} per GPU" if budget_bytes else "")
-        + f" · step {estimate.schedule.step_seconds * 1e3:.2f} ms on {estimate.profile}"
+        + f" · step {format_seconds(estimate.schedule.step_seconds)} on {estimate.profile}"
     )
     return StageStrip(rows, title, budget_bytes, selected)

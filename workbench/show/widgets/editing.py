@@ -23,6 +23,7 @@ from workbench.show.widgets.policy_edits import (
     without_selector,
 )
 from workbench.show.widgets.policy_state import policy_label
+from workbench.units import format_count
 
 __all__ = ["Editing"]
 
@@ -59,7 +60,10 @@ class Editing(ExplorerCore):
 
     def set_preset(self, name: str) -> None:
         """A new preset under the same selectors and overrides."""
-        self._edit(edited(self.policy, preset=name))
+        policy = edited(self.policy, preset=name)
+        rows = len(policy.selectors) + len(policy.overrides)
+        kept = f", under the same {rows} selectors and overrides" if rows else ""
+        self._edit(policy, f"preset {name}{kept}")
 
     def set_fsdp_reshard(self, reshard: bool) -> None:
         """The FSDP choice of a per-rank graph: reshard after forward (redo each parameter's
@@ -86,15 +90,24 @@ class Editing(ExplorerCore):
         self.add_selector(op_switch(module, op, action), action)
 
     def remove_selector(self, index: int) -> None:
-        self._edit(without_selector(self.policy, index))
+        policy = without_selector(self.policy, index)
+        gone = self.policy.selectors[index]
+        self._edit(policy, f"removed selector {index + 1}: {gone.action} {gone.select}")
 
     def edit_selector(self, index: int, action: str) -> None:
         """Change what selector #index does (save, recompute or offload)."""
-        self._edit(with_selector_action(self.policy, index, action))
+        policy = with_selector_action(self.policy, index, action)
+        select = policy.selectors[index].select
+        self._edit(policy, f"selector {index + 1} now has {select} {_WORDS[action]}")
 
     def set_override(self, key: str, action: str | None) -> None:
         """Set one override's action, or remove it (`action=None`)."""
-        self._edit(with_override(self.policy, key, action))
+        policy = with_override(self.policy, key, action)
+        if action is None:
+            words = f"removed the override of {key}: its selectors and preset decide it again"
+        else:
+            words = f"override {key}: now {_WORDS[action]}"
+        self._edit(policy, words)
 
     def set_offload(
         self, budget_bytes: int | None = None, prefetch_layers: int = 1, defer_layers: int = 0
@@ -107,16 +120,26 @@ class Editing(ExplorerCore):
     def undo(self) -> None:
         self.state.undo()
         self._refresh()
+        self.message = f"undone: the policy is {policy_label(self.policy_json)} again"
         self._autosave()
 
     def redo(self) -> None:
         self.state.redo()
         self._refresh()
+        self.message = f"redone: the policy is {policy_label(self.policy_json)} again"
         self._autosave()
 
     def reset(self) -> None:
         """Back to the preset alone, keeping its FSDP choice (undoable)."""
-        self._edit(edited(self.policy, selectors=[], overrides={}))
+        rows = len(self.policy.selectors), len(self.policy.overrides)
+        words = (
+            f"reset to the preset {self.policy.preset} alone: dropped "
+            f"{format_count(rows[0], 'selector')} and {format_count(rows[1], 'override')} "
+            "(Undo brings them back)"
+            if any(rows)
+            else f"nothing to reset: the preset {self.policy.preset} has no edits"
+        )
+        self._edit(edited(self.policy, selectors=[], overrides={}), words)
 
     def load(self, policy: Policy) -> None:
         """Make `policy` current (undoable, autosaved): a stage's policy set from outside."""
@@ -128,4 +151,5 @@ class Editing(ExplorerCore):
         policy = self.history_log.policy(index)
         self._change(policy)
         self._take_host_budget(policy)
+        self.message = f"restored {self.history_log.point(index).name} from the history"
         self._autosave()

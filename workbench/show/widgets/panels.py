@@ -12,7 +12,6 @@ snapshot's line beside the estimate's), `details_panel`, `legend_panel`,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,13 @@ from workbench.show.viz import View
 from workbench.show.viz.render import EDGE_WORDS, OFFLOAD_EDGE_WORDS
 from workbench.show.viz.style import COLLECTIVE_WORDS, OUTLINES
 from workbench.show.widgets.policy_state import policy_label
-from workbench.units import byte_ticks, format_bytes, format_flops, format_seconds
+from workbench.units import (
+    byte_ticks,
+    format_bytes,
+    format_flops,
+    format_seconds,
+    second_ticks,
+)
 
 __all__ = [
     "BUDGET_STOPS",
@@ -368,21 +373,6 @@ def budget_slider(low: int, high: int) -> dict[str, Any]:
     }
 
 
-def _ticks(lo: float, hi: float) -> list[float]:
-    """About three round values spanning [lo, hi].
-
-    >>> _ticks(0.0, 10.0)
-    [0.0, 5.0, 10.0]
-    """
-    if not hi > lo:
-        return [lo]
-    step = 10 ** math.floor(math.log10((hi - lo) / 2))
-    nice = next((m * step for m in (1, 2, 5, 10) if (hi - lo) / (m * step) <= 4), step * 10)
-    first = math.ceil(lo / nice)
-    out = [k * nice for k in range(first, math.floor(hi / nice + 1e-9) + 1)]
-    return [float(v) for v in out] or [lo, hi]
-
-
 def _axis(
     values: list[float], ticks: Callable[[float, float], list[tuple[float, str]]], least: float
 ) -> dict[str, Any]:
@@ -392,10 +382,6 @@ def _axis(
     pad = (hi - lo) * 0.08 or lo * 0.05 or least
     lo, hi = lo - pad, hi + pad
     return {"lo": lo, "hi": hi, "ticks": [[v, text] for v, text in ticks(lo, hi)]}
-
-
-def _second_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
-    return [(v, format_seconds(v)) for v in _ticks(lo, hi)]
 
 
 def _byte_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
@@ -429,7 +415,7 @@ def history_plots(
                 "title": title,
                 "x_label": x_label,
                 "y_label": "peak per GPU ↑" if per_gpu else "peak memory ↑",
-                "x": _axis([r["step_seconds"] for r in points], _second_ticks, 1e-6),
+                "x": _axis([r["step_seconds"] for r in points], second_ticks, 1e-6),
                 "y": _axis([r["peak_bytes"] for r in points], _byte_ticks, 1),
             }
         )
