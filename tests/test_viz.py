@@ -45,7 +45,16 @@ from workbench.show.viz import (
     whole_graph,
 )
 from workbench.show.viz import render as render_module
-from workbench.show.viz.arrange import GAIN, arrange, drawn_size, fit_scale, laid_out
+from workbench.show.viz.arrange import (
+    GAIN,
+    LEGIBLE_PX,
+    MAX_SCALE,
+    arrange,
+    drawn_size,
+    fit_scale,
+    laid_out,
+    on_screen,
+)
 from workbench.show.viz.render import op_elements
 from workbench.show.viz.style import (
     BLUE,
@@ -477,6 +486,55 @@ def test_views_are_arranged_to_fill_the_panel(
     assert render_view(four_layers, decisions, "layer:1", arrangement="TB/3").arrangement == "TB/3"
     fitting = render_view(four_layers, decisions, "overview", aspect=1.6)
     assert fitting.arrangement == "TB"  # already fills the panel: left as it is
+
+
+def test_a_panel_of_known_width_shows_the_most_of_a_picture_legibly(
+    four_layers: JointGraph, rank_debug: JointGraph
+) -> None:
+    """Where no arrangement fits whole with labels legible, the one the panel shows the most
+    of wins: never one cut at the right while the panel's bottom stays empty when another
+    fills it. Every candidate is compared as the front end fits it (`on_screen`)."""
+    cases = [
+        (render_view(rank_debug, decide(rank_debug, Policy("default")), "overview"), 0.8),
+        (render_view(four_layers, decide(four_layers, Policy("default")), "layer:0"), 1.1),
+        (render_view(four_layers, None, "overview"), 1.6),
+    ]
+    for view, aspect in cases:
+        for width in (300, 700, 1400):
+            panel = (width, width / aspect)
+            chosen = arrange(view, aspect, width)
+            shown = on_screen(drawn_size(chosen.dot), panel, 0.9)
+            others = ["TB", "LR", *(f"TB/{k}" for k in (2, 3, 4) if view.drawing)]
+            for name in others:
+                other = on_screen(drawn_size(laid_out(view, name).dot), panel, 0.9)
+                assert round(shown[0], 3) >= round(other[0], 3), (view.nodes, width, name)
+    assert on_screen((2000, 100), (500, 500), 0.9) == (500 / 1800, 0.9)  # cut, legible
+    # the front end fits pictures with the same limits (explorer.js' constants)
+    script = (Path(render_module.__file__).parents[1] / "widgets" / "explorer.js").read_text()
+    for name, value in (("LEGIBLE_PX", LEGIBLE_PX), ("MAX_SCALE", MAX_SCALE)):
+        assert f"const {name} = {value};" in script
+
+
+def test_pictures_written_as_images_do_not_say_hover(
+    two_layers: JointGraph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import graphviz
+
+    view = expand(two_layers, decide(two_layers, Policy("default")), "layer:0")
+    assert "hover for node name" in html.unescape(view.svg())  # an SVG has its tooltips
+    drawn: list[str] = []
+    pipe = graphviz.Digraph.pipe
+
+    def spy(self: graphviz.Digraph, *args: object, **kwargs: object) -> object:
+        drawn.append(self.source)
+        return pipe(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphviz.Digraph, "pipe", spy)
+    for suffix in ("png", "pdf", "svg"):
+        view.write(tmp_path / f"layer.{suffix}")
+    png, pdf, svg = (html.unescape(source) for source in drawn)
+    assert "hover" not in png and "hover" not in pdf and "hover for node name" in svg
+    assert "box: op · output shape and dtype · output size" in png
 
 
 def test_arrangements_refuse_what_they_cannot_draw(four_layers: JointGraph) -> None:

@@ -1,9 +1,12 @@
 """Fitting a picture to the panel that shows it: of the Graphviz arrangements of a view (top to
 bottom, left to right, or a long top-to-bottom chain wrapped into side-by-side columns), the
-one whose drawing a panel of the given aspect shows at the largest scale.
+one whose drawing a panel of the given aspect shows at the largest scale; for a panel of a
+known width, the one it shows the most of at a legible scale (where none fits whole, one cut
+at the right while the panel's bottom stays empty loses to one that fills it).
 
-Entry points: `arrange(view, aspect) -> View` and `fit_scale(size, panel)`; `ARRANGEMENTS`
-names them. Graphviz lays out every candidate; nothing here places a node itself.
+Entry points: `arrange(view, aspect, width) -> View`, `fit_scale(size, panel)` and
+`on_screen(size, panel, legible)`; `ARRANGEMENTS` names them. Graphviz lays out every
+candidate; nothing here places a node itself.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ __all__ = [
     "drawn_size",
     "fit_scale",
     "laid_out",
+    "on_screen",
     "panel_aspect",
 ]
 
@@ -35,6 +39,10 @@ ARRANGEMENTS = ("TB", "LR", *(f"TB/{k}" for k in range(2, MAX_COLUMNS + 1)))
 GAIN = 1.1
 PANEL_ASPECT = 1.6  # the explorer's picture panel, width / height, until its front end says
 ASPECTS = (0.1, 10.0)  # the panel aspects a picture is arranged for
+# How the explorer's front end fits a picture (`explorer.js`): labels never below LEGIBLE_PX
+# pixels, nor above MAX_SCALE times their size.
+LEGIBLE_PX = 9
+MAX_SCALE = 1.5
 
 
 def panel_aspect(aspect: object) -> float:
@@ -60,6 +68,23 @@ def fit_scale(size: tuple[float, float], panel: tuple[float, float]) -> float:
     """
     width, height = size
     return min(panel[0] / max(width, 1e-9), panel[1] / max(height, 1e-9))
+
+
+def on_screen(
+    size: tuple[float, float], panel: tuple[float, float], legible: float
+) -> tuple[float, float]:
+    """How much of a drawing of `size` (points) a panel of `panel` pixels shows as the
+    front end fits it (whole where that keeps labels at `legible` pixels per point, else at
+    that scale, cut), and at what scale: (fraction shown, pixels per point).
+
+    >>> on_screen((200, 100), (400, 400), 0.9)
+    (1.0, 1.5)
+    >>> on_screen((1000, 100), (400, 400), 0.9)
+    (0.4444444444444444, 0.9)
+    """
+    scale = max(min(fit_scale(size, panel), MAX_SCALE), legible)
+    width, height = size[0] * scale, size[1] * scale
+    return min(1.0, panel[0] / max(width, 1e-9)) * min(1.0, panel[1] / max(height, 1e-9)), scale
 
 
 def drawn_size(dot: graphviz.Digraph) -> tuple[float, float]:
@@ -143,13 +168,17 @@ def laid_out(view: View, arrangement: str) -> View:
     return dataclasses.replace(view, dot=dot, arrangement=arrangement)
 
 
-def arrange(view: View, aspect: float) -> View:
+def arrange(view: View, aspect: float, width: int | None = None) -> View:
     """`view` arranged to fill a panel `aspect` times as wide as high: left to right when
     the plain drawing is wider than the panel, wrapped into columns (op views) when it is
-    taller, whichever fits at the largest scale (at least `GAIN` times the plain one's)."""
-    panel = (panel_aspect(aspect), 1.0)
+    taller, whichever fits at the largest scale (at least `GAIN` times the plain one's).
+    With the panel's `width` in pixels, every arrangement is tried and the one that shows
+    the most of the picture with labels legible (`on_screen`) wins, then the largest scale."""
     plain = dataclasses.replace(view, arrangement="TB")
     size = drawn_size(plain.dot)
+    if width:
+        return _most_shown(view, plain, size, (width, width / panel_aspect(aspect)))
+    panel = (panel_aspect(aspect), 1.0)
     best, best_scale = plain, fit_scale(size, panel) * GAIN
     if size[0] / size[1] > aspect:
         tries = ["LR"]
@@ -161,4 +190,21 @@ def arrange(view: View, aspect: float) -> View:
         if scale <= best_scale:
             break  # more columns only make it wider
         best, best_scale = candidate, scale
+    return best
+
+
+def _most_shown(
+    view: View, plain: View, size: tuple[float, float], panel: tuple[float, float]
+) -> View:
+    """Of every arrangement of `view`, the one a panel of `panel` pixels shows the most of
+    at a legible scale, then at the largest scale (the plain one's counted `GAIN` times)."""
+    legible = LEGIBLE_PX / float(view.dot.node_attr.get("fontsize", "10"))
+    shown, scale = on_screen(size, panel, legible)
+    best, key = plain, (round(shown, 3), scale * GAIN)
+    tries = ["LR", *(f"TB/{k}" for k in range(2, MAX_COLUMNS + 1) if view.drawing)]
+    for arrangement in tries:
+        candidate = laid_out(view, arrangement)
+        shown, scale = on_screen(drawn_size(candidate.dot), panel, legible)
+        if (round(shown, 3), scale) > key:
+            best, key = candidate, (round(shown, 3), scale)
     return best

@@ -9,6 +9,7 @@ the same for every op and backward summary any op view may draw.
 from __future__ import annotations
 
 import collections
+import html
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,11 @@ MAX_LAYOUT_NODES = 1500
 QUICK_LAYOUT_ABOVE = 200
 QUICK_LAYOUT = {"nslimit": "2", "mclimit": "0.3"}
 
+# What an op view's box shows, and where an SVG shows the rest (its tooltips): pictures
+# written as images without tooltips (`STILL_FORMATS`) leave out the hover words.
+BOX_WORDS = "box: op · output shape and dtype · output size"
+HOVER_WORDS = "; hover for node name and reason"
+STILL_FORMATS = ("png", "pdf")
 # What the edges into a backward note mean (the static legend's and the explorer's words).
 EDGE_WORDS = (
     "blue edge into a note: value kept in memory until backward reads it",
@@ -318,7 +324,7 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
     lines = [
         f"kept for backward here: {format_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
         f" · run again in backward here: {format_flops(sum(redone.get(n, 0) for n in fwd))}",
-        "box: op · output shape and dtype · output size; hover for node name and reason",
+        BOX_WORDS + HOVER_WORDS,
         *EDGE_WORDS,
     ]
     kinds: list[Kind] = [*DECISION_KINDS, "backward"]
@@ -463,7 +469,8 @@ def to_svg(dot: graphviz.Digraph) -> str:
 
 def write(dot: graphviz.Digraph, path: str | Path, overwrite: bool = False) -> Path:
     """Write SVG, PNG, PDF or DOT source, chosen by the file suffix (never replacing an
-    existing file unless `overwrite`)."""
+    existing file unless `overwrite`). An image without tooltips (PNG, PDF) has no legend
+    line that says to hover."""
     target = Path(path)
     fmt = target.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
@@ -471,5 +478,9 @@ def write(dot: graphviz.Digraph, path: str | Path, overwrite: bool = False) -> P
             f"cannot write {str(target)!r}: suffix must be one of "
             f"{', '.join('.' + f for f in FORMATS)}"
         )
+    if fmt in STILL_FORMATS:
+        dot = dot.copy()
+        label = dot.graph_attr.get("label", "")
+        dot.graph_attr["label"] = label.replace(html.escape(HOVER_WORDS), "")
     data = dot.source if fmt == "dot" else dot.pipe(format=fmt)
     return write_file(target, data, overwrite=overwrite)

@@ -49,15 +49,17 @@ def render_view(
     force: bool = False,
     aspect: float | None = None,
     arrangement: str | None = None,
+    width: int | None = None,
 ) -> View:
     """Build the named view. `diff:OTHER` compares `decisions` (named `policy_name`) with
     the preset or policy file OTHER, drawn on the overview. `arrangement` lays it out as
-    named (`arrange.ARRANGEMENTS`); else `aspect` (a panel's width / height) picks the one
-    that fills such a panel best; else it is drawn top to bottom."""
+    named (`arrange.ARRANGEMENTS`); else `aspect` (a panel's width / height, and its `width`
+    in pixels where known) picks the one that fills such a panel best; else it is drawn top
+    to bottom."""
     picture = _view(graph, decisions, view, policy_name, gm, force)
     if arrangement is not None:
         return laid_out(picture, arrangement)
-    return picture if aspect is None else arrange(picture, aspect)
+    return picture if aspect is None else arrange(picture, aspect, width)
 
 
 def _view(

@@ -179,6 +179,11 @@ class ExplorerCore:
         return self.canvas.aspect
 
     @property
+    def graph_width(self) -> int:
+        """The picture panel's width in pixels (0 until the front end says it)."""
+        return self.canvas.width
+
+    @property
     def picture(self) -> View:
         """The picture of the current view, and what the library says its elements are."""
         assert self.canvas.picture is not None  # drawn by the first refresh

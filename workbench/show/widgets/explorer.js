@@ -176,7 +176,7 @@ function toolbarPanel({ model, request, store }) {
   });
   const profile = h("select", {
     class: "sacwb-profile",
-    title: "device profile for the time estimate",
+    title: "device profile of the time estimate",
     onchange: () => store("profile", profile.value),
   });
   const allLayers = h("input", {
@@ -194,10 +194,10 @@ function toolbarPanel({ model, request, store }) {
     {
       class: "sacwb-fsdp",
       title:
-        "FSDP: redo each parameter's all-gather in backward (checked) or keep the gathered weights from forward to backward",
+        "FSDP reshard after forward: redo each parameter's all-gather in backward (checked) or keep the gathered weights from forward to backward",
     },
     reshard,
-    " reshard after forward",
+    " FSDP reshard",
   );
   const undo = button("↶ Undo", "undo", "undo the last change");
   const redo = button("↷ Redo", "redo", "redo");
@@ -208,12 +208,12 @@ function toolbarPanel({ model, request, store }) {
     h("label", {}, "Preset ", preset),
     h(
       "label",
-      { title: "a click flips the op in every identical layer" },
+      { title: "apply to all identical layers: a click flips the op in every one of them" },
       allLayers,
-      " apply to all identical layers",
+      " all layers",
     ),
     reshardLabel,
-    h("label", {}, "Profile ", profile),
+    profile,
     undo,
     redo,
     button("Reset", "reset", "drop every edit, keep the preset"),
@@ -252,7 +252,7 @@ function searchBox(request) {
   const box = h("input", {
     type: "search",
     class: "sacwb-search",
-    size: 18,
+    size: 14,
     placeholder: "find: mm_4, mm, wo…",
     title: "node name, op or module; Enter again for the next match",
     onkeydown: (e) => {
@@ -281,6 +281,8 @@ function messagePanel({ model }) {
 // is panned instead), nor grow past MAX_SCALE times their size.
 const LEGIBLE_PX = 9;
 const MAX_SCALE = 1.5;
+// The panel's width goes to Python in steps of this many pixels (no layout per pixel)
+const PANEL_WIDTH_STEP = 50;
 
 // Where in a span of `size` from `lo` a window of `span` centred near `c` goes: centred
 // when the span is larger, else as near `c` as the span's edges allow
@@ -289,14 +291,17 @@ function along(c, lo, size, span) {
   return Math.min(Math.max(c - span / 2, lo), lo + size - span);
 }
 
-// The picture's viewport: the whole picture (`full`) and the box shown, in picture units
+// The picture's viewport: the whole picture (`full`), the box shown, in picture units, the
+// panel's size it was shown at, and whether it is fitted (not zoomed or panned since)
 function createViewport(graph) {
-  const view = { full: null, box: null, name: null, focused: 0 };
-  const setBox = (box) => {
+  const view = { full: null, box: null, name: null, focused: 0, fitted: false, at: null };
+  const panel = () => [graph.clientWidth || 800, graph.clientHeight || 600];
+  const setBox = (box, fitted = false) => {
     view.box = box;
+    view.fitted = fitted;
+    view.at = panel();
     graph.querySelector("svg")?.setAttribute("viewBox", box.join(" "));
   };
-  const panel = () => [graph.clientWidth || 800, graph.clientHeight || 600];
   const minScale = () => {
     const sizes = [...graph.querySelectorAll("g.node text")]
       .map((t) => Number(t.getAttribute("font-size")) || 0)
@@ -309,12 +314,12 @@ function createViewport(graph) {
     return Math.min(gw / b[2], gh / b[3]);
   };
   // show the picture at `scale` around the point (cx, cy), never past its edges where it fits
-  const showAt = (scale, cx, cy) => {
+  const showAt = (scale, cx, cy, fitted = false) => {
     const [gw, gh] = panel();
     const [x, y, w, ht] = view.full;
     const bw = gw / scale;
     const bh = gh / scale;
-    setBox([along(cx, x, w, bw), along(cy, y, ht, bh), bw, bh]);
+    setBox([along(cx, x, w, bw), along(cy, y, ht, bh), bw, bh], fitted);
   };
   // Fit: the whole picture, or where it is too big to read whole, its top left at a
   // legible scale (drag to see the rest)
@@ -323,7 +328,20 @@ function createViewport(graph) {
     const [x, y, w, ht] = view.full;
     const scale = Math.max(Math.min(fitting(view.full), MAX_SCALE), minScale());
     const [gw, gh] = panel();
-    showAt(scale, x + Math.min(w, gw / scale) / 2, y + Math.min(ht, gh / scale) / 2);
+    showAt(scale, x + Math.min(w, gw / scale) / 2, y + Math.min(ht, gh / scale) / 2, true);
+  };
+  // The panel changed size: a fitted picture is fitted again, else the same centre is shown
+  // at the same scale (labels keep their size)
+  const refit = () => {
+    if (!view.full || !view.box) return;
+    if (view.fitted || !view.at) {
+      fit();
+      return;
+    }
+    const scale = view.at[0] / view.box[2];
+    const [gw, gh] = panel();
+    const [bx, by, bw, bh] = view.box;
+    setBox([bx + bw / 2 - gw / scale / 2, by + bh / 2 - gh / scale / 2, gw / scale, gh / scale]);
   };
   const zoomBy = (factor, cx = 0.5, cy = 0.5) => {
     const v = view.box;
@@ -332,7 +350,7 @@ function createViewport(graph) {
     const hgt = v[3] * factor;
     setBox([v[0] + (v[2] - w) * cx, v[1] + (v[3] - hgt) * cy, w, hgt]);
   };
-  return { view, setBox, panel, minScale, fitting, showAt, fit, zoomBy };
+  return { view, setBox, panel, minScale, fitting, showAt, fit, refit, zoomBy };
 }
 
 // The box of drawn elements `ids`, in picture units (null when none is drawn)
@@ -403,7 +421,9 @@ function drawPicture(model, graph, port) {
     svg.removeAttribute("width");
     svg.removeAttribute("height");
     svg.setAttribute("preserveAspectRatio", "xMidYMid meet");
-    if (sameView && view.box) port.setBox(view.box);
+    // a fitted picture is fitted again (its layout may have changed size); one the user
+    // zoomed or panned keeps its box
+    if (sameView && view.box && !view.fitted) port.setBox(view.box);
     else port.fit();
   }
   view.name = model.get("view");
@@ -452,18 +472,25 @@ function panAndZoom({ scope, request }, graph, port) {
   });
 }
 
-// The panel's width / height goes to Python, which arranges views to fill it
-function watchAspect({ scope, model, store }, graph) {
-  const sendAspect = () => {
+// The panel's width / height and its width go to Python (in one message), which arranges
+// views to show the most of them legibly; the picture shown fits the new size at once
+function watchPanel({ scope, model }, graph, port) {
+  const sendPanel = () => {
     const [gw, gh] = [graph.clientWidth, graph.clientHeight];
     if (!gw || !gh) return;
+    port.refit();
     const aspect = Math.round((gw / gh) * 10) / 10;
-    if (Math.abs(aspect - model.get("graph_aspect")) > 0.05) store("graph_aspect", aspect);
+    const width = Math.round(gw / PANEL_WIDTH_STEP) * PANEL_WIDTH_STEP;
+    const shape = Math.abs(aspect - model.get("graph_aspect")) > 0.05;
+    if (!shape && width === model.get("graph_width")) return;
+    model.set("graph_aspect", aspect);
+    model.set("graph_width", width);
+    model.save_changes();
   };
   let resizing = null;
   scope.observe(graph, () => {
     scope.cancel(resizing);
-    resizing = scope.later(sendAspect, 200);
+    resizing = scope.later(sendPanel, 200);
   });
 }
 
@@ -490,7 +517,7 @@ function graphPanel(ctx) {
     ),
   );
   panAndZoom(ctx, graph, port);
-  watchAspect(ctx, graph);
+  watchPanel(ctx, graph, port);
   const mark = () => markGraph(model, graph);
   const focus = () => applyFocus(model, graph, port);
   const draw = () => {
@@ -1028,6 +1055,29 @@ function pointMark(p, cx, cy) {
   return mark;
 }
 
+// What the plots' marks mean: each mark drawn as the plot draws it (`.sacwb-point` classes)
+function historyKey() {
+  const mark = (kinds, words, square = false) => {
+    const svg = s("svg", { width: 12, height: 12, class: "sacwb-key-mark" });
+    const cls = `sacwb-point${kinds}`;
+    svg.append(
+      square
+        ? s("rect", { class: cls, x: 1, y: 1, width: 10, height: 10 })
+        : s("circle", { class: cls, cx: 6, cy: 6, r: 5 }),
+    );
+    return h("span", { class: "sacwb-key-row" }, svg, ` ${words}`);
+  };
+  return h(
+    "div",
+    { class: "sacwb-hint sacwb-history-key" },
+    mark("", "a policy tried"),
+    mark(" pareto", "on the Pareto front (dashed)"),
+    mark(" measured", "measured by Run", true),
+    mark(" current", "the current policy"),
+    h("span", {}, " · click a point to restore it"),
+  );
+}
+
 function historyPanel(ctx) {
   const { model, request } = ctx;
   const element = h("div", { class: "sacwb-history" });
@@ -1043,11 +1093,7 @@ function historyPanel(ctx) {
     );
     element.replaceChildren(
       h("div", { class: "sacwb-title" }, "History: peak memory vs step time"),
-      h(
-        "div",
-        { class: "sacwb-hint" },
-        "● estimate  ■ measured  - - Pareto front; click a point to restore it",
-      ),
+      historyKey(),
       ...plots,
     );
   };
@@ -1182,7 +1228,12 @@ function render({ model, el, experimental }) {
       "div",
       { class: "sacwb-main" },
       h("div", { class: "sacwb-left" }, legend.element, ...graph.elements),
-      h("div", { class: "sacwb-side" }, ...side.map((panel) => panel.element)),
+      // as tall as the picture's column, scrolling within (never three times its height)
+      h(
+        "div",
+        { class: "sacwb-side" },
+        h("div", { class: "sacwb-side-panels" }, ...side.map((panel) => panel.element)),
+      ),
     ),
   );
   watchAll(scope, [stages, toolbar, lines, legend, graph, ...side]);

@@ -99,6 +99,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     fsdp_reshard = traitlets.Bool(True).tag(sync=True)
     # the picture panel's width / height, set by the front end: views are arranged to fill it
     graph_aspect = traitlets.Float(PANEL_ASPECT).tag(sync=True)
+    graph_width = traitlets.Int(0).tag(sync=True)  # and its width in pixels (0: not said yet)
     # the eager baselines' rows (`workbench.show.widgets.baselines`), once asked for this graph
     baselines: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     # a pipelined job (`PolicyExplorer.pipeline`): the stages' rows and strip, and the
@@ -146,10 +147,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
             "export_path": lambda path: self.model.set_export_path(path),
             "suggest_method": lambda method: setattr(self.model, "suggest_method", method),
             "suggest_host_budget_bytes": lambda n: self.model.set_host_budget(n),
-            "graph_aspect": lambda aspect: self.model.set_graph_aspect(aspect),
+            # the panel's shape and width arrive together: the view is arranged once
+            "graph_aspect": lambda _: self._set_panel(),
+            "graph_width": lambda _: self._set_panel(),
         }
         self.observe(self._on_set, names=list(self._setters))
         self.on_msg(self._on_msg)
+
+    def _set_panel(self) -> None:
+        self.model.set_graph_panel(self.graph_aspect, self.graph_width)
 
     @classmethod
     def pipeline(

@@ -31,6 +31,7 @@ STATE: tuple[str, ...] = (
     "peak_ids",
     "focus",
     "graph_aspect",
+    "graph_width",
     "modules",
     "ops",
     # the estimate panel and the history

@@ -2,7 +2,7 @@
 where the estimated peak happens; the front end centres what `focus` names.
 
 Entry point: `Navigation` (`select`, `show`, `search`, `reveal`, `go_to_peak`,
-`set_graph_aspect`), one of the concerns `ExplorerModel` combines.
+`set_graph_aspect`, `set_graph_panel`), one of the concerns `ExplorerModel` combines.
 """
 
 from __future__ import annotations
@@ -55,7 +55,12 @@ class Navigation(ExplorerCore):
     def set_graph_aspect(self, aspect: float) -> None:
         """The picture panel's width / height (the front end says it): the view is arranged
         again to fill it."""
-        if self.canvas.set_aspect(aspect):
+        self.set_graph_panel(aspect, self.canvas.width)
+
+    def set_graph_panel(self, aspect: float, width: int) -> None:
+        """The picture panel's width / height and its width in pixels (the front end says
+        both): the view is arranged again to show the most of it with labels legible."""
+        if self.canvas.set_panel(aspect, width):
             self._draw()
 
     def search(self, query: str) -> str:

@@ -231,7 +231,7 @@ class StagesModel:
             explorer.all_layers = like.all_layers
             if like.profile != explorer.profile:
                 explorer.set_profile(like.profile)
-            explorer.set_graph_aspect(like.graph_aspect)
+            explorer.set_graph_panel(like.graph_aspect, like.graph_width)
         self.stage = stage
         self.sync()
         return explorer
