@@ -80,3 +80,12 @@ def test_make_lab_opens_trusted_working_copies() -> None:
     ).stdout
     assert "jupyter trust out/lab/*.ipynb" in dry
     assert dry.rstrip().splitlines()[-1].endswith("out/lab/sac_llama3.ipynb")
+
+
+def test_the_pipeline_bars_keep_their_legend_off_the_bars() -> None:
+    """Section 4's legend sat on bar 0 (`loc="lower left"` inside the axes): it is the
+    figure's now, under the plots, where constrained layout keeps room for it."""
+    cells = json.loads((ROOT / "notebooks" / "pipeline.ipynb").read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells if ".bar(" in "".join(c["source"]))
+    assert 'layout="constrained"' in source and 'loc="outside lower center"' in source
+    assert "ax.legend(" not in source and "axes[0].legend(" not in source

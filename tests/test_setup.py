@@ -95,3 +95,32 @@ def test_transformers_is_a_pinned_test_extra_that_brings_no_torch() -> None:
         pytest.skip("transformers is not installed")
     unconditional = [r for r in requires if ";" not in r]
     assert not any(r.split()[0].lower().startswith("torch") for r in unconditional), requires
+
+
+def test_the_expected_warnings_are_filtered_each_by_name(pytestconfig: pytest.Config) -> None:
+    """`make test` ends without the warnings it expects (torch's `jit.script_method`
+    deprecation met on importing torchtitan, torchtitan's float32 CPU autocast): pyproject.toml
+    filters each by its message, category and the module that raises it, and nothing else."""
+    import warnings
+
+    import torch
+    from _pytest.warnings import parse_warning_filter
+
+    lines = pytestconfig.getini("filterwarnings")  # pyproject.toml's, as pytest reads them
+    assert len(lines) == 2 and all(
+        line.count(":") == 3 and line.startswith("ignore:") for line in lines
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for line in lines:
+            warnings.filterwarnings(*parse_warning_filter(line, escape=False))
+
+        def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        torch.jit.script_method(forward)  # as importing torchtitan meets it
+        moe = {"__name__": "torchtitan.models.common.moe", "torch": torch}
+        exec("with torch.autocast(device_type='cpu', dtype=torch.float32): pass", moe)
+        assert not [str(w.message) for w in seen]
+        exec("with torch.autocast(device_type='cpu', dtype=torch.float32): pass", {"torch": torch})
+        assert len(seen) == 1  # the same warning raised elsewhere still shows
