@@ -191,7 +191,7 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
                 ".includes('saved the torchtitan export')",
                 timeout=60_000,
             )
-            saved = root / "llama3-debug_sac_torchtitan.sh"
+            (saved,) = root.glob("llama3_debug_*_sac_torchtitan.sh")  # named for the graph
             mark, options = saved.read_text().split("\n", 1)  # the workbench's mark first
             assert "sac-workbench-mark:" in mark
             assert options.startswith("# torchtitan graph_trainer options")
@@ -449,6 +449,197 @@ def test_a_click_on_a_stage_opens_it_and_a_flip_moves_its_peak(
             after = page.locator('.sacwb-stages g.stage-cell[data-stage="1"]').text_content()
             assert _rank_peak(after or "") != before
             page.screenshot(path=str(SHOTS / "explorer-stages.png"))
+        finally:
+            browser.close()
+
+
+# --- a pipelined job as a new user drives it (issue 35) ---------------------------------------
+
+# The job of issue 35's report: Llama3-8B, 4096 tokens, batch 8, 1F1B over two stages, 80 GiB.
+PIPELINE_8B = [
+    "import os\n"
+    'os.environ["SAC_WORKBENCH_AUTOSAVE_DIR"] = "."\n'
+    "from workbench.capture.models import load_workload\n"
+    "from workbench.capture.stages import Pipeline\n"
+    "from workbench.show.widgets import PolicyExplorer",
+    'job = load_workload("llama3-8b", seq=4096, batch=8, device="meta")\n'
+    'pp = PolicyExplorer.pipeline(job, Pipeline(pp=2, schedule="1F1B", microbatches=8),\n'
+    "                             budget_bytes=80 * 2**30)\n"
+    "pp",
+]
+
+IN_VIEW = (
+    "() => { const g = document.querySelector('.sacwb-graph').getBoundingClientRect();"
+    " const n = document.querySelector('.sacwb-graph g.sacwb-selected');"
+    " if (!n) return false; const r = n.getBoundingClientRect(); return r.width > 0"
+    " && r.left >= g.left - 1 && r.right <= g.right + 1 && r.top >= g.top - 1"
+    " && r.bottom <= g.bottom + 1; }"
+)
+
+
+def _gib(text: str) -> float:
+    """`75.3 GiB` -> 75.3."""
+    number, unit = text.split()
+    assert unit == "GiB", text
+    return float(number)
+
+
+@pytest.fixture
+def pipeline_8b_lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The same, serving `PIPELINE_8B`."""
+    yield from _served(tmp_path, PIPELINE_8B)
+
+
+def test_a_pipelined_job_finds_ops_in_every_stage_and_suggests_per_gpu(
+    pipeline_8b_lab: tuple[str, Path],
+) -> None:
+    """Switch stages, Find, Go to peak: the op is in the panel after each, whatever the stage
+    (each stage's session once numbered its focus requests from 0, and the front end dropped
+    the ones it had seen). Suggest under a per-GPU budget: every rank's pipelined peak in
+    the strip within it. And the page as a new user meets it: Run disabled on fake tensors
+    saying why, the tool bar one row, the side panels as tall as the picture's column."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = pipeline_8b_lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = open_notebook(browser, url, 1500, 1100)
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page.wait_for_selector(".sacwb-stages svg", timeout=300_000)
+            page.locator(".sacwb").scroll_into_view_if_needed()
+            message = page.locator(".sacwb-message")
+            run = page.locator(".sacwb-run")
+            assert run.is_disabled() and "fake tensors" in (run.get_attribute("title") or "")
+            bar = page.eval_on_selector(".sacwb-toolbar", "t => t.getBoundingClientRect().height")
+            assert bar < 40, bar  # one row
+            heights = page.evaluate(
+                "() => ['.sacwb-side', '.sacwb-left'].map(s =>"
+                " document.querySelector(s).getBoundingClientRect().height)"
+            )
+            assert heights[0] <= heights[1] + 1, heights
+
+            # 1. stage 1, then stage 0 (the order of the report): Find lands in each, then
+            # Go to peak in stage 0 and back in stage 1 (each stage's session once counted
+            # its requests from 0: the second stage's first ones were dropped as seen)
+            def open_stage(stage: int) -> None:
+                page.locator(f'.sacwb-stages g.stage-cell[data-stage="{stage}"]').click()
+                page.wait_for_function(
+                    "(s) => document.querySelector('.sacwb-stages').textContent"
+                    ".includes(`stage ${s} · rank ${s} · open`)", arg=stage, timeout=120_000,
+                )  # fmt: skip
+
+            def in_view(what: str) -> None:
+                page.wait_for_timeout(700)
+                page.screenshot(path=str(SHOTS / f"explorer-{what.replace(' ', '-')}.png"))
+                assert page.evaluate(IN_VIEW), f"{what}: the op is out of view"
+
+            for stage, first_layer in ((1, 16), (0, 0)):
+                open_stage(stage)
+                page.locator(".sacwb-search").fill("wo")
+                page.locator(".sacwb-search").press("Enter")
+                page.wait_for_function(
+                    "(m) => document.querySelector('.sacwb-message').innerText.includes(m)",
+                    arg=f"layers.{first_layer}.attention.wo): match 1 of",
+                    timeout=60_000,
+                )
+                in_view(f"stage {stage} find")
+            for stage in (0, 1):
+                if stage == 1:
+                    open_stage(1)
+                page.locator("button.sacwb-peak").click()
+                page.wait_for_function(
+                    "document.querySelector('.sacwb-message').innerText.startsWith('peak ')",
+                    timeout=60_000,
+                )
+                in_view(f"stage {stage} peak")
+            rows = page.locator(".sacwb-legend-row").all_inner_texts()
+            assert any("dashed outline" in r for r in rows), rows
+
+            # 2. Suggest for a per-GPU budget: the slider's stops are per GPU
+            note = page.locator(".sacwb-budget-note").inner_text()
+            assert note.startswith("per GPU"), note
+            page.eval_on_selector(
+                ".sacwb-budget",
+                "b => { b.value = Math.round(0.2 * Number(b.max));"
+                " b.dispatchEvent(new Event('input')); }",
+            )
+            budget = _gib(page.locator(".sacwb-budget-text").inner_text())
+            page.locator(".sacwb-suggest-go").click()
+            page.wait_for_function(
+                "document.querySelector('.sacwb-message').innerText.includes('per GPU over')",
+                timeout=180_000,
+            )
+            said = message.inner_text()
+            assert said.startswith("one policy per stage within"), said
+            cells = page.locator(".sacwb-stages g.stage-cell").all_text_contents()
+            peaks = [_gib(_rank_peak(cell) + "B") for cell in cells]
+            assert len(peaks) == 2 and max(peaks) <= budget, (peaks, budget)
+            strip = page.locator(".sacwb-stages").text_content() or ""
+            assert "1 microbatches" not in strip and " ms on " not in strip
+            page.locator(".sacwb-history").scroll_into_view_if_needed()
+            assert page.locator(".sacwb-history-key .sacwb-key-row").count() == 4
+            plot = page.locator(".sacwb-history .sacwb-subtitle").first.inner_text()
+            assert plot.startswith("per GPU over the schedule"), plot
+            page.screenshot(path=str(SHOTS / "explorer-stages-suggest.png"))
+        finally:
+            browser.close()
+
+
+# Two explorers on one model, two graphs (two sequence lengths): each saves every export.
+TWO_GRAPHS = [
+    "import os\n"
+    'os.environ["SAC_WORKBENCH_AUTOSAVE_DIR"] = "."\n'
+    "from workbench.capture.models import load_workload\n"
+    "from workbench.show.widgets import PolicyExplorer",
+    'short = PolicyExplorer(load_workload("llama3-debug", layers=2, seq=32, device="meta"))\nshort',
+    'long = PolicyExplorer(load_workload("llama3-debug", layers=2, seq=64, device="meta"))\nlong',
+]
+
+
+@pytest.fixture
+def two_graphs_lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The same, serving `TWO_GRAPHS`."""
+    yield from _served(tmp_path, TWO_GRAPHS)
+
+
+def test_two_graphs_of_one_model_save_every_export(two_graphs_lab: tuple[str, Path]) -> None:
+    """A second explorer on the same model but another graph proposed the first one's four
+    file names, and every Save was refused: each graph's names are its own now, safe on
+    every OS and importable."""
+    from playwright.sync_api import sync_playwright
+
+    url, root = two_graphs_lab
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = open_notebook(browser, url, 1500, 1100)
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page.wait_for_function(
+                "document.querySelectorAll('.sacwb .sacwb-graph svg').length === 2",
+                timeout=240_000,
+            )
+            for index in (0, 1):
+                widget = page.locator(".sacwb").nth(index)
+                widget.locator(".sacwb-export").scroll_into_view_if_needed()
+                for fmt in ("graph_pass", "torchtitan", "json", "policy_fn"):  # another first
+                    widget.locator(".sacwb-export-format").select_option(fmt)
+                    page.wait_for_function(
+                        "([i, f]) => document.querySelectorAll('.sacwb-message')[i]"
+                        ".innerText.startsWith(`export format ${f}`)", arg=[index, fmt],
+                        timeout=60_000,
+                    )  # fmt: skip
+                    widget.locator(".sacwb-save").click()
+                    page.wait_for_function(
+                        "([i, f]) => document.querySelectorAll('.sacwb-message')[i]"
+                        ".innerText.startsWith(`saved the ${f} export`)", arg=[index, fmt],
+                        timeout=60_000,
+                    )  # fmt: skip
+            names = sorted(p.name for p in root.iterdir() if "_sac_" in p.name)
+            assert len(names) == 8, names
+            assert all(":" not in n and "-" not in n for n in names), names
+            assert all(n.split(".")[0].isidentifier() for n in names if n.endswith(".py")), names
         finally:
             browser.close()
 

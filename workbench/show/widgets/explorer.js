@@ -199,8 +199,8 @@ function toolbarPanel({ model, request, store }) {
     reshard,
     " FSDP reshard",
   );
-  const undo = button("↶ Undo", "undo", "undo the last change");
-  const redo = button("↷ Redo", "redo", "redo");
+  const undo = button("↶", "undo", "undo the last change");
+  const redo = button("↷", "redo", "redo the change undone");
   const run = h("button", { class: "sacwb-run", onclick: () => request({ type: "run" }) }, "▶ Run");
   const element = h(
     "div",
@@ -252,7 +252,7 @@ function searchBox(request) {
   const box = h("input", {
     type: "search",
     class: "sacwb-search",
-    size: 14,
+    size: 12,
     placeholder: "find: mm_4, mm, wo…",
     title: "node name, op or module; Enter again for the next match",
     onkeydown: (e) => {
