@@ -174,7 +174,7 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
                 timeout=300_000,
             )
             assert page.locator(".sacwb-history .sacwb-plot").count() == 2
-            assert page.locator(".sacwb-history rect.sacwb-point").count() == 1
+            assert page.locator(".sacwb-history .sacwb-plot rect.sacwb-point").count() == 1
             assert _spread(page, 0) > 100  # pixels: not one vertical line
             page.locator(".sacwb-history").scroll_into_view_if_needed()
             page.screenshot(path=str(SHOTS / "explorer-after-run.png"))
