@@ -29,8 +29,9 @@ class Field:
 @dataclass(frozen=True, slots=True)
 class Action:
     """What one request calls: `method` of the session (`ExplorerModel`), or of the widget
-    where `widget` (opening another stage switches the session shown), with the request's
-    `fields` in order, then `keywords` (argument name -> field)."""
+    where `widget` (opening another stage switches the session shown; a pipelined job's
+    Suggest, Sweep and history are its stages'), with the request's `fields` in order, then
+    `keywords` (argument name -> field)."""
 
     method: str
     fields: tuple[Field, ...] = ()
