@@ -334,7 +334,7 @@ class StagesModel:
             plans.append(self._plan(budget))
         for plan in plans:
             self._estimated(plan.policies, solver="per stage")
-        distinct = len({self._plan_json(p.policies)["stages"].__repr__() for p in plans})
+        distinct = len({tuple(p.key() for p in plan.policies) for plan in plans})
         fits = sum(plan.feasible for plan in plans)
         return (
             f"Sweep: {points} per-GPU budgets from {format_bytes(low)} to {format_bytes(high)} "
