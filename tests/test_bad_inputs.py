@@ -1570,7 +1570,7 @@ def test_pipeline_schedule_inputs(name: str) -> None:
 
 PP = ["estimate", "--model", "llama3-debug", "--layers", "4", "--seq", "32", "--mode", "fake"]
 PIPELINE_FLAGS: list[tuple[list[str], str]] = [
-    (["--pp", "0"], r"--pp must be"),
+    (["--pp", "0"], r"parallel pp must be a whole number from 1"),
     (["--pp", "8"], r"8 pipeline stages cannot split 4 layers .*at most 6 stages"),
     (["--pp", "4", "--layers-per-stage", "2"], r"3 virtual stages .*--pp 4 does not divide"),
     (["--pp", "3", "--layers-per-stage", "2", "--pp-schedule", "Interleaved1F1B"], "runs 2"),

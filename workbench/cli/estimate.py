@@ -17,6 +17,7 @@ from workbench.cli.args import (
     MAX_RUNS,
     check_positive,
     cost_options_from_args,
+    degrees_from_args,
     kernels_from_args,
     parallel_from_args,
     pipeline_json,
@@ -88,7 +89,7 @@ def check_baseline_args(args: argparse.Namespace) -> None:
     """What `--baselines` cannot run, refused in one line before anything is traced: the eager
     step of a pipelined job, of EP or CP, of a torchtitan model's graph-trainer rank, and a
     sharded job for real."""
-    if getattr(args, "pp", 1) > 1:
+    if degrees_from_args(args).pp > 1:
         raise WorkbenchError(
             "--baselines with --pp: eager baselines run a whole model's step, not a pipeline "
             "stage's; drop --pp (or --baselines)"

@@ -327,8 +327,8 @@ class Estimator:
         dimension of more than one rank (none on one device)."""
         if self.graph.world_size <= 1:
             return 0
-        dims = [d for d in ("fsdp", "cp", "tp", "ep") if int(self.graph.config.get(d, 1)) > 1]
-        return 1 + len(dims)
+        sizes = self.graph.degrees.mesh_sizes()  # the experts' FSDP is not counted apart
+        return 1 + sum(size > 1 for dim, size in sizes.items() if dim != "efsdp")
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops reading `name`'s output, directly or through views of its storage."""

@@ -151,9 +151,8 @@ class Streams:
     def __init__(self, graph: JointGraph, index: GraphIndex, options: OverlapOptions) -> None:
         self.index, self.options = index, options
         position = {name: i for i, name in enumerate(index.names)}
-        self.degrees = {k: int(graph.config.get(k, 1)) for k in ("fsdp", "cp", "tp", "ep")}
-        # experts' FSDP ("efsdp") spans the ranks EP leaves (torchtitan's expert mesh)
-        sizes = {**self.degrees, "efsdp": graph.world_size // self.degrees["ep"]}
+        self.degrees = graph.degrees
+        sizes = self.degrees.mesh_sizes()
         self.kind: dict[int, str] = {}  # node -> collective kind (waits excluded)
         self.nbytes: dict[int, int] = {}
         self.group: dict[int, tuple[int, str | None]] = {}
@@ -372,7 +371,7 @@ class Streams:
             duration = timed.get(shape)
             if duration is None:
                 kind, nbytes, world, dim = shape
-                spans = held.spans_nodes(dim, self.degrees, self.world)
+                spans = held.spans_nodes(dim, self.degrees)
                 duration = timed[shape] = collective_time(held, kind, nbytes, world, spans)
             comm += duration
             durations.append(duration)

@@ -224,6 +224,6 @@ def run_soundness(
         checks = [dataclasses.replace(c, forced=forced[c.index]) for c in checks]
     config = {k: graph.config.get(k) for k in ("layers", "seq", "batch", "dtype")}
     if parallel is not None:
-        config.update(fsdp=parallel.fsdp, tp=parallel.tp)
+        config.update(parallel.used(("fsdp", "tp")))
     seconds = time.perf_counter() - start
     return SoundnessReport(graph.model_name, seed, checks, seconds, config, reference)
