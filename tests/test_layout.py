@@ -50,7 +50,7 @@ def test_workload_is_the_same_type_everywhere() -> None:
     assert callable(workbench.load_workload)
 
 
-# --- the house: packages by pipeline stage, each importing only the ones before it ----------
+# --- the house: packages in the order data flows, each importing only the ones before it ---
 
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 # The packages in the order data flows; a module imports its own package and the ones before.

@@ -5,7 +5,7 @@ line naming it.
 Entry points: `workload_from_args`, `degrees_from_args` (the degree flags, read once),
 `parallel_from_args`, `kernels_from_args`,
 `trace_from_args` (every trace a command makes goes through `trace_workload`),
-`prepared_from_args`, `pipeline_json`, `profiles_from_args`, `cost_options_from_args`,
+`prepared_from_args`, `passes_json`, `profiles_from_args`, `cost_options_from_args`,
 `solve_options_from_args`, `budget_from_args`; the checks `check_common_args`, `flag`,
 `check_positive`, `check_passes`, `check_budget`, `check_host_budget`,
 `refuse_graph_flags_without_model`; the bounds `MAX_*` and `FSDP_CHOICES`.
@@ -50,7 +50,7 @@ __all__ = [
     "flag",
     "kernels_from_args",
     "parallel_from_args",
-    "pipeline_json",
+    "passes_json",
     "prepared_from_args",
     "profiles_from_args",
     "refuse_graph_flags_without_model",
@@ -152,7 +152,7 @@ def trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
 
 
 def prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
-    """The traced graph as the chosen pipeline analyses it (`rewrite.graph_trainer.prepare`)."""
+    """The traced graph as the chosen pass stack analyses it (`rewrite.graph_trainer.prepare`)."""
     from workbench.rewrite.graph_trainer import prepare
 
     check_passes(args)
@@ -160,23 +160,23 @@ def prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     return prepare(graph, args.passes, args.ep_overlap), seconds
 
 
-def pipeline_json(
+def passes_json(
     args: argparse.Namespace,
     graph: JointGraph,
     policy: Policy,
     estimator: Estimator | None = None,
 ) -> dict[str, Any]:
-    """What the chosen pipeline did for `policy`: for graph-trainer each of its passes, run,
+    """What the chosen pass stack did for `policy`: for graph-trainer each of its passes, run,
     replaced or skipped (and why), and with the `estimator` that estimated it how its
-    what-if made the schedule (`PipelineEstimator.whatif_note`); `graph` is the prepared
+    what-if made the schedule (`PassStackEstimator.whatif_note`); `graph` is the prepared
     graph (`prepare`)."""
     if args.passes == "workbench":
-        return {"passes": {"pipeline": "workbench"}}
-    from workbench.cost.pipelines import PipelineEstimator
-    from workbench.rewrite.graph_trainer import run_pipeline
+        return {"passes": {"pipeline": "workbench"}}  # the key --json has always had
+    from workbench.cost.pass_stacks import PassStackEstimator
+    from workbench.rewrite.graph_trainer import run_passes
 
-    report = run_pipeline(graph, policy, ep_overlap=args.ep_overlap).to_json()
-    if isinstance(estimator, PipelineEstimator):
+    report = run_passes(graph, policy, ep_overlap=args.ep_overlap).to_json()
+    if isinstance(estimator, PassStackEstimator):
         report["whatif"] = estimator.whatif_note()
     return {"passes": report}
 
@@ -273,11 +273,11 @@ def check_positive(flag: str, value: int, high: int = MAX_RUNS, why: str = "") -
 
 
 def check_passes(args: argparse.Namespace) -> None:
-    """Before tracing: `--passes` names a pipeline (and graph trainer's is importable)."""
-    from workbench.rewrite.graph_trainer import check_pipeline
+    """Before tracing: `--passes` names a pass stack (and graph trainer's is importable)."""
+    from workbench.rewrite.graph_trainer import check_pass_stack
 
     with flag("--passes"):
-        check_pipeline(args.passes)
+        check_pass_stack(args.passes)
     if getattr(args, "ep_overlap", False) and args.passes != "graph-trainer":
         raise WorkbenchError(
             f"--ep-overlap runs graph trainer's EP-overlap passes, which --passes "

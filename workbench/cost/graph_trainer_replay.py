@@ -3,10 +3,10 @@ of a cleaned graph for one policy, with no graph built (the `--passes graph-trai
 
 Entry point: `replay_graph_trainer(index, decisions, options) -> Flat` on the index of a graph
 after graph trainer's cleanup (`rewrite.graph_trainer.cleanup`). It equals, entry for entry
-and input for input, `index.flat(index.schedule_of(run_pipeline(graph, decisions).gm))`:
+and input for input, `index.flat(index.schedule_of(run_passes(graph, decisions).gm))`:
 the graph its `apply_cpu_offload_pass` (deferred frees and prefetched reloads included) and
 then its `selective_activation_remat_pass` make. `Unreplayable` is raised where the replay
-cannot say what they do; the caller then runs the passes (`cost.pipelines.PipelineEstimator`).
+cannot say what they do; the caller then runs the passes (`cost.pass_stacks.PassStackEstimator`).
 """
 
 from __future__ import annotations
@@ -229,9 +229,9 @@ def replay_graph_trainer(
     index: GraphIndex, decisions: Mapping[str, Tag], options: OffloadOptions | None = None
 ) -> Flat:
     """The schedule graph trainer's `apply_cpu_offload_pass` (with `options`' prefetch and
-    defer, a defer of 0 run as 1, as `run_pipeline` runs it) and then its
+    defer, a defer of 0 run as 1, as `run_passes` runs it) and then its
     `selective_activation_remat_pass` make of `index`'s graph tagged with `decisions` (its
-    call nodes, as `run_pipeline` tags them: recompute for PREFER/MUST_RECOMPUTE, offload for
+    call nodes, as `run_passes` tags them: recompute for PREFER/MUST_RECOMPUTE, offload for
     MUST_CPU_OFFLOAD). Array operations but for loops over the offloaded values and the
     recomputed nodes' tags, so a flip re-estimates in milliseconds.
 
