@@ -442,16 +442,16 @@ PRESETS = [
 
 
 def _check_replay(graph: JointGraph, policies: list[Policy]) -> None:
-    """Each policy's replayed schedule is the one graph trainer's own passes make (entry for
+    """Each policy's replayed node order is the one graph trainer's own passes make (entry for
     entry, input for input), with no fall back to running them; some offload, all recompute."""
     estimator = estimator_for(graph, "graph-trainer", ("h100",))
     assert isinstance(estimator, PassStackEstimator)
     offloading = 0
     for policy in policies:
         assert estimator.check_replay(policy) == [], policy
-        schedule = estimator.schedule_for(decide(estimator.graph, policy), policy.offload)
+        order = estimator.order_for(decide(estimator.graph, policy), policy.offload)
         assert estimator.fallback is None
-        offloading += bool(estimator.index.space.is_step(schedule.entries).any())
+        offloading += bool(estimator.index.space.is_step(order.entries).any())
     assert offloading >= 2
 
 
@@ -507,14 +507,14 @@ def test_replay_is_graph_trainers_passes_for_tags_no_policy_writes() -> None:
             decisions[name] = Tag(MUST[action], Why.OVERRIDE)
         options = OffloadOptions(None, rng.randint(0, 2), rng.randint(0, 2))
         replayed = replay_graph_trainer(estimator.index, decisions, options)
-        ran = estimator.passes_schedule(decisions, options)
+        ran = estimator.passes_order(decisions, options)
         assert all(np.array_equal(a, b) for a, b in zip(replayed, ran, strict=True))
 
 
 def test_what_the_replay_cannot_say_runs_graph_trainers_passes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A schedule the replay cannot say (`Unreplayable`) is made by graph trainer's passes,
+    """A node order the replay cannot say (`Unreplayable`) is made by graph trainer's passes,
     for that estimate only, and `fallback` says why; a view tagged for offload gets graph
     trainer's own refusal that way. `reference=True` runs them for every estimate."""
     from workbench.cost import graph_trainer_replay, pass_stacks

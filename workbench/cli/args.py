@@ -168,7 +168,7 @@ def passes_json(
 ) -> dict[str, Any]:
     """What the chosen pass stack did for `policy`: for graph-trainer each of its passes, run,
     replaced or skipped (and why), and with the `estimator` that estimated it how its
-    what-if made the schedule (`PassStackEstimator.whatif_note`); `graph` is the prepared
+    what-if made the node order (`PassStackEstimator.whatif_note`); `graph` is the prepared
     graph (`prepare`)."""
     if args.passes == "workbench":
         return {"passes": {"pipeline": "workbench"}}  # the key --json has always had

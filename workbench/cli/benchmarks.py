@@ -86,7 +86,7 @@ def bench_whatif(
     figures. The full path: `workbench`, tag, torch's remat pass, simulate; `graph-trainer`,
     graph trainer's own passes run and their graph simulated (the what-if before it replayed
     them). Also the median time of each what-if stage, to say where the time goes, the flips
-    whose schedule ran the passes in place of the replay and the load average."""
+    whose node order ran the passes in place of the replay and the load average."""
     estimator = estimator_for(graph, passes)
     graph = estimator.graph  # graph-trainer: its cleaned graph
     decisions = decide(graph, policy)
@@ -108,9 +108,9 @@ def bench_whatif(
             continue
         decisions = decide(graph, policy)
         replayed = time.perf_counter()
-        schedule = estimator.schedule_for(decisions, policy.offload)
+        order = estimator.order_for(decisions, policy.offload)
         simulated = time.perf_counter()
-        fast = estimator.simulate(schedule)
+        fast = estimator.simulate(order)
         end = time.perf_counter()
         whatif.append(end - start)
         stages["decide"].append(replayed - start)
@@ -144,7 +144,7 @@ def _full_path(estimator: Estimator, decisions: Decisions, policy: Policy) -> Es
     """The figures of the graph the pass stack's own passes make: torch's remat pass and the
     workbench's offload pass, or graph trainer's passes (`PassStackEstimator`)."""
     if isinstance(estimator, PassStackEstimator):
-        return estimator.simulate(estimator.passes_schedule(decisions, policy.offload))
+        return estimator.simulate(estimator.passes_order(decisions, policy.offload))
     graph = estimator.graph
     return estimate_remat(graph, remat(graph, decisions, policy.offload), estimator)
 

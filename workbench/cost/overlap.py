@@ -128,7 +128,7 @@ def collective_time(
 
 @dataclass
 class StreamTimes:
-    """One schedule on one profile: compute seconds (its entries back to back), the busy
+    """One node order on one profile: compute seconds (its entries back to back), the busy
     seconds of the communication and host streams, and what compute waited for each."""
 
     compute_seconds: float
@@ -179,7 +179,7 @@ class Streams:
             [graph.nodes[name].is_view for name in index.names], dtype=bool
         ) | np.asarray(index.is_getitem, dtype=bool)
         self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
-        # the last schedule's collectives and stream events, shared by every profile's `run`
+        # the last node order's collectives and stream events, shared by every profile's `run`
         self._last: tuple[np.ndarray, list[_Collective]] | None = None
         self._last_plan: tuple[tuple[Any, ...], _Plan] | None = None
         # seconds of each collective shape on each profile (held, so its id stays its own)
@@ -247,9 +247,9 @@ class Streams:
         ]
 
     def _collectives(self, entries: np.ndarray) -> list[_Collective]:
-        """Per issued collective (or FSDP bucket) of a schedule: its issue position, its
+        """Per issued collective (or FSDP bucket) of a node order: its issue position, its
         waits' positions and its shape (kind, bytes, group size, mesh dimension); kept for
-        the last schedule, which every profile times."""
+        the last node order, which every profile times."""
         if self._last is not None and self._last[0] is entries:
             return self._last[1]
         result = []
@@ -271,9 +271,9 @@ class Streams:
         offloaded: dict[int, int],
         reads: tuple[np.ndarray, np.ndarray] | None,
     ) -> _Plan:
-        """A schedule's stream events in `walk_streams`' order, and what each costs: the
+        """A node order's stream events in `walk_streams`' order, and what each costs: the
         collectives' shapes, then the host copies' bytes. The same on every profile: kept
-        for the last schedule."""
+        for the last node order."""
         key = (entries, offloaded, reads)
         if self._last_plan is not None and all(
             a is b for a, b in zip(self._last_plan[0], key, strict=True)
@@ -358,8 +358,8 @@ class Streams:
         offloaded: dict[int, int],
         reads: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StreamTimes:
-        """Time the schedule: `seconds` is the compute seconds of every entry; collectives
-        and host copies take their streams' time (`walk_streams`). `reads`: the schedule's
+        """Time the node order: `seconds` is the compute seconds of every entry; collectives
+        and host copies take their streams' time (`walk_streams`). `reads`: the node order's
         (reader position, entry read) pairs, for `sink_waits`."""
         opts = self.options
         clock = np.concatenate(([0.0], np.cumsum(seconds[entries])))  # compute before p
@@ -402,7 +402,7 @@ class Streams:
 
 
 class _Collective(NamedTuple):
-    """One issued collective of a schedule (`Streams._collectives`)."""
+    """One issued collective of a node order (`Streams._collectives`)."""
 
     issue: int
     waits: list[int]
@@ -410,7 +410,7 @@ class _Collective(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    """A schedule's stream events, sorted as `walk_streams` runs them, each (position, what,
+    """A node order's stream events, sorted as `walk_streams` runs them, each (position, what,
     key, cost): the index of its seconds among the collectives' (`shapes`), then the host
     copies' (`copies`, bytes), -1 for a wait (`Streams._plan`)."""
 
@@ -420,7 +420,7 @@ class _Plan(NamedTuple):
 
 
 class Event(NamedTuple):
-    """One event of `walk_streams`: at schedule position `at`, `comm` or `copy` issues `key`
+    """One event of `walk_streams`: at node-order position `at`, `comm` or `copy` issues `key`
     on its stream for `seconds`; `wait` stalls compute until `key` has ended."""
 
     at: int

@@ -388,10 +388,11 @@ def _ep_passes(
 ) -> tuple[fx.GraphModule, list[PassStep], JointGraph]:
     """Graph trainer's EP-overlap passes (`EP_PASSES`) with its default `EpOverlapConfig`
     (validated by its `validate_ep_overlap_config`), each called, in its order. Its graph
-    chunking raises on the workbench's static-shape trace, and its schedule pass then finds
-    no chunked regions: each is skipped with graph trainer's own error. Its PG isolation runs
-    on a fake world of the graph's size (it resolves and creates process groups); the group
-    it makes is added to the returned graph's `mesh_dims`, on the source group's dimension."""
+    chunking raises on the workbench's static-shape trace, and its `ep_overlap_schedule_pass`
+    then finds no chunked regions: each is skipped with graph trainer's own error. Its PG
+    isolation runs on a fake world of the graph's size (it resolves and creates process
+    groups); the group it makes is added to the returned graph's `mesh_dims`, on the source
+    group's dimension."""
     from workbench.capture.parallel import fake_world
     from workbench.capture.titan_rank import graph_trainer_imports
 

@@ -154,7 +154,7 @@ def remat(
         if n.name.endswith(RECOMPUTED_SUFFIX)
     ]
     index = graph_index(graph)
-    rewritten = index.schedule_of(out)
+    rewritten = index.order_of(out)
     before = index.saved_by_node(index.identity())
     after = index.saved_by_node(rewritten)
     report = RematReport(
