@@ -181,7 +181,7 @@ class Streams:
         self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
         # the last node order's collectives and stream events, shared by every profile's `run`
         self._last: tuple[np.ndarray, list[_Collective]] | None = None
-        self._last_plan: tuple[tuple[Any, ...], _Plan] | None = None
+        self._last_events: tuple[tuple[Any, ...], _StreamEvents] | None = None
         # seconds of each collective shape on each profile (held, so its id stays its own)
         self._seconds: dict[int, tuple[DeviceProfile, dict[tuple[Any, ...], float]]] = {}
         self._issue = np.zeros(space.size, dtype=bool)  # the node or its recomputed copy
@@ -265,20 +265,20 @@ class Streams:
         self._last = (entries, result)
         return result
 
-    def _plan(
+    def _stream_events(
         self,
         entries: np.ndarray,
         offloaded: dict[int, int],
         reads: tuple[np.ndarray, np.ndarray] | None,
-    ) -> _Plan:
+    ) -> _StreamEvents:
         """A node order's stream events in `walk_streams`' order, and what each costs: the
         collectives' shapes, then the host copies' bytes. The same on every profile: kept
         for the last node order."""
         key = (entries, offloaded, reads)
-        if self._last_plan is not None and all(
-            a is b for a, b in zip(self._last_plan[0], key, strict=True)
+        if self._last_events is not None and all(
+            a is b for a, b in zip(self._last_events[0], key, strict=True)
         ):
-            return self._last_plan[1]
+            return self._last_events[1]
         space, opts = self.index.space, self.options
         moved = self.issue_positions(entries) if opts.prefetch else {}
         events: list[tuple[int, str, Hashable, int]] = []  # (at, what, key, cost)
@@ -302,9 +302,9 @@ class Streams:
         position = np.fromiter((e[0] for e in events), np.int64, len(events))
         waiting = np.fromiter((e[1] == "wait" for e in events), bool, len(events))
         order = np.lexsort((np.arange(len(events)), waiting, position)).tolist()
-        plan = _Plan(shapes, copies, [events[i] for i in order])
-        self._last_plan = (key, plan)
-        return plan
+        result = _StreamEvents(shapes, copies, [events[i] for i in order])
+        self._last_events = (key, result)
+        return result
 
     def issue_positions(self, entries: np.ndarray) -> dict[int, int]:
         """Position each all-gather member is issued at, where prefetch or bucketing moves it
@@ -363,11 +363,11 @@ class Streams:
         (reader position, entry read) pairs, for `sink_waits`."""
         opts = self.options
         clock = np.concatenate(([0.0], np.cumsum(seconds[entries])))  # compute before p
-        plan = self._plan(entries, offloaded, reads)
+        streams = self._stream_events(entries, offloaded, reads)
         held, timed = self._seconds.setdefault(id(profile), (profile, {}))
         durations: list[float] = []
         comm = 0.0
-        for shape in plan.shapes:
+        for shape in streams.shapes:
             duration = timed.get(shape)
             if duration is None:
                 kind, nbytes, world, dim = shape
@@ -376,9 +376,9 @@ class Streams:
             comm += duration
             durations.append(duration)
         rate = profile.host_rate()
-        durations += [nbytes / rate for nbytes in plan.copies]
-        copied = sum(plan.copies)
-        stalls = _walk(clock, plan.events, durations, opts.max_copies_in_flight)
+        durations += [nbytes / rate for nbytes in streams.copies]
+        copied = sum(streams.copies)
+        stalls = _walk(clock, streams.events, durations, opts.max_copies_in_flight)
         compute = float(clock[-1])
         if profile.host_hbm_contention:  # each copied byte is read or written in HBM once
             compute += copied / profile.bytes_per_s
@@ -409,10 +409,10 @@ class _Collective(NamedTuple):
     shape: tuple[str, int, int, str | None]
 
 
-class _Plan(NamedTuple):
+class _StreamEvents(NamedTuple):
     """A node order's stream events, sorted as `walk_streams` runs them, each (position, what,
     key, cost): the index of its seconds among the collectives' (`shapes`), then the host
-    copies' (`copies`, bytes), -1 for a wait (`Streams._plan`)."""
+    copies' (`copies`, bytes), -1 for a wait (`Streams._stream_events`)."""
 
     shapes: list[tuple[str, int, int, str | None]]
     copies: list[int]

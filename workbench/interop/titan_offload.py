@@ -155,11 +155,11 @@ def offload_passes(graph: JointGraph, policy: Policy | str) -> OffloadPasses:
         lambda node: layer_of[node.name],
         policy.offload,
     )
-    plan = ours.meta[OFFLOAD_META]
-    offloaded = plan.names
+    report = ours.meta[OFFLOAD_META]
+    offloaded = report.names
     nodes = [node.name for node in base.graph.nodes]
     layers = {}
-    for name, value in zip(offloaded, plan.values, strict=True):
+    for name, value in zip(offloaded, report.values, strict=True):
         producer, reader = (
             layer_of[nodes[value.producer]],
             layer_of[nodes[value.first_backward_use]],
