@@ -1,4 +1,4 @@
-"""Studies of other pass stacks, apart from the core pipeline (trace -> policy -> remat ->
+"""Studies of other pass stacks, apart from the core flow (trace -> policy -> remat ->
 estimate -> solve -> export): AOTAutograd's partitioners (`partition`, `mincut`) and eager
 SAC under full-graph capture (`capture`). The notebooks use them; the workbench never does.
 

@@ -45,7 +45,7 @@ def graph_sac_saved(graph: JointGraph, result: RematResult) -> Saved:
 def read_by_backward(graph: JointGraph, result: RematResult) -> list[str]:
     """Forward nodes that the rewritten graph's backward reads directly, in graph order."""
     index = graph_index(graph)
-    read = index.read_directly(index.schedule_of(result.gm))
+    read = index.read_directly(index.order_of(result.gm))
     return [name for name in graph.nodes if name in read]
 
 

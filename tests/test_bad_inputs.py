@@ -1013,7 +1013,7 @@ def _explorer_model(graph: Any, tmp_path: Path, **kwargs: Any) -> Any:
         ({"autosave": 3}, TypeError, "autosave must be a file path"),
         ({"autosave": "/dev/zero"}, WorkbenchError, "is not a regular file"),
         ({"autosave": b"a.json"}, TypeError, "autosave must be a file path"),
-        ({"passes": "inductor"}, WorkbenchError, "unknown pass pipeline 'inductor'"),
+        ({"passes": "inductor"}, WorkbenchError, "unknown pass stack 'inductor'"),
         ({"budget_kind": "free"}, WorkbenchError, "unknown budget kind 'free'"),
     ],
     ids=[
@@ -1395,7 +1395,7 @@ def test_an_error_inside_the_ranks_is_one_line(capfd: pytest.CaptureFixture[str]
     assert re.fullmatch(one_line, captured.err), captured.err
 
 
-# `--passes`: an unknown pipeline, graph trainer's without torchtitan (both before tracing),
+# `--passes`: an unknown pass stack, graph trainer's without torchtitan (both before tracing),
 # and a pass failing inside graph trainer (named).
 PASSES_ARGV = ["--model", "llama3-debug", "--layers", "1", "--seq", "8"]
 
@@ -1403,11 +1403,11 @@ PASSES_ARGV = ["--model", "llama3-debug", "--layers", "1", "--seq", "8"]
 @pytest.mark.parametrize(
     "command", [["activations"], ["estimate"], ["solve", "--budget-frac", "0.5"]], ids=str
 )
-def test_unknown_pass_pipeline(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+def test_unknown_pass_stack(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
     fails(
         capsys,
         [*command, *PASSES_ARGV, "--passes", "inductor"],
-        "--passes: unknown pass pipeline 'inductor'; choose one of workbench, graph-trainer",
+        "--passes: unknown pass stack 'inductor'; choose one of workbench, graph-trainer",
     )
 
 
@@ -1449,9 +1449,9 @@ def test_a_pass_failing_inside_graph_trainer_is_named(
     )
 
 
-# `--ep-overlap`: graph trainer's EP-overlap passes run only in its pipeline (refused before
+# `--ep-overlap`: graph trainer's EP-overlap passes run only in its pass stack (refused before
 # tracing otherwise) and only on a graph with EP all-to-alls.
-def test_ep_overlap_without_graph_trainers_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ep_overlap_without_graph_trainers_pass_stack(capsys: pytest.CaptureFixture[str]) -> None:
     fails(
         capsys,
         ["estimate", *PASSES_ARGV, "--ep-overlap"],
@@ -1570,7 +1570,7 @@ def test_pipeline_schedule_inputs(name: str) -> None:
 
 PP = ["estimate", "--model", "llama3-debug", "--layers", "4", "--seq", "32", "--mode", "fake"]
 PIPELINE_FLAGS: list[tuple[list[str], str]] = [
-    (["--pp", "0"], r"--pp must be"),
+    (["--pp", "0"], r"parallel pp must be a whole number from 1"),
     (["--pp", "8"], r"8 pipeline stages cannot split 4 layers .*at most 6 stages"),
     (["--pp", "4", "--layers-per-stage", "2"], r"3 virtual stages .*--pp 4 does not divide"),
     (["--pp", "3", "--layers-per-stage", "2", "--pp-schedule", "Interleaved1F1B"], "runs 2"),

@@ -81,11 +81,11 @@ def test_floor_policy_offloads_what_full_recompute_keeps(
 ) -> None:
     full = decide(offload_graph, Policy("full"))
     floor = decide(offload_graph, floor_policy(offload_graph))
-    plan = rules_of(offload_graph).plan
+    tables = rules_of(offload_graph).tables
     may = {
         name
         for name, tag in full.items()
-        if not tag.recompute and offload_refusal_in(plan, full, name, "full") is None
+        if not tag.recompute and offload_refusal_in(tables, full, name, "full") is None
     }
     assert may and {name for name, tag in floor.items() if tag.offload} == may
     assert {n for n, t in floor.items() if t.recompute} == {

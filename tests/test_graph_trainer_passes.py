@@ -26,7 +26,7 @@ from workbench.cli import main
 from workbench.cli.benchmarks import bench_whatif
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.graph_trainer_replay import replay_graph_trainer
-from workbench.cost.pipelines import REPLAYED, PipelineEstimator, estimator_for
+from workbench.cost.pass_stacks import REPLAYED, PassStackEstimator, estimator_for
 from workbench.decide.decider import decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -42,7 +42,7 @@ from workbench.rewrite.graph_trainer import (
     cleanup,
     graph_trainer_config,
     prepare,
-    run_pipeline,
+    run_passes,
 )
 from workbench.rewrite.placement import is_offload_node
 from workbench.search.soundness import random_policies
@@ -113,7 +113,7 @@ def test_activations_are_graph_trainers_log_line_for_line(
 ) -> None:
     """`activations --passes graph-trainer` lists what graph trainer's log lists after its
     cleanup (Source column included), but for the CPU-forced flash-attention rows; the
-    workbench pipeline lists the graph before cleanup, as before."""
+    workbench pass stack lists the graph before cleanup, as before."""
     spec = MODELS[0]
     argv = ["activations", "--model", spec, "--layers", "2", "--seq", "32"]
     assert main([*argv, "--policy", "titan-default", "--passes", "graph-trainer", "--json"]) == 0
@@ -140,11 +140,11 @@ def test_activations_are_graph_trainers_log_line_for_line(
 
 @pytest.mark.parametrize("spec", MODELS)
 @pytest.mark.parametrize("preset", TITAN)
-def test_titan_presets_through_graph_trainers_pipeline(spec: str, preset: str) -> None:
+def test_titan_presets_through_graph_trainers_pass_stack(spec: str, preset: str) -> None:
     """Every titan-* preset runs through graph trainer's passes: its own tagging (differing
     only on the CPU-forced random ops), offload and remat; the rest skipped, named."""
     cleaned = cleanup(traced(spec))
-    result = run_pipeline(cleaned, Policy(preset, offload=GT_OFFLOAD))
+    result = run_passes(cleaned, Policy(preset, offload=GT_OFFLOAD))
     ep = [step for step in result.steps if step.why == EP_NOT_REQUESTED]  # opt-in
     assert [step.name for step in ep] == [name for _, name in EP_PASSES]
     status = {step.name: step.status for step in result.steps if step not in ep}
@@ -161,12 +161,12 @@ def test_titan_presets_through_graph_trainers_pipeline(spec: str, preset: str) -
 
 @pytest.mark.parametrize("spec", MODELS)
 def test_offload_placement_is_graph_trainers_in_its_pass_order(spec: str) -> None:
-    """titan-sac_and_offload through the pipeline gives the graph graph trainer's own
+    """titan-sac_and_offload through the pass stack gives the graph graph trainer's own
     functions give in its order (its tagging, the CPU-forced random ops saved, its offload
     pass, then its remat pass), node for node."""
     cleaned = cleanup(traced(spec))
     policy = Policy("titan-sac_and_offload", offload=GT_OFFLOAD)
-    ours = run_pipeline(cleaned, policy).gm
+    ours = run_passes(cleaned, policy).gm
     from torchtitan.experiments.graph_trainer.cpu_offload import apply_cpu_offload_pass
     from torchtitan.experiments.graph_trainer.memory_policy import tag_with_memory_policy_pass
     from torchtitan.experiments.graph_trainer.selective_activation_remat import (
@@ -203,16 +203,16 @@ def test_offload_placement_is_graph_trainers_in_its_pass_order(spec: str) -> Non
     ],
     ids=str,
 )
-def test_whatif_is_exact_against_the_pipelines_graph(spec: str, policy: Policy) -> None:
-    """The what-if of the graph-trainer pipeline equals, byte for byte at every step, the
+def test_whatif_is_exact_against_the_pass_stacks_graph(spec: str, policy: Policy) -> None:
+    """The what-if of the graph-trainer pass stack equals, byte for byte at every step, the
     estimate of the graph graph trainer's passes made. For the titan-* presets without
     offload the workbench's index replay of torch's remat pass on the cleaned graph does too
     (not for the workbench's presets, which tag the loss: graph trainer's remat pass leaves
     backward before the last loss node alone, torch's recomputes there)."""
     estimator = estimator_for(traced(spec), "graph-trainer", ("h100",))
-    assert isinstance(estimator, PipelineEstimator)
+    assert isinstance(estimator, PassStackEstimator)
     cleaned = estimator.graph
-    result = run_pipeline(cleaned, policy)
+    result = run_passes(cleaned, policy)
     full = estimate_remat(cleaned, result.gm, estimator)
     whatif = estimator.estimate(policy)
     assert whatif.peak_bytes == full.peak_bytes
@@ -224,11 +224,11 @@ def test_whatif_is_exact_against_the_pipelines_graph(spec: str, policy: Policy) 
 
 
 @pytest.mark.parametrize("preset", ["titan-default", "titan-full", "full"])
-def test_pipeline_graph_computes_what_eager_does(preset: str) -> None:
+def test_pass_stack_graph_computes_what_eager_does(preset: str) -> None:
     """Graph trainer's rewritten graph (no offload: its ops need streams) returns the loss
     and gradients of the traced step, bitwise."""
     graph = traced(MODELS[0])
-    result = run_pipeline(prepare(graph, "graph-trainer"), preset)
+    result = run_passes(prepare(graph, "graph-trainer"), preset)
     assert graph.example_inputs is not None
     with torch.no_grad():
         ours = list(result.gm(*graph.example_inputs))
@@ -237,13 +237,13 @@ def test_pipeline_graph_computes_what_eager_does(preset: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
 
 
-def test_explorer_flip_replays_graph_trainers_pipeline(
+def test_explorer_flip_replays_graph_trainers_pass_stack(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`PolicyExplorer(..., passes="graph-trainer")` shows the cleaned graph; a flip replays
     graph trainer's passes on indices without running them, and the figures are those of
     the graph they make."""
-    from workbench.cost import pipelines
+    from workbench.cost import pass_stacks
     from workbench.show.widgets.explorer import PolicyExplorer
 
     graph = traced(MODELS[0])
@@ -251,9 +251,9 @@ def test_explorer_flip_replays_graph_trainers_pipeline(
 
     def counted(*args: object, **kwargs: object) -> object:
         runs.append(1)
-        return run_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+        return run_passes(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pipelines, "run_pipeline", counted)
+    monkeypatch.setattr(pass_stacks, "run_passes", counted)
     explorer = PolicyExplorer(
         graph, "titan-default", passes="graph-trainer", autosave=tmp_path / "p.json"
     )
@@ -263,7 +263,7 @@ def test_explorer_flip_replays_graph_trainers_pipeline(
     explorer.flip(name)
     assert len(runs) == before
     assert not explorer.model.decisions[name].recompute
-    result = run_pipeline(explorer.graph, explorer.model.decisions, explorer.model.policy.offload)
+    result = run_passes(explorer.graph, explorer.model.decisions, explorer.model.policy.offload)
     full = estimate_remat(explorer.graph, result.gm, explorer.estimator)
     assert explorer.model.estimate.totals() == full.totals()
 
@@ -290,13 +290,13 @@ def test_commands_estimate_graph_trainers_output(
     cleaned = cleanup(traced(MODELS[0]))
     optimizer = "none" if command[0] == "estimate" else "adamw"
     estimator = Estimator(cleaned, ("h100",), optimizer)  # type: ignore[arg-type]
-    full = estimate_remat(cleaned, run_pipeline(cleaned, policy).gm, estimator)
+    full = estimate_remat(cleaned, run_passes(cleaned, policy).gm, estimator)
     assert result["peak_bytes"] == full.peak_bytes
     assert result["saved_activation_bytes"] == full.saved_activation_bytes
 
 
 @pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
-def test_a_per_rank_graph_through_graph_trainers_pipeline(
+def test_a_per_rank_graph_through_graph_trainers_pass_stack(
     rank_debug: JointGraph, preset: str
 ) -> None:
     """One FSDP2 x TP2 rank on fake tensors: graph trainer's cleanup drops nodes (its
@@ -305,7 +305,7 @@ def test_a_per_rank_graph_through_graph_trainers_pipeline(
     estimator = estimator_for(rank_debug, "graph-trainer", ("h100",))
     cleaned = estimator.graph
     assert len(cleaned.gm.graph.nodes) < len(rank_debug.gm.graph.nodes)
-    result = run_pipeline(cleaned, preset)
+    result = run_passes(cleaned, preset)
     nodes = {n.name: n for n in cleaned.gm.graph.nodes}
     assert all(_random(nodes[name]) for name in result.retagged)
     full = estimate_remat(cleaned, result.gm, estimator)
@@ -356,7 +356,7 @@ def test_ep_pass_order_is_graph_trainers() -> None:
 
 def test_ep_passes_are_listed_as_not_requested(ep_rank: JointGraph) -> None:
     """Without the option the report names each EP pass, opt-in, and the graph is as before."""
-    result = run_pipeline(ep_rank, "titan-default")
+    result = run_passes(ep_rank, "titan-default")
     names = [step.name for step in result.steps]
     ep_steps = [step for step in result.steps[len(CLEANUP) + 3 :] if step.name not in SKIPPED]
     assert [step.name for step in ep_steps] == [name for _, name in EP_PASSES]
@@ -371,7 +371,7 @@ def test_ep_overlap_runs_graph_trainers_ep_passes(ep_rank: JointGraph) -> None:
     """Its PG isolation moves every EP all-to-all off the group FSDP gathers on, onto a new
     group of the same ranks (on the same mesh dimension); its chunking and schedule refuse the
     static-shape trace, with its own error; the estimate runs on the result."""
-    result = run_pipeline(ep_rank, "titan-default", ep_overlap=True)
+    result = run_passes(ep_rank, "titan-default", ep_overlap=True)
     steps = {step.name: step for step in result.steps[len(CLEANUP) + 3 :]}
     assert steps["isolate_ep_process_group_pass"].status == "ran"
     (isolated,) = _a2a_groups(result.gm)
@@ -387,7 +387,7 @@ def test_ep_overlap_runs_graph_trainers_ep_passes(ep_rank: JointGraph) -> None:
         assert "unbacked" in steps[name].why and "graph trainer: " in steps[name].why
     assert "any chunked EP all-to-all regions" in steps["ep_overlap_schedule_pass"].why
     assert steps["concretize_ep_chunk_symbolic_shapes_pass"].why.endswith("graph unchanged")
-    plain = run_pipeline(ep_rank, "titan-default")
+    plain = run_passes(ep_rank, "titan-default")
     full, without = estimate_remat(result.graph, result.gm), estimate_remat(plain.graph, plain.gm)
     assert full.peak_bytes == without.peak_bytes > 0
     assert full.comm_seconds == without.comm_seconds
@@ -396,10 +396,10 @@ def test_ep_overlap_runs_graph_trainers_ep_passes(ep_rank: JointGraph) -> None:
 def test_ep_overlap_is_refused_without_ep_or_graph_trainer(ep_rank: JointGraph) -> None:
     with pytest.raises(WorkbenchError, match=r"needs graph trainer's EP all-to-alls, and .* none"):
         prepare(traced(MODELS[0]), "graph-trainer", ep_overlap=True)
-    with pytest.raises(WorkbenchError, match="the workbench pipeline does not run"):
+    with pytest.raises(WorkbenchError, match="the workbench pass stack does not run"):
         prepare(ep_rank, "workbench", ep_overlap=True)
     with pytest.raises(WorkbenchError, match="has none"):
-        run_pipeline(traced(MODELS[0]), "titan-default", ep_overlap=True)
+        run_passes(traced(MODELS[0]), "titan-default", ep_overlap=True)
 
 
 def test_estimate_ep_overlap_reports_each_ep_pass(capsys: pytest.CaptureFixture[str]) -> None:
@@ -414,7 +414,7 @@ def test_estimate_ep_overlap_reports_each_ep_pass(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize("preset", ["titan-default", "titan-full"])
-def test_gpu_shaped_rank_through_graph_trainers_pipeline(preset: str) -> None:
+def test_gpu_shaped_rank_through_graph_trainers_pass_stack(preset: str) -> None:
     """A rank traced for an H100 (flex attention's op, its score and mask subgraphs, which
     graph trainer's remat pass copies with the flex attention it recomputes): the what-if is
     exact against the graph its passes make."""
@@ -423,7 +423,7 @@ def test_gpu_shaped_rank_through_graph_trainers_pipeline(preset: str) -> None:
     assert rank.attention_counts() == {"flex_attention": 2}
     estimator = estimator_for(rank, "graph-trainer", ("h100",))
     cleaned = estimator.graph
-    result = run_pipeline(cleaned, preset)
+    result = run_passes(cleaned, preset)
     full = estimate_remat(cleaned, result.gm, estimator)
     assert estimator.estimate(Policy(preset)).totals() == full.totals()
 
@@ -442,16 +442,16 @@ PRESETS = [
 
 
 def _check_replay(graph: JointGraph, policies: list[Policy]) -> None:
-    """Each policy's replayed schedule is the one graph trainer's own passes make (entry for
+    """Each policy's replayed node order is the one graph trainer's own passes make (entry for
     entry, input for input), with no fall back to running them; some offload, all recompute."""
     estimator = estimator_for(graph, "graph-trainer", ("h100",))
-    assert isinstance(estimator, PipelineEstimator)
+    assert isinstance(estimator, PassStackEstimator)
     offloading = 0
     for policy in policies:
         assert estimator.check_replay(policy) == [], policy
-        schedule = estimator.schedule_for(decide(estimator.graph, policy), policy.offload)
+        order = estimator.order_for(decide(estimator.graph, policy), policy.offload)
         assert estimator.fallback is None
-        offloading += bool(estimator.index.space.is_step(schedule.entries).any())
+        offloading += bool(estimator.index.space.is_step(order.entries).any())
     assert offloading >= 2
 
 
@@ -489,7 +489,7 @@ def test_replay_is_graph_trainers_passes_for_tags_no_policy_writes() -> None:
 
     graph = cleanup(traced(MODELS[0]))
     estimator = estimator_for(graph, "graph-trainer", ("h100",))
-    assert isinstance(estimator, PipelineEstimator)
+    assert isinstance(estimator, PassStackEstimator)
     nodes = {node.name: node for node in graph.gm.graph.nodes}
     base = decide(graph, Policy("titan-default"))
     rng = random.Random(0)
@@ -507,32 +507,32 @@ def test_replay_is_graph_trainers_passes_for_tags_no_policy_writes() -> None:
             decisions[name] = Tag(MUST[action], Why.OVERRIDE)
         options = OffloadOptions(None, rng.randint(0, 2), rng.randint(0, 2))
         replayed = replay_graph_trainer(estimator.index, decisions, options)
-        ran = estimator.pipeline_schedule(decisions, options)
+        ran = estimator.passes_order(decisions, options)
         assert all(np.array_equal(a, b) for a, b in zip(replayed, ran, strict=True))
 
 
 def test_what_the_replay_cannot_say_runs_graph_trainers_passes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A schedule the replay cannot say (`Unreplayable`) is made by graph trainer's passes,
+    """A node order the replay cannot say (`Unreplayable`) is made by graph trainer's passes,
     for that estimate only, and `fallback` says why; a view tagged for offload gets graph
     trainer's own refusal that way. `reference=True` runs them for every estimate."""
-    from workbench.cost import graph_trainer_replay, pipelines
+    from workbench.cost import graph_trainer_replay, pass_stacks
 
     graph = traced(MODELS[0])
     estimator = estimator_for(graph, "graph-trainer", ("h100",))
-    assert isinstance(estimator, PipelineEstimator)
+    assert isinstance(estimator, PassStackEstimator)
     policy = Policy("titan-sac_and_offload", offload=GT_OFFLOAD)
     replayed = estimator.estimate(policy)
     assert estimator.whatif_note() == REPLAYED
     reference = estimator_for(graph, "graph-trainer", ("h100",), reference=True)
     assert reference.estimate(policy) == replayed
-    assert isinstance(reference, PipelineEstimator) and "reference" in reference.whatif_note()
+    assert isinstance(reference, PassStackEstimator) and "reference" in reference.whatif_note()
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise graph_trainer_replay.Unreplayable("not this one")
 
-    monkeypatch.setattr(pipelines, "replay_graph_trainer", refuse)
+    monkeypatch.setattr(pass_stacks, "replay_graph_trainer", refuse)
     assert estimator.estimate(policy) == replayed
     assert estimator.whatif_note() == "graph trainer's passes ran: not this one"
     monkeypatch.undo()

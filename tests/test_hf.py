@@ -40,7 +40,7 @@ def _seeded_step(workload: Workload) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_hf_model_through_the_pipeline(name: str, tmp_path: Any) -> None:
+def test_hf_model_end_to_end(name: str, tmp_path: Any) -> None:
     """trace → estimate = measured → verify (traced = eager, eager reproducible, the policy
     graph against graph) → render → export → apply_ac with the export's default blocks."""
     workload = load_workload(f"hf:{name}")

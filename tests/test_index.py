@@ -1,6 +1,6 @@
-"""The index form's array walks against plain entry-by-entry walks of the same schedules:
+"""The index form's array walks against plain entry-by-entry walks of the same node orders:
 storages and aliases, saved and returned storages, on both reference models and a per-rank
-graph, for schedules of several presets."""
+graph, for node orders of several presets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from workbench.capture.graph import JointGraph
 from workbench.cost.replay import recompute_flags, replay
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
+from workbench.rewrite.entries import OFFLOAD_STEPS, Flat, NodeOrder
 from workbench.rewrite.index import GraphIndex, graph_index
-from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule
 
 PRESETS = ["none", "default", "eager", "full"]
 
@@ -22,29 +22,29 @@ def graphs(small_graphs_and_rank: dict[str, JointGraph]) -> dict[str, JointGraph
     return small_graphs_and_rank
 
 
-def _schedules(graph: JointGraph) -> list[Schedule]:
+def _orders(graph: JointGraph) -> list[NodeOrder]:
     index = graph_index(graph)
     flags = [recompute_flags(index, decide(graph, Policy(p))) for p in PRESETS]
-    return [index.identity(), *(_schedule(replay(index, f)) for f in flags)]
+    return [index.identity(), *(_order(replay(index, f)) for f in flags)]
 
 
-def _schedule(flat: Flat) -> Schedule:
-    order = flat.entries.tolist()
-    args: dict[int, list[int]] = {e: [] for e in order}
+def _order(flat: Flat) -> NodeOrder:
+    sequence = flat.entries.tolist()
+    args: dict[int, list[int]] = {e: [] for e in sequence}
     for position, x in zip(flat.reader.tolist(), flat.read.tolist(), strict=True):
-        args[order[position]].append(x)
-    return order, {e: tuple(xs) for e, xs in args.items()}
+        args[sequence[position]].append(x)
+    return sequence, {e: tuple(xs) for e, xs in args.items()}
 
 
-def _walk(index: GraphIndex, schedule: Schedule) -> tuple[list[set[int]], list[int], list[int]]:
+def _walk(index: GraphIndex, order: NodeOrder) -> tuple[list[set[int]], list[int], list[int]]:
     """Storages one entry at a time: fresh slots get the next id, aliases take their
     input's. Per position: the ids it holds; per storage: owner and bytes."""
-    order, args = schedule
+    sequence, args = order
     storage_of: dict[tuple[int, int], int] = {}
     held: list[set[int]] = []
     owner: list[int] = []
     sizes: list[int] = []
-    for e in order:
+    for e in sequence:
         here = set()
         for s, slot in enumerate(index.slots[e % index.n]):
             if isinstance(slot, tuple):
@@ -66,17 +66,17 @@ def _walk(index: GraphIndex, schedule: Schedule) -> tuple[list[set[int]], list[i
 def test_storages_equal_an_entry_by_entry_walk(graphs: dict[str, JointGraph], model: str) -> None:
     graph = graphs[model]
     index = graph_index(graph)
-    for schedule in _schedules(graph):
-        flat = index.flat(schedule)
+    for order in _orders(graph):
+        flat = index.flat(order)
         table = index.storages(flat)
-        held, owner, sizes = _walk(index, schedule)
-        got: list[set[int]] = [set() for _ in schedule[0]]
+        held, owner, sizes = _walk(index, order)
+        got: list[set[int]] = [set() for _ in order[0]]
         for position, sid in zip(table.holder.tolist(), table.held.tolist(), strict=True):
             got[position].add(sid)
         assert got == held
         assert table.owner.tolist() == owner
         assert table.sizes.tolist() == sizes
-        assert [schedule[0][p] for p in table.born.tolist()] == owner
+        assert [order[0][p] for p in table.born.tolist()] == owner
 
 
 @pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
@@ -86,16 +86,16 @@ def test_saved_and_returned_storages_follow_their_definition(
     graph = graphs[model]
     index = graph_index(graph)
     n = index.n
-    for schedule in _schedules(graph):
-        order, args = schedule
-        flat = index.flat(schedule)
+    for order in _orders(graph):
+        sequence, args = order
+        flat = index.flat(order)
         table = index.storages(flat)
-        held, owner, _ = _walk(index, schedule)
-        held_by = dict(zip(order, held, strict=True))
+        held, owner, _ = _walk(index, order)
+        held_by = dict(zip(sequence, held, strict=True))
         returned = set().union(*(held_by[x] for x in args[index.output]))
         read = {
             x
-            for e in order
+            for e in sequence
             if e >= n or index.phase[e] == "backward"
             for x in args[e]
             if x < n and index.phase[x] in ("forward", "loss")

@@ -1,7 +1,7 @@
-"""The house: packages by stage importing only downward, no cycle; what is core and what
-is a study (the pipeline imports neither the studies nor the zoo; no workbench module imports
-`studies`, which is not installed). Function size is ruff's complexity rules
-(pyproject.toml), not a cap on lines."""
+"""The house: packages in the order data flows, each importing only the ones before it, no
+cycle; what is core and what is a study (the core imports neither the studies nor the zoo;
+no workbench module imports `studies`, which is not installed). Function size is ruff's
+complexity rules (pyproject.toml), not a cap on lines."""
 
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ def test_workload_is_the_same_type_everywhere() -> None:
     assert callable(workbench.load_workload)
 
 
-# --- the house: packages by pipeline stage, each importing only the ones before it ----------
+# --- the house: packages in the order data flows, each importing only the ones before it ---
 
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
-# The stages in the order data flows; a module imports its own stage and the ones before.
-STAGES = ("capture", "decide", "rewrite", "cost", "search", "interop", "show")
-BASE = {"workbench.errors", "workbench.files", "workbench.units"}  # what every stage may import
+# The packages in the order data flows; a module imports its own package and the ones before.
+PACKAGES = ("capture", "decide", "rewrite", "cost", "search", "interop", "show")
+BASE = {"workbench.errors", "workbench.files", "workbench.units"}  # what every package may import
 
 
 def _modules() -> dict[str, Path]:
@@ -81,9 +81,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def _stage(module: str) -> str | None:
+def _package(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else None
 
 
 def test_no_import_cycle() -> None:
@@ -106,27 +106,27 @@ def test_no_import_cycle() -> None:
             visit(name, [name])
 
 
-def test_stages_import_only_downward() -> None:
+def test_packages_import_only_downward() -> None:
     """capture <- decide <- rewrite <- cost <- search <- interop <- show; the top level (the
-    cli package, the package itself) may import any stage, no stage the cli."""
+    cli package, the package itself) may import any of them, none of them the cli."""
     modules = _modules()
     wrong = []
     for name, path in modules.items():
-        stage = _stage(name)
-        if stage is None:
+        package = _package(name)
+        if package is None:
             continue
         for other in _imports(path, modules):
             if other in BASE or other == "workbench":
                 continue
-            theirs = _stage(other)
-            if theirs is None or STAGES.index(theirs) > STAGES.index(stage):
+            theirs = _package(other)
+            if theirs is None or PACKAGES.index(theirs) > PACKAGES.index(package):
                 wrong.append(f"{name} imports {other}")
     assert wrong == []
 
 
 def test_no_workbench_module_imports_a_study() -> None:
     """`studies` (the repository's, not installed) imports the workbench, never the reverse:
-    not a stage, not the cli; function-level imports count."""
+    not a flow package, not the cli; function-level imports count."""
     wrong = []
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):

@@ -15,12 +15,13 @@ from workbench.capture.models import Workload
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.measure import measure_graph
 from workbench.cost.profiles import H100
-from workbench.cost.replay import offload_schedule, recompute_flags, replay
+from workbench.cost.replay import offload_order, recompute_flags, replay
 from workbench.decide.decider import decide, flip, rules_of
 from workbench.decide.offloadable import OffloadOptions, may_offload
 from workbench.decide.policy import Policy
 from workbench.decide.tags import Refusal, Refused
 from workbench.errors import WorkbenchError
+from workbench.rewrite.entries import OFFLOAD_STEPS as STEPS
 from workbench.rewrite.host_ops import host_usage
 from workbench.rewrite.offload import offload_pass
 from workbench.rewrite.placement import (
@@ -32,7 +33,6 @@ from workbench.rewrite.placement import (
     interleave_arrays,
 )
 from workbench.rewrite.remat import remat
-from workbench.rewrite.schedule import OFFLOAD_STEPS as STEPS
 
 Fixture = tuple[Workload, JointGraph]
 PROFILES = ("h100",)
@@ -50,8 +50,8 @@ def test_whatif_equals_the_offloaded_graph(
     policy = Policy(preset, offload=options)
     result = remat(graph, policy)
     assert result.report.offload is not None and result.report.offload.names
-    schedule = estimator.schedule_of(result.gm)
-    assert estimator.schedule_for(decide(graph, policy), options).entries.tolist() == schedule[0]
+    order = estimator.order_of(result.gm)
+    assert estimator.order_for(decide(graph, policy), options).entries.tolist() == order[0]
     fast = estimator.estimate(policy)
     assert fast == estimate_remat(graph, result, estimator)
     assert fast.offloaded_bytes == result.report.offload.offloaded_bytes
@@ -126,16 +126,16 @@ def test_slow_host_link_exposes_the_copies(small_graphs: dict[str, Fixture]) -> 
     assert row["d2h_exposed_seconds"]["slow"] + row["h2d_exposed_seconds"]["slow"] > 0
 
 
-def test_offload_schedule_skips_what_the_pass_skips(small_graphs: dict[str, Fixture]) -> None:
+def test_offload_order_skips_what_the_pass_skips(small_graphs: dict[str, Fixture]) -> None:
     _, graph = small_graphs["llama3-debug"]
     estimator = Estimator(graph, PROFILES)
     decisions = decide(graph, Policy("titan-sac_and_offload"))
     flat = replay(estimator.index, recompute_flags(estimator.index, decisions))
     names = [n for n, tag in decisions.items() if tag.offload]
-    _, skipped = offload_schedule(estimator.index, flat, names, OffloadOptions())
+    _, skipped = offload_order(estimator.index, flat, names, OffloadOptions())
     assert skipped == remat(graph, decisions).report.offload.skipped  # type: ignore[union-attr]
-    assert offload_schedule(estimator.index, flat, [], OffloadOptions()) == (flat, {})
-    _, skipped = offload_schedule(estimator.index, flat, ["primals_1"], OffloadOptions())
+    assert offload_order(estimator.index, flat, [], OffloadOptions()) == (flat, {})
+    _, skipped = offload_order(estimator.index, flat, ["primals_1"], OffloadOptions())
     assert skipped == {"primals_1": Refused(Refusal.NOT_FORWARD)}
 
 
@@ -161,7 +161,7 @@ def test_the_three_offload_checks_refuse_in_one_vocabulary(
     by_pass = gm.meta[OFFLOAD_META].skipped
     estimator = Estimator(graph, PROFILES)
     flat = replay(estimator.index, recompute_flags(estimator.index, decisions))
-    _, by_replay = offload_schedule(estimator.index, flat, names, OffloadOptions())
+    _, by_replay = offload_order(estimator.index, flat, names, OffloadOptions())
     assert by_replay == by_pass
     said = {_refusal(why) for why in [*rules.values(), *by_pass.values()]}
     assert {Refusal.NOT_ONE_TENSOR, Refusal.OUTSIDE_LAYERS, Refusal.WRITTEN_BY} <= said

@@ -107,7 +107,7 @@ def test_prefetch_moves_only_fsdp_all_gathers(rank_debug: JointGraph) -> None:
     from workbench.decide.decider import decide
 
     estimator = Estimator(rank_debug, ("h100",), overlap=OverlapOptions(prefetch=2))
-    flat = estimator.schedule_for(decide(rank_debug, Policy("default")))
+    flat = estimator.order_for(decide(rank_debug, Policy("default")))
     moved = estimator.streams.issue_positions(flat.entries)
     nodes = estimator.index.space.node(flat.entries[list(moved)]).tolist()
     streams = estimator.streams

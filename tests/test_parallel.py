@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import workbench.capture.parallel as parallel_module
+from workbench.capture.degrees import DEGREES, EXPERT_MESH_DIMS, MESH_DIMS, Degrees
 from workbench.capture.expert_parallel import (
     ExpertDispatch,
     apply_expert_parallel,
@@ -32,6 +33,7 @@ from workbench.capture.parallel import (
     shard_workload,
     trace_rank,
 )
+from workbench.capture.stages import Pipeline
 from workbench.capture.trace import trace
 from workbench.cli import main
 from workbench.cost.estimate import Estimator, estimate_remat
@@ -309,6 +311,39 @@ def test_parallel_json_names_ep_and_cp_only_when_used() -> None:
     assert ep.world_size == 8 and ep.to_json()["ep"] == 8 and ep.to_json()["ep_imbalance"] == 1.5
     assert ep.describe() == "fsdp 8 x ep 8"
     assert Parallel(fsdp=2, cp=2, tp=2).world_size == 8
+
+
+def test_degrees_are_one_value_for_every_package() -> None:
+    """`Degrees` counts the ranks (`world_size` one pipeline rank's mesh, `gpus` all of
+    them), names its meshes' sizes, reads back from its JSON and a stage graph's config, and
+    checks itself in one line each; `Parallel` is a `Degrees` (plus precision and routing)
+    and `Pipeline` takes its pp; the planner's layouts and a published run hold one."""
+    degrees = Degrees(fsdp=4, cp=2, tp=2, pp=4, ep=8)
+    assert (degrees.world_size, degrees.gpus, degrees.efsdp) == (16, 64, 2)
+    assert degrees.non_data_parallel_size == 2 * 2 * 4
+    assert degrees.mesh_sizes() == {"fsdp": 4, "cp": 2, "tp": 2, "efsdp": 2, "ep": 8}
+    assert list(degrees.mesh_sizes()) == [*MESH_DIMS, *EXPERT_MESH_DIMS]
+    assert degrees.describe() == "fsdp 4 x cp 2 x tp 2 x pp 4 x ep 8"
+    assert degrees.to_json() == {"fsdp": 4, "tp": 2, "cp": 2, "pp": 4, "ep": 8, "world_size": 16}
+    assert Degrees.from_json(degrees.to_json()) == degrees
+    assert Degrees.from_json({"fsdp": 2, "pipeline": {"pp": 3}}) == Degrees(fsdp=2, pp=3)
+    assert DEGREES == ("dp", "fsdp", "cp", "tp", "pp", "ep")
+    assert not Degrees(pp=8).sharded and Degrees(ep=1, tp=2).sharded
+    parallel = Parallel.of(degrees, ep_imbalance=2.0)
+    assert isinstance(parallel, Degrees) and parallel.degrees() == degrees
+    assert "pp" not in parallel.to_json() and parallel.to_json()["world_size"] == 16
+    assert Pipeline(pp=degrees.pp).pp == 4
+    for bad, message in [
+        (lambda: Degrees(pp=0), "parallel pp must be a whole number from 1"),
+        (lambda: Degrees(fsdp=2, ep=3), r"--ep 3 must divide fsdp x cp x tp = 2"),
+        (lambda: Degrees(fsdp=2**11, tp=2**10), r"world size \(fsdp x cp x tp\) must be"),
+        (lambda: Parallel(dp=2), "parallel dp 2: the workbench traces no replicated"),
+        (lambda: trace(load_workload("llama3-debug", device="meta", **SMALL), "fake",
+                       Parallel(fsdp=2, pp=2)), r"parallel pp 2 splits the model"),
+    ]:  # fmt: skip
+        with pytest.raises(WorkbenchError, match=message) as raised:
+            bad()
+        assert "\n" not in str(raised.value)
 
 
 def test_ep_rank_graph_holds_the_all_to_alls_and_its_experts() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from workbench.capture.degrees import Degrees
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.parallel import Parallel
 from workbench.capture.stages import trace_stages
@@ -77,21 +78,22 @@ def test_layouts_divide_the_gpus_and_the_model() -> None:
     assert kept
     heads = _workload().model.config.n_heads
     for c in kept:
-        assert c.fsdp * c.tp * c.pp == options.gpus
-        assert heads % c.tp == 0 and c.tp <= 8
-        assert c.local_batch * c.fsdp == options.batch
+        d = c.degrees
+        assert d.fsdp * d.tp * d.pp == d.gpus == options.gpus
+        assert heads % d.tp == 0 and d.tp <= 8
+        assert c.local_batch * d.fsdp == options.batch
         assert c.local_batch % c.microbatches == 0
         if c.schedule is not None:
-            stages = c.pp * (1 if c.schedule == "1F1B" else 2)
+            stages = d.pp * (1 if c.schedule == "1F1B" else 2)
             assert c.microbatches % stages == 0
-    tried = {(c.fsdp, c.tp, c.pp, c.schedule) for c in kept}
-    dropped = {(p.fsdp, p.tp, p.pp, p.schedule) for p in pruned}
+    tried = {(c.degrees, c.schedule) for c in kept}
+    dropped = {(p.degrees, p.schedule) for p in pruned}
     assert not tried & dropped
     # 2 layers + embedding + output cannot make the 16 stages of pp 8 interleaved
-    assert any(p.pp == 8 and "cannot split" in p.reason for p in pruned)
+    assert any(p.degrees.pp == 8 and "cannot split" in p.reason for p in pruned)
     twice = replace(options, microbatch_multiples=(2,), schedules=("1F1B",))
     piped = [c for c in layouts(twice, _workload())[0] if c.schedule]
-    assert piped and all(c.microbatches == 2 * c.pp for c in piped)
+    assert piped and all(c.microbatches == 2 * c.degrees.pp for c in piped)
 
 
 def test_memory_prunes_before_tracing() -> None:
@@ -114,14 +116,14 @@ def test_param_counts_cover_the_model() -> None:
 
 def test_lower_bound_is_below_the_estimate() -> None:
     """What the bound counts is a part of what the pipeline estimate holds, at any policy."""
-    candidate = Candidate(fsdp=2, tp=1, pp=2, schedule="1F1B", microbatches=2, local_batch=2)
+    candidate = Candidate(Degrees(fsdp=2, pp=2), schedule="1F1B", microbatches=2, local_batch=2)
     layout = candidate.pipeline().layout(2)
     workload = _workload(candidate.local_batch)
     graphs = trace_stages(workload, "fake", Parallel(fsdp=2), candidate.pipeline())
     estimate = PipelineModel(graphs, layout).estimate(Policy("full"))
     bound = lower_bound_bytes(ParamCounts.of(workload.model), candidate, layout)
     assert 0 < bound <= estimate.peak_bytes
-    whole = Candidate(fsdp=2, tp=1, pp=1, schedule=None, microbatches=1, local_batch=2)
+    whole = Candidate(Degrees(fsdp=2), schedule=None, microbatches=1, local_batch=2)
     params = sum(p.numel() for p in workload.model.parameters())
     assert lower_bound_bytes(ParamCounts.of(workload.model), whole, None) == params * 16 // 2
 
@@ -147,7 +149,7 @@ def test_alike_stages_are_traced_once_and_estimate_as_fresh_traces(tiny: Plan) -
     fresh = trace_stages(
         _workload(candidate.local_batch),
         "fake",
-        Parallel(fsdp=candidate.fsdp, tp=candidate.tp),
+        candidate.parallel(),
         candidate.pipeline(),
     )
     estimate = PipelineModel(fresh, candidate.pipeline().layout(2)).estimate(zbv.policies)
@@ -161,7 +163,7 @@ def test_tokens_per_second_per_gpu_counts_one_replica(tiny: Plan) -> None:
     for c in tiny.configs:
         local = c.candidate.local_batch * TINY.seq
         assert c.tokens_per_second_per_gpu == pytest.approx(
-            local / c.step_seconds / (c.candidate.pp * c.candidate.tp)
+            local / c.step_seconds / (c.candidate.degrees.pp * c.candidate.degrees.tp)
         )
 
 
@@ -231,7 +233,7 @@ def test_moe_plan_lists_ep_layouts_with_their_peaks(moe: Plan) -> None:
         c = config.candidate
         layout = c.pipeline().layout(2) if c.schedule else None
         assert lower_bound_bytes(counts, c, layout) <= config.peak_bytes
-    ep4 = next(c for c in moe.configs if c.candidate.ep == 4 and c.candidate.fsdp == 4)
+    ep4 = next(c for c in moe.configs if c.candidate.degrees == Degrees(fsdp=4, ep=4))
     assert ep4.candidate.describe() == "fsdp 4 x tp 1 x pp 1 x ep 4"
     assert any(line.split()[1:6] == ["4", "x", "1", "x", "1"] and "ep 4" in line
                for line in plan_table(result, rows=100).splitlines())  # fmt: skip
@@ -242,12 +244,12 @@ def test_moe_plan_lists_ep_layouts_with_their_peaks(moe: Plan) -> None:
 def test_moe_stages_of_dense_and_moe_layers_are_not_shared(moe: Plan) -> None:
     """pp 4 over dsv3-debug's 2 layers: the middle stages hold the dense layer 0 and the MoE
     layer 1, alike in count and role but not in graph; each estimates as its fresh trace."""
-    config = next(c for c in moe.configs if c.candidate.pp == 4)
+    config = next(c for c in moe.configs if c.candidate.degrees.pp == 4)
     candidate = config.candidate
     fresh = trace_stages(
         load_workload("dsv3-debug", layers=2, seq=32, batch=candidate.local_batch, device="meta"),
         "fake",
-        Parallel(fsdp=candidate.fsdp, tp=candidate.tp, ep=candidate.ep),
+        candidate.parallel(),
         candidate.pipeline(),
     )
     layout = candidate.pipeline().layout(2)
@@ -271,11 +273,12 @@ def test_ep_lower_bound_by_hand() -> None:
     dense = total - routed
 
     def whole(fsdp: int, tp: int, ep: int) -> int:
-        return lower_bound_bytes(counts, Candidate(fsdp, tp, 1, None, 1, 2, ep), None)
+        degrees = Degrees(fsdp=fsdp, tp=tp, ep=ep)
+        return lower_bound_bytes(counts, Candidate(degrees, None, 1, 2), None)
 
     assert whole(2, 2, 1) == dense * 16 // 4 + routed * 16 // 2
     assert whole(2, 2, 2) == whole(2, 2, 4) == dense * 16 // 4 + routed * 16 // 4
-    candidate = Candidate(2, 2, 2, "1F1B", 2, 2, ep=2)  # efsdp = 2 x 2 / 2 = 2
+    candidate = Candidate(Degrees(fsdp=2, tp=2, pp=2, ep=2), "1F1B", 2, 2)  # efsdp 2 x 2 / 2
     layout = candidate.pipeline().layout(2)
     assert layout.layers == ((0,), (1,))
     last = counts.stage((1,), False, True) - routed
@@ -284,7 +287,7 @@ def test_ep_lower_bound_by_hand() -> None:
     assert lower_bound_bytes(counts, candidate, layout) == max(
         held, first * 12 // 4 + first * 6 // 2
     )
-    no_ep = Candidate(2, 2, 2, "1F1B", 2, 2)
+    no_ep = Candidate(Degrees(fsdp=2, tp=2, pp=2), "1F1B", 2, 2)
     held = last * 12 // 4 + last * 6 // 2 + routed * 12 // 2 + routed * 6 // 1
     assert lower_bound_bytes(counts, no_ep, layout) == max(held, first * 12 // 4 + first * 6 // 2)
 
@@ -298,8 +301,8 @@ def test_ep_degrees_divide_the_experts_and_the_ranks() -> None:
 def test_dense_models_plan_ep_1_only(tiny: Plan) -> None:
     options = PlanOptions(model="llama3-debug", gpus=8, layers=2, seq=32, memory_bytes=GIB)
     kept, pruned = layouts(options, _workload())
-    assert {c.ep for c in kept} == {p.ep for p in pruned} == {1}
-    assert {c.candidate.ep for c in tiny.configs} == {1}
+    assert {c.degrees.ep for c in kept} == {p.degrees.ep for p in pruned} == {1}
+    assert {c.candidate.degrees.ep for c in tiny.configs} == {1}
     assert all(c["ep"] == 1 for c in tiny.to_json()["configs"])
     assert tiny.notes == []  # a dense model: nothing to say
     assert "ep" not in plan_table(tiny.to_json()).split("\n")[2]

@@ -15,9 +15,9 @@ from workbench.cost.replay import recompute_flags, replay, saved_bytes_by_node
 from workbench.decide.decider import decide
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
+from workbench.rewrite.entries import NodeOrder
 from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.remat import remat
-from workbench.rewrite.schedule import Schedule
 
 MODELS = ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"]
 
@@ -27,7 +27,7 @@ def graphs(small_graphs_and_rank: dict[str, JointGraph]) -> dict[str, JointGraph
     return small_graphs_and_rank
 
 
-def _plain_replay(index: GraphIndex, rec: list[bool]) -> Schedule:
+def _plain_replay(index: GraphIndex, rec: list[bool]) -> NodeOrder:
     """torch's pass one node at a time: each backward node of the region after the
     recomputed nodes it needs (in forward order, each once), dead code removed by a reverse
     walk, getitems moved after their producer."""

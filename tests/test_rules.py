@@ -46,9 +46,9 @@ from workbench.decide.offloadable import (
     offload_refusal,
     offload_refusal_in,
 )
-from workbench.decide.plan import decide_plan, last_layer
 from workbench.decide.policy import Policy, Selector
 from workbench.decide.presets import GRAPH_TRAINER, PRESETS, preset_record
+from workbench.decide.tables import decide_tables, last_layer
 from workbench.decide.tags import Refusal, Refused, SelectorRow, Tag, Why
 from workbench.interop.export import export, rules_source
 
@@ -132,19 +132,19 @@ def test_overrides_then_followers_and_forced_saves_stay() -> None:
         ("m", "layers.0.ff", "aten.add_.Tensor", False, True, None, (), None),
     ]
     facts_ = op_facts(rows)  # type: ignore[arg-type]
-    plan = decide_plan(facts_)
+    tables = decide_tables(facts_)
     asked = {f.name: requested(f, PRESETS["none"].rule(), Request("none")) for f in facts_}
     asked["m"] = Tag(CheckpointPolicy.MUST_SAVE, Why.MUTATION)
     tags = dict(asked)
     overrides = {"layers.*.ff::aten.mm.default#0": "recompute", "layers.0.ff::aten.mm.default#0":
                  "save", "layers.*.ff::aten.add_.Tensor#0": "recompute"}  # fmt: skip
-    assert apply_overrides(tags, asked, plan, overrides) == {"mm"}
+    assert apply_overrides(tags, asked, tables, overrides) == {"mm"}
     assert tags["mm"] == Tag(
         CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "layers.0.ff::aten.mm.default#0"
     )
     assert tags["m"].why is Why.MUTATION  # forced saves stay
     tags["mm"] = Tag(CheckpointPolicy.MUST_RECOMPUTE, Why.OVERRIDE, "k")
-    follow_leaders(tags, asked, plan.leaders, {"mm"})
+    follow_leaders(tags, asked, tables.leaders, {"mm"})
     assert tags["g"] == tags["mm"]  # the getitem follows its changed leader
 
 
@@ -297,11 +297,11 @@ def _plain_decide(
 
 
 @pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
-def test_deciding_with_a_kept_plan_equals_deciding_from_scratch(
+def test_deciding_with_kept_tables_equals_deciding_from_scratch(
     small_graphs_and_rank: dict[str, JointGraph], model: str
 ) -> None:
-    """decide() keeps each graph's plan and request tables: after random flips, selector
-    and preset changes (more than the plan remembers) its tags equal a plain decision."""
+    """decide() keeps each graph's decide tables and request tables: after random flips, selector
+    and preset changes (more than the tables remember) its tags equal a plain decision."""
     graph = small_graphs_and_rank[model]
     facts = rules_of(graph).facts
     rng = random.Random(3)
@@ -335,16 +335,16 @@ def _plain_offload_refusal(
 
 
 @pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug"])
-def test_offload_refusal_through_the_plan_equals_from_the_facts(
+def test_offload_refusal_through_the_tables_equals_from_the_facts(
     small_graphs_and_rank: dict[str, JointGraph], model: str
 ) -> None:
-    """The plan's kept look-ups give every node the answer the facts give, for graph SAC's
+    """The tables' kept look-ups give every node the answer the facts give, for graph SAC's
     and graph trainer's rules, whether the node is saved, recomputed or offloaded."""
     graph = small_graphs_and_rank[model]
-    facts, plan = rules_of(graph).facts, rules_of(graph).plan
+    facts, tables = rules_of(graph).facts, rules_of(graph).tables
     presets = ["none", "eager", "full", "offload", "titan-default", "titan-sac_and_offload"]
     for preset in presets:
         tags = decide(graph, Policy(preset))
-        answers = [offload_refusal_in(plan, tags, f.name, preset) for f in facts]
+        answers = [offload_refusal_in(tables, tags, f.name, preset) for f in facts]
         assert answers == [_plain_offload_refusal(facts, tags, f.name, preset) for f in facts]
         assert None in answers and any(answers), preset

@@ -108,7 +108,7 @@ def test_the_estimate_written_as_a_snapshot_reads_back_with_zero_differences(
     assert methods["node_metadata"]["allocations"] == len(
         storage_table(estimator, est).entries
     ) - sum(1 for s in storage_table(estimator, est).requested if s == 0)
-    # per step of the schedule, the same live bytes (optimizer state as torch rounds it)
+    # per step of the node order, the same live bytes (optimizer state as torch rounds it)
     state = storage_table(estimator, est).optimizer
     rounding = sum(round_size(b) - b for b in state)
     assert comparison.measured_timeline == [t + rounding for t in est.totals()]

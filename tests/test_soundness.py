@@ -29,9 +29,9 @@ from workbench.cost.measure import bitwise_equal, bitwise_mismatches
 from workbench.decide import engine
 from workbench.decide.decider import decide, forced_by_reason, rules_of
 from workbench.decide.facts import alias_input, fx_rows, op_facts, written_inputs
-from workbench.decide.plan import decide_plan, replayed_by
 from workbench.decide.policy import Policy
 from workbench.decide.presets import PRESETS
+from workbench.decide.tables import decide_tables, replayed_by
 from workbench.decide.tags import Why
 from workbench.interop.eager import apply_eager_sac
 from workbench.interop.export import export, torchtitan_options
@@ -158,8 +158,8 @@ def test_without_the_rule_the_issue_policy_differs(
     """The negative control: the same remat with the rule switched off recomputes add_ and
     the gradients differ (the check can fail)."""
     workload, graph = small_graphs["llama3-debug"]
-    monkeypatch.setattr(engine, "save_written_inputs", lambda tags, plan: None)
-    rules_of(graph).plan.request_memo.clear()
+    monkeypatch.setattr(engine, "save_written_inputs", lambda tags, tables: None)
+    rules_of(graph).tables.request_memo.clear()
     decisions = engine.decide_ops(
         op_facts(fx_rows(graph.gm, lambda n: graph.nodes[n.name].module)),
         engine.Request("titan-default", [s.row() for s in Policy.from_json(ISSUE_22).selectors]),
@@ -207,8 +207,8 @@ def test_each_case_fails_without_the_rule(
     written: Fixture, preset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     workload, graph = written
-    monkeypatch.setattr(engine, "save_written_inputs", lambda tags, plan: None)
-    rules_of(graph).plan.request_memo.clear()
+    monkeypatch.setattr(engine, "save_written_inputs", lambda tags, tables: None)
+    rules_of(graph).tables.request_memo.clear()
     (check,) = check_policies(workload, graph, [Policy(preset)])
     assert not check.bitwise_equal
 
@@ -224,10 +224,10 @@ def test_rule_on_rows() -> None:
          ("a",), "a", ("a",)),
     ]  # fmt: skip
     facts = op_facts(rows)
-    plan = decide_plan(facts)
-    assert plan.writes.root == {"a": "a", "b": "b", "w": "a"}
-    assert plan.writes.writes == {"a": [(2, "w")]} and plan.writes.readers == ("b", "w")
-    assert engine.written_later_keys(plan) == {"layers.0.f::aten.mm.default#0"}
+    tables = decide_tables(facts)
+    assert tables.writes.root == {"a": "a", "b": "b", "w": "a"}
+    assert tables.writes.writes == {"a": [(2, "w")]} and tables.writes.readers == ("b", "w")
+    assert engine.written_later_keys(tables) == {"layers.0.f::aten.mm.default#0"}
     # saves the mm, recomputes b, w forced saved
     tags = engine.decide_ops(facts, engine.Request("default"))
     assert tags["b"].why is Why.WRITTEN_INPUT and tags["b"].forced
@@ -235,7 +235,7 @@ def test_rule_on_rows() -> None:
     # also recomputes w on the saved a
     titan = engine.decide_ops(facts, engine.Request("titan-default"))
     assert titan["w"].why is Why.WRITTEN_INPUT and "second time" in titan["w"].detail
-    assert replayed_by(titan, plan.by_name)("b") is False  # saved now
+    assert replayed_by(titan, tables.by_name)("b") is False  # saved now
 
 
 def test_alias_and_written_inputs_read_the_schema(written: Fixture) -> None:

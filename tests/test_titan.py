@@ -249,7 +249,7 @@ def test_top_k_indices_are_offloaded_as_graph_trainer_tags_them(
     i, parent = index.index_of[name], index.index_of[node.args[0].name]
     assert index.value_slots[i] == index.value_slots[parent] + node.args[1] >= 0  # topk's slot
     estimator = Estimator(graph)
-    ours = estimator.simulate(estimator.schedule_of(passes.workbench))
+    ours = estimator.simulate(estimator.order_of(passes.workbench))
     assert ours.peak_bytes == estimator.estimate(policy).peak_bytes
     assert (
         ours.offloaded_bytes
@@ -463,8 +463,8 @@ def test_the_estimate_reads_graph_trainers_offloaded_graph(
     passes = offload_passes(graph, policy)
     assert offload_mismatches(passes) == []
     estimator = Estimator(graph)
-    ours = estimator.simulate(estimator.schedule_of(passes.workbench))
-    theirs = estimator.simulate(estimator.schedule_of(passes.graph_trainer))
+    ours = estimator.simulate(estimator.order_of(passes.workbench))
+    theirs = estimator.simulate(estimator.order_of(passes.graph_trainer))
     assert ours.peak_bytes == estimator.estimate(policy).peak_bytes == theirs.peak_bytes
     assert ours.host_peak_bytes == theirs.host_peak_bytes > 0
     assert ours.offloaded_bytes == theirs.offloaded_bytes

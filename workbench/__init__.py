@@ -1,6 +1,6 @@
 """SAC Workbench: graph-based selective activation checkpointing, traced, decided, measured.
 
-Flow, one package per stage, each importing only the ones before it: `capture` (workload ->
+Flow, one package per part of it, each importing only the ones before it: `capture` (workload ->
 `trace` -> `JointGraph`) -> `decide` (`Policy` -> tags) -> `rewrite` (torch's remat pass, the
 offload pass) -> `cost` (estimate, measure) -> `search` (solver, Pareto front) -> `interop`
 (exports, torchtitan, eager baselines) -> `show` (pictures, the explorer); `cli`, the command

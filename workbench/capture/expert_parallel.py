@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workbench.capture.degrees import divisors
+from workbench.capture.degrees import EXPERT_MESH_DIMS, divisors
 from workbench.capture.models.deepseek_v3 import GroupedExperts, MoE
 from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
@@ -36,9 +36,6 @@ __all__ = [
     "expert_shard",
     "routing_note",
 ]
-
-# torchtitan's sparse mesh: the fsdp x cp x tp ranks unflattened as (efsdp, ep), ep innermost
-EXPERT_MESH_DIMS = ("efsdp", "ep")
 
 
 def check_expert_parallel(workload: Workload, parallel: Parallel) -> None:
@@ -62,7 +59,7 @@ def check_expert_parallel(workload: Workload, parallel: Parallel) -> None:
             f"{workload.name!r}; choose an ep dividing both {experts} and fsdp x cp x tp = "
             f"{parallel.world_size}: {', '.join(map(str, valid))}"
         )
-    efsdp = parallel.world_size // parallel.ep
+    efsdp = parallel.efsdp
     dim = _efsdp_dim(parallel, experts)
     # w1, w3: (experts, dim, hidden); w2: (experts, hidden, dim)
     sizes = [experts // parallel.ep] if dim == 0 else [config.dim, config.expert_hidden]
@@ -78,16 +75,16 @@ def check_expert_parallel(workload: Workload, parallel: Parallel) -> None:
 def _efsdp_dim(parallel: Parallel, experts: int) -> int:
     """torchtitan's `apply_simple_fsdp`: experts' FSDP splits the local experts (dim 0), or
     dim 1 when there are fewer of them than efsdp ranks."""
-    efsdp = parallel.world_size // parallel.ep
-    return 1 if efsdp * parallel.ep > experts else 0
+    return 1 if parallel.efsdp * parallel.ep > experts else 0
 
 
 def expert_mesh(parallel: Parallel, device_type: str = "cpu") -> DeviceMesh:
     """The ("efsdp", "ep") mesh over the initialised process group: EP borrows consecutive
     ranks of the fsdp x cp x tp ones (tp innermost), efsdp spans the rest, as torchtitan's
     `ParallelDims` unflattens its sparse mesh."""
-    efsdp = parallel.world_size // parallel.ep
-    return init_device_mesh(device_type, (efsdp, parallel.ep), mesh_dim_names=EXPERT_MESH_DIMS)
+    sizes = parallel.mesh_sizes()
+    shape = tuple(sizes[dim] for dim in EXPERT_MESH_DIMS)
+    return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 def expert_shard(param: torch.Tensor, parallel: Parallel, mesh: DeviceMesh) -> tuple[Any, int]:
@@ -96,8 +93,7 @@ def expert_shard(param: torch.Tensor, parallel: Parallel, mesh: DeviceMesh) -> t
     `_efsdp_dim` picks), with that dimension. Sizes are checked by `check_expert_parallel`."""
     local = param.detach().chunk(parallel.ep, dim=0)[mesh.get_local_rank("ep")]
     dim = _efsdp_dim(parallel, param.shape[0])
-    efsdp = parallel.world_size // parallel.ep
-    return local.chunk(efsdp, dim=dim)[mesh.get_local_rank("efsdp")].clone(), dim
+    return local.chunk(parallel.efsdp, dim=dim)[mesh.get_local_rank("efsdp")].clone(), dim
 
 
 def ep_token_splits(sent: int, ep: int, imbalance: float) -> tuple[list[int], list[int]]:

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from workbench.capture.degrees import Degrees
 from workbench.capture.ops import is_random, layer_of, layer_pattern, mutates, op_key, op_name
 
 __all__ = [
@@ -154,6 +155,11 @@ class JointGraph:
     @property
     def world_size(self) -> int:
         return int(self.config.get("world_size", 1))
+
+    @property
+    def degrees(self) -> Degrees:
+        """The job's degrees this graph is one rank of (all 1 on one device)."""
+        return Degrees.from_json(self.config)
 
     def collectives(self) -> list[Collective]:
         """Communication ops in graph order (waits included: they end a collective)."""

@@ -30,9 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from workbench.capture.degrees import Parallel
+from workbench.capture.degrees import EXPERT_MESH_DIMS, MESH_DIMS, Parallel
 from workbench.capture.expert_parallel import (
-    EXPERT_MESH_DIMS,
     apply_expert_parallel,
     check_expert_parallel,
     expert_mesh,
@@ -62,7 +61,7 @@ from workbench.capture.tracing import (
 from workbench.errors import WorkbenchError, describe
 
 __all__ = [
-    "MESH_DIMS",
+    "REFERENCE_MESH_DIMS",
     "Parallel",
     "RankWorkload",
     "TpPlan",
@@ -76,7 +75,8 @@ __all__ = [
     "trace_sharded",
 ]
 
-MESH_DIMS = ("fsdp", "tp")
+# The reference models' mesh: the workbench's less cp, which they refuse (`trace_rank`).
+REFERENCE_MESH_DIMS = tuple(dim for dim in MESH_DIMS if dim != "cp")
 # A TP plan: {module path: ParallelStyle} for `parallelize_module`, or a callable that
 # parallelizes the model on the "tp" mesh itself.
 TpPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], Any]
@@ -123,7 +123,9 @@ def fake_process_group(parallel: Parallel, device_type: str = "cpu") -> Iterator
 
 def device_mesh(parallel: Parallel, device_type: str = "cpu") -> DeviceMesh:
     """The 2-D ("fsdp", "tp") mesh over the initialised process group."""
-    return init_device_mesh(device_type, (parallel.fsdp, parallel.tp), mesh_dim_names=MESH_DIMS)
+    sizes = parallel.mesh_sizes()
+    shape = tuple(sizes[dim] for dim in REFERENCE_MESH_DIMS)
+    return init_device_mesh(device_type, shape, mesh_dim_names=REFERENCE_MESH_DIMS)
 
 
 def reference_tp_plan(model: nn.Module, ep: int = 1) -> dict[str, ParallelStyle] | None:
@@ -332,7 +334,7 @@ def trace_sharded(rank: RankWorkload, mode: Mode, kernels: str) -> JointGraph:
         last_input_kind(workload),
     ]
     graph = trace_step(workload, step, args, kinds, mode, kernels)
-    graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in MESH_DIMS}
+    graph.mesh_dims = {rank.mesh.get_group(dim).group_name: dim for dim in REFERENCE_MESH_DIMS}
     if rank.experts_mesh is not None:
         for dim in EXPERT_MESH_DIMS:  # a dimension spanning the world is WORLD in both
             graph.mesh_dims.setdefault(rank.experts_mesh.get_group(dim).group_name, dim)

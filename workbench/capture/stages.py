@@ -54,9 +54,9 @@ MAX_MICROBATCHES = 4096
 
 @dataclass(frozen=True, kw_only=True)
 class Pipeline:
-    """How a job pipelines its layers: `pp` ranks, torch's schedule by name (`1F1B`,
-    `Interleaved1F1B`, `ZBVZeroBubble`, ...), microbatches per step (None: one per stage,
-    what a schedule needs to fill the pipeline), and optionally torchtitan's
+    """How a job pipelines its layers: `pp` ranks (the job's `Degrees.pp`), torch's schedule
+    by name (`1F1B`, `Interleaved1F1B`, `ZBVZeroBubble`, ...), microbatches per step (None:
+    one per stage, what a schedule needs to fill the pipeline), and optionally torchtitan's
     `pipeline_parallel_layers_per_stage`, which sets the number of stages."""
 
     pp: int
@@ -286,6 +286,11 @@ def trace_stages(
     pipelines of the same job, such as the planner). `kernels`: as `trace` takes them."""
     from workbench.capture.trace import trace
 
+    if parallel is not None and parallel.pp not in (1, pipeline.pp):
+        raise WorkbenchError(
+            f"parallel pp {parallel.pp} is not the pipeline's pp {pipeline.pp}: build both "
+            "from one Degrees (Pipeline(pp=degrees.pp, ...), Parallel.of(degrees))"
+        )
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
     templates = {} if templates is None else templates

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,9 +129,9 @@ def template_key(
 ) -> Hashable:
     """What a template's graph depends on, its layers' ids aside: the model's module types
     and parameter and buffer shapes (layer ids replaced by their place in `ids`), the batch,
-    the loss, a pipeline stage's place (first, last), the mode, the parallel layout and the
-    kernels traced. Not
-    the workload's name, config or notes, nor the stage's number: a stamped graph takes those
+    the loss, a pipeline stage's place (first, last), the mode, the parallel layout (less pp:
+    a stage's graph is the same in any pipeline depth) and the kernels traced. Not the
+    workload's name, config or notes, nor the stage's number: a stamped graph takes those
     from `build(layers)`."""
 
     def local(path: str) -> str:
@@ -149,7 +149,7 @@ def template_key(
         workload.loss_fn,
         (stage.first, stage.last) if stage is not None else None,
         mode,
-        parallel,
+        None if parallel is None else replace(parallel, pp=1),
         kernels,
         tuple((local(path), type(m).__name__) for path, m in model.named_modules()),
         tuple((local(n), tuple(t.shape), t.dtype) for n, t in tensors),

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
+from workbench.capture.degrees import EXPERT_MESH_DIMS, MESH_DIMS
 from workbench.capture.expert_parallel import ep_token_splits, routing_note
 from workbench.capture.graph import InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.capture.kernels import gpu_arch
@@ -247,7 +248,7 @@ def _parallel_dims(parallel: Parallel) -> Any:
     from torchtitan.distributed import ParallelDims
 
     dims = ParallelDims(
-        dp_replicate=1,
+        dp_replicate=parallel.dp,
         dp_shard=parallel.fsdp,
         cp=parallel.cp,
         tp=parallel.tp,
@@ -273,7 +274,7 @@ def _mesh_dims(dims: Any) -> dict[str, str]:
     """Process-group name -> mesh dimension, for the dimensions with more than one rank.
     Dimensions spanning the whole world share its group: `fsdp+ep` names both."""
     named: dict[str, str] = {}
-    for name in ("fsdp", "cp", "tp", "efsdp", "ep"):
+    for name in (*MESH_DIMS, *EXPERT_MESH_DIMS):
         mesh = dims.get_all_one_dimensional_meshes().get(name)
         if mesh is not None and mesh.size() > 1:
             group = mesh.get_group().group_name

@@ -49,7 +49,8 @@ def trace(
     `fake` keeps none (a model built on the meta device is traced as if on the CPU).
     With `parallel`, the graph is one rank's step of the sharded model
     (`workbench.capture.parallel.trace_rank`; for torchtitan models graph trainer's own
-    `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`). A reference model
+    `parallelize`, `workbench.capture.titan_rank.trace_titan_rank`); with its pp above one,
+    of one pipeline stage (`workbench.capture.stages.trace_stages`). A reference model
     (Llama3, DeepSeek-V3) in fake mode with more than three layers traces three and stamps
     the others, node for node the full trace (`workbench.capture.stamp.trace_layers`;
     `config["stamped"]` counts them); `stamp=False` traces every layer. `templates` (a dict
@@ -66,6 +67,12 @@ def trace(
         )
     if mode not in ("real", "fake"):
         raise WorkbenchError(f"unknown trace mode {mode!r}; choose 'real' or 'fake'")
+    if parallel is not None and getattr(parallel, "pp", 1) > 1 and workload.stage is None:
+        raise WorkbenchError(
+            f"trace: parallel pp {parallel.pp} splits the model into pipeline stages; trace "
+            f"them with workbench.capture.stages.trace_stages(workload, mode, parallel, "
+            f"Pipeline(pp={parallel.pp}))"
+        )
     kernels = resolve_kernels(kernels, mode, workload_device(workload))
     layers = _reference_layers(workload)
     if stamp and mode == "fake" and len(layers) > TEMPLATE_LAYERS:

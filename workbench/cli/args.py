@@ -2,9 +2,10 @@
 command's slow part (tracing, spawning ranks), so that a bad flag fails in a second with one
 line naming it.
 
-Entry points: `workload_from_args`, `parallel_from_args`, `kernels_from_args`,
+Entry points: `workload_from_args`, `degrees_from_args` (the degree flags, read once),
+`parallel_from_args`, `kernels_from_args`,
 `trace_from_args` (every trace a command makes goes through `trace_workload`),
-`prepared_from_args`, `pipeline_json`, `profiles_from_args`, `cost_options_from_args`,
+`prepared_from_args`, `passes_json`, `profiles_from_args`, `cost_options_from_args`,
 `solve_options_from_args`, `budget_from_args`; the checks `check_common_args`, `flag`,
 `check_positive`, `check_passes`, `check_budget`, `check_host_budget`,
 `refuse_graph_flags_without_model`; the bounds `MAX_*` and `FSDP_CHOICES`.
@@ -17,6 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from workbench.capture.degrees import DEGREES, Degrees
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, is_user_factory, load_workload
 from workbench.capture.parallel import Parallel
@@ -43,10 +45,12 @@ __all__ = [
     "check_passes",
     "check_positive",
     "cost_options_from_args",
+    "degree_flags",
+    "degrees_from_args",
     "flag",
     "kernels_from_args",
     "parallel_from_args",
-    "pipeline_json",
+    "passes_json",
     "prepared_from_args",
     "profiles_from_args",
     "refuse_graph_flags_without_model",
@@ -104,23 +108,29 @@ def kernels_from_args(args: argparse.Namespace, mode: str) -> str | None:
     return None
 
 
+def degree_flags(args: argparse.Namespace) -> dict[str, int]:
+    """The degree flags a command has (`--fsdp`, `--tp`, `--pp`, ...: each `Degrees` field
+    that is a flag of its), as given."""
+    return {name: getattr(args, name) for name in DEGREES if hasattr(args, name)}
+
+
+def degrees_from_args(args: argparse.Namespace) -> Degrees:
+    """The degree flags read once into the job's `Degrees` (1 for those a command lacks)."""
+    return Degrees(**degree_flags(args))
+
+
 def parallel_from_args(args: argparse.Namespace) -> Parallel | None:
-    """None unless --fsdp, --tp, --ep or --cp asks for more than one rank."""
-    degrees: dict[str, int] = {k: getattr(args, k, 1) for k in ("fsdp", "tp", "ep", "cp")}
-    if set(degrees.values()) == {1}:
+    """The `Degrees` with --ep-imbalance; None unless a degree that shards a rank's graph
+    (every one but --pp) asks for more than one rank."""
+    degrees = degrees_from_args(args)
+    if not degrees.sharded:
         return None
-    return Parallel(
-        fsdp=degrees["fsdp"],
-        tp=degrees["tp"],
-        ep=degrees["ep"],
-        cp=degrees["cp"],
-        ep_imbalance=getattr(args, "ep_imbalance", 1.0),
-    )
+    return Parallel.of(degrees, ep_imbalance=getattr(args, "ep_imbalance", 1.0))
 
 
 def check_common_args(args: argparse.Namespace) -> None:
     """Before any command starts its work: the parallel degrees (`Parallel`'s checks)."""
-    if hasattr(args, "fsdp"):
+    if degree_flags(args):
         parallel_from_args(args)
 
 
@@ -142,7 +152,7 @@ def trace_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
 
 
 def prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
-    """The traced graph as the chosen pipeline analyses it (`rewrite.graph_trainer.prepare`)."""
+    """The traced graph as the chosen pass stack analyses it (`rewrite.graph_trainer.prepare`)."""
     from workbench.rewrite.graph_trainer import prepare
 
     check_passes(args)
@@ -150,23 +160,23 @@ def prepared_from_args(args: argparse.Namespace) -> tuple[JointGraph, float]:
     return prepare(graph, args.passes, args.ep_overlap), seconds
 
 
-def pipeline_json(
+def passes_json(
     args: argparse.Namespace,
     graph: JointGraph,
     policy: Policy,
     estimator: Estimator | None = None,
 ) -> dict[str, Any]:
-    """What the chosen pipeline did for `policy`: for graph-trainer each of its passes, run,
+    """What the chosen pass stack did for `policy`: for graph-trainer each of its passes, run,
     replaced or skipped (and why), and with the `estimator` that estimated it how its
-    what-if made the schedule (`PipelineEstimator.whatif_note`); `graph` is the prepared
+    what-if made the node order (`PassStackEstimator.whatif_note`); `graph` is the prepared
     graph (`prepare`)."""
     if args.passes == "workbench":
-        return {"passes": {"pipeline": "workbench"}}
-    from workbench.cost.pipelines import PipelineEstimator
-    from workbench.rewrite.graph_trainer import run_pipeline
+        return {"passes": {"pipeline": "workbench"}}  # the key --json has always had
+    from workbench.cost.pass_stacks import PassStackEstimator
+    from workbench.rewrite.graph_trainer import run_passes
 
-    report = run_pipeline(graph, policy, ep_overlap=args.ep_overlap).to_json()
-    if isinstance(estimator, PipelineEstimator):
+    report = run_passes(graph, policy, ep_overlap=args.ep_overlap).to_json()
+    if isinstance(estimator, PassStackEstimator):
         report["whatif"] = estimator.whatif_note()
     return {"passes": report}
 
@@ -263,11 +273,11 @@ def check_positive(flag: str, value: int, high: int = MAX_RUNS, why: str = "") -
 
 
 def check_passes(args: argparse.Namespace) -> None:
-    """Before tracing: `--passes` names a pipeline (and graph trainer's is importable)."""
-    from workbench.rewrite.graph_trainer import check_pipeline
+    """Before tracing: `--passes` names a pass stack (and graph trainer's is importable)."""
+    from workbench.rewrite.graph_trainer import check_pass_stack
 
     with flag("--passes"):
-        check_pipeline(args.passes)
+        check_pass_stack(args.passes)
     if getattr(args, "ep_overlap", False) and args.passes != "graph-trainer":
         raise WorkbenchError(
             f"--ep-overlap runs graph trainer's EP-overlap passes, which --passes "
@@ -293,7 +303,7 @@ def refuse_graph_flags_without_model(args: argparse.Namespace) -> None:
     if args.model is not None:
         return
     given = [f"--{n}" for n in ("layers", "seq", "batch") if getattr(args, n) is not None]
-    given += [f"--{n}" for n in ("fsdp", "tp", "ep", "cp") if getattr(args, n, 1) != 1]
+    given += [f"--{n}" for n, v in degree_flags(args).items() if v != 1]
     given += ["--mode"] if args.mode != "real" else []
     given += ["--dtype"] if args.dtype != "float32" else []
     if given:

@@ -23,7 +23,7 @@ from workbench.cost.attribution import compare_snapshot
 from workbench.cost.calibrate import measured_basis
 from workbench.cost.estimate import Estimate, Estimator, estimate_remat
 from workbench.cost.measure import Recording, device_of
-from workbench.cost.pipelines import PipelineEstimator, estimator_for
+from workbench.cost.pass_stacks import PassStackEstimator, estimator_for
 from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
 from workbench.cost.snapshot import parse_snapshot, write_snapshot
 from workbench.decide.decider import Decisions, decide, flip
@@ -80,13 +80,13 @@ def bench_whatif(
     seed: int,
     passes: str = "workbench",
 ) -> dict[str, Any]:
-    """Random flips (save -> recompute -> offload where allowed) under a pass pipeline
-    (`cost.pipelines.estimator_for`): the what-if's time per flip (flip, decide, the replay
-    of the pipeline's passes, simulate) against the full path, and whether both gave equal
+    """Random flips (save -> recompute -> offload where allowed) under a pass stack
+    (`cost.pass_stacks.estimator_for`): the what-if's time per flip (flip, decide, the replay
+    of the pass stack's passes, simulate) against the full path, and whether both gave equal
     figures. The full path: `workbench`, tag, torch's remat pass, simulate; `graph-trainer`,
     graph trainer's own passes run and their graph simulated (the what-if before it replayed
     them). Also the median time of each what-if stage, to say where the time goes, the flips
-    whose schedule ran the passes in place of the replay and the load average."""
+    whose node order ran the passes in place of the replay and the load average."""
     estimator = estimator_for(graph, passes)
     graph = estimator.graph  # graph-trainer: its cleaned graph
     decisions = decide(graph, policy)
@@ -108,15 +108,15 @@ def bench_whatif(
             continue
         decisions = decide(graph, policy)
         replayed = time.perf_counter()
-        schedule = estimator.schedule_for(decisions, policy.offload)
+        order = estimator.order_for(decisions, policy.offload)
         simulated = time.perf_counter()
-        fast = estimator.simulate(schedule)
+        fast = estimator.simulate(order)
         end = time.perf_counter()
         whatif.append(end - start)
         stages["decide"].append(replayed - start)
         stages["replay"].append(simulated - replayed)
         stages["simulate"].append(end - simulated)
-        fallbacks += isinstance(estimator, PipelineEstimator) and estimator.fallback is not None
+        fallbacks += isinstance(estimator, PassStackEstimator) and estimator.fallback is not None
         if k < full_path:
             start = time.perf_counter()
             slow = _full_path(estimator, decisions, policy)
@@ -141,10 +141,10 @@ def bench_whatif(
 
 
 def _full_path(estimator: Estimator, decisions: Decisions, policy: Policy) -> Estimate:
-    """The figures of the graph the pipeline's own passes make: torch's remat pass and the
-    workbench's offload pass, or graph trainer's passes (`PipelineEstimator`)."""
-    if isinstance(estimator, PipelineEstimator):
-        return estimator.simulate(estimator.pipeline_schedule(decisions, policy.offload))
+    """The figures of the graph the pass stack's own passes make: torch's remat pass and the
+    workbench's offload pass, or graph trainer's passes (`PassStackEstimator`)."""
+    if isinstance(estimator, PassStackEstimator):
+        return estimator.simulate(estimator.passes_order(decisions, policy.offload))
     graph = estimator.graph
     return estimate_remat(graph, remat(graph, decisions, policy.offload), estimator)
 

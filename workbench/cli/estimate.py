@@ -17,9 +17,10 @@ from workbench.cli.args import (
     MAX_RUNS,
     check_positive,
     cost_options_from_args,
+    degrees_from_args,
     kernels_from_args,
     parallel_from_args,
-    pipeline_json,
+    passes_json,
     prepared_from_args,
     profiles_from_args,
     trace_from_args,
@@ -52,7 +53,7 @@ def cmd_estimate(args: argparse.Namespace) -> Report:
     --snapshot, the estimate as a memory snapshot memory_viz opens."""
     from workbench.cost.calibrate import time_basis
     from workbench.cost.estimated_snapshot import write_estimated_snapshot
-    from workbench.cost.pipelines import estimator_for
+    from workbench.cost.pass_stacks import estimator_for
 
     policy = parse_policy(args.policy)
     profiles = profiles_from_args(args)
@@ -73,7 +74,7 @@ def cmd_estimate(args: argparse.Namespace) -> Report:
             "model": graph.model_name,
             "mode": graph.mode,
             "policy": policy.to_json(),
-            **pipeline_json(args, graph, policy, estimator),
+            **passes_json(args, graph, policy, estimator),
             "trace_seconds": round(seconds, 3),
             **est.to_json(timeline=args.timeline),
             "time_basis": time_basis(estimator.profiles, estimator.calibration),
@@ -88,7 +89,7 @@ def check_baseline_args(args: argparse.Namespace) -> None:
     """What `--baselines` cannot run, refused in one line before anything is traced: the eager
     step of a pipelined job, of EP or CP, of a torchtitan model's graph-trainer rank, and a
     sharded job for real."""
-    if getattr(args, "pp", 1) > 1:
+    if degrees_from_args(args).pp > 1:
         raise WorkbenchError(
             "--baselines with --pp: eager baselines run a whole model's step, not a pipeline "
             "stage's; drop --pp (or --baselines)"

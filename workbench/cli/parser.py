@@ -144,7 +144,7 @@ def add_passes_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--passes",
         default="workbench",
-        help="pass pipeline the graph goes through: workbench (torch's remat pass, the "
+        help="pass stack the graph goes through: workbench (torch's remat pass, the "
         "workbench's offload pass; default) or graph-trainer (torchtitan graph trainer's "
         "compile-time passes in its order: cleanup, tagging, its offload and remat passes)",
     )
@@ -406,14 +406,14 @@ def _add_bench(commands: Commands) -> None:
         "--full-path",
         type=int,
         default=3,
-        help="flips also run through the pipeline's own passes (torch's remat pass, or graph "
+        help="flips also run through the pass stack's own passes (torch's remat pass, or graph "
         "trainer's with --passes graph-trainer)",
     )
     bench_whatif.add_argument("--seed", type=int, default=0)
     bench_whatif.add_argument(
         "--passes",
         default="workbench",
-        help="pass pipeline whose what-if is timed: workbench (default) or graph-trainer "
+        help="pass stack whose what-if is timed: workbench (default) or graph-trainer "
         "(graph trainer's passes replayed on indices; the full path runs them)",
     )
     bench_whatif.set_defaults(run=cmd_bench_whatif, mode="fake")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from workbench.cli.args import check_passes, pipeline_json, prepared_from_args, trace_from_args
+from workbench.cli.args import check_passes, passes_json, prepared_from_args, trace_from_args
 from workbench.cli.report import Report
 from workbench.decide.policy import parse_policy
 from workbench.files import check_writable
@@ -33,7 +33,7 @@ def cmd_render(args: argparse.Namespace) -> Report:
     path = view.write(args.out, overwrite=args.overwrite)
     return Report(
         {
-            **pipeline_json(args, graph, policy),
+            **passes_json(args, graph, policy),
             "path": str(path),
             "view": args.view,
             "nodes": view.nodes,
@@ -64,7 +64,7 @@ def cmd_activations(args: argparse.Namespace) -> Activations:
         {
             "model": graph.model_name,
             "policy": policy.to_json(),
-            **pipeline_json(args, graph, policy),
+            **passes_json(args, graph, policy),
             "total": totals(rows),
             "rows": [row.to_json() for row in rows],
             "table": activation_log(rows),

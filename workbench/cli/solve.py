@@ -18,7 +18,7 @@ from workbench.cli.args import (
     budget_from_args,
     check_budget,
     cost_options_from_args,
-    pipeline_json,
+    passes_json,
     prepared_from_args,
     solve_options_from_args,
     trace_from_args,
@@ -32,7 +32,7 @@ __all__ = ["Floor", "cmd_floor", "cmd_pareto", "cmd_solve"]
 def cmd_solve(args: argparse.Namespace) -> Report:
     """The cheapest policy (recompute time or FLOPs) whose estimated peak fits a budget."""
     from workbench.cost.calibrate import time_basis
-    from workbench.cost.pipelines import estimator_for
+    from workbench.cost.pass_stacks import estimator_for
     from workbench.search.solve import solve
 
     options = solve_options_from_args(args)
@@ -48,7 +48,7 @@ def cmd_solve(args: argparse.Namespace) -> Report:
             "trace_seconds": round(trace_seconds, 3),
             **solution.to_json(),
             "time_basis": time_basis(estimator.profiles, estimator.calibration),
-            **pipeline_json(args, graph, solution.policy),
+            **passes_json(args, graph, solution.policy),
         }
     )
 

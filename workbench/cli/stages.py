@@ -18,6 +18,7 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
 from workbench.cli.args import (
     check_positive,
+    degrees_from_args,
     kernels_from_args,
     parallel_from_args,
     solve_options_from_args,
@@ -43,7 +44,7 @@ POLICY_FILE_LIMIT = 16 * 2**20
 
 def pipelined(cmd: Command, cmd_stages: Command) -> Command:
     def run(args: argparse.Namespace) -> Result:
-        return cmd(args) if args.pp == 1 else cmd_stages(args)
+        return cmd(args) if degrees_from_args(args).pp == 1 else cmd_stages(args)
 
     run.__doc__ = cmd.__doc__
     return run
@@ -51,7 +52,7 @@ def pipelined(cmd: Command, cmd_stages: Command) -> Command:
 
 def _pipeline(args: argparse.Namespace) -> Pipeline:
     return Pipeline(
-        pp=args.pp,
+        pp=degrees_from_args(args).pp,
         schedule=args.pp_schedule,
         microbatches=args.microbatches,
         layers_per_stage=args.layers_per_stage,

@@ -259,7 +259,7 @@ class CachingAllocator:
 
 @dataclass
 class AllocatorReplay:
-    """One step's allocator figures: reserved bytes after each step of the schedule and
+    """One step's allocator figures: reserved bytes after each step of the node order and
     their peak, the allocated bytes torch counts (sizes rounded by `round_size`) and their
     peak (`max_memory_allocated`), and the segments made."""
 

@@ -5,7 +5,7 @@ live at the measured peak by kind, and the nodes whose bytes differ most.
 Entry points: `attribute(snapshot, estimator, est, gm)` (each allocation with its node, kind
 and how it was found) and `compare_snapshot(...)` (a `SnapshotComparison`, whose `to_json`
 the `compare-snapshot` command prints). `est` is the estimate of the graph that ran, at
-torch's 512-byte rounding (`Estimator.simulate(schedule, CUDA_ALLOC_GRANULARITY)`); `gm` is
+torch's 512-byte rounding (`Estimator.simulate(order, CUDA_ALLOC_GRANULARITY)`); `gm` is
 that graph, whose generated code the snapshot's frames point into.
 
 An allocation is attributed by, in order: the node its frames name (`fx_node_name`, which
@@ -65,7 +65,7 @@ _EVENT_KINDS: dict[str, str] = {
 class Allocation:
     """One block a snapshot shows allocated: bytes requested and as torch rounds them, the
     trace events of its allocation and free (-1: before the trace; the trace's length:
-    never freed), and what it was attributed to (`entry` of the estimate's schedule,
+    never freed), and what it was attributed to (`entry` of the estimate's node order,
     `storage` its index in the `StorageTable`, -1 for none)."""
 
     addr: int
@@ -182,7 +182,7 @@ class _Attributor:
             nodes = list(gm.graph.nodes)
             if len(nodes) != len(est.order):
                 raise WorkbenchError(
-                    f"the graph module has {len(nodes)} nodes and the estimate's schedule "
+                    f"the graph module has {len(nodes)} nodes and the estimate's node order "
                     f"{len(est.order)}: give the estimate of the graph that ran "
                     "(estimate_remat(graph, gm, ...))"
                 )
@@ -318,7 +318,7 @@ def _attribute(
 @dataclass
 class SnapshotComparison:
     """Measured (the snapshot) beside estimated, in bytes as torch's allocator rounds them;
-    `measured_timeline` is the measured live bytes per step of the estimate's schedule (each
+    `measured_timeline` is the measured live bytes per step of the estimate's node order (each
     event placed at the step of the storage it stands for)."""
 
     source: str
@@ -365,7 +365,7 @@ def compare_snapshot(
     if storages is None or any(int(s) % CUDA_ALLOC_GRANULARITY for s in storages.sizes.tolist()):
         raise WorkbenchError(
             "compare a snapshot with an estimate at torch's 512-byte rounding: "
-            "Estimator.simulate(schedule, CUDA_ALLOC_GRANULARITY) or estimate_remat(..., 512)"
+            "Estimator.simulate(order, CUDA_ALLOC_GRANULARITY) or estimate_remat(..., 512)"
         )
     device = snapshot.device(device)
     table = storage_table(estimator, est)
@@ -440,7 +440,7 @@ def _by_kind(rows: Any) -> dict[str, int]:
 
 
 def _node_differences(allocations: list[Allocation], table: StorageTable) -> list[dict[str, Any]]:
-    """Per node (schedule entry) of either side: measured bytes allocated (rounded) against
+    """Per node (node-order entry) of either side: measured bytes allocated (rounded) against
     the estimate's storages, largest difference first; nodes that agree are left out."""
     measured: dict[str, int] = defaultdict(int)
     for a in allocations:
@@ -465,7 +465,7 @@ def _node_differences(allocations: list[Allocation], table: StorageTable) -> lis
 def _timeline(
     allocations: list[Allocation], events: list[Any], table: StorageTable, before: int
 ) -> list[int]:
-    """Measured live bytes at each step of the schedule: an allocation's event is placed at
+    """Measured live bytes at each step of the node order: an allocation's event is placed at
     its storage's birth step and its free at the storage's free step; a step reads the most
     live while it is the latest placed (a step without events carries the last value)."""
     steps = table.steps

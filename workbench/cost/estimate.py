@@ -20,14 +20,14 @@ from workbench.cost.allocator import AllocatorConfig, AllocatorReplay, replay_al
 from workbench.cost.calibrate import Calibration
 from workbench.cost.overlap import OverlapOptions, Streams, StreamTimes
 from workbench.cost.profiles import DeviceProfile, get_profile
-from workbench.cost.replay import offload_schedule, recompute_flags, replay
+from workbench.cost.replay import offload_order, recompute_flags, replay
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, check_int
+from workbench.rewrite.entries import OFFLOAD_STEPS, Flat, NodeOrder
 from workbench.rewrite.index import Storages, graph_index
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX, RematResult
-from workbench.rewrite.schedule import OFFLOAD_STEPS, Flat, Schedule
 
 # `gathered`: parameter copies made for compute on a per-rank graph (storages of FSDP
 # unshard chains: the low-precision cast and the all-gathered weight); `optimizer`: state
@@ -211,7 +211,7 @@ class _AllocatorInput(NamedTuple):
 
 
 class _Walk(NamedTuple):
-    """One liveness walk over a schedule (`Estimator.simulate`): per step the live bytes by
+    """One liveness walk over a node order (`Estimator.simulate`): per step the live bytes by
     category; per storage its size, owning entry, category, birth and death steps; the host
     bytes per step and the offloaded storages' bytes by node."""
 
@@ -235,7 +235,7 @@ class Estimator:
     """The what-if: figures for a policy without building a graph.
 
     `estimate(policy)` tags by the rules, replays torch's remat pass on the graph's index
-    form (`workbench.cost.replay`), then walks the schedule as FX's generated code runs it.
+    form (`workbench.cost.replay`), then walks the node order as FX's generated code runs it.
     `index` is the graph's `GraphIndex`, read by the solver, pictures and the explorer.
     """
 
@@ -275,7 +275,7 @@ class Estimator:
             self.seconds[name] = [measured.get(n, s) if s > 0 else s for n, s in roofline.items()]
             coverage = calibration.coverage(roofline, measured)
             self.calibration = {"profile": name, "source": calibration.source, **coverage}
-        # compute-stream seconds of every schedule entry (`index.Schedule`): the offload
+        # compute-stream seconds of every node-order entry (`entries.NodeOrder`): the offload
         # steps take none there, their copies run on the transfer stream
         space = self.index.space
         every = np.arange(space.size)
@@ -330,8 +330,8 @@ class Estimator:
         dimension of more than one rank (none on one device)."""
         if self.graph.world_size <= 1:
             return 0
-        dims = [d for d in ("fsdp", "cp", "tp", "ep") if int(self.graph.config.get(d, 1)) > 1]
-        return 1 + len(dims)
+        sizes = self.graph.degrees.mesh_sizes()  # the experts' FSDP is not counted apart
+        return 1 + sum(size > 1 for dim, size in sizes.items() if dim != "efsdp")
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops reading `name`'s output, directly or through views of its storage."""
@@ -363,26 +363,26 @@ class Estimator:
             )
         decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
         options = policy.offload if isinstance(policy, Policy) else OffloadOptions()
-        return self.simulate(self.schedule_for(decisions, options), granularity)
+        return self.simulate(self.order_for(decisions, options), granularity)
 
-    def schedule_for(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
-        """The schedule torch's remat pass and then the offload pass (with `options`) would
+    def order_for(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
+        """The node order torch's remat pass and then the offload pass (with `options`) would
         make of the graph tagged with `decisions`."""
         flat = replay(self.index, recompute_flags(self.index, decisions))
         offloaded = [name for name, tag in decisions.items() if tag.offload]
         if not offloaded:
             return flat
-        return offload_schedule(self.index, flat, offloaded, options or OffloadOptions())[0]
+        return offload_order(self.index, flat, offloaded, options or OffloadOptions())[0]
 
-    def schedule_of(self, gm: fx.GraphModule) -> Schedule:
-        return self.index.schedule_of(gm)
+    def order_of(self, gm: fx.GraphModule) -> NodeOrder:
+        return self.index.order_of(gm)
 
-    def simulate(self, schedule: Schedule | Flat, granularity: int = 1) -> Estimate:
+    def simulate(self, order: NodeOrder | Flat, granularity: int = 1) -> Estimate:
         """Walk the graph as its generated code runs: allocate each node's fresh outputs,
         free a storage once no live value refers to it (values die after their last use,
         or right after they run when nothing uses them); graph inputs and outputs stay."""
         index = self.index
-        flat = index.flat(schedule)
+        flat = index.flat(order)
         table = index.storages(flat)
         sizes = table.sizes if granularity == 1 else -(-table.sizes // granularity) * granularity
 
@@ -608,4 +608,4 @@ def estimate_remat(
     """Figures for the graph torch's remat pass actually produced (the full path)."""
     estimator = estimator or Estimator(graph)
     gm = result.gm if isinstance(result, RematResult) else result
-    return estimator.simulate(estimator.schedule_of(gm), granularity)
+    return estimator.simulate(estimator.order_of(gm), granularity)

@@ -3,7 +3,7 @@ caching allocator model, in the format pytorch.org/memory_viz and `torch.cuda._m
 read, so that the estimate shows in the viewer users already know.
 
 Entry points: `storage_table(estimator, est)` (the estimate's device storages, each with the
-schedule entry that allocates it, its kind and sizes: what a snapshot is compared with) and
+node-order entry that allocates it, its kind and sizes: what a snapshot is compared with) and
 `estimated_snapshot(estimator, est)` (the snapshot dict) and `write_estimated_snapshot`.
 """
 
@@ -60,7 +60,7 @@ _SOURCE = re.compile(r"^(?P<file>.+?):(?P<line>\d+) in (?P<name>[^:]+)")
 
 @dataclass
 class StorageTable:
-    """The estimate's device storages in its storage order: the schedule entry allocating
+    """The estimate's device storages in its storage order: the node-order entry allocating
     each (`Estimate.order`'s names: a recomputed copy or a reload keeps its own), the bytes
     requested and as torch rounds them (`allocator.round_size`), birth and free steps, kind;
     `optimizer` the optimizer's state tensors, allocated before the step and held."""
@@ -113,7 +113,7 @@ def storage_table(estimator: Estimator, est: Estimate) -> StorageTable:
 
 
 def _frames(estimator: Estimator, entry: str, position: int, title: str) -> list[dict[str, Any]]:
-    """Innermost first, as torch lists them: the node (its schedule position as the line,
+    """Innermost first, as torch lists them: the node (its node-order position as the line,
     `fx_node_name` as `_snapshot(augment_with_fx_traces=True)` adds it), the model's source
     line it came from, and the estimate."""
     info = estimator.graph.nodes.get(estimator.traced_node(entry))
@@ -139,11 +139,11 @@ def _frames(estimator: Estimator, entry: str, position: int, title: str) -> list
 
 def estimated_snapshot(estimator: Estimator, est: Estimate, title: str = "") -> dict[str, Any]:
     """`est` as a memory snapshot: the optimizer's state allocated first, then at each step
-    of the schedule its storages allocated and the dead ones freed (`allocation_steps`, the
+    of the node order its storages allocated and the dead ones freed (`allocation_steps`, the
     order `replay_allocator` runs), each through the caching allocator model, which places
     blocks and makes segments (`segment_alloc`, or `segment_map` with expandable segments).
     Events carry frames naming the node, its module and source line, a `category` (the
-    viewer colours by it) and `time_us` = the schedule step (not a time); the segments hold
+    viewer colours by it) and `time_us` = the node-order step (not a time); the segments hold
     the blocks live at the end, as torch's `_snapshot()` would."""
     walk = est.allocator_input
     table = storage_table(estimator, est)
@@ -217,7 +217,7 @@ def estimated_snapshot(estimator: Estimator, est: Estimate, title: str = "") -> 
             "steps": walk.steps,
             "peak_bytes": est.peak_bytes,
             "reserved_peak_bytes": est.reserved_peak_bytes,
-            "time_us": "the schedule step of each event, not a time",
+            "time_us": "the node-order step of each event, not a time",
         },
     }
 

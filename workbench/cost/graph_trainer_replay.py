@@ -1,12 +1,12 @@
-"""Graph trainer's offload and remat passes replayed on node indices: the schedule they make
+"""Graph trainer's offload and remat passes replayed on node indices: the node order they make
 of a cleaned graph for one policy, with no graph built (the `--passes graph-trainer` what-if).
 
 Entry point: `replay_graph_trainer(index, decisions, options) -> Flat` on the index of a graph
 after graph trainer's cleanup (`rewrite.graph_trainer.cleanup`). It equals, entry for entry
-and input for input, `index.flat(index.schedule_of(run_pipeline(graph, decisions).gm))`:
+and input for input, `index.flat(index.order_of(run_passes(graph, decisions).gm))`:
 the graph its `apply_cpu_offload_pass` (deferred frees and prefetched reloads included) and
 then its `selective_activation_remat_pass` make. `Unreplayable` is raised where the replay
-cannot say what they do; the caller then runs the passes (`cost.pipelines.PipelineEstimator`).
+cannot say what they do; the caller then runs the passes (`cost.pass_stacks.PassStackEstimator`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from workbench.capture.graph import JointGraph
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.tags import RECOMPUTE, Tag
 from workbench.errors import WorkbenchError
+from workbench.rewrite.entries import EntrySpace, Flat
 from workbench.rewrite.index import GraphIndex
-from workbench.rewrite.schedule import EntrySpace, Flat
 
 __all__ = ["Unreplayable", "replay_graph_trainer"]
 
 _GT = "torchtitan.experiments.graph_trainer"
-_COPY, _FREE, _RELOAD, _WAIT = range(4)  # the offload steps (`schedule.OFFLOAD_STEPS`)
+_COPY, _FREE, _RELOAD, _WAIT = range(4)  # the offload steps (`entries.OFFLOAD_STEPS`)
 
 
 def _kind(tag: Tag) -> int:
@@ -210,7 +210,7 @@ def _offload_facts(facts: _Facts, i: int) -> _Offload | None:
 
 
 class _Steps(NamedTuple):
-    """A schedule while it is built: its entries in order, and every input as (reader entry,
+    """A node order while it is built: its entries in order, and every input as (reader entry,
     entry read), each reader's inputs together and in order."""
 
     entries: np.ndarray
@@ -228,15 +228,15 @@ class _Steps(NamedTuple):
 def replay_graph_trainer(
     index: GraphIndex, decisions: Mapping[str, Tag], options: OffloadOptions | None = None
 ) -> Flat:
-    """The schedule graph trainer's `apply_cpu_offload_pass` (with `options`' prefetch and
-    defer, a defer of 0 run as 1, as `run_pipeline` runs it) and then its
+    """The node order graph trainer's `apply_cpu_offload_pass` (with `options`' prefetch and
+    defer, a defer of 0 run as 1, as `run_passes` runs it) and then its
     `selective_activation_remat_pass` make of `index`'s graph tagged with `decisions` (its
-    call nodes, as `run_pipeline` tags them: recompute for PREFER/MUST_RECOMPUTE, offload for
+    call nodes, as `run_passes` tags them: recompute for PREFER/MUST_RECOMPUTE, offload for
     MUST_CPU_OFFLOAD). Array operations but for loops over the offloaded values and the
     recomputed nodes' tags, so a flip re-estimates in milliseconds.
 
-    On entry: the index of a graph after graph trainer's cleanup. Returns the schedule
-    `index.schedule_of` reads of the graph its passes make. Raises `Unreplayable` where it
+    On entry: the index of a graph after graph trainer's cleanup. Returns the node order
+    `index.order_of` reads of the graph its passes make. Raises `Unreplayable` where it
     cannot say."""
     facts = _facts(index)
     options = options or OffloadOptions()
@@ -420,12 +420,12 @@ def _offload_inputs(facts: _Facts, infos: dict[int, _Offload]) -> tuple[np.ndarr
 def _remat_pass(
     facts: _Facts, steps: _Steps, recompute: np.ndarray, infos: dict[int, _Offload]
 ) -> _Steps:
-    """`selective_activation_remat_pass` on the offloaded schedule: in the one backward region
+    """`selective_activation_remat_pass` on the offloaded node order: in the one backward region
     after the last `lm_head` / `loss` node whose nodes read recompute-tagged ones, each
     tagged node they need (directly or through other tagged nodes) is copied right before
     the first of them, in forward order; reload chains a copy reads move in front of it;
     every backward reader of a copied original reads its copy (a recomputed flex attention's
-    subgraphs are read as the one subgraph: `GraphIndex.schedule_of`); originals nothing
+    subgraphs are read as the one subgraph: `GraphIndex.order_of`); originals nothing
     else reads go; getitems are raised to their producers."""
     if (recompute & facts.rng).any():
         raise Unreplayable("a random op is tagged for recompute: graph trainer's remat refuses")
@@ -466,7 +466,7 @@ def _first_readers(
     backward: np.ndarray,
     recompute: np.ndarray,
 ) -> np.ndarray | None:
-    """Per node, the position its copy goes before (the schedule's length where none):
+    """Per node, the position its copy goes before (the node order's length where none):
     `_collect_backward_regions` and the earliest backward reader in the region that needs
     recompute, through tagged inputs. None where nothing is recomputed."""
     n, length = facts.n, len(steps.entries)
@@ -508,7 +508,7 @@ def _keys(
     copied: np.ndarray,
     infos: dict[int, _Offload],
 ) -> np.ndarray:
-    """Sort keys of the schedule's entries, then of the copies: a copy goes right before its
+    """Sort keys of the node order's entries, then of the copies: a copy goes right before its
     first reader, in forward order, after the reload chains moved in front of it for the
     offloaded values it reads (`ensure_offload_chain_before`)."""
     room = facts.room
@@ -539,7 +539,7 @@ def _chain(
     space: EntrySpace, value: int, target: int, position: np.ndarray, moved: dict[int, int]
 ) -> list[int]:
     """`ensure_offload_chain_before`: the wait for `value`'s reload, and the reload if the
-    wait moves, where they sit (or were moved) after position `target`, in schedule order."""
+    wait moves, where they sit (or were moved) after position `target`, in node order."""
     wait, reload = space.offload(value, _WAIT), space.offload(value, _RELOAD)
     if moved.get(wait, int(position[wait])) <= target:
         return []
@@ -556,7 +556,7 @@ def _remat_inputs(
     copied: np.ndarray,
     infos: dict[int, _Offload],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The copies' readers, and every input after the remat pass: the schedule's (a backward
+    """The copies' readers, and every input after the remat pass: the node order's (a backward
     reader of a copied original reads the copy), then the copies' (a copied input's copy,
     an offloaded value's reload wait, else the original)."""
     n, space = facts.n, facts.space

@@ -128,7 +128,7 @@ def collective_time(
 
 @dataclass
 class StreamTimes:
-    """One schedule on one profile: compute seconds (its entries back to back), the busy
+    """One node order on one profile: compute seconds (its entries back to back), the busy
     seconds of the communication and host streams, and what compute waited for each."""
 
     compute_seconds: float
@@ -151,9 +151,8 @@ class Streams:
     def __init__(self, graph: JointGraph, index: GraphIndex, options: OverlapOptions) -> None:
         self.index, self.options = index, options
         position = {name: i for i, name in enumerate(index.names)}
-        self.degrees = {k: int(graph.config.get(k, 1)) for k in ("fsdp", "cp", "tp", "ep")}
-        # experts' FSDP ("efsdp") spans the ranks EP leaves (torchtitan's expert mesh)
-        sizes = {**self.degrees, "efsdp": graph.world_size // self.degrees["ep"]}
+        self.degrees = graph.degrees
+        sizes = self.degrees.mesh_sizes()
         self.kind: dict[int, str] = {}  # node -> collective kind (waits excluded)
         self.nbytes: dict[int, int] = {}
         self.group: dict[int, tuple[int, str | None]] = {}
@@ -180,9 +179,9 @@ class Streams:
             [graph.nodes[name].is_view for name in index.names], dtype=bool
         ) | np.asarray(index.is_getitem, dtype=bool)
         self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
-        # the last schedule's collectives and stream events, shared by every profile's `run`
+        # the last node order's collectives and stream events, shared by every profile's `run`
         self._last: tuple[np.ndarray, list[_Collective]] | None = None
-        self._last_plan: tuple[tuple[Any, ...], _Plan] | None = None
+        self._last_events: tuple[tuple[Any, ...], _StreamEvents] | None = None
         # seconds of each collective shape on each profile (held, so its id stays its own)
         self._seconds: dict[int, tuple[DeviceProfile, dict[tuple[Any, ...], float]]] = {}
         self._issue = np.zeros(space.size, dtype=bool)  # the node or its recomputed copy
@@ -248,9 +247,9 @@ class Streams:
         ]
 
     def _collectives(self, entries: np.ndarray) -> list[_Collective]:
-        """Per issued collective (or FSDP bucket) of a schedule: its issue position, its
+        """Per issued collective (or FSDP bucket) of a node order: its issue position, its
         waits' positions and its shape (kind, bytes, group size, mesh dimension); kept for
-        the last schedule, which every profile times."""
+        the last node order, which every profile times."""
         if self._last is not None and self._last[0] is entries:
             return self._last[1]
         result = []
@@ -266,20 +265,20 @@ class Streams:
         self._last = (entries, result)
         return result
 
-    def _plan(
+    def _stream_events(
         self,
         entries: np.ndarray,
         offloaded: dict[int, int],
         reads: tuple[np.ndarray, np.ndarray] | None,
-    ) -> _Plan:
-        """A schedule's stream events in `walk_streams`' order, and what each costs: the
+    ) -> _StreamEvents:
+        """A node order's stream events in `walk_streams`' order, and what each costs: the
         collectives' shapes, then the host copies' bytes. The same on every profile: kept
-        for the last schedule."""
+        for the last node order."""
         key = (entries, offloaded, reads)
-        if self._last_plan is not None and all(
-            a is b for a, b in zip(self._last_plan[0], key, strict=True)
+        if self._last_events is not None and all(
+            a is b for a, b in zip(self._last_events[0], key, strict=True)
         ):
-            return self._last_plan[1]
+            return self._last_events[1]
         space, opts = self.index.space, self.options
         moved = self.issue_positions(entries) if opts.prefetch else {}
         events: list[tuple[int, str, Hashable, int]] = []  # (at, what, key, cost)
@@ -303,9 +302,9 @@ class Streams:
         position = np.fromiter((e[0] for e in events), np.int64, len(events))
         waiting = np.fromiter((e[1] == "wait" for e in events), bool, len(events))
         order = np.lexsort((np.arange(len(events)), waiting, position)).tolist()
-        plan = _Plan(shapes, copies, [events[i] for i in order])
-        self._last_plan = (key, plan)
-        return plan
+        result = _StreamEvents(shapes, copies, [events[i] for i in order])
+        self._last_events = (key, result)
+        return result
 
     def issue_positions(self, entries: np.ndarray) -> dict[int, int]:
         """Position each all-gather member is issued at, where prefetch or bucketing moves it
@@ -359,27 +358,27 @@ class Streams:
         offloaded: dict[int, int],
         reads: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StreamTimes:
-        """Time the schedule: `seconds` is the compute seconds of every entry; collectives
-        and host copies take their streams' time (`walk_streams`). `reads`: the schedule's
+        """Time the node order: `seconds` is the compute seconds of every entry; collectives
+        and host copies take their streams' time (`walk_streams`). `reads`: the node order's
         (reader position, entry read) pairs, for `sink_waits`."""
         opts = self.options
         clock = np.concatenate(([0.0], np.cumsum(seconds[entries])))  # compute before p
-        plan = self._plan(entries, offloaded, reads)
+        streams = self._stream_events(entries, offloaded, reads)
         held, timed = self._seconds.setdefault(id(profile), (profile, {}))
         durations: list[float] = []
         comm = 0.0
-        for shape in plan.shapes:
+        for shape in streams.shapes:
             duration = timed.get(shape)
             if duration is None:
                 kind, nbytes, world, dim = shape
-                spans = held.spans_nodes(dim, self.degrees, self.world)
+                spans = held.spans_nodes(dim, self.degrees)
                 duration = timed[shape] = collective_time(held, kind, nbytes, world, spans)
             comm += duration
             durations.append(duration)
         rate = profile.host_rate()
-        durations += [nbytes / rate for nbytes in plan.copies]
-        copied = sum(plan.copies)
-        stalls = _walk(clock, plan.events, durations, opts.max_copies_in_flight)
+        durations += [nbytes / rate for nbytes in streams.copies]
+        copied = sum(streams.copies)
+        stalls = _walk(clock, streams.events, durations, opts.max_copies_in_flight)
         compute = float(clock[-1])
         if profile.host_hbm_contention:  # each copied byte is read or written in HBM once
             compute += copied / profile.bytes_per_s
@@ -403,17 +402,17 @@ class Streams:
 
 
 class _Collective(NamedTuple):
-    """One issued collective of a schedule (`Streams._collectives`)."""
+    """One issued collective of a node order (`Streams._collectives`)."""
 
     issue: int
     waits: list[int]
     shape: tuple[str, int, int, str | None]
 
 
-class _Plan(NamedTuple):
-    """A schedule's stream events, sorted as `walk_streams` runs them, each (position, what,
+class _StreamEvents(NamedTuple):
+    """A node order's stream events, sorted as `walk_streams` runs them, each (position, what,
     key, cost): the index of its seconds among the collectives' (`shapes`), then the host
-    copies' (`copies`, bytes), -1 for a wait (`Streams._plan`)."""
+    copies' (`copies`, bytes), -1 for a wait (`Streams._stream_events`)."""
 
     shapes: list[tuple[str, int, int, str | None]]
     copies: list[int]
@@ -421,7 +420,7 @@ class _Plan(NamedTuple):
 
 
 class Event(NamedTuple):
-    """One event of `walk_streams`: at schedule position `at`, `comm` or `copy` issues `key`
+    """One event of `walk_streams`: at node-order position `at`, `comm` or `copy` issues `key`
     on its stream for `seconds`; `wait` stalls compute until `key` has ended."""
 
     at: int

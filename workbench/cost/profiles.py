@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.capture.degrees import Degrees
 from workbench.errors import WorkbenchError
 from workbench.files import MARK_KEY, read_file, write_file
 
@@ -86,14 +87,11 @@ class DeviceProfile:
         fresh = self.host_fresh_pinned_bytes_per_s or reused
         return (reused if self.host_pinned_reused else fresh) * self.host_in_step_factor
 
-    def spans_nodes(self, mesh_dim: str | None, degrees: dict[str, int], world: int) -> bool:
-        """Whether a collective's group crosses nodes. The mesh is ("fsdp", "cp", "tp") with
-        tp innermost, and ("efsdp", "ep") over the same ranks for experts, as torchtitan
-        builds it: a group spans nodes when the consecutive ranks it strides over exceed the
-        ranks per node (tp: tp, cp: cp x tp, ep: ep; fsdp, efsdp and the world: the world)."""
-        tp = degrees.get("tp", 1)
-        stride = {"tp": tp, "cp": degrees.get("cp", 1) * tp, "ep": degrees.get("ep", 1)}
-        return stride.get(mesh_dim or "", world) > self.ranks_per_node
+    def spans_nodes(self, mesh_dim: str | None, degrees: Degrees) -> bool:
+        """Whether a collective's group crosses nodes: when the consecutive ranks it strides
+        over on the workbench's meshes (`Degrees.consecutive_ranks`) exceed the ranks per
+        node."""
+        return degrees.consecutive_ranks(mesh_dim) > self.ranks_per_node
 
     def outside_allocator_bytes(self, communicators: int) -> dict[str, int]:
         """What a rank holds beside the allocator's segments: the CUDA context and

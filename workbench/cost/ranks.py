@@ -55,7 +55,7 @@ def check_rank_count(parallel: Parallel) -> None:
     cores = os.cpu_count() or 1
     if parallel.world_size > RANKS_PER_CORE * cores:
         raise WorkbenchError(
-            f"{parallel.world_size} ranks (fsdp {parallel.fsdp} x tp {parallel.tp}) would be "
+            f"{parallel.world_size} ranks ({parallel.describe(('fsdp', 'tp'))}) would be "
             f"{parallel.world_size} processes on {cores} cores: the bitwise check runs at most "
             f"{RANKS_PER_CORE} per core ({RANKS_PER_CORE * cores} here); estimate, solve and "
             "trace take any degree (one rank's graph)"

@@ -1,6 +1,6 @@
-"""torch's remat pass replayed on node indices: the schedule it would produce, no graph built.
+"""torch's remat pass replayed on node indices: the node order it would produce, no graph built.
 
-Entry points: `replay(index, recompute) -> Flat`, `offload_schedule(index, flat, names,
+Entry points: `replay(index, recompute) -> Flat`, `offload_order(index, flat, names,
 options)` (the offload pass replayed on it) and `saved_bytes_by_node(graph, decisions)`.
 """
 
@@ -15,12 +15,12 @@ from workbench.decide.facts import StorageView, needed_aliases
 from workbench.decide.offloadable import OffloadOptions, OffloadView, examine_offload
 from workbench.decide.tags import RECOMPUTE, Refused, Tag
 from workbench.errors import WorkbenchError
+from workbench.rewrite.entries import OFFLOAD_STEPS, Csr, Flat
 from workbench.rewrite.index import GraphIndex, graph_index
 from workbench.rewrite.placement import Offloaded, Place, interleave_arrays, place_offloads_arrays
-from workbench.rewrite.schedule import OFFLOAD_STEPS, Csr, Flat
 
 __all__ = [
-    "offload_schedule",
+    "offload_order",
     "recompute_flags",
     "recompute_flops_by_node",
     "replay",
@@ -39,12 +39,12 @@ def recompute_flags(index: GraphIndex, decisions: Mapping[str, Tag]) -> np.ndarr
 def replay(
     index: GraphIndex, recompute: Sequence[bool] | np.ndarray, allow_random: bool = False
 ) -> Flat:
-    """The schedule `remat_using_tags_for_fwd_loss_bwd_graph` would produce: the forward as
+    """The node order `remat_using_tags_for_fwd_loss_bwd_graph` would produce: the forward as
     is, each backward node preceded by the recompute-tagged forward nodes it needs (in
     forward order, each copied once), then dead-code elimination with torch's own impurity
     test, and getitems raised to their producers. Random ops tagged recompute are refused
     as torch refuses them, unless `allow_random` (partitioner tags in the studies, whose
-    pass replays RNG: their schedule is only read for bytes). Only forward and loss nodes
+    pass replays RNG: their node order is only read for bytes). Only forward and loss nodes
     can be tagged. Array operations throughout, so a flip re-estimates in milliseconds."""
     a, space = index.arrays, index.space
     rec = np.asarray(recompute, bool)
@@ -168,7 +168,7 @@ def _getitems_raised(
 
 def saved_bytes_by_node(graph: JointGraph, decisions: Mapping[str, Tag] | None) -> dict[str, int]:
     """Saved activation bytes by forward node once `decisions` are rematerialized (the
-    joint graph as traced when None): `GraphIndex.saved_by_node` of the replayed schedule.
+    joint graph as traced when None): `GraphIndex.saved_by_node` of the replayed node order.
     Pictures and diffs read it, also for partitioner tags that recompute random ops."""
     index = graph_index(graph)
     if decisions is None:
@@ -181,7 +181,7 @@ def recompute_flops_by_node(
     graph: JointGraph, decisions: Mapping[str, Tag] | None
 ) -> dict[str, int]:
     """FLOPs backward runs again, by forward node, once `decisions` are rematerialized:
-    `GraphIndex.recompute_flops_by_node` of the replayed schedule, the estimate's figure
+    `GraphIndex.recompute_flops_by_node` of the replayed node order, the estimate's figure
     (`Estimate.recompute_flops` is its total), never the FLOPs of every node tagged
     recompute. Pictures and diffs read it."""
     if decisions is None:
@@ -191,16 +191,16 @@ def recompute_flops_by_node(
     return index.recompute_flops_by_node(replay(index, flags, allow_random=True).entries)
 
 
-def offload_schedule(
+def offload_order(
     index: GraphIndex, flat: Flat, names: Sequence[str], options: OffloadOptions
 ) -> tuple[Flat, dict[str, Refused]]:
-    """The schedule `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
+    """The node order `offload.offload_pass` makes of a rematerialized one (`replay`'s) when
     it offloads the nodes `names`: the same skips for the same reasons (`examine_offload`,
     which the pass asks too: not a forward op, not one tensor, an alias, returned, written
-    in place, not read in backward), `Offloaded` read off the schedule, then THE placement
+    in place, not read in backward), `Offloaded` read off the node order, then THE placement
     (`place_offloads_arrays`, `interleave`); each wait for a reload is followed by the
     forward views backward reads, replayed on it, and backward readers read the reload.
-    Returns the schedule and the skipped names with why."""
+    Returns the node order and the skipped names with why."""
     space, entries = index.space, flat.entries
     if not len(names):
         return flat, {}
@@ -242,8 +242,8 @@ def _offload_view(
     readers_at: np.ndarray,
     end: int,
 ) -> OffloadView:
-    """A rematerialized schedule as `examine_offload` reads it: values are node indices,
-    their readers positions in the schedule (`readers_at[start[i] : start[i + 1]]`), forward
+    """A rematerialized node order as `examine_offload` reads it: values are node indices,
+    their readers positions in the node order (`readers_at[start[i] : start[i + 1]]`), forward
     every position before `end`; a value shares the storage walked where it has an output
     slot aliasing a value already found (`_aliases`)."""
     original = index.space.copies  # the entries below it are the traced nodes
@@ -272,7 +272,7 @@ def _last_forward_use(
     readers_at: np.ndarray,
     end: int,
 ) -> int:
-    """`offload._last_forward_use` on the schedule: the last forward reader's position
+    """`offload._last_forward_use` on the node order: the last forward reader's position
     (`forward`, of the value or an alias), or an asynchronous collective's wait; -1 for
     none."""
     until_wait = index.offload_facts[3]
@@ -300,7 +300,7 @@ def _interleaved(
     wanted: list[tuple[int, list[int], Offloaded]],
     places: Sequence[Place],
 ) -> Flat:
-    """The schedule in `interleave`'s order, with the offload steps' entries and inputs:
+    """The node order as `interleave` arranges it, with the offload steps' entries and inputs:
     the copy reads the value, the free the copy and the value, the reload the copy, the
     wait the reload and the copy, each replayed view its base as replayed; backward readers
     of a value or its views read the wait and the replayed views instead."""
@@ -326,7 +326,7 @@ def _interleaved(
     entries = np.concatenate((entries, [e for _, _, e, _ in extra]))[order].astype(np.int64)
     new_position = np.empty(len(order), np.int64)
     new_position[order] = np.arange(len(order))
-    # inputs: nodes' from the schedule (remapped in backward), then the steps', the views'
+    # inputs: nodes' from the node order (remapped in backward), then the steps', the views'
     reads = Csr(np.searchsorted(flat.reader, np.arange(len(flat.entries) + 1)), flat.read)
     nodes = np.flatnonzero(node)
     which, read = reads.gather(at[nodes])

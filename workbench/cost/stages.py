@@ -156,7 +156,7 @@ def _resident_bytes(graph: JointGraph, estimate: Estimate) -> int:
     """Parameter shards, optimizer state and, with FSDP, the stage's unsharded parameters
     in the compute dtype (kept between microbatches)."""
     held = estimate.timeline["parameters"][0] + estimate.timeline["optimizer"][0]
-    fsdp = int(graph.config.get("fsdp", 1))
+    fsdp = graph.degrees.fsdp
     if fsdp == 1:
         return held
     low = DTYPES[graph.config.get("param_dtype", "bfloat16")].itemsize
@@ -170,7 +170,7 @@ def _resident_bytes(graph: JointGraph, estimate: Estimate) -> int:
 def _grad_bytes(graph: JointGraph, storages: Any, param_grad: np.ndarray) -> int:
     """Gradients a stage accumulates over microbatches: with FSDP unsharded in the reduce
     dtype (torch's stage defers the reduce-scatter to the last backward), else as returned."""
-    fsdp = int(graph.config.get("fsdp", 1))
+    fsdp = graph.degrees.fsdp
     if fsdp == 1:
         return int(storages.sizes[param_grad].sum())
     reduce = DTYPES[graph.config.get("reduce_dtype", "float32")].itemsize
@@ -298,15 +298,15 @@ class PipelineModel:
             self.cache.estimator(g, self.profile, optimizer, overlap) for g in self.graphs
         ]
         device = get_profile(profile)
-        ranks = int(graphs[0].config.get("world_size", 1))
+        degrees = replace(graphs[0].degrees, pp=layout.pipeline.pp)
         self.p2p_bytes_per_s = (
             device.inter_node_bytes_per_s
-            if ranks >= device.ranks_per_node
+            if degrees.world_size >= device.ranks_per_node
             else device.intra_node_bytes_per_s
         )
         # torchtitan's tokens/s/GPU: a rank's tokens over the ranks sharing them (all but
         # the data-parallel ones: pp x tp x cp)
-        self.gpus = layout.pipeline.pp * ranks // int(graphs[0].config.get("fsdp", 1))
+        self.gpus = degrees.non_data_parallel_size
         seq = int(graphs[0].config.get("seq", 0)) or graphs[0].tokens
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
 

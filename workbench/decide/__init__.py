@@ -15,7 +15,7 @@ EMBEDDED = (
     "workbench.decide.facts",
     "workbench.decide.tags",
     "workbench.decide.presets",
-    "workbench.decide.plan",
+    "workbench.decide.tables",
     "workbench.decide.offloadable",
     "workbench.decide.engine",
 )

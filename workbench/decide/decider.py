@@ -1,7 +1,7 @@
 """The rules' view of one traced graph, built once and kept beside it: every question the
 stages above `decide` ask of the rules goes through it.
 
-Entry points: `rules_of(graph) -> GraphRules` (facts, `DecidePlan`, node keys; `decide`,
+Entry points: `rules_of(graph) -> GraphRules` (facts, `DecideTables`, node keys; `decide`,
 `offload_refusal`), and on a graph and a policy: `decide`, `validate`, `node_keys`,
 `next_action` / `flip` (a click in the explorer) and `restrict` (what of a policy applies).
 """
@@ -20,8 +20,8 @@ from workbench.capture.ops import NodeKey, layer_pattern, module_matches, op_key
 from workbench.decide.engine import decide_ops, selector_matches
 from workbench.decide.facts import OpFacts, fx_rows, op_facts
 from workbench.decide.offloadable import offload_refusal_in
-from workbench.decide.plan import DecidePlan, decide_plan
 from workbench.decide.policy import Action, Policy
+from workbench.decide.tables import DecideTables, decide_tables
 from workbench.decide.tags import Refused, Tag, Why
 from workbench.errors import WorkbenchError
 
@@ -62,22 +62,22 @@ class GraphRules:
 
     model_name: str
     facts: list[OpFacts]  # the decidable nodes, in graph order
-    plan: DecidePlan
+    tables: DecideTables
     keys: dict[str, str]  # node -> `MODULE::OP#k`, `layers.*` for the op in every layer
     override_keys: frozenset[str]  # what an override may name: keys and per-layer keys
     backward_pairs: frozenset[str]  # `MODULE::OP` of backward ops, for the error
     forward_pairs: frozenset[str]
 
     def decide(self, policy: Policy) -> Decisions:
-        """Every decidable node's tag under `policy` (`decide_ops` on the plan: a flip
+        """Every decidable node's tag under `policy` (`decide_ops` on the tables: a flip
         re-decides only the nodes it can change). `validate` the policy first."""
-        return decide_ops(self.facts, policy.request(), self.plan)
+        return decide_ops(self.facts, policy.request(), self.tables)
 
     def offload_refusal(
         self, name: str, decisions: Mapping[str, Tag], preset: str
     ) -> Refused | None:
         """Why `name` may not be offloaded under `decisions` (None if it may)."""
-        return offload_refusal_in(self.plan, decisions, name, preset)
+        return offload_refusal_in(self.tables, decisions, name, preset)
 
     def validate(self, policy: Policy) -> None:
         """Selectors must match a node and overrides must name a forward node; the error
@@ -136,7 +136,7 @@ def rules_of(graph: JointGraph) -> GraphRules:
             NodeKey(layer_pattern(f.module), f.op, 0).pair for f in facts
         }
         _RULES[graph] = GraphRules(
-            graph.model_name, facts, decide_plan(facts), keys, override_keys, backward, forward
+            graph.model_name, facts, decide_tables(facts), keys, override_keys, backward, forward
         )
     return _RULES[graph]
 

@@ -18,7 +18,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from workbench.capture.ops import module_matches
 from workbench.decide.facts import OpFacts
 from workbench.decide.offloadable import OffloadOptions, decide_offload, may_offload
-from workbench.decide.plan import REQUEST_MEMO, DecidePlan, decide_plan, replayed_by
 from workbench.decide.presets import (
     GRAPH_TRAINER,
     TITAN_UNTAGGED_MODULES,
@@ -28,6 +27,7 @@ from workbench.decide.presets import (
     preset_record,
     preset_rule,
 )
+from workbench.decide.tables import REQUEST_MEMO, DecideTables, decide_tables, replayed_by
 from workbench.decide.tags import MUST, Refusal, Refused, SelectorRow, Tag, Why
 
 
@@ -98,28 +98,28 @@ class Step(NamedTuple):
 
 
 def decide_ops(
-    facts: Sequence[OpFacts], request: Request, plan: DecidePlan | None = None
+    facts: Sequence[OpFacts], request: Request, tables: DecideTables | None = None
 ) -> dict[str, Tag]:
     """The tag of every node in `facts` (graph order) under `request`, by the steps of
     `STEPS` in order: forced saves, the request (the preset, selectors, the FSDP choice on
     parameter all-gathers), followers (getitems, waits, unshard chains), overrides, the
     layer-boundary rule, the in-place rule, then the offload step (`decide_offload`).
     Presets of graph trainer's dialect run its own variants of these steps
-    (`decide_titan_ops`). Pass the facts' `plan` to decide many policies of one graph: the
+    (`decide_titan_ops`). Pass the facts' `tables` to decide many policies of one graph: the
     requests before overrides are then kept per preset and selector list, so a flip costs a
     pass over the few nodes it can change."""
-    plan = plan or decide_plan(facts)
+    tables = tables or decide_tables(facts)
     preset = preset_record(request.preset)
     if preset.dialect == GRAPH_TRAINER:
-        return decide_titan_ops(facts, request, plan)
-    asked, followed = _requests(facts, plan, request)
+        return decide_titan_ops(facts, request, tables)
+    asked, followed = _requests(facts, tables, request)
     tags = dict(followed)
-    overridden = apply_overrides(tags, asked, plan, request.overrides)
-    follow_leaders(tags, asked, plan.leaders, overridden)
-    save_layer_boundaries(tags, plan.boundaries[WORKBENCH])
-    save_written_inputs(tags, plan)
+    overridden = apply_overrides(tags, asked, tables, request.overrides)
+    follow_leaders(tags, asked, tables.leaders, overridden)
+    save_layer_boundaries(tags, tables.boundaries[WORKBENCH])
+    save_written_inputs(tags, tables)
     if may_offload(request.preset, request.selectors, request.overrides):
-        decide_offload(facts, tags, preset, request.offload, plan)
+        decide_offload(facts, tags, preset, request.offload, tables)
     return tags
 
 
@@ -146,12 +146,12 @@ def follow_leaders(
 
 
 def _requests(
-    facts: Sequence[OpFacts], plan: DecidePlan, request: Request
+    facts: Sequence[OpFacts], tables: DecideTables, request: Request
 ) -> tuple[dict[str, Tag], dict[str, Tag]]:
-    """The tags without overrides, kept in `plan`: forced saves, then the preset's rule and
+    """The tags without overrides, kept in `tables`: forced saves, then the preset's rule and
     selectors, the FSDP choice; and those tags once followers took their leader's."""
     memo_key = (request.preset, tuple(request.selectors), request.fsdp_reshard)
-    if memo_key not in plan.request_memo:
+    if memo_key not in tables.request_memo:
         rule = preset_rule(request.preset)
         no_overrides = request._replace(overrides=MappingProxyType({}))
         tags: dict[str, Tag] = {}
@@ -165,21 +165,24 @@ def _requests(
                 tag = fsdp_tag(request.fsdp_reshard)
             tags[f.name] = tag
         followed = dict(tags)
-        follow_leaders(followed, tags, plan.leaders)
-        if len(plan.request_memo) >= REQUEST_MEMO:
-            plan.request_memo.clear()
-        plan.request_memo[memo_key] = (tags, followed)
-    return plan.request_memo[memo_key]
+        follow_leaders(followed, tags, tables.leaders)
+        if len(tables.request_memo) >= REQUEST_MEMO:
+            tables.request_memo.clear()
+        tables.request_memo[memo_key] = (tags, followed)
+    return tables.request_memo[memo_key]
 
 
 def apply_overrides(
-    tags: dict[str, Tag], asked: Mapping[str, Tag], plan: DecidePlan, overrides: Mapping[str, str]
+    tags: dict[str, Tag],
+    asked: Mapping[str, Tag],
+    tables: DecideTables,
+    overrides: Mapping[str, str],
 ) -> set[str]:
     """Overrides, in place on `tags`: `layers.*` keys, then keys naming one layer, which
     win; a forced save in `asked` (the tags before this step) stays. Returns the nodes
     overridden."""
     overridden: set[str] = set()
-    for nodes_of in (plan.by_key, plan.by_layer_key):  # a key naming one layer wins
+    for nodes_of in (tables.by_key, tables.by_layer_key):  # a key naming one layer wins
         for key, action in overrides.items():
             for name in nodes_of.get(key, ()):
                 if not asked[name].forced:
@@ -202,7 +205,7 @@ def save_layer_boundaries(
                 break
 
 
-def save_written_inputs(tags: dict[str, Tag], plan: DecidePlan) -> None:
+def save_written_inputs(tags: dict[str, Tag], tables: DecideTables) -> None:
     """Save, in place on `tags`, every node whose recompute would not compute what forward
     computed because of an in-place write (`Why.WRITTEN_INPUT`, `detail` says which):
 
@@ -219,14 +222,14 @@ def save_written_inputs(tags: dict[str, Tag], plan: DecidePlan) -> None:
     nothing changes. Backward ops are assumed not to write forward storages (autograd's
     formulas never do). In-place ops are saved by `forced_save` in the workbench's
     presets; the `titan-*` ones tag them like any op, as graph trainer does."""
-    wp = plan.writes
-    if not wp.writes:
+    wt = tables.writes
+    if not wt.writes:
         return
     while True:
-        replayed = replayed_by(tags, plan.by_name)
-        for name in wp.readers:
+        replayed = replayed_by(tags, tables.by_name)
+        for name in wt.readers:
             if replayed(name):
-                detail = _written_input(name, tags, plan, replayed)
+                detail = _written_input(name, tags, tables, replayed)
                 if detail is not None:
                     tags[name] = Tag(CheckpointPolicy.MUST_SAVE, Why.WRITTEN_INPUT, detail)
                     break  # the replayed set changed: walk again
@@ -234,41 +237,41 @@ def save_written_inputs(tags: dict[str, Tag], plan: DecidePlan) -> None:
             return
 
 
-def written_later_keys(plan: DecidePlan) -> frozenset[str]:
+def written_later_keys(tables: DecideTables) -> frozenset[str]:
     """Layer keys (`layers.3.attention_norm::aten.mean.dim#0`) of the nodes whose output
     storage a later forward node writes in place: what eager SAC may not cache."""
-    wp = plan.writes
+    wt = tables.writes
     return frozenset(
-        _dispatched(plan, name).layer_key
-        for name, at in wp.position.items()
-        if any(later > at for later, _ in wp.writes.get(wp.root[name], ()))
+        _dispatched(tables, name).layer_key
+        for name, at in wt.position.items()
+        if any(later > at for later, _ in wt.writes.get(wt.root[name], ()))
     )
 
 
-def _dispatched(plan: DecidePlan, name: str) -> OpFacts:
+def _dispatched(tables: DecideTables, name: str) -> OpFacts:
     """The op eager SAC sees for `name`: a getitem's is the multi-output op it unpacks
     (`aten.topk`, not `getitem#0`: getitem is Python unpacking, never dispatched)."""
-    facts = plan.by_name[name]
-    while facts.op == "getitem" and facts.parent in plan.by_name:
-        facts = plan.by_name[facts.parent]
+    facts = tables.by_name[name]
+    while facts.op == "getitem" and facts.parent in tables.by_name:
+        facts = tables.by_name[facts.parent]
     return facts
 
 
 def _written_input(
-    name: str, tags: Mapping[str, Tag], plan: DecidePlan, replayed: Callable[[str], bool]
+    name: str, tags: Mapping[str, Tag], tables: DecideTables, replayed: Callable[[str], bool]
 ) -> str | None:
     """Why recomputing `name` would not see what forward saw (`save_written_inputs`)."""
-    wp, by_name = plan.writes, plan.by_name
-    here = wp.position[name]
+    wt, by_name = tables.writes, tables.by_name
+    here = wt.position[name]
     for x in by_name[name].inputs:
-        storage = wp.root.get(x, x)
-        if storage not in wp.writes:
+        storage = wt.root.get(x, x)
+        if storage not in wt.writes:
             continue
         made = x  # where the recomputation gets the storage: follow recomputed aliases
         while made in by_name and tags[made].recompute and by_name[made].alias is not None:
             made = by_name[made].alias  # type: ignore[assignment]
         if made not in by_name or not tags[made].recompute:  # forward's own storage
-            later = [w for at, w in wp.writes[storage] if at >= here]
+            later = [w for at, w in wt.writes[storage] if at >= here]
             if later and later[0] == name:
                 return (
                     f"{name} writes {x}, which is not recomputed: its recompute in backward "
@@ -280,11 +283,11 @@ def _written_input(
                     "recompute in backward would read the written value"
                 )
             continue
-        for at, writer in wp.writes[storage]:
+        for at, writer in wt.writes[storage]:
             if writer == name or not replayed(writer):
                 continue
             first, then = (name, writer) if here < at else (writer, name)
-            if not _reads_through_recomputed(then, first, tags, plan):
+            if not _reads_through_recomputed(then, first, tags, tables):
                 return (
                     f"reads the storage recomputed {made} makes, which recomputed {writer} "
                     "writes in place with no data path between them: torch's remat pass "
@@ -294,18 +297,18 @@ def _written_input(
 
 
 def _reads_through_recomputed(
-    then: str, first: str, tags: Mapping[str, Tag], plan: DecidePlan
+    then: str, first: str, tags: Mapping[str, Tag], tables: DecideTables
 ) -> bool:
     """Whether `then` reads `first` through recomputed nodes only, so that torch's remat
     pass must copy `first` before `then` (it gathers recomputed inputs depth first)."""
-    by_name, stop = plan.by_name, plan.writes.position[first]
+    by_name, stop = tables.by_name, tables.writes.position[first]
     todo, seen = [then], {then}
     while todo:
         for x in by_name[todo.pop()].inputs:
             if x == first:
                 return True
             if x in by_name and x not in seen and tags[x].recompute:
-                if plan.writes.position[x] > stop:
+                if tables.writes.position[x] > stop:
                     seen.add(x)
                     todo.append(x)
     return False
@@ -358,7 +361,7 @@ STEPS: tuple[Step, ...] = (
 
 
 def decide_titan_ops(
-    facts: Sequence[OpFacts], request: Request, plan: DecidePlan | None = None
+    facts: Sequence[OpFacts], request: Request, tables: DecideTables | None = None
 ) -> dict[str, Tag]:
     """Graph trainer's `tag_sac_policy` on the facts (graph order), by the steps of
     `TITAN_STEPS` in order: per node, the first of `lm_head*`/`loss*` nodes untagged, the
@@ -382,11 +385,11 @@ def decide_titan_ops(
         if tag is None:
             tag = titan_request(f, rule, request)
         tags[f.name] = tag
-    plan = plan or decide_plan(facts)
-    save_layer_boundaries(tags, plan.boundaries[GRAPH_TRAINER])
-    save_written_inputs(tags, plan)
+    tables = tables or decide_tables(facts)
+    save_layer_boundaries(tags, tables.boundaries[GRAPH_TRAINER])
+    save_written_inputs(tags, tables)
     if may_offload(request.preset, request.selectors, request.overrides):
-        decide_offload(facts, tags, preset, request.offload, plan)
+        decide_offload(facts, tags, preset, request.offload, tables)
     return tags
 
 

@@ -59,7 +59,7 @@ class Storage(NamedTuple):
 
 
 class StorageView(NamedTuple):
-    """How `walk_storage` reads one form of a graph (FX nodes, the rules' facts, a schedule's
+    """How `walk_storage` reads one form of a graph (FX nodes, the rules' facts, a node order's
     index arrays): the readers of a value, the value each reader makes, and what a reader
     is (the step's output, a backward node) or a value does (shares the storage walked,
     given the values sharing it found so far; writes its input in place)."""

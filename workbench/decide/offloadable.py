@@ -21,8 +21,8 @@ from workbench.decide.facts import (
     StorageWalk,
     walk_storage,
 )
-from workbench.decide.plan import DecidePlan, decide_plan, replayed_by
 from workbench.decide.presets import DIALECTS, WORKBENCH, Dialect, Preset, preset_record
+from workbench.decide.tables import DecideTables, decide_tables, replayed_by
 from workbench.decide.tags import Refusal, Refused, SelectorRow, Tag, Why
 
 
@@ -150,14 +150,14 @@ def examine_offload(value: Any, view: OffloadView) -> Refused | StorageWalk:
 
 
 def offload_refusal_in(
-    plan: DecidePlan, tags: Mapping[str, Tag], name: str, preset: str
+    tables: DecideTables, tags: Mapping[str, Tag], name: str, preset: str
 ) -> Refused | None:
     """Why node `name` may not be offloaded under `tags` (the rules and the keep test of
     `decide_offload`, budget aside), or None if it may. Reads the facts through their
-    `plan`: a flip or a look at one node costs that node's users, not the graph."""
+    `tables`: a flip or a look at one node costs that node's users, not the graph."""
     dialect = preset_record(preset).dialect
-    by_name = plan.by_name
-    refusal = offload_refusal(by_name[name], plan.last_layers[dialect], dialect)
+    by_name = tables.by_name
+    refusal = offload_refusal(by_name[name], tables.last_layers[dialect], dialect)
     if refusal is None and not kept_for_backward(tags, by_name)(by_name[name]):
         return Refused(Refusal.NOT_READ)
     return refusal
@@ -180,20 +180,20 @@ def decide_offload(
     tags: dict[str, Tag],
     preset: Preset,
     options: OffloadOptions,
-    plan: DecidePlan | None = None,
+    tables: DecideTables | None = None,
 ) -> None:
     """The offload step, in place on `tags`. An offload preset offloads every saved node
     the policy did not ask to save by name that may be offloaded and is kept for backward;
     an `offload` request (selector or override) the rules cannot grant is saved instead,
     tagged `Why.OFFLOAD_REFUSED` with the reason. Then the budget: offloads are kept largest
     first (graph order among equals) while they fit; the rest go back to their preset's
-    save (`OFFLOAD_REFUSED` when asked for by name). The facts' `plan`, when given,
+    save (`OFFLOAD_REFUSED` when asked for by name). The facts' `tables`, when given,
     saves the lookups built from them."""
     dialect, offloads = preset.dialect, preset.offloads is not None
     storage_checks = DIALECTS[dialect].storage_checks
-    plan = plan or decide_plan(facts)
-    last = plan.last_layers[dialect]
-    kept = kept_for_backward(tags, plan.by_name)
+    tables = tables or decide_tables(facts)
+    last = tables.last_layers[dialect]
+    kept = kept_for_backward(tags, tables.by_name)
     chosen: list[OpFacts] = []
     before: dict[str, Tag] = {}
     for f in facts:

@@ -67,7 +67,7 @@ class Refusal(enum.Enum):
     starts with the node's name, with `{}` marks for the values a `Refused` carries. One
     vocabulary for the three checks: the rules (`offloadable.offload_refusal`, on facts,
     before remat), `workbench.rewrite.offload.offload_pass` (on the rematerialized graph) and
-    its replay on indices (`workbench.cost.replay.offload_schedule`), both through
+    its replay on indices (`workbench.cost.replay.offload_order`), both through
     `offloadable.examine_offload`, so a node refused twice is refused alike."""
 
     NOT_FORWARD = "is not a forward node of this graph"

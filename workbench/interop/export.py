@@ -300,7 +300,7 @@ def _written_later_table(graph: JointGraph | None) -> list[str]:
         lines.append("# Exported without a traced graph: none known (export with the model).")
         keys: frozenset[str] = frozenset()
     else:
-        keys = written_later_keys(rules_of(graph).plan)
+        keys = written_later_keys(rules_of(graph).tables)
     if not keys:
         return [*lines, "WRITTEN_LATER: frozenset[str] = frozenset()"]
     rows = _items(map(py_str, sorted(keys)), " " * 8)

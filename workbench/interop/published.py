@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from workbench.capture.degrees import Degrees
 from workbench.decide.presets import preset_record
 from workbench.errors import WorkbenchError
 
@@ -133,19 +134,23 @@ class PublishedRun:
         return round(self.published_gib * GIB)
 
     @property
+    def degrees(self) -> Degrees:
+        """The run's degrees (its fields, flat in its JSON)."""
+        return Degrees(fsdp=self.fsdp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
+
+    @property
     def trace_key(self) -> tuple[Any, ...]:
         """Rows with the same key share one trace (they differ in policy only); the profile
         names the GPU whose kernels the graph carries."""
-        degrees = (self.fsdp, self.tp, self.pp, self.ep, self.cp)
         pipeline = (self.pp_schedule, self.microbatches)
-        return (self.model, self.profile, degrees, pipeline, self.local_batch, self.seq)
+        return (self.model, self.profile, self.degrees, pipeline, self.local_batch, self.seq)
 
     def estimate_argv(self, layers: int | None = None, seq: int | None = None) -> list[str]:
         """The `python -m workbench estimate` flags giving this row's estimate."""
         argv = ["--model", self.model, "--mode", "fake", "--policy", self.policy]
-        for flag, degree in (("--fsdp", self.fsdp), ("--tp", self.tp), ("--ep", self.ep)):
-            if degree > 1:
-                argv += [flag, str(degree)]
+        for name, degree in self.degrees.used(()).items():
+            if name != "pp":  # with its schedule and microbatches
+                argv += [f"--{name}", str(degree)]
         if self.pp > 1:
             argv += ["--pp", str(self.pp), "--pp-schedule", str(self.pp_schedule)]
             argv += ["--microbatches", str(self.microbatches)]

@@ -81,7 +81,7 @@ STEP_NAMES = OffloadSteps._fields
 class OffloadPasses:
     """One rematerialized graph offloaded by each pass: `workbench` by `offload_pass`,
     `graph_trainer` by `apply_cpu_offload_pass` (its replayed views marked as ours, so
-    `Estimator.schedule_of` reads both), the values offloaded with the layers of each one's
+    `Estimator.order_of` reads both), the values offloaded with the layers of each one's
     producer and first backward reader, the options, and `refused`: graph trainer's own
     error when its pass refused the graph (its closing lint), which was then sorted as its
     bucketing pass would sort it, to show where it meant the steps to go."""
@@ -155,11 +155,11 @@ def offload_passes(graph: JointGraph, policy: Policy | str) -> OffloadPasses:
         lambda node: layer_of[node.name],
         policy.offload,
     )
-    plan = ours.meta[OFFLOAD_META]
-    offloaded = plan.names
+    report = ours.meta[OFFLOAD_META]
+    offloaded = report.names
     nodes = [node.name for node in base.graph.nodes]
     layers = {}
-    for name, value in zip(offloaded, plan.values, strict=True):
+    for name, value in zip(offloaded, report.values, strict=True):
         producer, reader = (
             layer_of[nodes[value.producer]],
             layer_of[nodes[value.first_backward_use]],

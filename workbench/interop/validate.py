@@ -132,14 +132,13 @@ class RowResult:
 
 
 def _parallel(run: PublishedRun) -> Parallel | None:
-    degrees = (run.fsdp, run.tp, run.ep, run.cp)
-    if degrees == (1, 1, 1, 1):
-        return None
-    return Parallel(fsdp=run.fsdp, tp=run.tp, ep=run.ep, cp=run.cp)
+    return Parallel.of(run.degrees) if run.degrees.sharded else None
 
 
 def _pipeline(run: PublishedRun) -> Pipeline:
-    return Pipeline(pp=run.pp, schedule=run.pp_schedule or "1F1B", microbatches=run.microbatches)
+    return Pipeline(
+        pp=run.degrees.pp, schedule=run.pp_schedule or "1F1B", microbatches=run.microbatches
+    )
 
 
 def _workload(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
@@ -153,7 +152,7 @@ def _trace(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
     `estimate` traces for the row's flags (`PublishedRun.estimate_argv`)."""
     workload = _workload(run, layers, seq)
     kernels = run.profile  # the row's GPU's kernels, as `estimate --profile` traces them
-    if run.pp == 1:
+    if run.degrees.pp == 1:
         return trace(workload, "fake", _parallel(run), kernels=kernels)
     pipeline = _pipeline(run)
     layout = pipeline.layout(n_layers(workload))
@@ -221,7 +220,8 @@ def eager_kind(run: PublishedRun) -> AcKind | None:
     kind = _EAGER_KINDS.get(run.policy)
     if run.ran != "eager" or kind is None or run.model.startswith("torchtitan:"):
         return None
-    return kind if run.pp == run.ep == run.cp == 1 else None
+    degrees = run.degrees
+    return kind if degrees.pp == degrees.ep == degrees.cp == 1 else None
 
 
 def _eager_row(

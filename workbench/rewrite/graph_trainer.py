@@ -1,9 +1,9 @@
-"""Graph trainer's compile-time pass pipeline on a workbench graph, in graph trainer's order,
+"""Graph trainer's compile-time pass stack on a workbench graph, in graph trainer's order,
 calling its own passes: the `--passes graph-trainer` choice.
 
 Entry points: `prepare(graph, passes) -> JointGraph` (the graph the workbench analyses: as
 traced for `workbench`, after graph trainer's cleanup for `graph-trainer`) and
-`run_pipeline(graph, policy) -> PipelineResult` (tagging, its offload pass, its remat pass and
+`run_passes(graph, policy) -> PassesResult` (tagging, its offload pass, its remat pass and
 what follows, each pass named with what became of it: run, replaced or skipped, and why).
 Its expert-parallel overlap passes (`EP_PASSES`) are opt-in there as here (`ep_overlap=True`).
 """
@@ -38,20 +38,20 @@ __all__ = [
     "EP_NOT_REQUESTED",
     "EP_PASSES",
     "PASSES",
-    "PIPELINES",
+    "PASS_STACKS",
     "SKIPPED",
     "PassStep",
-    "PipelineResult",
+    "PassesResult",
     "check_ep_overlap",
-    "check_pipeline",
+    "check_pass_stack",
     "cleanup",
     "graph_trainer_config",
     "prepare",
-    "run_pipeline",
+    "run_passes",
 ]
 
-PIPELINES = ("workbench", "graph-trainer")
-Pipeline = Literal["workbench", "graph-trainer"]
+PASS_STACKS = ("workbench", "graph-trainer")
+PassStack = Literal["workbench", "graph-trainer"]
 _GT = "torchtitan.experiments.graph_trainer"
 MODULE_FQN = "module_fqn"  # where graph trainer's passes read a node's module path
 _A2A = "_c10d_functional.all_to_all_single.default"
@@ -129,8 +129,8 @@ class PassStep:
 
 
 @dataclass
-class PipelineResult:
-    """Graph trainer's pipeline on one policy: the graph it made from `graph` (the cleaned
+class PassesResult:
+    """Graph trainer's pass stack on one policy: the graph it made from `graph` (the cleaned
     graph, see `prepare`), the decisions it applied, each pass's fate, and the nodes where
     graph trainer's own tagging differed from the decisions applied (node -> its tag)."""
 
@@ -142,18 +142,18 @@ class PipelineResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "pipeline": "graph-trainer",
+            "pipeline": "graph-trainer",  # the pass stack, under the key --json always had
             "passes": [step.to_json() for step in self.steps],
             "skipped": {s.name: s.why for s in self.steps if s.status == "skipped"},
             "retagged": self.retagged,
         }
 
 
-def check_pipeline(passes: str) -> Pipeline:
-    """`passes` if it names a pipeline; for `graph-trainer`, torchtitan must be importable."""
-    if passes not in PIPELINES:
+def check_pass_stack(passes: str) -> PassStack:
+    """`passes` if it names a pass stack; for `graph-trainer`, torchtitan must be importable."""
+    if passes not in PASS_STACKS:
         raise WorkbenchError(
-            f"unknown pass pipeline {passes!r}; choose one of {', '.join(PIPELINES)}"
+            f"unknown pass stack {passes!r}; choose one of {', '.join(PASS_STACKS)}"
         )
     if passes == "graph-trainer":
         _pass("memory_policy", "tag_with_memory_policy_pass")
@@ -233,18 +233,18 @@ def _copy(graph: fx.Graph) -> fx.Graph:
 
 
 def prepare(graph: JointGraph, passes: str = "workbench", ep_overlap: bool = False) -> JointGraph:
-    """The graph the workbench analyses under a pass pipeline: `graph` itself for
+    """The graph the workbench analyses under a pass stack: `graph` itself for
     `workbench`, `cleanup(graph)` for `graph-trainer` (whose tagging runs after cleanup).
-    `ep_overlap` (graph trainer's EP-overlap passes, `run_pipeline`) is refused with
+    `ep_overlap` (graph trainer's EP-overlap passes, `run_passes`) is refused with
     `workbench` and on a graph without EP all-to-alls, before any pass runs."""
     if ep_overlap:
-        if check_pipeline(passes) != "graph-trainer":
+        if check_pass_stack(passes) != "graph-trainer":
             raise WorkbenchError(
                 f"EP overlap runs graph trainer's EP-overlap passes, which the {passes} "
-                "pipeline does not run: choose graph-trainer"
+                "pass stack does not run: choose graph-trainer"
             )
         check_ep_overlap(graph)
-    return graph if check_pipeline(passes) == "workbench" else cleanup(graph)
+    return graph if check_pass_stack(passes) == "workbench" else cleanup(graph)
 
 
 def graph_trainer_config(policy: Policy) -> Any:
@@ -308,13 +308,13 @@ def _tag(
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
-def run_pipeline(
+def run_passes(
     graph: JointGraph,
     policy: Policy | str | Decisions,
     offload: OffloadOptions | None = None,
     *,
     ep_overlap: bool = False,
-) -> PipelineResult:
+) -> PassesResult:
     """Graph trainer's compile-time passes (`PASSES`) in its order on `graph` for `policy`:
     cleanup (`cleanup`; skipped if `graph` is already a cleaned graph), memory-policy
     tagging (`_tag`), `apply_cpu_offload_pass` with the policy's prefetch and defer,
@@ -322,7 +322,7 @@ def run_pipeline(
     skipped and named with why. `ep_overlap` adds graph trainer's EP-overlap passes
     (`EP_PASSES`, `_ep_passes`) where it runs them; without it they are listed as not requested.
 
-    On entry: a traced graph or `cleanup`'s result. Returns a `PipelineResult` whose `gm`
+    On entry: a traced graph or `cleanup`'s result. Returns a `PassesResult` whose `gm`
     maps back to `result.graph` (estimate it with `estimate_remat(result.graph, result.gm)`);
     views graph trainer's offload pass replays on reloads are marked `REPLAYED_VIEW`. Raises
     `WorkbenchError` naming the pass that failed inside graph trainer, or for `ep_overlap`
@@ -366,7 +366,7 @@ def run_pipeline(
     steps += [*ep_steps[:4], PassStep(bucketing[1], "skipped", SKIPPED[bucketing[1]])]
     steps += ep_steps[4:]
     steps += [PassStep(name, "skipped", SKIPPED[name]) for _, name in final]
-    return PipelineResult(gm, cleaned, decisions, steps, retagged)
+    return PassesResult(gm, cleaned, decisions, steps, retagged)
 
 
 def check_ep_overlap(graph: JointGraph) -> None:
@@ -388,10 +388,11 @@ def _ep_passes(
 ) -> tuple[fx.GraphModule, list[PassStep], JointGraph]:
     """Graph trainer's EP-overlap passes (`EP_PASSES`) with its default `EpOverlapConfig`
     (validated by its `validate_ep_overlap_config`), each called, in its order. Its graph
-    chunking raises on the workbench's static-shape trace, and its schedule pass then finds
-    no chunked regions: each is skipped with graph trainer's own error. Its PG isolation runs
-    on a fake world of the graph's size (it resolves and creates process groups); the group
-    it makes is added to the returned graph's `mesh_dims`, on the source group's dimension."""
+    chunking raises on the workbench's static-shape trace, and its `ep_overlap_schedule_pass`
+    then finds no chunked regions: each is skipped with graph trainer's own error. Its PG
+    isolation runs on a fake world of the graph's size (it resolves and creates process
+    groups); the group it makes is added to the returned graph's `mesh_dims`, on the source
+    group's dimension."""
     from workbench.capture.parallel import fake_world
     from workbench.capture.titan_rank import graph_trainer_imports
 

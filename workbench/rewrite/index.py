@@ -1,7 +1,7 @@
 """The index form of a JointGraph: nodes as integers, storages and aliases resolved once.
 
 Entry points: `graph_index(graph) -> GraphIndex` (built once per graph, cached here) and,
-on it, `saved_by_node(schedule)`: THE definition of the activations a step keeps for
+on it, `saved_by_node(order)`: THE definition of the activations a step keeps for
 backward, which the estimate, remat reports, pictures and the explorer all read.
 """
 
@@ -27,8 +27,8 @@ from workbench.capture.graph import ORIGIN_KEY, JointGraph, Phase
 from workbench.capture.ops import mutates, reads_until_wait
 from workbench.decide.facts import unshard_chains
 from workbench.errors import WorkbenchError
+from workbench.rewrite.entries import Csr, EntrySpace, Flat, NodeOrder
 from workbench.rewrite.placement import NO_LAYER, REPLAYED_VIEW, is_offload_node
-from workbench.rewrite.schedule import Csr, EntrySpace, Flat, Schedule
 
 __all__ = [
     "GraphIndex",
@@ -58,7 +58,7 @@ class NodeArrays(NamedTuple):
 
 
 class Storages(NamedTuple):
-    """The storages a schedule allocates, by id in allocation order: the entry that owns
+    """The storages a node order allocates, by id in allocation order: the entry that owns
     each, its bytes and the position where it is allocated; and which values hold them, as
     (holder's position, storage) pairs (a value holding one storage twice is listed twice)."""
 
@@ -70,7 +70,7 @@ class Storages(NamedTuple):
 
 
 class _Tables(NamedTuple):
-    """Per-node arrays built once per graph, read by every schedule's storage walk."""
+    """Per-node arrays built once per graph, read by every node order's storage walk."""
 
     slot_start: np.ndarray  # node i's slots are keys slot_start[i] .. slot_start[i + 1] - 1
     fresh: Csr  # each node's keys of fresh slots holding bytes, in slot order
@@ -111,13 +111,13 @@ class GraphIndex:
     gathered: frozenset[int]  # nodes of FSDP unshard chains (`rules.unshard_chains`)
     foreign_tags: tuple[str, ...]
 
-    # --- schedules ---------------------------------------------------------------------
+    # --- node orders -------------------------------------------------------------------
 
-    def identity(self) -> Schedule:
+    def identity(self) -> NodeOrder:
         """The joint graph as traced (no remat)."""
         return list(range(self.n)), dict(enumerate(self.args))
 
-    def schedule_of(self, gm: fx.GraphModule) -> Schedule:
+    def order_of(self, gm: fx.GraphModule) -> NodeOrder:
         """The order and inputs of a graph produced from this one by torch's remat pass
         and the offload pass.
 
@@ -158,7 +158,7 @@ class GraphIndex:
                 continue
             if e in args:
                 raise WorkbenchError(
-                    f"node {node.name!r} maps to an entry already in the schedule: the "
+                    f"node {node.name!r} maps to an entry already in the node order: the "
                     "graph was not made by workbench.rewrite.remat.remat"
                 )
             entry[node] = e
@@ -174,7 +174,7 @@ class GraphIndex:
 
     @functools.cached_property
     def space(self) -> EntrySpace:
-        """What each entry of a schedule of this graph stands for (`EntrySpace`)."""
+        """What each entry of a node order of this graph stands for (`EntrySpace`)."""
         return EntrySpace(self.n)
 
     # --- storages ----------------------------------------------------------------------
@@ -262,18 +262,18 @@ class GraphIndex:
             kept=kept,
         )
 
-    def flat(self, schedule: Schedule | Flat) -> Flat:
-        """`schedule` as arrays."""
-        if isinstance(schedule, Flat):
-            return schedule
-        order, args = schedule
-        entries = np.array(order, np.int64)
-        counts = np.fromiter((len(args[e]) for e in order), np.int64, len(order))
-        read = np.fromiter(itertools.chain.from_iterable(args[e] for e in order), np.int64)
-        return Flat(entries, np.repeat(np.arange(len(order)), counts), read)
+    def flat(self, order: NodeOrder | Flat) -> Flat:
+        """`order` as arrays."""
+        if isinstance(order, Flat):
+            return order
+        sequence, args = order
+        entries = np.array(sequence, np.int64)
+        counts = np.fromiter((len(args[e]) for e in sequence), np.int64, len(sequence))
+        read = np.fromiter(itertools.chain.from_iterable(args[e] for e in sequence), np.int64)
+        return Flat(entries, np.repeat(np.arange(len(sequence)), counts), read)
 
     def storages(self, flat: Flat) -> Storages:
-        """The storages a schedule allocates and the values that hold them.
+        """The storages a node order allocates and the values that hold them.
 
         Fresh slots get an id when their entry runs, in order; aliases resolve through the
         entry's inputs (pointer jumping over slot keys: originals' keys, then copies',
@@ -371,11 +371,11 @@ class GraphIndex:
         mask[table.held[returned[entries[table.holder]]]] = True
         return mask
 
-    def saved_by_node(self, schedule: Schedule | Flat) -> dict[str, int]:
+    def saved_by_node(self, order: NodeOrder | Flat) -> dict[str, int]:
         """Bytes kept for backward, by the forward node that allocated each storage (its
         base, for activations backward reads through views). The one definition of saved
         activation bytes: its total is `Estimate.saved_activation_bytes`."""
-        flat = self.flat(schedule)
+        flat = self.flat(order)
         table = self.storages(flat)
         saved = np.flatnonzero(self.saved_mask(flat, table))
         result: dict[str, int] = {}
@@ -386,7 +386,7 @@ class GraphIndex:
         return result
 
     def recompute_flops_by_node(self, entries: np.ndarray) -> dict[str, int]:
-        """FLOPs backward runs again, by traced node: each recomputed copy among a schedule's
+        """FLOPs backward runs again, by traced node: each recomputed copy among a node order's
         `entries` counts its original's FLOPs, and only those (a node tagged recompute that
         no backward node needs is not run again). The one definition of recompute FLOPs:
         its total is `Estimate.recompute_flops`, and pictures sum it per box."""
@@ -396,7 +396,7 @@ class GraphIndex:
             result[name] = result.get(name, 0) + self.flops[i]
         return result
 
-    # --- per node, for a model of the pass that needs no schedule (the solver's) --------
+    # --- per node, for a model of the pass that needs no node order (the solver's) -----
 
     def activation_storages(self, name: str) -> tuple[int, ...]:
         """The storages `name`'s output holds that count as saved activations when backward
@@ -445,10 +445,10 @@ class GraphIndex:
 
     # --- readers -----------------------------------------------------------------------
 
-    def read_directly(self, schedule: Schedule | Flat) -> set[str]:
-        """Forward and loss nodes that a backward node or a recomputed copy of the schedule
+    def read_directly(self, order: NodeOrder | Flat) -> set[str]:
+        """Forward and loss nodes that a backward node or a recomputed copy of the node order
         takes as an input: the values its forward region hands over to backward."""
-        read = self._read_by_backward(self.flat(schedule))
+        read = self._read_by_backward(self.flat(order))
         return {self.names[x] for x in np.unique(read).tolist()}
 
     def _read_by_backward(self, flat: Flat) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The CPU offload pass: offloaded activations copied to the host after their producer,
 freed, reloaded before backward reads them, where the placement rule says.
 
-Entry point: `offload_pass(gm, names, layer_of, options) -> gm` (its `OffloadPlan` in
+Entry point: `offload_pass(gm, names, layer_of, options) -> gm` (its `OffloadReport` in
 `gm.meta[OFFLOAD_META]`).
 """
 
@@ -30,7 +30,7 @@ from workbench.rewrite.placement import (
 
 
 @dataclass
-class OffloadPlan:
+class OffloadReport:
     """What `offload_pass` did to a graph: the values offloaded (node names, in the order of
     `values`), where each went, the bytes, and the requests it skipped with why."""
 
@@ -121,7 +121,7 @@ def offload_pass(
     CPU the ops are `workbench::*` (the host is a separate buffer per copy), elsewhere
     torch's `ao::*`. Requests it cannot honour safely (an alias of another node's storage,
     written in place, returned, not read in backward: `examine_offload`) are skipped, with
-    why (`Refused`). Writes the `OffloadPlan` to `gm.meta[OFFLOAD_META]` and returns `gm`,
+    why (`Refused`). Writes the `OffloadReport` to `gm.meta[OFFLOAD_META]` and returns `gm`,
     rewritten in place."""
     options = options or OffloadOptions()
     nodes = list(gm.graph.nodes)
@@ -144,7 +144,7 @@ def offload_pass(
     layers = [layer_of(n) for n in nodes]
     places = place_offloads(backward, layers, values, options)
     _insert(gm, nodes, wanted, places)
-    plan = OffloadPlan(
+    report = OffloadReport(
         names=[v.node.name for v in wanted],
         values=values,
         places=places,
@@ -154,7 +154,7 @@ def offload_pass(
     )
     gm.graph.lint()
     gm.recompile()
-    gm.meta[OFFLOAD_META] = plan
+    gm.meta[OFFLOAD_META] = report
     return gm
 
 

@@ -17,7 +17,7 @@ import torch.fx as fx
 from workbench.decide.offloadable import OffloadOptions
 from workbench.errors import WorkbenchError
 
-# gm.meta key holding the `OffloadPlan` of a graph the pass rewrote; node.meta key marking a
+# gm.meta key holding the `OffloadReport` of a graph the pass rewrote; node.meta key marking a
 # forward view the pass replayed on a reloaded tensor (its other meta is the original's).
 OFFLOAD_META = "workbench_offload"
 REPLAYED_VIEW = "workbench_offload_replayed_view"

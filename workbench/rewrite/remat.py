@@ -23,7 +23,7 @@ from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.rewrite.index import graph_index
-from workbench.rewrite.offload import OffloadPlan, offload_pass
+from workbench.rewrite.offload import OffloadReport, offload_pass
 from workbench.rewrite.placement import OFFLOAD_META
 
 RECOMPUTED_SUFFIX = "_recomputed"
@@ -46,7 +46,7 @@ class RematReport:
     saved_bytes_by_node_after: dict[str, int]
     forced: dict[str, str]
     problems: list[str] = field(default_factory=list)
-    offload: OffloadPlan | None = None  # what the offload pass did, when the policy offloads
+    offload: OffloadReport | None = None  # what the offload pass did, when the policy offloads
 
     @property
     def saved_before(self) -> list[str]:
@@ -154,7 +154,7 @@ def remat(
         if n.name.endswith(RECOMPUTED_SUFFIX)
     ]
     index = graph_index(graph)
-    rewritten = index.schedule_of(out)
+    rewritten = index.order_of(out)
     before = index.saved_by_node(index.identity())
     after = index.saved_by_node(rewritten)
     report = RematReport(

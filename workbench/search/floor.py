@@ -167,7 +167,7 @@ def floor_search(
 
 
 def _peak_cause(estimator: Estimator, est: Estimate) -> dict[str, Any]:
-    """Where the peak is (node, phase, schedule steps after it) and how much of it is the
+    """Where the peak is (node, phase, node-order steps after it) and how much of it is the
     training state no policy moves: parameters, gradients and optimizer state."""
     phase = estimator.graph.nodes[estimator.traced_node(est.peak_node)].phase
     after = len(est.order) - 1 - est.peak_index

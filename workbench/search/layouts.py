@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from workbench.capture.degrees import divisors
+from workbench.capture.degrees import Degrees, divisors
 from workbench.capture.expert_parallel import check_expert_parallel
 from workbench.capture.models import DTYPES, Workload, model_names
 from workbench.capture.models.deepseek_v3 import GroupedExperts
@@ -33,6 +33,7 @@ from workbench.errors import WorkbenchError, check_int
 __all__ = [
     "MICROBATCH_MULTIPLES",
     "OPTIMIZER",
+    "PLAN_DEGREES",
     "PLAN_SCHEDULES",
     "Candidate",
     "ParamCounts",
@@ -55,6 +56,8 @@ MICROBATCH_MULTIPLES = (1, 2, 4)
 # torchtitan's Llama3 70B benchmark: 256 H100s, FSDP 32 x TP 8, local batch 16 -> 512
 # sequences a step, two per GPU.
 SEQUENCES_PER_GPU = 2
+# The degrees a plan enumerates, named in every layout's JSON (others only when used).
+PLAN_DEGREES = ("fsdp", "tp", "pp", "ep")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,17 +128,14 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout: fsdp x tp x pp ranks, the schedule (None without PP), microbatches per
-    step of one data-parallel rank (`local_batch` sequences) and the EP degree (routed
-    experts over `ep` of the fsdp x tp ranks; 1 on dense models)."""
+    """One layout: its `degrees` (fsdp x tp x pp ranks; EP, routed experts over `ep` of the
+    fsdp x tp ranks, 1 on dense models), the schedule (None without PP) and microbatches per
+    step of one data-parallel rank (`local_batch` sequences)."""
 
-    fsdp: int
-    tp: int
-    pp: int
+    degrees: Degrees
     schedule: str | None
     microbatches: int
     local_batch: int
-    ep: int = 1
 
     @property
     def microbatch_size(self) -> int:
@@ -143,19 +143,21 @@ class Candidate:
 
     def pipeline(self) -> Pipeline:
         assert self.schedule is not None
-        return Pipeline(pp=self.pp, schedule=self.schedule, microbatches=self.microbatches)
+        return Pipeline(pp=self.degrees.pp, schedule=self.schedule, microbatches=self.microbatches)
+
+    def parallel(self) -> Parallel:
+        """Always a `Parallel`, one rank included: every layout computes in the same mixed
+        precision (bf16 parameters gathered from fp32 shards), as torchtitan trains. EP
+        routes balanced (`ep_imbalance` 1)."""
+        return Parallel.of(self.degrees)
 
     def describe(self) -> str:
         """`fsdp 4 x tp 2 x pp 1`, `... x ep 8` when EP is used."""
-        ep = f" x ep {self.ep}" if self.ep > 1 else ""
-        return f"fsdp {self.fsdp} x tp {self.tp} x pp {self.pp}{ep}"
+        return self.degrees.describe(PLAN_DEGREES[:3])
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "fsdp": self.fsdp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "ep": self.ep,
+            **self.degrees.used(PLAN_DEGREES),
             "schedule": self.schedule,
             "microbatches": self.microbatches,
             "microbatch_size": self.microbatch_size,
@@ -167,20 +169,14 @@ class Candidate:
 class Pruned:
     """A layout dropped before tracing, and why."""
 
-    fsdp: int
-    tp: int
-    pp: int
+    degrees: Degrees
     schedule: str | None
     reason: str
     lower_bound_bytes: int | None = None
-    ep: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "fsdp": self.fsdp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "ep": self.ep,
+            **self.degrees.used(PLAN_DEGREES),
             "schedule": self.schedule,
             "reason": self.reason,
             "lower_bound_bytes": self.lower_bound_bytes,
@@ -238,10 +234,10 @@ def lower_bound_bytes(counts: ParamCounts, candidate: Candidate, layout: StageLa
     torchtitan does, split over ep and the efsdp = fsdp x tp / ep ranks left, gathered to
     1/ep of them."""
     master, state = counts.itemsize, OPTIMIZER_STATE_BYTES[OPTIMIZER]
-    parallel = Parallel()
+    parallel = candidate.parallel()
     low, reduce = DTYPES[parallel.param_dtype].itemsize, DTYPES[parallel.reduce_dtype].itemsize
-    fsdp, tp, ep = candidate.fsdp, candidate.tp, candidate.ep
-    efsdp = fsdp * tp // ep if ep > 1 else fsdp
+    fsdp, tp, ep = parallel.fsdp, parallel.tp, parallel.ep
+    efsdp = parallel.efsdp if ep > 1 else fsdp
     # (ranks a shard is split over, ranks the gathered whole is split over, FSDP degree)
     dense, experts = (fsdp * tp, tp, fsdp), (efsdp * ep, ep, efsdp)
     if layout is None:
@@ -250,7 +246,7 @@ def lower_bound_bytes(counts: ParamCounts, candidate: Candidate, layout: StageLa
         held = [(params - routed, dense), (routed, experts)]
         return sum(n * (master + state + master) // shards for n, (shards, _, _) in held)
     worst = 0
-    for rank in range(candidate.pp):
+    for rank in range(parallel.pp):
         total = 0
         for stage in layout.stages_of(rank):
             layers = layout.layers[stage]
@@ -306,10 +302,10 @@ def ep_degrees(workload: Workload, ranks: int) -> list[int]:
     return [ep for ep in divisors(ranks) if config.n_experts % ep == 0]
 
 
-def _ep_refusal(workload: Workload, fsdp: int, tp: int, ep: int) -> str | None:
+def _ep_refusal(workload: Workload, degrees: Degrees) -> str | None:
     """Why the reference MoE cannot shard its experts so (efsdp divides none of their sizes)."""
     try:
-        check_expert_parallel(workload, Parallel(fsdp=fsdp, tp=tp, ep=ep))
+        check_expert_parallel(workload, Parallel.of(degrees))
     except WorkbenchError as err:
         return str(err).split(";")[0]
     return None
@@ -327,12 +323,13 @@ def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], 
         for pp in divisors(options.gpus // tp):
             fsdp = options.gpus // (tp * pp)
             for ep in [1] if refusal else ep_degrees(workload, fsdp * tp):
-                why = refusal or (_ep_refusal(workload, fsdp, tp, ep) if ep > 1 else None)
+                degrees = Degrees(fsdp=fsdp, tp=tp, pp=pp, ep=ep)
+                why = refusal or (_ep_refusal(workload, degrees) if ep > 1 else None)
                 for schedule in options.schedules if pp > 1 else (None,):
                     if why:
-                        pruned.append(Pruned(fsdp, tp, pp, schedule, why, ep=ep))
+                        pruned.append(Pruned(degrees, schedule, why))
                         continue
-                    found = _layout(options, counts, fsdp, tp, pp, schedule, ep)
+                    found = _layout(options, counts, degrees, schedule)
                     if isinstance(found, Pruned):
                         pruned.append(found)
                     else:
@@ -341,19 +338,14 @@ def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], 
 
 
 def _layout(
-    options: PlanOptions,
-    counts: ParamCounts,
-    fsdp: int,
-    tp: int,
-    pp: int,
-    schedule: str | None,
-    ep: int = 1,
+    options: PlanOptions, counts: ParamCounts, degrees: Degrees, schedule: str | None
 ) -> list[Candidate] | Pruned:
     """One fsdp x tp x pp x ep x schedule: its microbatch choices, or why it is dropped (the
     memory bound first: building torch's schedule for large pp takes seconds)."""
+    fsdp, pp = degrees.fsdp, degrees.pp
     if options.batch % fsdp:
         reason = f"fsdp {fsdp} does not divide the global batch of {options.batch}"
-        return Pruned(fsdp, tp, pp, schedule, reason, ep=ep)
+        return Pruned(degrees, schedule, reason)
     local = options.batch // fsdp
     layout = None
     if schedule is not None:
@@ -362,14 +354,14 @@ def _layout(
             split_layers(total, n_stages)
         except WorkbenchError:
             reason = f"{n_stages} stages cannot split {total} layers (+embedding, output)"
-            return Pruned(fsdp, tp, pp, schedule, reason, ep=ep)
+            return Pruned(degrees, schedule, reason)
         layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
-    bound = lower_bound_bytes(counts, Candidate(fsdp, tp, pp, schedule, 1, local, ep), layout)
+    bound = lower_bound_bytes(counts, Candidate(degrees, schedule, 1, local), layout)
     if bound > options.budget_bytes:
         reason = "parameters, optimizer state and gradients exceed the memory"
-        return Pruned(fsdp, tp, pp, schedule, reason, bound, ep)
+        return Pruned(degrees, schedule, reason, bound)
     if schedule is None:
-        return [Candidate(fsdp, tp, pp, None, 1, local, ep)]
+        return [Candidate(degrees, None, 1, local)]
     multiples = options.microbatch_multiples
     micro = _microbatch_counts(multiples, schedule, pp, pp * stages_per_rank(schedule), local)
     if not micro:
@@ -377,5 +369,5 @@ def _layout(
             f"no multiple ({', '.join(map(str, multiples))}) of the stages divides the local "
             f"batch of {local}"
         )
-        return Pruned(fsdp, tp, pp, schedule, reason, ep=ep)
-    return [Candidate(fsdp, tp, pp, schedule, m, local, ep) for m in micro]
+        return Pruned(degrees, schedule, reason)
+    return [Candidate(degrees, schedule, m, local) for m in micro]

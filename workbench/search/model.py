@@ -19,8 +19,8 @@ from workbench.cost.estimate import Estimator
 from workbench.decide.decider import rules_of
 from workbench.decide.engine import forced_save, save_layer_boundaries, save_written_inputs
 from workbench.decide.offloadable import offload_refusal
-from workbench.decide.plan import last_layer
 from workbench.decide.presets import WORKBENCH
+from workbench.decide.tables import last_layer
 from workbench.decide.tags import Tag, Why
 from workbench.rewrite.index import GraphIndex
 
@@ -60,9 +60,9 @@ class LinearModel:
     timeline.
 
     Tags come from the rules (`rules_of(graph)`): the forced saves (`forced_save`), the FSDP
-    choice on unshard chains, followers after their leaders (`DecidePlan.leaders`), then
+    choice on unshard chains, followers after their leaders (`DecideTables.leaders`), then
     the engine's own layer-boundary and in-place steps (`save_layer_boundaries`,
-    `save_written_inputs`) on the plan. So `tags(saved)` is exactly what `decide` gives.
+    `save_written_inputs`) on the decide tables. So `tags(saved)` is exactly what `decide` gives.
     Recomputation then follows torch's remat pass: a recomputed node is copied into
     backward when a backward node that dead-code elimination keeps reads it, or another
     copy does; with no backward node reading a recomputed one the pass changes nothing.
@@ -81,7 +81,7 @@ class LinearModel:
         fsdp_reshard: bool = True,
     ):
         rules, index = rules_of(graph), estimator.index
-        facts, self.plan = rules.facts, rules.plan
+        facts, self.tables = rules.facts, rules.tables
         self.names = [f.name for f in facts]
         self.key_of = [f.key for f in facts]
         position = {name: p for p, name in enumerate(self.names)}
@@ -92,7 +92,7 @@ class LinearModel:
         forced = {f.name for f in facts if forced_save(f) is not None}
         # followers take their leader's decision and parameter all-gathers the FSDP
         # choice: none is a choice here, nor a key whose nodes never feed backward
-        decided = forced | {name for name, _, _ in self.plan.leaders}
+        decided = forced | {name for name, _, _ in self.tables.leaders}
         fixed = {f.key for f in facts if f.name in decided or f.gather is not None}
         read = {k for k, feeds in zip(self.key_of, self._feeds_backward(), strict=True) if feeds}
         self.unread = sorted(set(self.key_of) - read - fixed)  # recomputed as `full` does
@@ -104,15 +104,15 @@ class LinearModel:
                 self.source[p] = SAVED
             elif f.gather == f.name:
                 self.source[p] = RECOMPUTED if fsdp_reshard else SAVED
-        for name, leader, _ in self.plan.leaders:  # graph order: leaders come first
+        for name, leader, _ in self.tables.leaders:  # graph order: leaders come first
             if name not in forced:
                 self.source[position[name]] = self.source[position[leader]]
         self.cross: list[tuple[int, ...]] = [()] * len(facts)  # users across a layer boundary
-        for name, users in self.plan.boundaries[WORKBENCH]:
+        for name, users in self.tables.boundaries[WORKBENCH]:
             self.cross[position[name]] = tuple(position[u] for u in users)
-        involved = {n for name, users in self.plan.boundaries[WORKBENCH] for n in (name, *users)}
+        involved = {n for name, users in self.tables.boundaries[WORKBENCH] for n in (name, *users)}
         self._boundary_nodes = sorted(((n, position[n]) for n in involved), key=lambda x: x[1])
-        self._write_readers = [position[n] for n in self.plan.writes.readers]
+        self._write_readers = [position[n] for n in self.tables.writes.readers]
         self.storages, self.sizes, self.storage_owner = _storages(index, self.names)
         # keys with a node the rules may offload (`offload_refusal`), and the bytes of
         # the storages each candidate's nodes make: what offloading it would move
@@ -148,12 +148,12 @@ class LinearModel:
         flags = [c == RECOMPUTED or (c >= 0 and c not in saved) for c in source]
         if self._boundary_nodes:
             tags = {name: _TAGS[flags[p]] for name, p in self._boundary_nodes}
-            save_layer_boundaries(tags, self.plan.boundaries[WORKBENCH])
+            save_layer_boundaries(tags, self.tables.boundaries[WORKBENCH])
             for name, p in self._boundary_nodes:
                 flags[p] = tags[name].recompute
         if any(flags[p] for p in self._write_readers):
             tags = dict(zip(self.names, [_TAGS[f] for f in flags], strict=True))
-            save_written_inputs(tags, self.plan)
+            save_written_inputs(tags, self.tables)
             for p in self._write_readers:
                 flags[p] = tags[self.names[p]].recompute
         return flags

@@ -24,11 +24,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from workbench.capture.degrees import Degrees
 from workbench.capture.expert_parallel import routing_note
 from workbench.capture.graph import JointGraph
 from workbench.capture.kernels import KERNEL_TARGETS
@@ -199,13 +200,11 @@ class _Traces:
 
     def stage_graphs(self, candidate: Candidate, layout: StageLayout) -> list[JointGraph]:
         workload = self.workload(candidate.local_batch)
-        parallel = _parallel(candidate)
+        parallel = candidate.parallel()
         graphs = []
         for stage, layers in enumerate(layout.layers):
             key = (
-                candidate.fsdp,
-                candidate.tp,
-                candidate.ep,
+                _sharding(candidate),
                 candidate.microbatch_size,
                 len(layers),
                 _dense_layers(workload, layers),
@@ -231,9 +230,9 @@ class _Traces:
 
     def whole(self, candidate: Candidate) -> JointGraph:
         workload = self.workload(candidate.local_batch)
-        key = (candidate.fsdp, candidate.tp, candidate.ep, candidate.local_batch, "whole")
+        key = (_sharding(candidate), candidate.local_batch, "whole")
         return self.get(
-            key, lambda: trace(workload, "fake", _parallel(candidate), kernels=self.kernels)
+            key, lambda: trace(workload, "fake", candidate.parallel(), kernels=self.kernels)
         )
 
 
@@ -244,15 +243,14 @@ def _dense_layers(workload: Workload, layers: tuple[int, ...]) -> int:
     return sum(not isinstance(blocks[str(i)].feed_forward, MoE) for i in layers)
 
 
-def _group(candidate: Candidate) -> tuple[int, int, int, int]:
-    return (candidate.fsdp, candidate.tp, candidate.ep, candidate.microbatch_size)
+def _sharding(candidate: Candidate) -> Degrees:
+    """What a rank's graph is sharded by: the layout's degrees but pp (a stage's graph is
+    the same in any pipeline depth)."""
+    return replace(candidate.degrees, pp=1)
 
 
-def _parallel(candidate: Candidate) -> Parallel:
-    """Always a `Parallel`, one rank included: every layout computes in the same mixed
-    precision (bf16 parameters gathered from fp32 shards), as torchtitan trains. EP routes
-    balanced (`ep_imbalance` 1)."""
-    return Parallel(fsdp=candidate.fsdp, tp=candidate.tp, ep=candidate.ep)
+def _group(candidate: Candidate) -> tuple[Degrees, int]:
+    return (_sharding(candidate), candidate.microbatch_size)
 
 
 def _plan_whole(candidate: Candidate, graph: JointGraph, options: PlanOptions) -> PlannedConfig:
@@ -267,7 +265,7 @@ def _plan_whole(candidate: Candidate, graph: JointGraph, options: PlanOptions) -
         else min(tried, key=lambda pe: pe[1].peak_bytes)
     )
     # torchtitan's count, as `PipelineEstimate`'s: a rank's tokens over the tp ranks sharing them
-    rate = est.tokens_per_second[name] / candidate.tp
+    rate = est.tokens_per_second[name] / candidate.degrees.non_data_parallel_size
     return PlannedConfig(
         candidate, [policy], [est.peak_bytes], est.step_seconds[name], rate, bool(fits)
     )
@@ -350,7 +348,7 @@ def default_jobs() -> int:
 def _work(group: list[Candidate]) -> int:
     """A group's rough cost, to hand out the largest first: its schedule actions (the
     simulation walks them for every trial) and its stage graphs."""
-    return sum(c.microbatches * c.pp + c.pp for c in group)
+    return sum(c.microbatches * c.degrees.pp + c.degrees.pp for c in group)
 
 
 def _start_pool(jobs: int) -> ProcessPoolExecutor | None:
@@ -433,7 +431,7 @@ def _plan(
         )
     # Alike stages share fsdp, tp, ep and the microbatch size: evaluated group by group, a
     # group's graphs are dropped when it ends (a 70B plan holds hundreds otherwise).
-    groups: dict[tuple[int, ...], list[Candidate]] = {}
+    groups: dict[tuple[Degrees, int], list[Candidate]] = {}
     for candidate in sorted(candidates, key=_group):
         groups.setdefault(_group(candidate), []).append(candidate)
     results = _evaluate(options, n_layers(workload), list(groups.values()), progress, pool)
@@ -447,7 +445,7 @@ def _plan(
         )
     configs.sort(key=lambda c: (not c.feasible, -c.tokens_per_second_per_gpu, c.peak_bytes))
     notes = []
-    if any(c.candidate.ep > 1 for c in configs):  # the EP rank graphs' own note, once
+    if any(c.candidate.degrees.ep > 1 for c in configs):  # the EP rank graphs' note, once
         notes.append(routing_note("one per MoE layer", Parallel().ep_imbalance))
     return Plan(
         options,

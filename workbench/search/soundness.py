@@ -50,7 +50,7 @@ def random_policy(graph: JointGraph, rng: random.Random) -> Policy:
     random FSDP choice. Half the requests name a node that reads or writes a storage
     written in place, where a recompute can go wrong; the rest any forward or loss node."""
     facts = rules_of(graph).facts
-    writes = rules_of(graph).plan.writes
+    writes = rules_of(graph).tables.writes
     touchy = [f for f in facts if f.name in writes.readers or f.name in writes.writes]
 
     def node() -> OpFacts:
@@ -224,6 +224,6 @@ def run_soundness(
         checks = [dataclasses.replace(c, forced=forced[c.index]) for c in checks]
     config = {k: graph.config.get(k) for k in ("layers", "seq", "batch", "dtype")}
     if parallel is not None:
-        config.update(fsdp=parallel.fsdp, tp=parallel.tp)
+        config.update(parallel.used(("fsdp", "tp")))
     seconds = time.perf_counter() - start
     return SoundnessReport(graph.model_name, seed, checks, seconds, config, reference)

@@ -31,11 +31,8 @@ def baseline_options(graph: JointGraph, estimator: Estimator) -> BaselineOptions
     config = graph.config
     parallel = None
     if graph.world_size > 1:
-        parallel = Parallel(
-            fsdp=int(config.get("fsdp", 1)),
-            tp=int(config.get("tp", 1)),
-            ep=int(config.get("ep", 1)),
-            cp=int(config.get("cp", 1)),
+        parallel = Parallel.of(
+            graph.degrees,
             param_dtype=config.get("param_dtype", "bfloat16"),
             reduce_dtype=config.get("reduce_dtype", "float32"),
         )

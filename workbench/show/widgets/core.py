@@ -18,7 +18,7 @@ from workbench.capture.kernels import KERNEL_TARGETS
 from workbench.capture.models import Workload
 from workbench.capture.ops import layer_pattern
 from workbench.cost.estimate import BudgetKind, Estimate, check_budget_kind
-from workbench.cost.pipelines import estimator_for
+from workbench.cost.pass_stacks import estimator_for
 from workbench.cost.profiles import PROFILES
 from workbench.decide.decider import Decisions, decidable
 from workbench.decide.offloadable import OffloadOptions
@@ -73,7 +73,7 @@ class ExplorerCore:
         self.budget_kind = check_budget_kind(budget_kind)  # what Suggest's and Sweep's hold
         self.workload = workload or loaded
         self.profile = check_profile(profile)
-        # the pass pipeline's graph and what-if (`cost.pipelines`): with graph-trainer each
+        # the pass stack's graph and what-if (`cost.pass_stacks`): with graph-trainer each
         # flip replays graph trainer's passes on its cleaned graph's indices
         self.passes = passes
         self.estimator = estimator_for(traced, passes, list(PROFILES))

@@ -51,7 +51,7 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     Metrics come from the exact what-if estimate after every change; Run remats with
     torch's pass and measures for real. The policy is autosaved to `autosave` as JSON.
     `passes="graph-trainer"` shows graph trainer's cleaned graph and replays its pass
-    pipeline on every change (`workbench.cost.pipelines`).
+    stack on every change (`workbench.cost.pass_stacks`).
     `model` is the session this widget shows (`ExplorerModel`); every traitlet below is the
     model's attribute of the same name.
     """

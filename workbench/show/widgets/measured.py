@@ -46,8 +46,8 @@ class Measured(ExplorerCore):
         from workbench.rewrite.remat import remat
 
         snapshot = load_snapshot(path)
-        schedule = self.estimator.schedule_for(self.decisions, self.policy.offload)
-        est = self.estimator.simulate(schedule, CUDA_ALLOC_GRANULARITY)
+        order = self.estimator.order_for(self.decisions, self.policy.offload)
+        est = self.estimator.simulate(order, CUDA_ALLOC_GRANULARITY)
         gm = None
         if self.passes == "workbench":
             gm = remat(self.graph, self.decisions, self.policy.offload).gm

@@ -157,7 +157,7 @@ def timeline_panel(
 
 def with_measured(timeline: dict[str, Any], measured: list[int], label: str) -> dict[str, Any]:
     """`timeline` (`timeline_panel`'s) with a measured line beside the estimate's: live bytes
-    per step of the schedule (`SnapshotComparison.measured_timeline`), downsampled as the
+    per step of the node order (`SnapshotComparison.measured_timeline`), downsampled as the
     estimate's, both drawn against the larger maximum; `label` says what was measured.
 
     >>> t = with_measured({"values": [1, 4], "max": 4}, [2, 6], "measured")

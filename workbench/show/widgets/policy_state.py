@@ -108,8 +108,8 @@ class PolicyState:
     def estimate(self) -> Estimate:
         """The what-if estimate of the current decisions, computed once per change."""
         if self._estimate is None:
-            schedule = self.estimator.schedule_for(self.decisions, self.policy.offload)
-            self._estimate = self.estimator.simulate(schedule)
+            order = self.estimator.order_for(self.decisions, self.policy.offload)
+            self._estimate = self.estimator.simulate(order)
         return self._estimate
 
     def change(self, policy: Policy) -> bool:

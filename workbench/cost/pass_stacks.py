@@ -1,10 +1,10 @@
-"""The what-if under a pass pipeline: figures of the graph the chosen pipeline makes.
+"""The what-if under a pass stack: figures of the graph the chosen stack of passes makes.
 
 Entry point: `estimator_for(graph, passes, ...) -> Estimator`. `workbench`: the Estimator of
 the traced graph, which replays torch's remat pass and the workbench's offload pass on
-indices. `graph-trainer`: a `PipelineEstimator` of graph trainer's cleaned graph, which
+indices. `graph-trainer`: a `PassStackEstimator` of graph trainer's cleaned graph, which
 replays graph trainer's offload and remat passes on indices (`graph_trainer_replay`), equal
-schedule for schedule to running them; `reference=True` runs them on every estimate instead,
+order for order to running them; `reference=True` runs them on every estimate instead,
 and `check_replay(policy)` compares the two.
 """
 
@@ -20,20 +20,20 @@ from workbench.cost.profiles import DeviceProfile
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
-from workbench.rewrite.graph_trainer import prepare, run_pipeline
-from workbench.rewrite.schedule import Flat
+from workbench.rewrite.entries import Flat
+from workbench.rewrite.graph_trainer import prepare, run_passes
 
-__all__ = ["PipelineEstimator", "estimator_for"]
+__all__ = ["PassStackEstimator", "estimator_for"]
 
 REPLAYED = "replayed on indices"
 
 
-class PipelineEstimator(Estimator):
-    """An Estimator of a cleaned graph (`rewrite.graph_trainer.cleanup`) whose schedules are
-    those of graph trainer's pipeline: tagging, its offload pass, its remat pass. They are
+class PassStackEstimator(Estimator):
+    """An Estimator of a cleaned graph (`rewrite.graph_trainer.cleanup`) whose node orders are
+    those of graph trainer's pass stack: tagging, its offload pass, its remat pass. They are
     replayed on indices (`replay_graph_trainer`); where the replay cannot say
-    (`Unreplayable`), or with `reference=True`, graph trainer's passes run (`run_pipeline`).
-    `fallback` says why the last schedule ran them (None: replayed)."""
+    (`Unreplayable`), or with `reference=True`, graph trainer's passes run (`run_passes`).
+    `fallback` says why the last node order ran them (None: replayed)."""
 
     passes = "graph-trainer"
 
@@ -50,8 +50,8 @@ class PipelineEstimator(Estimator):
         self.reference = reference
         self.fallback: str | None = None
 
-    def schedule_for(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
-        """The schedule of the graph graph trainer's passes make of `graph` tagged with
+    def order_for(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
+        """The node order of the graph graph trainer's passes make of `graph` tagged with
         `decisions` (offloads placed with `options`)."""
         self.fallback = "reference: graph trainer's passes ran" if self.reference else None
         if not self.reference:
@@ -59,23 +59,21 @@ class PipelineEstimator(Estimator):
                 return replay_graph_trainer(self.index, decisions, options)
             except Unreplayable as why:
                 self.fallback = f"graph trainer's passes ran: {why}"
-        return self.pipeline_schedule(decisions, options)
+        return self.passes_order(decisions, options)
 
-    def pipeline_schedule(
-        self, decisions: Decisions, options: OffloadOptions | None = None
-    ) -> Flat:
-        """The schedule of the graph graph trainer's own passes make (`run_pipeline`): the
+    def passes_order(self, decisions: Decisions, options: OffloadOptions | None = None) -> Flat:
+        """The node order of the graph graph trainer's own passes make (`run_passes`): the
         reference the replay equals."""
-        result = run_pipeline(self.graph, decisions, options or OffloadOptions())
-        return self.index.flat(self.schedule_of(result.gm))
+        result = run_passes(self.graph, decisions, options or OffloadOptions())
+        return self.index.flat(self.order_of(result.gm))
 
     def whatif_note(self) -> str:
-        """How the last schedule was made: replayed, or why graph trainer's passes ran."""
+        """How the last node order was made: replayed, or why graph trainer's passes ran."""
         return self.fallback or REPLAYED
 
     def check_replay(self, policy: Policy | Decisions) -> list[str]:
         """Where the replay and graph trainer's own passes differ for `policy`, in words
-        (empty: the same schedule, entry for entry and input for input; a policy the replay
+        (empty: the same node order, entry for entry and input for input; a policy the replay
         cannot say is listed with why)."""
         decisions = decide(self.graph, policy) if isinstance(policy, Policy) else policy
         options = policy.offload if isinstance(policy, Policy) else OffloadOptions()
@@ -83,12 +81,12 @@ class PipelineEstimator(Estimator):
             replayed = replay_graph_trainer(self.index, decisions, options)
         except Unreplayable as why:
             return [f"not replayed: {why}"]
-        ran = self.pipeline_schedule(decisions, options)
+        ran = self.passes_order(decisions, options)
         return _differences(self, replayed, ran)
 
 
 def _differences(estimator: Estimator, replayed: Flat, ran: Flat) -> list[str]:
-    """Where two schedules of one estimator first differ, in its entries' names: in their
+    """Where two node orders of one estimator first differ, in its entries' names: in their
     order, else in an entry's inputs."""
     names = estimator._entry_names
     a, b = replayed.entries.tolist(), ran.entries.tolist()
@@ -120,11 +118,11 @@ def estimator_for(
     reference: bool = False,
     **options: Any,
 ) -> Estimator:
-    """The Estimator of the graph a pass pipeline analyses (`prepare(graph, passes)`; a
+    """The Estimator of the graph a pass stack analyses (`prepare(graph, passes)`; a
     prepared graph is taken as it is); `options` are Estimator's allocator, overlap and
     calibration settings; `reference` (graph-trainer) runs graph trainer's passes on every
     estimate in place of their replay."""
     prepared = prepare(graph, passes)
     if passes == "workbench":
         return Estimator(prepared, profiles, optimizer, **options)
-    return PipelineEstimator(prepared, profiles, optimizer, reference=reference, **options)
+    return PassStackEstimator(prepared, profiles, optimizer, reference=reference, **options)

@@ -1,7 +1,7 @@
 """A rewritten graph as node indices: the vocabulary the index, the replayed remat pass and
 the estimate share.
 
-Entry points: `Schedule` (order and inputs), `Flat` (the same as arrays), `Csr` (per-node
+Entry points: `NodeOrder` (order and inputs), `Flat` (the same as arrays), `Csr` (per-node
 lists as two arrays), `EntrySpace` (what each entry stands for) and `OFFLOAD_STEPS`.
 """
 
@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["OFFLOAD_STEPS", "Csr", "EntrySpace", "Flat", "Schedule"]
+__all__ = ["OFFLOAD_STEPS", "Csr", "EntrySpace", "Flat", "NodeOrder"]
 
 # A rewritten graph as indices: its node order and each entry's inputs (`EntrySpace` says
 # what each entry stands for).
-Schedule = tuple[list[int], dict[int, tuple[int, ...]]]
+NodeOrder = tuple[list[int], dict[int, tuple[int, ...]]]
 # The steps of one offload: the host copy, the free of the device original, the reload,
 # the wait for it.
 OFFLOAD_STEPS = ("offload", "free", "reload", "wait")
@@ -94,7 +94,7 @@ class EntrySpace(NamedTuple):
 
 
 class Flat(NamedTuple):
-    """A schedule as arrays, so per-policy work is array operations: the entries in order,
+    """A node order as arrays, so per-policy work is array operations: the entries in order,
     and every input read as (reader's position, entry read), readers in order."""
 
     entries: np.ndarray

@@ -1,6 +1,6 @@
-"""What deciding derives from a graph's facts alone, once per graph: `DecidePlan`.
+"""What deciding derives from a graph's facts alone, once per graph: `DecideTables`.
 
-Entry points: `decide_plan(facts)`, `layer_boundaries`, `last_layer` (each in a dialect's
+Entry points: `decide_tables(facts)`, `layer_boundaries`, `last_layer` (each in a dialect's
 reading of layers, `presets.DIALECTS`) and `replayed_by` (which recompute-tagged nodes torch's
 remat pass copies into backward).
 """
@@ -16,8 +16,8 @@ from workbench.decide.presets import DIALECTS, WORKBENCH, Dialect, DialectRules
 from workbench.decide.tags import Tag
 
 
-class DecidePlan(NamedTuple):
-    """What deciding derives from the facts alone, built once per graph (`decide_plan`) so
+class DecideTables(NamedTuple):
+    """What deciding derives from the facts alone, built once per graph (`decide_tables`) so
     that re-deciding after a flip only touches the nodes a policy can change: the
     overridden ones, the followers, and the nodes with a user across a layer boundary;
     and so that the offload rules look a node up without a pass over the graph."""
@@ -28,16 +28,16 @@ class DecidePlan(NamedTuple):
     by_layer_key: dict[str, list[str]]  # `OpFacts.layer_key` -> nodes
     leaders: list[tuple[str, str, bool]]  # (node, its leader, on an unshard chain), in order
     boundaries: dict[Dialect, list[tuple[str, tuple[str, ...]]]]  # each layer-boundary walk
-    writes: WritePlan  # the in-place rule's storages, writes and readers
+    writes: WriteTables  # the in-place rule's storages, writes and readers
     # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
     # and those tags once followers took their leader's
     request_memo: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
 
 
-REQUEST_MEMO = 8  # request tables a plan remembers (one per preset and selector list)
+REQUEST_MEMO = 8  # request tables the decide tables remember (one per preset and selector list)
 
 
-class WritePlan(NamedTuple):
+class WriteTables(NamedTuple):
     """What the in-place rule reads, from the facts alone: each node's position in graph
     order, the storage each node's output lives in (named by the node or graph input that
     made it: `alias` followed to its end), the writes into each storage in graph order, and
@@ -49,8 +49,8 @@ class WritePlan(NamedTuple):
     readers: tuple[str, ...]
 
 
-def write_plan(facts: Sequence[OpFacts]) -> WritePlan:
-    """The `WritePlan` of these facts (graph order)."""
+def write_tables(facts: Sequence[OpFacts]) -> WriteTables:
+    """The `WriteTables` of these facts (graph order)."""
     position: dict[str, int] = {}
     root: dict[str, str] = {}
     writes: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
@@ -60,11 +60,11 @@ def write_plan(facts: Sequence[OpFacts]) -> WritePlan:
         for x in f.writes:
             writes[root.get(x, x)].append((i, f.name))
     readers = tuple(f.name for f in facts if any(root.get(x, x) in writes for x in f.inputs))
-    return WritePlan(position, root, dict(writes), readers)
+    return WriteTables(position, root, dict(writes), readers)
 
 
-def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
-    """The plan of `decide_ops` for these facts (graph order)."""
+def decide_tables(facts: Sequence[OpFacts]) -> DecideTables:
+    """The tables `decide_ops` reads for these facts (graph order)."""
     by_name = {f.name: f for f in facts}
     by_key: dict[str, list[str]] = collections.defaultdict(list)
     by_layer_key: dict[str, list[str]] = collections.defaultdict(list)
@@ -75,14 +75,14 @@ def decide_plan(facts: Sequence[OpFacts]) -> DecidePlan:
         leader = f.gather if f.gather not in (None, f.name) else f.parent
         if leader is not None and leader in by_name:
             leaders.append((f.name, leader, leader == f.gather))
-    return DecidePlan(
+    return DecideTables(
         by_name,
         {dialect: last_layer(facts, dialect) for dialect in DIALECTS},
         dict(by_key),
         dict(by_layer_key),
         leaders,
         {dialect: layer_boundaries(facts, by_name, rules) for dialect, rules in DIALECTS.items()},
-        write_plan(facts),
+        write_tables(facts),
         {},
     )
 
