@@ -1849,3 +1849,181 @@ def test_snapshot_bad_cli_syntax_is_argparses_one_line(
         main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+# --- issue 35, item 9: inputs that ended in a traceback -------------------------------------
+
+
+def _no_stage_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.cli import stages as cli_stages
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced the stages before checking the input")
+
+    monkeypatch.setattr(cli_stages, "trace_stages", refuse)
+
+
+PP_POLICY_FILES = [c for c in POLICY_FILES if c[0] in ("not utf-8", "nested too deep", "empty")]
+PP_POLICY_FILES.append(("key twice", b'{"stages": [], "stages": []}', "has the key 'stages' twice"))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"), [c[1:] for c in PP_POLICY_FILES], ids=[c[0] for c in PP_POLICY_FILES]
+)
+def test_bad_policy_file_under_pp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    content: bytes, message: str,
+) -> None:  # fmt: skip
+    """A pipeline's policy file gets the checks a policy file gets, before the trace."""
+    _no_stage_trace(monkeypatch)
+    path = tmp_path / "stages.json"
+    path.write_bytes(content)
+    line = fails(capsys, [*PP, "--pp", "2", "--policy", str(path)], message)
+    assert str(path) in line
+
+
+@pytest.mark.parametrize("frac", ["nan", "inf", "0", "-1", "1.5"])
+def test_solve_pp_budget_frac(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, frac: str
+) -> None:
+    _no_stage_trace(monkeypatch)
+    solve = ["solve", *PP[1:], "--pp", "2", "--budget-frac", frac]
+    fails(capsys, solve, r"--budget-frac must be in \(0, 1\], got")
+
+
+def _op(**fields: Any) -> dict[str, Any]:
+    event = {"cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 5}
+    event["args"] = {"Input Dims": [[4, 4], [4, 4]], "External id": 7}
+    return {**event, **fields}
+
+
+def _kernel(**fields: Any) -> dict[str, Any]:
+    event = {"cat": "kernel", "name": "gemm", "tid": 9, "ts": 1, "dur": 3}
+    return {**event, "args": {"External id": 7}, **fields}
+
+
+CALIBRATION_TRACES: list[tuple[str, list[Any], str]] = [
+    ("ts missing", [_op(ts=None)], r"event 0 \(cpu_op\) ts must be a finite number"),
+    ("ts string", [_op(), _op(ts="12")], r"event 1 \(cpu_op\) ts must be .*got '12'"),
+    ("dur null", [_op(dur=None)], r"event 0 \(cpu_op\) dur must be a finite number >= 0"),
+    ("args list", [_op(args=[1])], r"event 0 \(cpu_op\) args must be an object, got \[1\]"),
+    ("tid list", [_op(tid=[1])], r"event 0 \(cpu_op\) tid must be int or str"),
+    ("kernel dur string", [_op(), _kernel(dur="3")], r"event 1 \(kernel\) dur must be"),
+    ("dims int", [_op(args={"Input Dims": 3})], r"event 0 \(cpu_op\) args 'Input Dims' must be"),
+    ("external id list", [_kernel(args={"External id": [1]})], "'External id' must be int or"),
+]
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [c[1:] for c in CALIBRATION_TRACES],
+    ids=[c[0] for c in CALIBRATION_TRACES],
+)
+def test_malformed_calibration_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    events: list[Any], message: str,
+) -> None:  # fmt: skip
+    """Each event is checked once where the trace is read: one line naming its index and
+    field, before anything is traced."""
+    _no_trace(monkeypatch)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    fails(capsys, ["estimate", *MLP, "--calibrate", str(path)], message)
+
+
+def test_calibration_trace_with_mixed_thread_ids(tmp_path: Path) -> None:
+    """Thread ids of both kinds (numbers and strings) are threads apart, not a TypeError."""
+    from workbench.cost.calibrate import load_calibration
+
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [_op(), _op(tid="main", dur=7)]}))
+    seconds = load_calibration(path).seconds[("aten::mm", ((4, 4), (4, 4)))]
+    assert seconds == pytest.approx(6e-6)
+
+
+@pytest.mark.parametrize("plot", ["plan.txt", "plan", ""])
+def test_plan_plot_suffix_checked_before_the_plan(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    plot: str,
+) -> None:  # fmt: skip
+    from workbench.search import planner
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned before checking --plot")
+
+    monkeypatch.setattr(planner, "plan", refuse)
+    path = str(tmp_path / plot) if plot else ""
+    fails(capsys, [*PLAN, "--gpus", "1", "--plot", path], r"--plot .*one of .*\.png.*\.svg")
+
+
+def _api_type_cases() -> list[tuple[str, Any, type[BaseException], str]]:
+    from workbench.capture.models import load_workload
+    from workbench.capture.stages import Pipeline, trace_stages
+    from workbench.cost.calibrate import load_calibration
+    from workbench.search.layouts import PlanOptions
+    from workbench.search.planner import plan
+
+    def workload() -> Any:
+        return load_workload("llama3-debug", layers=2, seq=16, batch=2, device="meta")
+
+    options = {"model": "llama3-debug", "gpus": 2}
+    return [
+        ("plan dict", lambda: plan(options), TypeError, r"options must be a PlanOptions"),
+        ("model int", lambda: PlanOptions(model=3, gpus=2), TypeError, "model must be"),
+        ("gpu int", lambda: PlanOptions(**options, gpu=3), TypeError, "gpu must be a device"),
+        (
+            "schedules str",
+            lambda: PlanOptions(**options, schedules="1F1B"),
+            TypeError,
+            r"schedules must be a tuple, got '1F1B' \(str\)",
+        ),
+        (
+            "multiples int",
+            lambda: PlanOptions(**options, microbatch_multiples=2),
+            TypeError,
+            "microbatch_multiples must be a tuple",
+        ),
+        ("layers str", lambda: PlanOptions(**options, layers="2"), WorkbenchError, "--layers"),
+        ("layout str", lambda: Pipeline(pp=2).layout("4"), WorkbenchError, "n_layers must be"),
+        (
+            "workload str",
+            lambda: trace_stages("llama3-debug", "fake", None, Pipeline(pp=2)),
+            TypeError,
+            "workload must be a Workload",
+        ),
+        (
+            "pipeline int",
+            lambda: trace_stages(workload(), "fake", None, 2),
+            TypeError,
+            r"pipeline must be a Pipeline\(pp=...\), got 2 \(int\)",
+        ),
+        (
+            "parallel int",
+            lambda: trace_stages(workload(), "fake", 2, Pipeline(pp=2)),
+            TypeError,
+            "parallel must be a Parallel or None",
+        ),
+        ("calibration int", lambda: load_calibration(3), TypeError, "path must be a str"),
+    ]
+
+
+API_TYPE_CASES = [c[0] for c in _api_type_cases()]
+
+
+@pytest.mark.parametrize("name", API_TYPE_CASES)
+def test_public_entry_points_name_a_wrong_type(name: str) -> None:
+    _, call, kind, message = next(c for c in _api_type_cases() if c[0] == name)
+    with pytest.raises(kind, match=message) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+def test_pipeline_model_takes_stage_graphs_in_stage_order(pp_job: Any) -> None:
+    from workbench.cost.stages import PipelineModel
+
+    _, pipeline, graphs = pp_job
+    layout = pipeline.layout(2)
+    with pytest.raises(WorkbenchError, match=r"graphs\[0\] is the graph of stage 1: give"):
+        PipelineModel(graphs[::-1], layout)
+    with pytest.raises(TypeError, match="layout must be a StageLayout"):
+        PipelineModel(graphs, pipeline)  # type: ignore[arg-type]

@@ -29,8 +29,8 @@ from workbench.capture.pipeline import (
     stages_per_rank,
 )
 from workbench.capture.tracing import Mode
-from workbench.capture.workload import StageRole
-from workbench.errors import WorkbenchError, check_int
+from workbench.capture.workload import MAX_LAYERS, StageRole
+from workbench.errors import WorkbenchError, check_int, check_type
 
 if TYPE_CHECKING:
     from workbench.capture.parallel import Parallel
@@ -75,6 +75,7 @@ class Pipeline:
 
     def layout(self, n_layers: int) -> StageLayout:
         """The stages and the layers each holds, as torchtitan derives them."""
+        check_int("n_layers", n_layers, 1, MAX_LAYERS, "a model's transformer blocks")
         per_rank = stages_per_rank(self.schedule)
         if self.layers_per_stage is None:
             n_stages = self.pp * per_rank
@@ -284,8 +285,12 @@ def trace_stages(
     """The joint graph of each stage in `stages` (all by default), in stage order. Stages
     of one role stamp from one traced template (`templates`: kept by a caller tracing more
     pipelines of the same job, such as the planner). `kernels`: as `trace` takes them."""
+    from workbench.capture.parallel import Parallel
     from workbench.capture.trace import trace
 
+    check_type("workload", workload, Workload, "a Workload (load_workload)")
+    check_type("pipeline", pipeline, Pipeline, "a Pipeline(pp=...)")
+    check_type("parallel", parallel, (Parallel, type(None)), "a Parallel or None")
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
     templates = {} if templates is None else templates

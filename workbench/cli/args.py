@@ -210,7 +210,7 @@ def cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_copies_in_flight=args.max_copies_in_flight,
     )
     path = getattr(args, "calibrate", None)
-    calibration = load_calibration(path) if path else None
+    calibration = None if path is None else load_calibration(path)
     return {"allocator": allocator, "overlap": overlap, "calibration": calibration}
 
 

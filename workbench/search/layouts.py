@@ -26,9 +26,10 @@ from workbench.capture.pipeline import (
     stages_per_rank,
 )
 from workbench.capture.stages import Pipeline, StageLayout, split_layers
+from workbench.capture.workload import MAX_LAYERS
 from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, OptimizerName
 from workbench.cost.profiles import get_profile
-from workbench.errors import WorkbenchError, check_int
+from workbench.errors import WorkbenchError, check_int, check_type
 
 __all__ = [
     "MICROBATCH_MULTIPLES",
@@ -79,6 +80,12 @@ class PlanOptions:
     `plan --jobs` defaults to one per CPU). The plan is the same for any count."""
 
     def __post_init__(self) -> None:
+        check_type("model", self.model, str, "a reference model's name")
+        check_type("gpu", self.gpu, str, "a device profile's name (h100, h200)")
+        for name in ("schedules", "microbatch_multiples"):
+            check_type(name, getattr(self, name), (tuple, list), "a tuple")
+        if self.layers is not None:
+            check_int("--layers", self.layers, 1, MAX_LAYERS, "transformer blocks")
         if self.model not in model_names():
             raise WorkbenchError(
                 f"plan splits reference models, laid out as torchtitan's; {self.model!r} is not "
