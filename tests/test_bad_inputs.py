@@ -2027,3 +2027,176 @@ def test_pipeline_model_takes_stage_graphs_in_stage_order(pp_job: Any) -> None:
         PipelineModel(graphs[::-1], layout)
     with pytest.raises(TypeError, match="layout must be a StageLayout"):
         PipelineModel(graphs, pipeline)  # type: ignore[arg-type]
+
+
+# --- issue 35, item 10: results that misled -------------------------------------------------
+
+NAN_CALIBRATIONS: list[tuple[str, str, str]] = [
+    ("table NaN", '[{"op": "aten::mm", "input_shapes": [[2]], "seconds": NaN}]', "got nan"),
+    ("table inf", '[{"op": "aten::mm", "input_shapes": [[2]], "seconds": Infinity}]', "got inf"),
+    ("table -1", '[{"op": "aten::mm", "input_shapes": [[2]], "seconds": -1}]', "got -1"),
+    ("trace dur -5", json.dumps({"traceEvents": [_op(dur=-5)]}), r"event 0 \(cpu_op\) dur"),
+    ("trace dur NaN", '{"traceEvents": [{"cat": "kernel", "ts": 0, "dur": NaN}]}', "got nan"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [c[1:] for c in NAN_CALIBRATIONS], ids=[c[0] for c in NAN_CALIBRATIONS]
+)
+def test_calibration_with_a_time_that_is_no_duration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    text: str, message: str,
+) -> None:  # fmt: skip
+    """A negative, NaN or infinite time would give a negative or NaN step time (and JSON
+    with NaN in it): refused where the file is read."""
+    _no_trace(monkeypatch)
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    line = fails(capsys, ["estimate", *MLP, "--calibrate", str(path)], message)
+    assert "must be a finite number >= 0" in line
+
+
+def test_plan_options_plan_a_repeated_name_once() -> None:
+    from workbench.search.layouts import PlanOptions
+
+    options = PlanOptions(
+        model="llama3-debug",
+        gpus=2,
+        schedules=("1F1B", "ZBVZeroBubble", "1F1B", "ScheduleZBVZeroBubble"),
+        microbatch_multiples=(2, 1, 2),
+    )
+    assert options.schedules == ("1F1B", "ZBVZeroBubble")
+    assert options.microbatch_multiples == (2, 1)
+
+
+def _record_cases() -> list[tuple[str, Any, type[BaseException], str]]:
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.cost.overlap import OverlapOptions
+    from workbench.search.layouts import PlanOptions
+
+    return [
+        ("expandable 'no'", lambda: AllocatorConfig(expandable_segments="no"), TypeError,
+         r"expandable_segments must be True or False, got 'no' \(str\)"),
+        ("split 2 TiB", lambda: AllocatorConfig(max_split_size=2**41), WorkbenchError,
+         r"max_split_size must be a whole number from 1 to 1,099,511,627,776"),
+        ("sink_waits 'yes'", lambda: OverlapOptions(sink_waits="yes"), TypeError,
+         "sink_waits must be True or False"),
+        ("bucket_layers 1", lambda: OverlapOptions(bucket_layers=1), TypeError,
+         r"bucket_layers must be True or False, got 1 \(int\)"),
+        ("prefetch 1e6", lambda: OverlapOptions(prefetch=10**6), WorkbenchError,
+         "prefetch must be a whole number from 0 to 10,000"),
+        ("copies 0", lambda: OverlapOptions(max_copies_in_flight=0), WorkbenchError,
+         "max_copies_in_flight must be a whole number from 1 to 100,000"),
+        ("plan layers 0", lambda: PlanOptions(model="llama3-debug", gpus=2, layers=0),
+         WorkbenchError, "--layers must be a whole number from 1"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _record_cases()])
+def test_records_check_their_fields(name: str) -> None:
+    _, call, kind, message = next(c for c in _record_cases() if c[0] == name)
+    with pytest.raises(kind, match=message):
+        call()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available(),
+    reason="with CUDA these run the benchmark",
+)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "nope"], "unknown model 'nope'; choose one of"),
+        (["--model", "llama3-debug", "--layers", "0"], "layers must be a positive integer"),
+        (["--model", "llama3-debug", "--seq", str(2**40)], "seq must be at most 2147483647"),
+        (["--model", "llama3-debug", "--warmup", str(10**8)], "--warmup must be a whole number"),
+    ],
+)
+def test_bench_gpu_checks_its_flags_without_cuda(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], message: str
+) -> None:
+    fails(capsys, ["bench", "gpu", *flags, "--out", str(tmp_path / "out")], message)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-split-size-mb", str(2**21)], r"--max-split-size-mb must be .* 21 to 1,048,576"),
+        (["--max-split-size-mb", "20"], r"--max-split-size-mb must be .* 21 to"),
+        (["--prefetch", str(10**6)], r"--prefetch: prefetch must be .* 0 to 10,000"),
+        (["--max-copies-in-flight", str(10**7)], r"--max-copies-in-flight: .* 1 to 100,000"),
+    ],
+)
+def test_stream_and_allocator_flags_have_an_upper_bound(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    _no_trace(monkeypatch)
+    fails(capsys, ["estimate", *MLP, "--mode", "fake", *flags], message)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["measure", "--model", "llama3-debug", "--cp", "2"],
+        ["bench", "gpu", "--model", "llama3-debug", "--cp", "2"],
+    ],
+)
+def test_unsharded_commands_name_the_parallel_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    fails(capsys, argv, r"runs one unsharded process: drop --cp 2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")
+def test_torchtitan_seq_past_rope_and_families(capsys: pytest.CaptureFixture[str]) -> None:
+    titan = ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--layers", "1"]
+    fails(capsys, [*titan, "--seq", "200000"], r"--seq 200000: .*RoPE covers \d+ positions; give")
+    line = fails(capsys, ["trace", "--model", "torchtitan:nope/x"], "choose one of .*llama3")
+    assert "common" not in line
+
+
+@pytest.mark.parametrize(
+    ("out", "flags"),
+    [("p.json", ["--format", "torchtitan"]), ("p.md", []), ("p.md", ["--format", "torchtitan"])],
+)
+def test_rerun_replaces_output_without_a_place_for_a_mark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str, flags: list[str]
+) -> None:
+    """Text the workbench cannot mark inside (Markdown, torchtitan's options named .json)
+    carries its mark beside it: a re-run replaces it, an edited one is kept."""
+    argv = ["export", *MLP, "--mode", "fake", *flags, "--out", str(tmp_path / out), "--json"]
+    assert main(argv) == 0
+    assert main(argv) == 0
+    capsys.readouterr()
+    (tmp_path / out).write_text("the user's edit")
+    fails(capsys, argv[:-1], "was changed since the workbench wrote it.*--overwrite")
+    assert (tmp_path / out).read_text() == "the user's edit"
+
+
+@pytest.mark.parametrize("command", ["export", "render"])
+def test_out_ending_in_a_separator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    fails(capsys, [command, *MLP, "--out", f"{tmp_path}/"], r"ends in '/', a folder's name")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 35, item 13: a copy of an export is the user's file -------------------------------
+
+
+@pytest.mark.parametrize("out", ["model_sac_policy_fn.py", "policy.json"])
+def test_a_copy_of_an_export_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str
+) -> None:
+    """The mark binds a file to the path it was written to: a copy kept under another name
+    (`cp model_sac_policy_fn.py keep_eager.py`) is the user's, never replaced."""
+    fmt = ["--format", "json"] if out.endswith(".json") else []
+    export = ["export", *MLP, "--mode", "fake", *fmt]
+    assert main([*export, "--out", str(tmp_path / out), "--json"]) == 0
+    kept = tmp_path / f"keep{Path(out).suffix}"
+    kept.write_bytes((tmp_path / out).read_bytes())
+    capsys.readouterr()
+    fails(capsys, [*export, "--out", str(kept)], "or is a copy of a file it wrote elsewhere")
+    assert kept.read_bytes() == (tmp_path / out).read_bytes()
+    assert main([*export, "--out", str(tmp_path / out), "--json"]) == 0  # the original: ours

@@ -5,9 +5,9 @@ line naming it.
 Entry points: `workload_from_args`, `parallel_from_args`, `kernels_from_args`,
 `trace_from_args` (every trace a command makes goes through `trace_workload`),
 `prepared_from_args`, `pipeline_json`, `profiles_from_args`, `cost_options_from_args`,
-`solve_options_from_args`, `budget_from_args`; the checks `check_common_args`, `flag`,
-`check_positive`, `check_passes`, `check_budget`, `check_host_budget`,
-`refuse_graph_flags_without_model`; the bounds `MAX_*` and `FSDP_CHOICES`.
+`solve_options_from_args`, `budget_from_args`, `parallel_flags`; the checks
+`check_common_args`, `flag`, `check_positive`, `check_passes`, `check_budget`,
+`check_host_budget`, `refuse_graph_flags_without_model`; the bounds `MAX_*` and `FSDP_CHOICES`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ __all__ = [
     "cost_options_from_args",
     "flag",
     "kernels_from_args",
+    "parallel_flags",
     "parallel_from_args",
     "pipeline_json",
     "prepared_from_args",
@@ -116,6 +117,16 @@ def parallel_from_args(args: argparse.Namespace) -> Parallel | None:
         cp=degrees["cp"],
         ep_imbalance=getattr(args, "ep_imbalance", 1.0),
     )
+
+
+def parallel_flags(args: argparse.Namespace) -> str:
+    """The parallel degrees given, as flags (`--cp 2`), for an error naming them.
+
+    >>> parallel_flags(argparse.Namespace(fsdp=1, tp=2, ep=1, cp=2))
+    '--tp 2 --cp 2'
+    """
+    given = [(k, getattr(args, k, 1)) for k in ("fsdp", "tp", "ep", "cp")]
+    return " ".join(f"--{k} {v}" for k, v in given if v != 1)
 
 
 def check_common_args(args: argparse.Namespace) -> None:
@@ -194,6 +205,8 @@ def cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.cost.overlap import OverlapOptions
 
     split = args.max_split_size_mb
+    if split is not None:
+        check_int("--max-split-size-mb", split, 21, 2**20, "above torch's 20 MiB; 1 TiB")
     with flag("--max-split-size-mb"):
         allocator = AllocatorConfig(
             expandable_segments=args.expandable_segments,

@@ -107,12 +107,16 @@ class PlanOptions:
             )
         if not self.schedules:
             raise WorkbenchError(f"--schedules names none; choose from {', '.join(SCHEDULES)}")
-        names = tuple(schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
-        object.__setattr__(self, "schedules", names)
+        names = (schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
+        # a schedule or multiple named twice (also by another spelling) is planned once
+        object.__setattr__(self, "schedules", tuple(dict.fromkeys(names)))
         if not self.microbatch_multiples:
             raise WorkbenchError("--microbatch-multiples names none; e.g. 1,2,4")
         for multiple in self.microbatch_multiples:
             check_int("--microbatch-multiples", multiple, 1, 1024, "multiples of the stages")
+        object.__setattr__(
+            self, "microbatch_multiples", tuple(dict.fromkeys(self.microbatch_multiples))
+        )
         check_int("--seq", self.seq, 1, 2**31 - 1, "tokens")
         if self.global_batch is not None:
             check_int("--global-batch", self.global_batch, 1, 2**31 - 1, "sequences")
