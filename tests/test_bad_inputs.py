@@ -2200,3 +2200,51 @@ def test_a_copy_of_an_export_is_kept(
     fails(capsys, [*export, "--out", str(kept)], "or is a copy of a file it wrote elsewhere")
     assert kept.read_bytes() == (tmp_path / out).read_bytes()
     assert main([*export, "--out", str(tmp_path / out), "--json"]) == 0  # the original: ours
+
+
+# --- issue 35, item 12: inputs that ran for minutes ------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--pp", "256", "--microbatches", "1024", "--pp-schedule", "ZBVZeroBubble"],
+            r"--pp 256 x --microbatches 1024 x 2 stages per rank \(ZBVZeroBubble\) is 524,288 "
+            r"stage-microbatches; .*at most 131,072",
+        ),
+        (
+            ["--pp", "256", "--microbatches", "1024", "--pp-schedule", "Interleaved1F1B"],
+            r"is 524,288 stage-microbatches",
+        ),
+        (
+            ["--pp", "128", "--microbatches", "128", "--pp-schedule", "Interleaved1F1B"],
+            r"256 pipeline stages would trace 600 layers in full .*past the 256 .*--stage",
+        ),
+    ],
+    ids=["ZBV schedule", "interleaved schedule", "stages traced"],
+)
+def test_pipelines_that_would_run_for_minutes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    from workbench.capture import trace as capture_trace
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced a stage before checking the pipeline's size")
+
+    monkeypatch.setattr(capture_trace, "trace", refuse)
+    model = ["--model", "llama3-debug", "--layers", "600", "--seq", "8", "--mode", "fake"]
+    fails(capsys, ["trace", *model, *flags], message)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")
+def test_torchtitan_world_size_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--fsdp", "65536"],
+        r"the world size \(fsdp x cp x tp ranks\) must be a whole number from 1 to 4,096 "
+        r"\(tracing one torchtitan rank builds a fake group of every rank",
+    )

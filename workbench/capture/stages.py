@@ -273,6 +273,31 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+# Layers traced in full over a pipeline's stages: at about a fifth of a second each (fake
+# mode, one CPU), a minute's tracing. A stage of more than TEMPLATE_LAYERS layers traces that
+# many in fake mode and stamps the rest; a stage of fewer traces all its own.
+MAX_TRACED_LAYERS = 256
+
+
+def _check_traced_layers(layout: StageLayout, stages: list[int], mode: Mode) -> None:
+    """Refuse a pipeline whose stages would trace more layers in full than MAX_TRACED_LAYERS
+    (hundreds of stages of a layer or two each), naming the limit and the ways under it."""
+    from workbench.capture.stamp import TEMPLATE_LAYERS
+
+    def traced(layers: tuple[int, ...]) -> int:
+        return min(len(layers), TEMPLATE_LAYERS) if mode == "fake" else len(layers)
+
+    total = sum(traced(layout.layers[s]) for s in stages)
+    if total > MAX_TRACED_LAYERS:
+        whole = f"up to {TEMPLATE_LAYERS} layers" if mode == "fake" else "real mode traces all"
+        raise WorkbenchError(
+            f"{len(stages)} pipeline stages would trace {total} layers in full (a stage's "
+            f"{whole}), past the {MAX_TRACED_LAYERS} that take about a minute: trace one "
+            "stage (--stage), or give fewer stages (--pp, --layers-per-stage) of more "
+            "layers each"
+        )
+
+
 def trace_stages(
     workload: Workload,
     mode: Mode,
@@ -293,6 +318,7 @@ def trace_stages(
     check_type("parallel", parallel, (Parallel, type(None)), "a Parallel or None")
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
+    _check_traced_layers(layout, chosen, mode)
     templates = {} if templates is None else templates
     return [
         trace(
