@@ -2248,3 +2248,56 @@ def test_torchtitan_world_size_is_bounded(capsys: pytest.CaptureFixture[str]) ->
         r"the world size \(fsdp x cp x tp ranks\) must be a whole number from 1 to 4,096 "
         r"\(tracing one torchtitan rank builds a fake group of every rank",
     )
+
+
+# --- issue 35, item 8: flags a path does not use are refused, never dropped -------------------
+
+ONE = ["--model", "llama3-debug", "--layers", "2", "--seq", "8", "--mode", "fake"]
+UNUSED_FLAGS: list[tuple[list[str], str]] = [
+    *(
+        (["trace", *ONE, *flags], rf"{flags[-2]} is not used without --pp 2 or more")
+        for flags in (
+            ["--stage", "1"],
+            ["--microbatches", "2"],
+            ["--layers-per-stage", "1"],
+            ["--pp-schedule", "bogus"],
+            ["--pp", "1", "--pp-schedule", "Interleaved1F1B"],
+        )
+    ),
+    *(
+        (["estimate", *ONE, "--pp", "2", *flags], rf"{flags[0]} is not used with --pp \(per-stage")
+        for flags in (
+            ["--passes", "graph-trainer"],
+            ["--calibrate", "trace.json"],
+            ["--calibrate", ""],
+            ["--expandable-segments"],
+            ["--max-split-size-mb", "64"],
+            ["--prefetch", "1"],
+            ["--bucket-layers"],
+            ["--sink-waits"],
+            ["--timeline"],
+        )
+    ),
+    *(
+        (["solve", *ONE, "--pp", "2", "--budget-frac", "0.5", *flags], rf"{flags[0]} is not used")
+        for flags in (
+            ["--budget-kind", "reserved"],
+            ["--host-budget-bytes", "1000"],
+            ["--passes", "graph-trainer"],
+        )
+    ),
+    (["estimate", *ONE, "--ep-imbalance", "2"], r"--ep-imbalance .* without --ep 2 or more"),
+    (["estimate", *ONE, "--pp", "2", "--batch", "0"], "batch must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), UNUSED_FLAGS, ids=[" ".join(a[9:]) for a, _ in UNUSED_FLAGS]
+)
+def test_flags_a_path_does_not_use(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    _no_trace(monkeypatch)
+    _no_stage_trace(monkeypatch)
+    fails(capsys, argv, message)

@@ -76,6 +76,10 @@ class CommandParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: Any = None
     ) -> tuple[Any, list[str]]:
         namespace, extra = super().parse_known_args(args, namespace)
+        if self.get_default("run") is not None:  # what `refuse_unused_flags` compares with
+            namespace.flag_defaults = {
+                a.dest: a.default for a in self._actions if a.dest != argparse.SUPPRESS
+            }
         if extra and self.get_default("run") is not None:
             flags = [a.split("=")[0] for a in extra if a.startswith("-")]
             close = {m for f in flags for m in difflib.get_close_matches(f, self._flags(), 3)}

@@ -77,13 +77,13 @@ def _stages_from_args(
             device=device,
         )
 
-    layers = n_layers(load(args.batch or 1))
+    layers = n_layers(load(1 if args.batch is None else args.batch))
     layout = pipeline.layout(layers)
     if args.stage is not None:
         layout.check_stage(args.stage)
     if before is not None:
         before(layout)
-    workload = load(args.batch or layout.microbatches)
+    workload = load(layout.microbatches if args.batch is None else args.batch)
     start = time.perf_counter()
     stages = None if args.stage is None else [args.stage]
     kernels = kernels_from_args(args, args.mode)
