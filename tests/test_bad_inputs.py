@@ -425,7 +425,7 @@ BASELINE_FLAGS: list[tuple[list[str], str]] = [
     (["--fsdp", "2", "--ep", "2"], "--baselines with --ep/--cp: eager baselines shard with FSDP2"),
     (["--fsdp", "2", "--mode", "real"], "in --mode real: a sharded job's eager baselines run on"),
     (["--model", "torchtitan:llama3/debugmodel", "--fsdp", "2"], "sharded by graph trainer's"),
-    (["--max-split-size-mb", "4"], "--max-split-size-mb: max_split_size must be above"),
+    (["--max-split-size-mb", "4"], "--max-split-size-mb must be a whole number from 21 to"),
 ]
 
 
@@ -520,8 +520,14 @@ SIZES: list[tuple[list[str], str]] = [
     (["measure", *MLP, "--warmup", "-1"], "--warmup must be a whole number from 0 to 1,000"),
     (["estimate", *MLP, "--profile", ","], "--profile ',' names no device profile"),
     (["estimate", *MLP, "--calibrate", "/nonexistent/trace.json"], "--calibrate .*: no such"),
-    (["estimate", *MLP, "--prefetch", "-2"], "--prefetch: prefetch must be 0 or more"),
-    (["estimate", *MLP, "--max-split-size-mb", "20"], "--max-split-size-mb: .* above"),
+    (
+        ["estimate", *MLP, "--prefetch", "-2"],
+        "--prefetch: prefetch must be a whole number from 0 to",
+    ),
+    (
+        ["estimate", *MLP, "--max-split-size-mb", "20"],
+        r"--max-split-size-mb must be .* \(above torch.s 20 MiB",
+    ),
     (["bench", "gpu", *MLP, "--presets", "fast"], "--presets 'fast': unknown fast; choose"),
 ]
 
