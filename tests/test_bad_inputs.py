@@ -425,7 +425,7 @@ BASELINE_FLAGS: list[tuple[list[str], str]] = [
     (["--fsdp", "2", "--ep", "2"], "--baselines with --ep/--cp: eager baselines shard with FSDP2"),
     (["--fsdp", "2", "--mode", "real"], "in --mode real: a sharded job's eager baselines run on"),
     (["--model", "torchtitan:llama3/debugmodel", "--fsdp", "2"], "sharded by graph trainer's"),
-    (["--max-split-size-mb", "4"], "--max-split-size-mb: max_split_size must be above"),
+    (["--max-split-size-mb", "4"], "--max-split-size-mb must be a whole number from 21 to"),
 ]
 
 
@@ -520,8 +520,14 @@ SIZES: list[tuple[list[str], str]] = [
     (["measure", *MLP, "--warmup", "-1"], "--warmup must be a whole number from 0 to 1,000"),
     (["estimate", *MLP, "--profile", ","], "--profile ',' names no device profile"),
     (["estimate", *MLP, "--calibrate", "/nonexistent/trace.json"], "--calibrate .*: no such"),
-    (["estimate", *MLP, "--prefetch", "-2"], "--prefetch: prefetch must be 0 or more"),
-    (["estimate", *MLP, "--max-split-size-mb", "20"], "--max-split-size-mb: .* above"),
+    (
+        ["estimate", *MLP, "--prefetch", "-2"],
+        "--prefetch: prefetch must be a whole number from 0 to",
+    ),
+    (
+        ["estimate", *MLP, "--max-split-size-mb", "20"],
+        r"--max-split-size-mb must be .* \(above torch.s 20 MiB",
+    ),
     (["bench", "gpu", *MLP, "--presets", "fast"], "--presets 'fast': unknown fast; choose"),
 ]
 
@@ -1849,3 +1855,455 @@ def test_snapshot_bad_cli_syntax_is_argparses_one_line(
         main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+# --- issue 35, item 9: inputs that ended in a traceback -------------------------------------
+
+
+def _no_stage_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.cli import stages as cli_stages
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced the stages before checking the input")
+
+    monkeypatch.setattr(cli_stages, "trace_stages", refuse)
+
+
+PP_POLICY_FILES = [c for c in POLICY_FILES if c[0] in ("not utf-8", "nested too deep", "empty")]
+PP_POLICY_FILES.append(("key twice", b'{"stages": [], "stages": []}', "has the key 'stages' twice"))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"), [c[1:] for c in PP_POLICY_FILES], ids=[c[0] for c in PP_POLICY_FILES]
+)
+def test_bad_policy_file_under_pp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    content: bytes, message: str,
+) -> None:  # fmt: skip
+    """A pipeline's policy file gets the checks a policy file gets, before the trace."""
+    _no_stage_trace(monkeypatch)
+    path = tmp_path / "stages.json"
+    path.write_bytes(content)
+    line = fails(capsys, [*PP, "--pp", "2", "--policy", str(path)], message)
+    assert str(path) in line
+
+
+@pytest.mark.parametrize("frac", ["nan", "inf", "0", "-1", "1.5"])
+def test_solve_pp_budget_frac(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, frac: str
+) -> None:
+    _no_stage_trace(monkeypatch)
+    solve = ["solve", *PP[1:], "--pp", "2", "--budget-frac", frac]
+    fails(capsys, solve, r"--budget-frac must be in \(0, 1\], got")
+
+
+def _op(**fields: Any) -> dict[str, Any]:
+    event = {"cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 5}
+    event["args"] = {"Input Dims": [[4, 4], [4, 4]], "External id": 7}
+    return {**event, **fields}
+
+
+def _kernel(**fields: Any) -> dict[str, Any]:
+    event = {"cat": "kernel", "name": "gemm", "tid": 9, "ts": 1, "dur": 3}
+    return {**event, "args": {"External id": 7}, **fields}
+
+
+CALIBRATION_TRACES: list[tuple[str, list[Any], str]] = [
+    ("ts missing", [_op(ts=None)], r"event 0 \(cpu_op\) ts must be a finite number"),
+    ("ts string", [_op(), _op(ts="12")], r"event 1 \(cpu_op\) ts must be .*got '12'"),
+    ("dur null", [_op(dur=None)], r"event 0 \(cpu_op\) dur must be a finite number >= 0"),
+    ("args list", [_op(args=[1])], r"event 0 \(cpu_op\) args must be an object, got \[1\]"),
+    ("tid list", [_op(tid=[1])], r"event 0 \(cpu_op\) tid must be int or str"),
+    ("kernel dur string", [_op(), _kernel(dur="3")], r"event 1 \(kernel\) dur must be"),
+    ("dims int", [_op(args={"Input Dims": 3})], r"event 0 \(cpu_op\) args 'Input Dims' must be"),
+    ("external id list", [_kernel(args={"External id": [1]})], "'External id' must be int or"),
+]
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [c[1:] for c in CALIBRATION_TRACES],
+    ids=[c[0] for c in CALIBRATION_TRACES],
+)
+def test_malformed_calibration_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    events: list[Any], message: str,
+) -> None:  # fmt: skip
+    """Each event is checked once where the trace is read: one line naming its index and
+    field, before anything is traced."""
+    _no_trace(monkeypatch)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    fails(capsys, ["estimate", *MLP, "--calibrate", str(path)], message)
+
+
+def test_calibration_trace_with_mixed_thread_ids(tmp_path: Path) -> None:
+    """Thread ids of both kinds (numbers and strings) are threads apart, not a TypeError."""
+    from workbench.cost.calibrate import load_calibration
+
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [_op(), _op(tid="main", dur=7)]}))
+    seconds = load_calibration(path).seconds[("aten::mm", ((4, 4), (4, 4)))]
+    assert seconds == pytest.approx(6e-6)
+
+
+@pytest.mark.parametrize("plot", ["plan.txt", "plan", ""])
+def test_plan_plot_suffix_checked_before_the_plan(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    plot: str,
+) -> None:  # fmt: skip
+    from workbench.search import planner
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned before checking --plot")
+
+    monkeypatch.setattr(planner, "plan", refuse)
+    path = str(tmp_path / plot) if plot else ""
+    fails(capsys, [*PLAN, "--gpus", "1", "--plot", path], r"--plot .*one of .*\.png.*\.svg")
+
+
+def _api_type_cases() -> list[tuple[str, Any, type[BaseException], str]]:
+    from workbench.capture.models import load_workload
+    from workbench.capture.stages import Pipeline, trace_stages
+    from workbench.cost.calibrate import load_calibration
+    from workbench.search.layouts import PlanOptions
+    from workbench.search.planner import plan
+
+    def workload() -> Any:
+        return load_workload("llama3-debug", layers=2, seq=16, batch=2, device="meta")
+
+    options = {"model": "llama3-debug", "gpus": 2}
+    return [
+        ("plan dict", lambda: plan(options), TypeError, r"options must be a PlanOptions"),
+        ("model int", lambda: PlanOptions(model=3, gpus=2), TypeError, "model must be"),
+        ("gpu int", lambda: PlanOptions(**options, gpu=3), TypeError, "gpu must be a device"),
+        (
+            "schedules str",
+            lambda: PlanOptions(**options, schedules="1F1B"),
+            TypeError,
+            r"schedules must be a tuple, got '1F1B' \(str\)",
+        ),
+        (
+            "multiples int",
+            lambda: PlanOptions(**options, microbatch_multiples=2),
+            TypeError,
+            "microbatch_multiples must be a tuple",
+        ),
+        ("layers str", lambda: PlanOptions(**options, layers="2"), WorkbenchError, "--layers"),
+        ("layout str", lambda: Pipeline(pp=2).layout("4"), WorkbenchError, "n_layers must be"),
+        (
+            "workload str",
+            lambda: trace_stages("llama3-debug", "fake", None, Pipeline(pp=2)),
+            TypeError,
+            "workload must be a Workload",
+        ),
+        (
+            "pipeline int",
+            lambda: trace_stages(workload(), "fake", None, 2),
+            TypeError,
+            r"pipeline must be a Pipeline\(pp=...\), got 2 \(int\)",
+        ),
+        (
+            "parallel int",
+            lambda: trace_stages(workload(), "fake", 2, Pipeline(pp=2)),
+            TypeError,
+            "parallel must be a Parallel or None",
+        ),
+        ("calibration int", lambda: load_calibration(3), TypeError, "path must be a str"),
+    ]
+
+
+API_TYPE_CASES = [c[0] for c in _api_type_cases()]
+
+
+@pytest.mark.parametrize("name", API_TYPE_CASES)
+def test_public_entry_points_name_a_wrong_type(name: str) -> None:
+    _, call, kind, message = next(c for c in _api_type_cases() if c[0] == name)
+    with pytest.raises(kind, match=message) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+def test_pipeline_model_takes_stage_graphs_in_stage_order(pp_job: Any) -> None:
+    from workbench.cost.stages import PipelineModel
+
+    _, pipeline, graphs = pp_job
+    layout = pipeline.layout(2)
+    with pytest.raises(WorkbenchError, match=r"graphs\[0\] is the graph of stage 1: give"):
+        PipelineModel(graphs[::-1], layout)
+    with pytest.raises(TypeError, match="layout must be a StageLayout"):
+        PipelineModel(graphs, pipeline)  # type: ignore[arg-type]
+
+
+# --- issue 35, item 10: results that misled -------------------------------------------------
+
+NAN_CALIBRATIONS: list[tuple[str, str, str]] = [
+    ("table NaN", '[{"op": "aten::mm", "input_shapes": [[2]], "seconds": NaN}]', "got nan"),
+    ("table inf", '[{"op": "aten::mm", "input_shapes": [[2]], "seconds": Infinity}]', "got inf"),
+    ("table -1", '[{"op": "aten::mm", "input_shapes": [[2]], "seconds": -1}]', "got -1"),
+    ("trace dur -5", json.dumps({"traceEvents": [_op(dur=-5)]}), r"event 0 \(cpu_op\) dur"),
+    ("trace dur NaN", '{"traceEvents": [{"cat": "kernel", "ts": 0, "dur": NaN}]}', "got nan"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [c[1:] for c in NAN_CALIBRATIONS], ids=[c[0] for c in NAN_CALIBRATIONS]
+)
+def test_calibration_with_a_time_that_is_no_duration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    text: str, message: str,
+) -> None:  # fmt: skip
+    """A negative, NaN or infinite time would give a negative or NaN step time (and JSON
+    with NaN in it): refused where the file is read."""
+    _no_trace(monkeypatch)
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    line = fails(capsys, ["estimate", *MLP, "--calibrate", str(path)], message)
+    assert "must be a finite number >= 0" in line
+
+
+def test_plan_options_plan_a_repeated_name_once() -> None:
+    from workbench.search.layouts import PlanOptions
+
+    options = PlanOptions(
+        model="llama3-debug",
+        gpus=2,
+        schedules=("1F1B", "ZBVZeroBubble", "1F1B", "ScheduleZBVZeroBubble"),
+        microbatch_multiples=(2, 1, 2),
+    )
+    assert options.schedules == ("1F1B", "ZBVZeroBubble")
+    assert options.microbatch_multiples == (2, 1)
+
+
+def _record_cases() -> list[tuple[str, Any, type[BaseException], str]]:
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.cost.overlap import OverlapOptions
+    from workbench.search.layouts import PlanOptions
+
+    return [
+        ("expandable 'no'", lambda: AllocatorConfig(expandable_segments="no"), TypeError,
+         r"expandable_segments must be True or False, got 'no' \(str\)"),
+        ("split 2 TiB", lambda: AllocatorConfig(max_split_size=2**41), WorkbenchError,
+         r"max_split_size must be a whole number from 1 to 1,099,511,627,776"),
+        ("sink_waits 'yes'", lambda: OverlapOptions(sink_waits="yes"), TypeError,
+         "sink_waits must be True or False"),
+        ("bucket_layers 1", lambda: OverlapOptions(bucket_layers=1), TypeError,
+         r"bucket_layers must be True or False, got 1 \(int\)"),
+        ("prefetch 1e6", lambda: OverlapOptions(prefetch=10**6), WorkbenchError,
+         "prefetch must be a whole number from 0 to 10,000"),
+        ("copies 0", lambda: OverlapOptions(max_copies_in_flight=0), WorkbenchError,
+         "max_copies_in_flight must be a whole number from 1 to 100,000"),
+        ("plan layers 0", lambda: PlanOptions(model="llama3-debug", gpus=2, layers=0),
+         WorkbenchError, "--layers must be a whole number from 1"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _record_cases()])
+def test_records_check_their_fields(name: str) -> None:
+    _, call, kind, message = next(c for c in _record_cases() if c[0] == name)
+    with pytest.raises(kind, match=message):
+        call()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available(),
+    reason="with CUDA these run the benchmark",
+)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "nope"], "unknown model 'nope'; choose one of"),
+        (["--model", "llama3-debug", "--layers", "0"], "layers must be a positive integer"),
+        (["--model", "llama3-debug", "--seq", str(2**40)], "seq must be at most 2147483647"),
+        (["--model", "llama3-debug", "--warmup", str(10**8)], "--warmup must be a whole number"),
+    ],
+)
+def test_bench_gpu_checks_its_flags_without_cuda(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], message: str
+) -> None:
+    fails(capsys, ["bench", "gpu", *flags, "--out", str(tmp_path / "out")], message)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-split-size-mb", str(2**21)], r"--max-split-size-mb must be .* 21 to 1,048,576"),
+        (["--max-split-size-mb", "20"], r"--max-split-size-mb must be .* 21 to"),
+        (["--prefetch", str(10**6)], r"--prefetch: prefetch must be .* 0 to 10,000"),
+        (["--max-copies-in-flight", str(10**7)], r"--max-copies-in-flight: .* 1 to 100,000"),
+    ],
+)
+def test_stream_and_allocator_flags_have_an_upper_bound(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    _no_trace(monkeypatch)
+    fails(capsys, ["estimate", *MLP, "--mode", "fake", *flags], message)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["measure", "--model", "llama3-debug", "--cp", "2"],
+        ["bench", "gpu", "--model", "llama3-debug", "--cp", "2"],
+    ],
+)
+def test_unsharded_commands_name_the_parallel_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    fails(capsys, argv, r"runs one unsharded process: drop --cp 2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")
+def test_torchtitan_seq_past_rope_and_families(capsys: pytest.CaptureFixture[str]) -> None:
+    titan = ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--layers", "1"]
+    fails(capsys, [*titan, "--seq", "200000"], r"--seq 200000: .*RoPE covers \d+ positions; give")
+    line = fails(capsys, ["trace", "--model", "torchtitan:nope/x"], "choose one of .*llama3")
+    assert "common" not in line
+
+
+@pytest.mark.parametrize(
+    ("out", "flags"),
+    [("p.json", ["--format", "torchtitan"]), ("p.md", []), ("p.md", ["--format", "torchtitan"])],
+)
+def test_rerun_replaces_output_without_a_place_for_a_mark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str, flags: list[str]
+) -> None:
+    """Text the workbench cannot mark inside (Markdown, torchtitan's options named .json)
+    carries its mark beside it: a re-run replaces it, an edited one is kept."""
+    argv = ["export", *MLP, "--mode", "fake", *flags, "--out", str(tmp_path / out), "--json"]
+    assert main(argv) == 0
+    assert main(argv) == 0
+    capsys.readouterr()
+    (tmp_path / out).write_text("the user's edit")
+    fails(capsys, argv[:-1], "was changed since the workbench wrote it.*--overwrite")
+    assert (tmp_path / out).read_text() == "the user's edit"
+
+
+@pytest.mark.parametrize("command", ["export", "render"])
+def test_out_ending_in_a_separator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    fails(capsys, [command, *MLP, "--out", f"{tmp_path}/"], r"ends in '/', a folder's name")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 35, item 13: a copy of an export is the user's file -------------------------------
+
+
+@pytest.mark.parametrize("out", ["model_sac_policy_fn.py", "policy.json"])
+def test_a_copy_of_an_export_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str
+) -> None:
+    """The mark binds a file to the path it was written to: a copy kept under another name
+    (`cp model_sac_policy_fn.py keep_eager.py`) is the user's, never replaced."""
+    fmt = ["--format", "json"] if out.endswith(".json") else []
+    export = ["export", *MLP, "--mode", "fake", *fmt]
+    assert main([*export, "--out", str(tmp_path / out), "--json"]) == 0
+    kept = tmp_path / f"keep{Path(out).suffix}"
+    kept.write_bytes((tmp_path / out).read_bytes())
+    capsys.readouterr()
+    fails(capsys, [*export, "--out", str(kept)], "or is a copy of a file it wrote elsewhere")
+    assert kept.read_bytes() == (tmp_path / out).read_bytes()
+    assert main([*export, "--out", str(tmp_path / out), "--json"]) == 0  # the original: ours
+
+
+# --- issue 35, item 12: inputs that ran for minutes ------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--pp", "256", "--microbatches", "1024", "--pp-schedule", "ZBVZeroBubble"],
+            r"--pp 256 x --microbatches 1024 x 2 stages per rank \(ZBVZeroBubble\) is 524,288 "
+            r"stage-microbatches; .*at most 131,072",
+        ),
+        (
+            ["--pp", "256", "--microbatches", "1024", "--pp-schedule", "Interleaved1F1B"],
+            r"is 524,288 stage-microbatches",
+        ),
+        (
+            ["--pp", "128", "--microbatches", "128", "--pp-schedule", "Interleaved1F1B"],
+            r"256 pipeline stages would trace 600 layers in full .*past the 256 .*--stage",
+        ),
+    ],
+    ids=["ZBV schedule", "interleaved schedule", "stages traced"],
+)
+def test_pipelines_that_would_run_for_minutes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    from workbench.capture import trace as capture_trace
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced a stage before checking the pipeline's size")
+
+    monkeypatch.setattr(capture_trace, "trace", refuse)
+    model = ["--model", "llama3-debug", "--layers", "600", "--seq", "8", "--mode", "fake"]
+    fails(capsys, ["trace", *model, *flags], message)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="no torchtitan")
+def test_torchtitan_world_size_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    fails(
+        capsys,
+        ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--fsdp", "65536"],
+        r"the world size \(fsdp x cp x tp ranks\) must be a whole number from 1 to 4,096 "
+        r"\(tracing one torchtitan rank builds a fake group of every rank",
+    )
+
+
+# --- issue 35, item 8: flags a path does not use are refused, never dropped -------------------
+
+ONE = ["--model", "llama3-debug", "--layers", "2", "--seq", "8", "--mode", "fake"]
+UNUSED_FLAGS: list[tuple[list[str], str]] = [
+    *(
+        (["trace", *ONE, *flags], rf"{flags[-2]} is not used without --pp 2 or more")
+        for flags in (
+            ["--stage", "1"],
+            ["--microbatches", "2"],
+            ["--layers-per-stage", "1"],
+            ["--pp-schedule", "bogus"],
+            ["--pp", "1", "--pp-schedule", "Interleaved1F1B"],
+        )
+    ),
+    *(
+        (["estimate", *ONE, "--pp", "2", *flags], rf"{flags[0]} is not used with --pp \(per-stage")
+        for flags in (
+            ["--passes", "graph-trainer"],
+            ["--calibrate", "trace.json"],
+            ["--calibrate", ""],
+            ["--expandable-segments"],
+            ["--max-split-size-mb", "64"],
+            ["--prefetch", "1"],
+            ["--bucket-layers"],
+            ["--sink-waits"],
+            ["--timeline"],
+        )
+    ),
+    *(
+        (["solve", *ONE, "--pp", "2", "--budget-frac", "0.5", *flags], rf"{flags[0]} is not used")
+        for flags in (
+            ["--budget-kind", "reserved"],
+            ["--host-budget-bytes", "1000"],
+            ["--passes", "graph-trainer"],
+        )
+    ),
+    (["estimate", *ONE, "--ep-imbalance", "2"], r"--ep-imbalance .* without --ep 2 or more"),
+    (["estimate", *ONE, "--pp", "2", "--batch", "0"], "batch must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), UNUSED_FLAGS, ids=[" ".join(a[9:]) for a, _ in UNUSED_FLAGS]
+)
+def test_flags_a_path_does_not_use(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    _no_trace(monkeypatch)
+    _no_stage_trace(monkeypatch)
+    fails(capsys, argv, message)

@@ -113,15 +113,27 @@ def test_the_mark_keeps_each_format_readable(tmp_path: Path, fmt: str) -> None:
         assert ElementTree.fromstring(data).tag.endswith("svg")
 
 
-def test_other_kinds_are_never_replaced_without_overwrite(tmp_path: Path) -> None:
-    """Data with no place for a mark (an unknown suffix, binary) is written as it is."""
+def test_other_kinds_carry_their_mark_beside_them(tmp_path: Path) -> None:
+    """Data with no place for a mark (an unknown suffix, binary) is written as it is, its
+    mark in a sidecar file: replaced when run again, kept once edited or copied."""
     path = write_file(tmp_path / "b.bin", b"\x00\x01")
-    assert path.read_bytes() == b"\x00\x01" and not is_ours(path)
-    with pytest.raises(WorkbenchError, match="not written by the workbench"):
-        write_file(path, b"\x00\x02")
+    assert path.read_bytes() == b"\x00\x01" and is_ours(path)
+    write_file(path, b"\x00\x02")
+    assert path.read_bytes() == b"\x00\x02"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".b.bin.sac-workbench", "b.bin"]
+    path.write_bytes(b"\x00\x03")
+    with pytest.raises(WorkbenchError, match="was changed since the workbench wrote it"):
+        write_file(path, b"\x00\x04")
+    copy = tmp_path / "c.bin"
+    copy.write_bytes(b"\x00\x02")
+    (tmp_path / ".c.bin.sac-workbench").write_bytes(
+        (tmp_path / ".b.bin.sac-workbench").read_bytes()
+    )
+    with pytest.raises(WorkbenchError, match="was changed since"):
+        write_file(copy, b"\x00\x05")
+    assert path.read_bytes() == b"\x00\x03" and copy.read_bytes() == b"\x00\x02"
     write_file(path, b"\x00\x02", overwrite=True)
     assert path.read_bytes() == b"\x00\x02"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin"]  # no temp files
 
 
 def test_only_new_and_unmarked_copies(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Entry points: `WorkbenchError` (the CLI prints it and exits 2), `describe(err)` (a foreign
 error in one line, to quote inside one), `check_int` (every integer a user gives, flag,
-policy field or argument, checked against both ends of its range in one place) and
+policy field or argument, checked against both ends of its range in one place),
+`check_type` (an argument of a public entry point of the wrong type, named there) and
 `torch_logs_held()` (torch's own log lines held back while the workbench works: shown if
 it succeeds, dropped when its one-line error says what went wrong).
 """
@@ -12,7 +13,14 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INT64_MAX", "WorkbenchError", "check_int", "describe", "torch_logs_held"]
+__all__ = [
+    "INT64_MAX",
+    "WorkbenchError",
+    "check_int",
+    "check_type",
+    "describe",
+    "torch_logs_held",
+]
 
 INT64_MAX = 2**63 - 1  # byte counts: what torch and numpy hold in one integer
 
@@ -36,6 +44,23 @@ def check_int(name: str, value: Any, low: int, high: int, why: str = "") -> int:
             f"{name} must be a whole number from {low:,} to {high:,}{reason}, got {shown} "
             f"({type(value).__name__})"
         )
+    return value
+
+
+def check_type(name: str, value: Any, kinds: type | tuple[type, ...], expected: str) -> Any:
+    """`value` when it is one of `kinds` (a bool is no int), else a TypeError naming the
+    argument `name`, what it `expected` and what it got: said at a public entry point rather
+    than as an AttributeError or KeyError deep inside.
+
+    >>> check_type("pipeline", 2, str, "a Pipeline")
+    Traceback (most recent call last):
+    ...
+    TypeError: pipeline must be a Pipeline, got 2 (int)
+    """
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise TypeError(f"{name} must be {expected}, got {shown} ({type(value).__name__})")
     return value
 
 

@@ -6,9 +6,12 @@ workbench (policy save, export, render, figures, autosave) goes through; `check_
 which commands call before their slow part; `read_file(path, what, limit)`, which every
 reader of a user's file (policies, autosaves, the CPU profile cache) goes through; and
 `is_ours(path)`. Every file written carries a mark (`marked`) holding a digest of the
-file: a file with a valid mark is the workbench's own, unchanged since, and is replaced
-without asking; anything else (a user's script or picture, a file edited since) needs
-`overwrite=True` (`--overwrite`).
+file and of the path it was written to: a file with a valid mark is the workbench's own,
+unchanged since and where it was written, and is replaced without asking; anything else (a
+user's script or picture, a file edited since, a copy of an export kept under another name)
+needs `overwrite=True` (`--overwrite`). A format with no place for a mark (Markdown, text
+that is not the JSON its name says) gets the mark in a sidecar file beside it
+(`.NAME.sac-workbench`), so a re-run replaces it too.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def write_file(
     if only_new and os.path.lexists(target):
         raise _exists(target, "")
     raw = data.encode("utf-8") if isinstance(data, str) else data
-    raw = marked(raw, target.name) if mark else raw
+    place = _place(target)
+    raw = marked(raw, target.name, place) if mark else raw
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as err:
@@ -93,7 +97,43 @@ def write_file(
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+    if mark:
+        _mark_beside(target, raw, place)
     return target
+
+
+def _place(target: Path) -> str:
+    """The path a mark binds a file to: its folder resolved (links, `..`) and its name."""
+    return os.path.join(os.path.realpath(target.parent), target.name)
+
+
+def _sidecar(target: Path) -> Path:
+    return target.parent / f".{target.name}.sac-workbench"
+
+
+def _digest(data: bytes, place: str) -> str:
+    """The mark's digits: the data (its own mark zeroed) and the path it was written to, so a
+    copy under another name is the user's file, not the workbench's."""
+    return hashlib.sha256(data + b"\0" + place.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def _mark_beside(target: Path, raw: bytes, place: str) -> None:
+    """Data that carries no mark gets one in its sidecar file; marked data needs none (an
+    old sidecar goes). A sidecar that cannot be written leaves the file as a user's: kept
+    unless `overwrite`, never lost."""
+    sidecar = _sidecar(target)
+    try:
+        if _find(raw) is not None:
+            if sidecar.is_file() and not sidecar.is_symlink():
+                sidecar.unlink()
+            return
+        if os.path.lexists(sidecar) and not (sidecar.is_file() and not sidecar.is_symlink()):
+            return
+        tmp = sidecar.with_name(sidecar.name + ".tmp")
+        tmp.write_text(f"{target.name} {_TAG}{_digest(raw, place)}\n", encoding="utf-8")
+        os.replace(tmp, sidecar)
+    except OSError:
+        return
 
 
 def check_writable(path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
@@ -104,10 +144,17 @@ def check_writable(path: str | os.PathLike[str], *, overwrite: bool = False) -> 
 
 
 def _refuse_empty(path: str | os.PathLike[str]) -> None:
+    """An empty path, or one ending in a separator (a folder's, which `Path` would quietly
+    turn into a file's name), names no file."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {path!r}")
-    if os.fspath(path) == "":
+    text = os.fspath(path)
+    if text == "":
         raise WorkbenchError("the output path is empty: name a file to write")
+    if isinstance(text, str) and text.endswith(("/", os.sep)):
+        raise WorkbenchError(
+            f"cannot write {text!r}: it ends in {text[-1]!r}, a folder's name; name a file in it"
+        )
 
 
 def _checked(target: Path, overwrite: bool) -> bool:
@@ -162,12 +209,13 @@ def file_stem(name: str) -> str:
     return "_" if stem in ("", ".", "..") else stem
 
 
-def marked(data: bytes, name: str = "") -> bytes:
+def marked(data: bytes, name: str = "", place: str = "") -> bytes:
     """`data` with the workbench's mark in the place its format keeps comments or metadata:
     an XML comment (SVG), `//` (DOT), `#` (`HASH_COMMENTS`), a `written_by` key (JSON),
     a tEXt chunk (PNG), the document's Creator (PDF). The mark holds the first 16 hex
-    digits of the SHA-256 of the marked file with those digits zeroed, so any later edit
-    shows. Data of another kind comes back unmarked.
+    digits of the SHA-256 of the marked file with those digits zeroed and of `place`, the
+    path it is written to (`_digest`), so any later edit, or a copy elsewhere, shows. Data
+    of another kind comes back unmarked.
 
     >>> marked(b"x = 1\\n", "a.py").decode().splitlines()[1]
     'x = 1'
@@ -175,8 +223,7 @@ def marked(data: bytes, name: str = "") -> bytes:
     carrier = _carrier(data, name.lower())
     if carrier is None:
         return data
-    digest = hashlib.sha256(_zeroed(carrier)).hexdigest()[:16]
-    return _fill(carrier, digest)
+    return _fill(carrier, _digest(_zeroed(carrier), place))
 
 
 def mark_text() -> str:
@@ -322,10 +369,27 @@ def _ownership(target: Path) -> str:
     except WorkbenchError:
         return "cannot be read"
     found = _find(data)
+    place = _place(target)
     if found is None:
+        return _ownership_beside(target, data, place)
+    if _digest(_zeroed(data), place) != found.group(1).decode():
+        return "was changed since the workbench wrote it, or is a copy of a file it wrote elsewhere"
+    return ""
+
+
+def _ownership_beside(target: Path, data: bytes, place: str) -> str:
+    """`_ownership` of a file with no mark of its own: its sidecar's mark, if any."""
+    sidecar = _sidecar(target)
+    try:
+        found = _MARK_RE.search(read_file(sidecar, repr(str(sidecar)), 4096))
+    except WorkbenchError:
+        found = None
+    if found is None or sidecar.is_symlink():
         return "was not written by the workbench (it has no sac-workbench mark)"
-    if hashlib.sha256(_zeroed(data)).hexdigest()[:16] != found.group(1).decode():
-        return "was changed since the workbench wrote it"
+    if _digest(data, place) != found.group(1).decode():
+        return (
+            "was changed since the workbench wrote it (its mark is in " + repr(sidecar.name) + ")"
+        )
     return ""
 
 

@@ -41,6 +41,10 @@ KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")  # forward, full backward, input/
 # Bounds on what a user may ask for: torch computes every rank's order in Python.
 MAX_PP = 256
 MAX_MICROBATCHES = 1024
+# Stage-microbatches (pp x microbatches x stages per rank) of one schedule: torch builds its
+# order in time growing a little faster than their count, about 20 s at this many on one
+# CPU (ZBVZeroBubble); each bound alone would allow minutes.
+MAX_STAGE_MICROBATCHES = 2**17
 
 # torch's concrete schedules by the short names `get_schedule_class` takes (its abstract
 # PipelineScheduleSingle / PipelineScheduleMulti left out).
@@ -257,6 +261,14 @@ def action_order(name: str, pp: int, microbatches: int) -> dict[int, list[Action
     short = _short(name)
     check_int("pp", pp, 1, MAX_PP)
     check_int("microbatches", microbatches, 1, MAX_MICROBATCHES)
+    work = pp * microbatches * stages_per_rank(short)
+    if work > MAX_STAGE_MICROBATCHES:
+        raise WorkbenchError(
+            f"--pp {pp} x --microbatches {microbatches} x {stages_per_rank(short)} stages per "
+            f"rank ({short}) is {work:,} stage-microbatches; torch builds the schedule in time "
+            f"growing with them: at most {MAX_STAGE_MICROBATCHES:,} (about 20 s): give fewer "
+            "microbatches or ranks"
+        )
     return {rank: list(actions) for rank, actions in enumerate(_order(short, pp, microbatches))}
 
 

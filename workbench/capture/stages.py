@@ -29,8 +29,8 @@ from workbench.capture.pipeline import (
     stages_per_rank,
 )
 from workbench.capture.tracing import Mode
-from workbench.capture.workload import StageRole
-from workbench.errors import WorkbenchError, check_int
+from workbench.capture.workload import MAX_LAYERS, StageRole
+from workbench.errors import WorkbenchError, check_int, check_type
 
 if TYPE_CHECKING:
     from workbench.capture.parallel import Parallel
@@ -75,6 +75,7 @@ class Pipeline:
 
     def layout(self, n_layers: int) -> StageLayout:
         """The stages and the layers each holds, as torchtitan derives them."""
+        check_int("n_layers", n_layers, 1, MAX_LAYERS, "a model's transformer blocks")
         per_rank = stages_per_rank(self.schedule)
         if self.layers_per_stage is None:
             n_stages = self.pp * per_rank
@@ -272,6 +273,31 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+# Layers traced in full over a pipeline's stages: at about a fifth of a second each (fake
+# mode, one CPU), a minute's tracing. A stage of more than TEMPLATE_LAYERS layers traces that
+# many in fake mode and stamps the rest; a stage of fewer traces all its own.
+MAX_TRACED_LAYERS = 256
+
+
+def _check_traced_layers(layout: StageLayout, stages: list[int], mode: Mode) -> None:
+    """Refuse a pipeline whose stages would trace more layers in full than MAX_TRACED_LAYERS
+    (hundreds of stages of a layer or two each), naming the limit and the ways under it."""
+    from workbench.capture.stamp import TEMPLATE_LAYERS
+
+    def traced(layers: tuple[int, ...]) -> int:
+        return min(len(layers), TEMPLATE_LAYERS) if mode == "fake" else len(layers)
+
+    total = sum(traced(layout.layers[s]) for s in stages)
+    if total > MAX_TRACED_LAYERS:
+        whole = f"up to {TEMPLATE_LAYERS} layers" if mode == "fake" else "real mode traces all"
+        raise WorkbenchError(
+            f"{len(stages)} pipeline stages would trace {total} layers in full (a stage's "
+            f"{whole}), past the {MAX_TRACED_LAYERS} that take about a minute: trace one "
+            "stage (--stage), or give fewer stages (--pp, --layers-per-stage) of more "
+            "layers each"
+        )
+
+
 def trace_stages(
     workload: Workload,
     mode: Mode,
@@ -284,8 +310,12 @@ def trace_stages(
     """The joint graph of each stage in `stages` (all by default), in stage order. Stages
     of one role stamp from one traced template (`templates`: kept by a caller tracing more
     pipelines of the same job, such as the planner). `kernels`: as `trace` takes them."""
+    from workbench.capture.parallel import Parallel
     from workbench.capture.trace import trace
 
+    check_type("workload", workload, Workload, "a Workload (load_workload)")
+    check_type("pipeline", pipeline, Pipeline, "a Pipeline(pp=...)")
+    check_type("parallel", parallel, (Parallel, type(None)), "a Parallel or None")
     if parallel is not None and parallel.pp not in (1, pipeline.pp):
         raise WorkbenchError(
             f"parallel pp {parallel.pp} is not the pipeline's pp {pipeline.pp}: build both "
@@ -293,6 +323,7 @@ def trace_stages(
         )
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
+    _check_traced_layers(layout, chosen, mode)
     templates = {} if templates is None else templates
     return [
         trace(

@@ -39,7 +39,7 @@ from workbench.capture.tracing import (
     record_absent_outputs,
 )
 from workbench.capture.workload import Workload
-from workbench.errors import WorkbenchError, describe
+from workbench.errors import WorkbenchError, check_int, describe
 
 if TYPE_CHECKING:
     from workbench.capture.parallel import Parallel
@@ -55,6 +55,7 @@ __all__ = [
 
 # The families torchtitan 0.3.0's graph trainer ships a `parallelize` (and model class) for.
 GRAPH_TRAINER_FAMILIES = ("llama3", "qwen3", "deepseek_v3", "muse_glimmer")
+MAX_TITAN_WORLD = 4096  # ranks of one traced torchtitan job (see check_titan_parallel)
 _GRAPH_TRAINER = "torchtitan.experiments.graph_trainer"
 CP_NOTE = (
     "context parallelism: torchtitan's cp_shard (head-tail balancer) gives this rank 1/{cp} of "
@@ -84,6 +85,14 @@ def check_titan_parallel(workload: Workload, parallel: Parallel, kernels: str) -
     without one, `--cp` with the CPU's kernels, `--ep` on a dense model, degrees that do not
     divide experts, heads or the sequence."""
     family, _ = parse_spec(workload.name)
+    check_int(
+        "the world size (fsdp x cp x tp ranks)",
+        parallel.world_size,
+        1,
+        MAX_TITAN_WORLD,
+        "tracing one torchtitan rank builds a fake group of every rank: about 10 ms each, "
+        "45 s at the limit",
+    )
     if family not in GRAPH_TRAINER_FAMILIES:
         raise WorkbenchError(
             f"torchtitan {family} has no graph trainer parallelize in torchtitan 0.3.0 "

@@ -6,9 +6,10 @@ Entry points: `workload_from_args`, `degrees_from_args` (the degree flags, read 
 `parallel_from_args`, `kernels_from_args`,
 `trace_from_args` (every trace a command makes goes through `trace_workload`),
 `prepared_from_args`, `passes_json`, `profiles_from_args`, `cost_options_from_args`,
-`solve_options_from_args`, `budget_from_args`; the checks `check_common_args`, `flag`,
-`check_positive`, `check_passes`, `check_budget`, `check_host_budget`,
-`refuse_graph_flags_without_model`; the bounds `MAX_*` and `FSDP_CHOICES`.
+`solve_options_from_args`, `budget_from_args`, `parallel_flags`; the checks
+`check_common_args`, `flag`, `check_positive`, `check_passes`, `check_budget`,
+`check_host_budget`, `refuse_graph_flags_without_model`, `refuse_unused_flags` (with its
+tables `WITH_PP`, `WITHOUT_PP`); the bounds `MAX_*` and `FSDP_CHOICES`.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ __all__ = [
     "degrees_from_args",
     "flag",
     "kernels_from_args",
+    "parallel_flags",
     "parallel_from_args",
     "passes_json",
     "prepared_from_args",
     "profiles_from_args",
     "refuse_graph_flags_without_model",
+    "refuse_unused_flags",
     "shape_from_args",
     "solve_options_from_args",
     "trace_from_args",
@@ -128,10 +131,70 @@ def parallel_from_args(args: argparse.Namespace) -> Parallel | None:
     return Parallel.of(degrees, ep_imbalance=getattr(args, "ep_imbalance", 1.0))
 
 
+def parallel_flags(args: argparse.Namespace) -> str:
+    """The parallel degrees given, as flags (`--cp 2`), for an error naming them.
+
+    >>> parallel_flags(argparse.Namespace(fsdp=1, tp=2, ep=1, cp=2, pp=4))
+    '--cp 2 --tp 2'
+    """
+    given = degree_flags(args)
+    return " ".join(f"--{k} {v}" for k, v in given.items() if k != "pp" and v != 1)
+
+
+# Flags a command path does not use, and why: given with a value other than the parser's
+# default on that path, each is refused in one line rather than dropped.
+WITHOUT_PP = {
+    dest: "it shapes a pipelined job"
+    for dest in ("pp_schedule", "microbatches", "stage", "layers_per_stage")
+}
+_NO_ALLOCATOR = "per-stage estimates have no allocator model"
+_NO_STREAMS = "per-stage estimates have no stream model"
+WITH_PP = {
+    "passes": "per-stage estimates run the workbench's own passes",
+    "ep_overlap": "per-stage estimates run the workbench's own passes",
+    "calibrate": "per-stage estimates time ops by the profile's roofline",
+    "expandable_segments": _NO_ALLOCATOR,
+    "max_split_size_mb": _NO_ALLOCATOR,
+    "prefetch": _NO_STREAMS,
+    "bucket_layers": _NO_STREAMS,
+    "sink_waits": _NO_STREAMS,
+    "max_copies_in_flight": _NO_STREAMS,
+    "timeline": "per-stage estimates have no memory timeline",
+    "budget_kind": "per-stage budgets hold allocated bytes",
+    "host_budget_bytes": "per-stage policies do not offload",
+}
+
+
+def refuse_unused_flags(args: argparse.Namespace) -> None:
+    """A flag given (a value other than its default, `CommandParser`'s `flag_defaults`) on
+    a path that does not use it is refused, naming it and why: with or without --pp
+    (`WITH_PP`, `WITHOUT_PP`), --ep-imbalance without expert parallelism."""
+    defaults: dict[str, Any] = getattr(args, "flag_defaults", {})
+
+    def given(dest: str) -> bool:
+        return dest in defaults and getattr(args, dest) != defaults[dest]
+
+    if given("ep_imbalance") and getattr(args, "ep", 1) == 1:
+        raise WorkbenchError(
+            "--ep-imbalance scales the tokens an expert-parallel rank's experts receive; "
+            "without --ep 2 or more it is not used: leave it out"
+        )
+    if "pp" not in defaults:
+        return
+    pipelined = args.pp > 1
+    for dest, why in (WITH_PP if pipelined else WITHOUT_PP).items():
+        if given(dest):
+            name = "--" + dest.replace("_", "-")
+            where = "with --pp" if pipelined else "without --pp 2 or more"
+            raise WorkbenchError(f"{name} is not used {where} ({why}); leave it out")
+
+
 def check_common_args(args: argparse.Namespace) -> None:
-    """Before any command starts its work: the parallel degrees (`Parallel`'s checks)."""
+    """Before any command starts its work: the parallel degrees (`Parallel`'s checks) and
+    flags the command's path would not use (`refuse_unused_flags`)."""
     if degree_flags(args):
         parallel_from_args(args)
+    refuse_unused_flags(args)
 
 
 def trace_workload(
@@ -204,6 +267,8 @@ def cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.cost.overlap import OverlapOptions
 
     split = args.max_split_size_mb
+    if split is not None:
+        check_int("--max-split-size-mb", split, 21, 2**20, "above torch's 20 MiB; 1 TiB")
     with flag("--max-split-size-mb"):
         allocator = AllocatorConfig(
             expandable_segments=args.expandable_segments,
@@ -220,7 +285,7 @@ def cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_copies_in_flight=args.max_copies_in_flight,
     )
     path = getattr(args, "calibrate", None)
-    calibration = load_calibration(path) if path else None
+    calibration = None if path is None else load_calibration(path)
     return {"allocator": allocator, "overlap": overlap, "calibration": calibration}
 
 

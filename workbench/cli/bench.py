@@ -18,6 +18,7 @@ from workbench.cli.args import (
     SEED_MAX,
     check_passes,
     check_positive,
+    parallel_flags,
     parallel_from_args,
     trace_from_args,
     workload_from_args,
@@ -105,9 +106,10 @@ def cmd_bench_gpu(args: argparse.Namespace) -> Report:
             f"choose from {', '.join(PRESETS)}"
         )
     if parallel_from_args(args) is not None:
-        raise WorkbenchError("bench gpu runs one unsharded process: drop --fsdp/--tp")
+        raise WorkbenchError(f"bench gpu runs one unsharded process: drop {parallel_flags(args)}")
     out = _out_folder(args, args.model, presets)
     if not torch.cuda.is_available():
+        workload_from_args(args, "fake")  # the model and its shape flags, checked on meta
         return Report({"skipped": "no CUDA device here: bench gpu measures on one", "presets": []})
     out.mkdir(exist_ok=True)
     result = bench_gpu(

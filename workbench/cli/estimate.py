@@ -19,6 +19,7 @@ from workbench.cli.args import (
     cost_options_from_args,
     degrees_from_args,
     kernels_from_args,
+    parallel_flags,
     parallel_from_args,
     passes_json,
     prepared_from_args,
@@ -160,8 +161,8 @@ def cmd_measure(args: argparse.Namespace) -> Report:
         raise WorkbenchError("--device cuda: no CUDA GPU is available here; use --device cpu")
     if parallel_from_args(args) is not None:
         raise WorkbenchError(
-            "measure runs one unsharded process; for --fsdp/--tp use estimate (one rank's "
-            "memory) or verify (every rank on gloo)"
+            f"measure runs one unsharded process: drop {parallel_flags(args)}, or use estimate "
+            "(one rank's memory) or verify (every rank on gloo)"
         )
     policy = parse_policy(args.policy)
     refuse_unfit(args, policy, args.device)

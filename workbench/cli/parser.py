@@ -76,6 +76,10 @@ class CommandParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: Any = None
     ) -> tuple[Any, list[str]]:
         namespace, extra = super().parse_known_args(args, namespace)
+        if self.get_default("run") is not None:  # what `refuse_unused_flags` compares with
+            namespace.flag_defaults = {
+                a.dest: a.default for a in self._actions if a.dest != argparse.SUPPRESS
+            }
         if extra and self.get_default("run") is not None:
             flags = [a.split("=")[0] for a in extra if a.startswith("-")]
             close = {m for f in flags for m in difflib.get_close_matches(f, self._flags(), 3)}
@@ -175,10 +179,15 @@ def add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> N
         help="model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
     )
     group.add_argument(
-        "--max-split-size-mb", type=int, help="model max_split_size_mb (above 20; default none)"
+        "--max-split-size-mb",
+        type=int,
+        help="model max_split_size_mb (above 20, at most 1,048,576: 1 TiB; default none)",
     )
     group.add_argument(
-        "--prefetch", type=int, default=0, help="FSDP all-gather buckets issued ahead (default 0)"
+        "--prefetch",
+        type=int,
+        default=0,
+        help="FSDP all-gather buckets issued ahead (default 0, at most 10,000)",
     )
     group.add_argument(
         "--bucket-layers", action="store_true", help="one FSDP collective per layer and kind"
@@ -186,7 +195,11 @@ def add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> N
     group.add_argument(
         "--sink-waits", action="store_true", help="collective waits at their first real reader"
     )
-    group.add_argument("--max-copies-in-flight", type=int, help="cap on host copies queued")
+    group.add_argument(
+        "--max-copies-in-flight",
+        type=int,
+        help="cap on host copies queued (1 to 100,000; default: no cap)",
+    )
     if calibrate:
         group.add_argument(
             "--calibrate",

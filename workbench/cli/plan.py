@@ -81,7 +81,10 @@ def cmd_plan(args: argparse.Namespace) -> Planned:
         else _multiples(args.microbatch_multiples),
         jobs=default_jobs() if args.jobs is None else args.jobs,
     )
-    if args.plot:
+    if args.plot is not None:
+        from workbench.show.viz.plots import figure_format
+
+        figure_format(args.plot, "--plot")
         check_writable(args.plot, overwrite=args.overwrite)
     start = time.perf_counter()
     # On a terminal, one progress line rewritten in place and cleared at the end, so an
@@ -103,7 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> Planned:
     finally:
         if terminal:
             sys.stderr.write(CLEAR_LINE)
-    if args.plot:
+    if args.plot is not None:
         from workbench.show.viz.plots import plot_plan, save_figure
 
         figure = plot_plan(result["configs"], result["memory_bytes"])

@@ -9,14 +9,15 @@ a pipeline).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.stages import Pipeline, StageLayout, n_layers, trace_stages
 from workbench.cli.args import (
+    check_budget,
     check_positive,
     degrees_from_args,
     kernels_from_args,
@@ -26,9 +27,8 @@ from workbench.cli.args import (
 from workbench.cli.report import Command, Report, Result
 from workbench.cost.calibrate import time_basis
 from workbench.cost.profiles import get_profile
-from workbench.decide.policy import Policy, parse_policy
+from workbench.decide.policy import Policy, parse_policy, read_policy_json
 from workbench.errors import WorkbenchError
-from workbench.files import read_file
 
 __all__ = [
     "cmd_bench_trace_stages",
@@ -38,8 +38,6 @@ __all__ = [
     "pipelined",
     "stage_policies",
 ]
-
-POLICY_FILE_LIMIT = 16 * 2**20
 
 
 def pipelined(cmd: Command, cmd_stages: Command) -> Command:
@@ -59,8 +57,11 @@ def _pipeline(args: argparse.Namespace) -> Pipeline:
     )
 
 
-def _stages_from_args(args: argparse.Namespace) -> tuple[list[JointGraph], StageLayout, float]:
-    """The stage graphs (one with --stage); without --batch one sequence per microbatch."""
+def _stages_from_args(
+    args: argparse.Namespace, before: Callable[[StageLayout], None] | None = None
+) -> tuple[list[JointGraph], StageLayout, float]:
+    """The stage graphs (one with --stage); without --batch one sequence per microbatch.
+    `before` sees the layout before anything is traced (to check what depends on it)."""
     from workbench.capture.models import is_user_factory, load_workload
 
     pipeline = _pipeline(args)
@@ -77,11 +78,13 @@ def _stages_from_args(args: argparse.Namespace) -> tuple[list[JointGraph], Stage
             device=device,
         )
 
-    layers = n_layers(load(args.batch or 1))
+    layers = n_layers(load(1 if args.batch is None else args.batch))
     layout = pipeline.layout(layers)
     if args.stage is not None:
         layout.check_stage(args.stage)
-    workload = load(args.batch or layout.microbatches)
+    if before is not None:
+        before(layout)
+    workload = load(layout.microbatches if args.batch is None else args.batch)
     start = time.perf_counter()
     stages = None if args.stage is None else [args.stage]
     kernels = kernels_from_args(args, args.mode)
@@ -129,7 +132,7 @@ def stage_policies(spec: str, stages: int) -> list[Policy]:
     {"stages": [policy, ...]} (one per stage) or {"stages": {"3": policy, "default": policy}}."""
     if not spec.endswith(".json"):
         return [parse_policy(spec)] * stages
-    data = json.loads(read_file(spec, "policy file", POLICY_FILE_LIMIT))
+    data = read_policy_json(spec)
     if not isinstance(data, dict) or "stages" not in data:
         return [Policy.from_json(data, spec)] * stages
     given = data["stages"]
@@ -153,12 +156,14 @@ def stage_policies(spec: str, stages: int) -> list[Policy]:
     ]
 
 
-def _model(args: argparse.Namespace, profile: str) -> tuple[Any, list[JointGraph], float]:
+def _model(
+    args: argparse.Namespace, profile: str, before: Callable[[StageLayout], None] | None = None
+) -> tuple[Any, list[JointGraph], float]:
     from workbench.cost.stages import PipelineModel
 
     if args.stage is not None:
         raise WorkbenchError("--stage picks one stage's graph for trace; estimate all stages")
-    graphs, layout, seconds = _stages_from_args(args)
+    graphs, layout, seconds = _stages_from_args(args, before)
     return PipelineModel(graphs, layout, profile, args.optimizer), graphs, seconds
 
 
@@ -168,8 +173,13 @@ def cmd_estimate_stages(args: argparse.Namespace) -> Report:
     if args.snapshot is not None:
         raise WorkbenchError("--snapshot writes one graph's estimate: drop --pp")
     profile = args.profile.split(",")[0]
-    model, graphs, seconds = _model(args, profile)
-    est = model.estimate(stage_policies(args.policy, len(graphs)))
+    policies: list[Policy] = []  # read before the trace, once the stages are known
+
+    def read_policies(layout: StageLayout) -> None:
+        policies.extend(stage_policies(args.policy, layout.n_stages))
+
+    model, graphs, seconds = _model(args, profile, read_policies)
+    est = model.estimate(policies)
     return Report(
         {
             "model": graphs[0].model_name,
@@ -185,13 +195,14 @@ def cmd_solve_stages(args: argparse.Namespace) -> Report:
     from workbench.search.stages import solve_stages, stage_ladders
 
     options = solve_options_from_args(args)
+    check_budget(args)
     model, graphs, seconds = _model(args, args.profile)
     ladders = stage_ladders(model, options=options)
     if args.budget_bytes is not None:
         budget = args.budget_bytes
     else:
         top = model.estimate([ladder[0] for ladder in ladders]).peak_bytes
-        budget = int(top * args.budget_frac)
+        budget = max(1, int(top * args.budget_frac))
     plan = solve_stages(model, budget, ladders=ladders)
     one = solve_stages(model, budget, per_stage=False, ladders=ladders)
     return Report(

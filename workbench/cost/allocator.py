@@ -42,6 +42,7 @@ K_SMALL_BUFFER = 2097152  # kSmallBuffer: small allocations are packed in 2 MiB 
 K_MIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: requests of 1-10 MiB take a kLargeBuffer
 K_LARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 20 MiB
 K_ROUND_LARGE = 2097152  # kRoundLarge: larger requests are rounded up to 2 MiB
+MAX_SPLIT_SIZE = 2**40  # a max_split_size above any GPU's memory splits like none at all
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,8 +61,9 @@ class AllocatorConfig:
     least this size within kLargeBuffer of theirs (`get_free_block`)."""
 
     def __post_init__(self) -> None:
-        from workbench.errors import WorkbenchError
+        from workbench.errors import WorkbenchError, check_int, check_type
 
+        check_type("expandable_segments", self.expandable_segments, bool, "True or False")
         size = self.max_split_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
             raise WorkbenchError(f"max_split_size must be bytes (an int) or None, got {size!r}")
@@ -71,6 +73,8 @@ class AllocatorConfig:
                 f"max_split_size must be above {K_LARGE_BUFFER} bytes (20 MiB, torch's "
                 f"kLargeBuffer) or None, got {size}"
             )
+        if size is not None:
+            check_int("max_split_size", size, 1, MAX_SPLIT_SIZE, "1 TiB: above any GPU's memory")
 
     @property
     def split_limit(self) -> int:

@@ -11,6 +11,7 @@ what a step time or tokens/s figure rests on, beside every such figure.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -129,6 +130,10 @@ def load_calibration(path: str | Path) -> Calibration:
     """A table (a JSON list of `calibration_table` rows) or a Chrome trace (a JSON object
     with `traceEvents`; recorded with `record_shapes=True`): on a GPU trace each op's time
     is its kernels' (those its own or nested ops launched), else its CPU duration."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"load_calibration: path must be a str or os.PathLike, got {path!r}")
+    if not str(path):
+        raise WorkbenchError("--calibrate '' names no file: give a profiler trace or table")
     where = Path(path)
     if not os.path.lexists(where):
         raise WorkbenchError(f"--calibrate {where}: no such file")
@@ -140,7 +145,7 @@ def load_calibration(path: str | Path) -> Calibration:
     if isinstance(data, list):
         samples = _table_samples(data, where)
     elif isinstance(data, dict) and isinstance(data.get("traceEvents"), list):
-        samples = _trace_samples(data["traceEvents"])
+        samples = _trace_samples(data["traceEvents"], where)
     else:
         raise WorkbenchError(
             f"--calibrate {where}: expected a torch.profiler Chrome trace (an object with "
@@ -159,36 +164,95 @@ def _table_samples(rows: list[Any], where: Path) -> dict[OpKey, list[float]]:
     for i, row in enumerate(rows):
         try:
             key = (str(row["op"]), _shapes(row["input_shapes"]))
-            seconds = float(row["seconds"])
+            seconds = row["seconds"]
         except (KeyError, TypeError, ValueError):
             raise WorkbenchError(
                 f"--calibrate {where}: row {i} needs op, input_shapes and seconds, got {row!r}"
             ) from None
-        if seconds < 0:
-            raise WorkbenchError(f"--calibrate {where}: row {i} has negative seconds")
-        samples[key].append(seconds)
+        if not isinstance(row["input_shapes"], list):
+            raise WorkbenchError(
+                f"--calibrate {where}: row {i} input_shapes must be a list of shapes, got "
+                f"{row['input_shapes']!r}"
+            )
+        samples[key].append(_duration(seconds, f"row {i} seconds", where))
     return samples
 
 
-def _trace_samples(events: list[Any]) -> dict[OpKey, list[float]]:
+def _duration(value: Any, field: str, where: Path) -> float:
+    """A measured time: a finite number >= 0 (a negative, NaN or infinite one would give
+    step times that mean nothing, and JSON cannot hold NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise WorkbenchError(
+            f"--calibrate {where}: {field} must be a finite number >= 0, got {value!r}"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class _Event:
+    """A trace event's fields the reader uses, each checked (`_checked_events`)."""
+
+    name: str
+    tid: int | str
+    ts: float
+    dur: float
+    ext: int | str | None  # `External id`: what ties a kernel to the op that launched it
+    dims: list[Any] | None  # `Input Dims`
+
+
+def _checked_events(events: list[Any], where: Path) -> tuple[list[_Event], list[_Event]]:
+    """The ops and kernels of a Chrome trace, each field checked once here, so a malformed
+    event is one line naming its index and field rather than an error deep in the nesting."""
+    ops: list[_Event] = []
+    kernels: list[_Event] = []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict) or e.get("cat") not in ("cpu_op", "kernel"):
+            continue
+        at = f"event {i} ({e['cat']})"
+        args = e.get("args") or {}
+        if not isinstance(args, dict):
+            raise WorkbenchError(f"--calibrate {where}: {at} args must be an object, got {args!r}")
+        ext = args.get("External id")
+        dims = args.get("Input Dims")
+        tid = e.get("tid", 0)
+        for field, value, kinds in (
+            ("tid", tid, (int, str)),
+            ("args 'External id'", ext, (int, str, type(None))),
+            ("args 'Input Dims'", dims, (list, type(None))),
+        ):
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+                raise WorkbenchError(
+                    f"--calibrate {where}: {at} {field} must be {names}, got {value!r}"
+                )
+        ts = e.get("ts")
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+            raise WorkbenchError(
+                f"--calibrate {where}: {at} ts must be a finite number of microseconds, got {ts!r}"
+            )
+        event = _Event(
+            str(e.get("name", "")), tid, float(ts), _duration(e.get("dur", 0), f"{at} dur", where),
+            ext, dims,
+        )  # fmt: skip
+        (ops if e["cat"] == "cpu_op" else kernels).append(event)
+    return ops, kernels
+
+
+def _trace_samples(events: list[Any], where: Path) -> dict[OpKey, list[float]]:
     """Per (op, shapes) the durations in seconds of each call: its kernels' where a kernel
     names it (or an op nested in it) by `External id`, else its own CPU span."""
-    ops = [e for e in events if isinstance(e, dict) and e.get("cat") == "cpu_op"]
+    ops, kernels = _checked_events(events, where)
     kernel_us: dict[Any, float] = defaultdict(float)
-    for e in events:
-        if isinstance(e, dict) and e.get("cat") == "kernel":
-            kernel_us[(e.get("args") or {}).get("External id")] += float(e.get("dur", 0))
-    # nest ops per thread by their spans, so an op's kernels include its children's
-    ops.sort(key=lambda e: (e.get("tid"), float(e["ts"]), -float(e.get("dur", 0))))
-    own = {id(e): kernel_us.get((e.get("args") or {}).get("External id"), 0.0) for e in ops}
+    for k in kernels:
+        kernel_us[k.ext] += k.dur
+    # nest ops per thread by their spans, so an op's kernels include its children's (a
+    # thread id may be a number or a string: grouped by its type and text)
+    ops.sort(key=lambda e: (type(e.tid).__name__, str(e.tid), e.ts, -e.dur))
+    own = {id(e): 0.0 if e.ext is None else kernel_us.get(e.ext, 0.0) for e in ops}
     device = dict(own)
-    stack: list[dict[str, Any]] = []
+    stack: list[_Event] = []
     for e in ops:
-        end = float(e["ts"]) + float(e.get("dur", 0))
-        while stack and (
-            stack[-1].get("tid") != e.get("tid")
-            or float(stack[-1]["ts"]) + float(stack[-1].get("dur", 0)) < end
-        ):
+        while stack and (stack[-1].tid != e.tid or stack[-1].ts + stack[-1].dur < e.ts + e.dur):
             stack.pop()
         for parent in stack:
             device[id(parent)] += own[id(e)]
@@ -196,11 +260,10 @@ def _trace_samples(events: list[Any]) -> dict[OpKey, list[float]]:
     samples: dict[OpKey, list[float]] = defaultdict(list)
     gpu = bool(kernel_us)
     for e in ops:
-        name, args = str(e.get("name", "")), e.get("args") or {}
-        if not name.startswith("aten::") or "Input Dims" not in args:
+        if not e.name.startswith("aten::") or e.dims is None:
             continue
-        micros = device[id(e)] if gpu else float(e.get("dur", 0))
-        samples[(name, _shapes(args["Input Dims"]))].append(micros * 1e-6)
+        micros = device[id(e)] if gpu else e.dur
+        samples[(e.name, _shapes(e.dims))].append(micros * 1e-6)
     return samples
 
 

@@ -19,7 +19,7 @@ import torch
 
 from workbench.capture.graph import JointGraph
 from workbench.cost.profiles import DeviceProfile
-from workbench.errors import WorkbenchError
+from workbench.errors import check_int, check_type
 from workbench.rewrite.index import GraphIndex
 
 __all__ = [
@@ -34,6 +34,11 @@ __all__ = [
 ]
 
 # Ring algorithms: bytes each rank sends, per byte of the whole buffer, in a group of W.
+# Far above what a model has (a bucket per parameter of 1,024 layers; a copy per
+# activation), low enough that a typo is named rather than simulated.
+MAX_PREFETCH = 10_000
+MAX_COPIES = 100_000
+
 RING_FACTOR: dict[str, Callable[[int], float]] = {
     "all_gather": lambda w: (w - 1) / w,
     "reduce_scatter": lambda w: (w - 1) / w,
@@ -78,13 +83,12 @@ class OverlapOptions:
     ends (None: no cap)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
-            raise WorkbenchError(f"prefetch must be 0 or more buckets, got {self.prefetch!r}")
-        if self.prefetch < 0:
-            raise WorkbenchError(f"prefetch must be 0 or more buckets, got {self.prefetch}")
+        check_int("prefetch", self.prefetch, 0, MAX_PREFETCH, "buckets ahead; a layer's is one")
+        for name in ("bucket_layers", "sink_waits"):
+            check_type(name, getattr(self, name), bool, "True or False")
         cap = self.max_copies_in_flight
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise WorkbenchError(f"max_copies_in_flight must be 1 or more, or None, got {cap!r}")
+        if cap is not None:
+            check_int("max_copies_in_flight", cap, 1, MAX_COPIES, "copies queued; None: no cap")
 
 
 def nccl_model_applies(profile: DeviceProfile) -> bool:

@@ -36,7 +36,7 @@ from workbench.cost.schedule import (
     simulate,
 )
 from workbench.decide.policy import Policy
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, check_type
 from workbench.rewrite.di_dw import WEIGHT_GRADS_FROM, split_di_dw
 from workbench.rewrite.remat import RECOMPUTED_SUFFIX
 
@@ -269,6 +269,23 @@ class PipelineEstimate:
         }
 
 
+def _check_stages(graphs: Sequence[JointGraph], layout: StageLayout) -> None:
+    """The arguments of `PipelineModel`: a StageLayout and its stage graphs, in stage order
+    (each graph says which stage it is: a list in another order would pair each stage's
+    graph with another stage's place in the schedule)."""
+    check_type("layout", layout, StageLayout, "a StageLayout (Pipeline.layout)")
+    check_type("graphs", graphs, (list, tuple), "a list of stage graphs")
+    for i, graph in enumerate(graphs):
+        check_type(f"graphs[{i}]", graph, JointGraph, "a JointGraph (trace_stages)")
+        stage = graph.config.get("stage")
+        if not isinstance(stage, dict) or stage.get("stage") != i:
+            found = stage.get("stage") if isinstance(stage, dict) else "no stage"
+            raise WorkbenchError(
+                f"graphs[{i}] is the graph of stage {found}: give the stage graphs in stage "
+                "order, as trace_stages returns them"
+            )
+
+
 class PipelineModel:
     """The estimators of a pipeline's stage graphs (split into input and weight gradients
     for zero-bubble schedules) over its schedule: `estimate(policies)` is the what-if."""
@@ -282,6 +299,7 @@ class PipelineModel:
         overlap: OverlapOptions | None = None,
         cache: StageCache | None = None,
     ) -> None:
+        _check_stages(graphs, layout)
         if len(graphs) != layout.n_stages:
             raise WorkbenchError(
                 f"a pipeline of {layout.n_stages} stages needs a graph per stage, got {len(graphs)}"

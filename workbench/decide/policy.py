@@ -1,8 +1,9 @@
 """Policies: what a user asks for every forward activation (save, recompute or offload), as
 a preset, selectors and per-node overrides, in versioned JSON.
 
-Entry points: `Policy` (with `Policy.load` / `save` / `from_json` / `to_json`), `Selector`
-and `parse_policy(spec)`. `workbench.decide.decider` applies a policy to a graph.
+Entry points: `Policy` (with `Policy.load` / `save` / `from_json` / `to_json`), `Selector`,
+`parse_policy(spec)` and `read_policy_json(path)` (a policy file's checked JSON).
+`workbench.decide.decider` applies a policy to a graph.
 """
 
 from __future__ import annotations
@@ -258,40 +259,13 @@ class Policy:
     def load(cls, path: str | os.PathLike[str]) -> Policy:
         """Read a policy file; anything but a readable, UTF-8, reasonably sized and shallow
         JSON policy is refused with one line naming the file and the problem."""
-        if not isinstance(path, str | os.PathLike):
-            raise TypeError(f"Policy.load: path must be a str or os.PathLike, got {path!r}")
         name = f"policy file {str(path)!r}"
-        return cls.from_bytes(read_file(path, name, MAX_POLICY_FILE_BYTES), name)
+        return cls.from_json(read_policy_json(path), source=name)
 
     @classmethod
     def from_bytes(cls, raw: bytes, name: str) -> Policy:
         """A policy from a file's bytes (`name` says where they came from in errors)."""
-        if len(raw) > MAX_POLICY_FILE_BYTES:
-            raise WorkbenchError(
-                f"{name} is larger than {MAX_POLICY_FILE_BYTES // 2**20} MiB: not a policy"
-            )
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise WorkbenchError(
-                f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
-            ) from None
-        try:
-            data = json.loads(text, object_pairs_hook=_no_duplicates)
-        except _DuplicateKey as err:
-            raise WorkbenchError(
-                f"{name} has the key {err.args[0]!r} twice in one object: JSON readers differ "
-                "on which one counts; keep one"
-            ) from None
-        except json.JSONDecodeError as err:
-            raise WorkbenchError(
-                f"{name} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
-            ) from None
-        except RecursionError:
-            raise WorkbenchError(f"{name} is nested too deeply to be a policy") from None
-        except ValueError as err:  # e.g. an integer with more digits than Python converts
-            raise WorkbenchError(f"{name} is not a readable policy: {err}") from None
-        return cls.from_json(data, source=name)
+        return cls.from_json(policy_json(raw, name), source=name)
 
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write atomically; an existing file is replaced only when `overwrite` is set."""
@@ -308,6 +282,45 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
     return data
+
+
+def read_policy_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON a policy file holds, read with every check a policy file gets (`policy_json`):
+    one reader for a policy and for a pipeline's file of stage policies."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"Policy.load: path must be a str or os.PathLike, got {path!r}")
+    name = f"policy file {str(path)!r}"
+    return policy_json(read_file(path, name, MAX_POLICY_FILE_BYTES), name)
+
+
+def policy_json(raw: bytes, name: str) -> Any:
+    """The JSON in a policy file's bytes; anything but UTF-8, reasonably sized, shallow JSON
+    without a repeated key is refused with one line naming `name` and the problem."""
+    if len(raw) > MAX_POLICY_FILE_BYTES:
+        raise WorkbenchError(
+            f"{name} is larger than {MAX_POLICY_FILE_BYTES // 2**20} MiB: not a policy"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise WorkbenchError(
+            f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+        ) from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as err:
+        raise WorkbenchError(
+            f"{name} has the key {err.args[0]!r} twice in one object: JSON readers differ "
+            "on which one counts; keep one"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise WorkbenchError(
+            f"{name} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
+        ) from None
+    except RecursionError:
+        raise WorkbenchError(f"{name} is nested too deeply to be a policy") from None
+    except ValueError as err:  # e.g. an integer with more digits than Python converts
+        raise WorkbenchError(f"{name} is not a readable policy: {err}") from None
 
 
 _OFFLOAD_FIELDS = ", ".join(OffloadOptions._fields)

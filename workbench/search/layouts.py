@@ -26,9 +26,10 @@ from workbench.capture.pipeline import (
     stages_per_rank,
 )
 from workbench.capture.stages import Pipeline, StageLayout, split_layers
+from workbench.capture.workload import MAX_LAYERS
 from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, OptimizerName
 from workbench.cost.profiles import get_profile
-from workbench.errors import WorkbenchError, check_int
+from workbench.errors import WorkbenchError, check_int, check_type
 
 __all__ = [
     "MICROBATCH_MULTIPLES",
@@ -82,6 +83,12 @@ class PlanOptions:
     `plan --jobs` defaults to one per CPU). The plan is the same for any count."""
 
     def __post_init__(self) -> None:
+        check_type("model", self.model, str, "a reference model's name")
+        check_type("gpu", self.gpu, str, "a device profile's name (h100, h200)")
+        for name in ("schedules", "microbatch_multiples"):
+            check_type(name, getattr(self, name), (tuple, list), "a tuple")
+        if self.layers is not None:
+            check_int("--layers", self.layers, 1, MAX_LAYERS, "transformer blocks")
         if self.model not in model_names():
             raise WorkbenchError(
                 f"plan splits reference models, laid out as torchtitan's; {self.model!r} is not "
@@ -103,12 +110,16 @@ class PlanOptions:
             )
         if not self.schedules:
             raise WorkbenchError(f"--schedules names none; choose from {', '.join(SCHEDULES)}")
-        names = tuple(schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
-        object.__setattr__(self, "schedules", names)
+        names = (schedule_class(s).__name__.removeprefix("Schedule") for s in self.schedules)
+        # a schedule or multiple named twice (also by another spelling) is planned once
+        object.__setattr__(self, "schedules", tuple(dict.fromkeys(names)))
         if not self.microbatch_multiples:
             raise WorkbenchError("--microbatch-multiples names none; e.g. 1,2,4")
         for multiple in self.microbatch_multiples:
             check_int("--microbatch-multiples", multiple, 1, 1024, "multiples of the stages")
+        object.__setattr__(
+            self, "microbatch_multiples", tuple(dict.fromkeys(self.microbatch_multiples))
+        )
         check_int("--seq", self.seq, 1, 2**31 - 1, "tokens")
         if self.global_batch is not None:
             check_int("--global-batch", self.global_batch, 1, 2**31 - 1, "sequences")

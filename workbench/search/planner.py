@@ -44,7 +44,7 @@ from workbench.cost.estimate import Estimator
 from workbench.cost.profiles import get_profile
 from workbench.cost.stages import PipelineModel, StageCache
 from workbench.decide.policy import Policy
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, check_type
 from workbench.search.layouts import (
     MICROBATCH_MULTIPLES,
     OPTIMIZER,
@@ -404,6 +404,7 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
     """Enumerate, prune, trace what is left (alike stages once), solve each layout's
     policies under the memory, rank. Groups of layouts sharing stage graphs run in
     `options.jobs` worker processes. Refuses when nothing is left to trace, or nothing fits."""
+    check_type("options", options, PlanOptions, "a PlanOptions(model=..., gpus=...)")
     start = time.perf_counter()
     pool = _start_pool(options.jobs)
     try:

@@ -14,6 +14,7 @@ import importlib
 import logging
 import pkgutil
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -80,7 +81,19 @@ def _torchtitan_models() -> ModuleType:
 def families() -> list[str]:
     """Model families of the installed torchtitan (its `torchtitan/models/*` packages)."""
     package = _torchtitan_models()
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
+    return sorted(
+        m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg and _has_registry(m)
+    )
+
+
+def _has_registry(info: pkgutil.ModuleInfo) -> bool:
+    """A family's package defines `model_registry`; a shared one (`common`) does not. Its
+    source is read, not imported: importing every family takes seconds."""
+    init = Path(getattr(info.module_finder, "path", "")) / info.name / "__init__.py"
+    try:
+        return "model_registry" in init.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 def _family(name: str) -> ModuleType:
@@ -165,17 +178,26 @@ def adapt_config(config: Any, spec: str, layers: int | None, seq: int, flex: boo
     notes = []
     if not flex and _use_sdpa(config):
         notes.append(SDPA_NOTE)
-    _size_rope(config, seq)
+    _size_rope(config, seq, family_flavor)
     if getattr(config, "vision_encoder", None) is not None:
         config.vision_encoder = None
         notes.append(VISION_NOTE)
     return notes
 
 
-def _size_rope(config: Any, seq: int) -> None:
+def _size_rope(config: Any, seq: int, family_flavor: str) -> None:
+    """RoPE caches cut to `seq`; a longer `seq` than the flavor's RoPE length is refused
+    naming the limit (positions past it have no rotation: a shape error deep in the
+    trace)."""
     for block in config.layers:
         rope = getattr(getattr(block, "attention", None), "rope", None)
-        if rope is not None and getattr(rope, "max_seq_len", 0) > seq:
+        limit = getattr(rope, "max_seq_len", None)
+        if isinstance(limit, int) and seq > limit:
+            raise WorkbenchError(
+                f"--seq {seq}: torchtitan:{family_flavor}'s RoPE covers {limit} positions; "
+                f"give --seq {limit} or less"
+            )
+        if rope is not None and isinstance(limit, int) and limit > seq:
             block.attention.rope = dataclasses.replace(rope, max_seq_len=seq)
 
 

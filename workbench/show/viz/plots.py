@@ -3,8 +3,9 @@ memory-vs-step-time trade-off with its Pareto front.
 
 Entry points: `plot_memory_timeline`, `plot_layer_saved_bytes`, `plot_tradeoff`,
 `pareto_front(points)`, `plot_plan` and `plan_front` (the planner's layouts) and
-`save_figure(fig, path)` (deterministic SVG/PDF/PNG). Figures are bare `Figure`s drawn by
-Agg: the global pyplot backend is left alone.
+`save_figure(fig, path)` (deterministic SVG/PDF/PNG; `figure_format` checks a path before
+the work that draws it). Figures are bare `Figure`s drawn by Agg: the global pyplot backend
+is left alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "PALETTE",
     "PLAN_KEYS",
     "TRADEOFF_KEYS",
+    "figure_format",
     "pareto_front",
     "plan_front",
     "plot_layer_saved_bytes",
@@ -199,15 +201,31 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]]) -> Figure:
     return fig
 
 
+def figure_format(path: str | Path, flag: str = "path") -> str:
+    """The format a figure file's suffix names, checked before the work that draws it: one
+    matplotlib writes (`FigureCanvasBase.get_supported_filetypes`), else a one-line error
+    naming `flag` and the suffixes it takes."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    fmt = Path(path).suffix.lstrip(".").lower()
+    if not str(path) or fmt not in formats:
+        raise WorkbenchError(
+            f"{flag} {str(path)!r}: cannot draw a figure as {'.' + fmt if fmt else 'it'}; end "
+            f"the file name with one of {', '.join('.' + f for f in formats)}"
+        )
+    return fmt
+
+
 def save_figure(fig: Figure, path: str | Path, overwrite: bool = False) -> Path:
     """Save with no date and a fixed SVG hash salt: the same data give identical files.
     An existing file is kept unless `overwrite`."""
     target = Path(path)
-    fmt = target.suffix.lstrip(".").lower()
+    fmt = figure_format(target)
     metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
     buffer = io.BytesIO()
     with matplotlib.rc_context({"svg.hashsalt": "sac-workbench"}):
-        fig.savefig(buffer, format=fmt or None, metadata=metadata)
+        fig.savefig(buffer, format=fmt, metadata=metadata)
     return write_file(target, buffer.getvalue(), overwrite=overwrite)
 
 
