@@ -7,7 +7,6 @@ import importlib.util
 import json
 
 import pytest
-import torch
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
@@ -16,7 +15,6 @@ from workbench.capture.parallel import Parallel
 from workbench.capture.stages import Pipeline, trace_stages
 from workbench.capture.titan_rank import check_titan_pipeline
 from workbench.capture.trace import trace
-from workbench.capture.workload import Workload
 from workbench.cli import main
 from workbench.errors import WorkbenchError
 
@@ -84,14 +82,8 @@ def test_graph_pp_refusals() -> None:
         trace_stages(workload, "fake", Parallel(fsdp=2, pp=2), Pipeline(pp=2))
     with pytest.raises(WorkbenchError, match="--mode fake only"):
         trace_stages(workload, "real", Parallel(fsdp=2, pp=2), PIPELINE)
-    glimmer = Workload(
-        torch.nn.Linear(2, 2),
-        (torch.zeros(1, 2),),
-        torch.zeros(1, 2),
-        name="torchtitan:muse_glimmer/debugmodel",
-    )
     with pytest.raises(WorkbenchError, match="pipelining_fn is not graph_pipeline_llm"):
-        check_titan_pipeline(glimmer, "Interleaved1F1B")
+        check_titan_pipeline("torchtitan:muse_glimmer/debugmodel", "Interleaved1F1B")
 
 
 def test_one_device_stages_sum_to_the_model() -> None:
@@ -99,3 +91,15 @@ def test_one_device_stages_sum_to_the_model() -> None:
     graphs = trace_stages(workload, "fake", None, PIPELINE)
     whole = trace(load_workload(LLAMA, seq=32, device="meta"), "fake")
     assert sum(g.summary()["param_bytes"] for g in graphs) == whole.summary()["param_bytes"]
+
+
+def test_plan_ranks_torchtitan_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", LLAMA, "--gpus", "4", "--layers", "2", "--seq", "64"]
+    main([*args, "--jobs", "1", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    pipelined = [row for row in result["configs"] if row["pp"] > 1]
+    assert pipelined and {row["schedule"] for row in pipelined} <= {
+        "Interleaved1F1B",
+        "ZBVZeroBubble",
+    }
+    assert any("Got 1F1B" in row["reason"] for row in result["pruned"])

@@ -308,7 +308,7 @@ def trace_stages(
     from workbench.capture.titan_rank import check_titan_pipeline, is_titan_workload
 
     if is_titan_workload(workload):
-        check_titan_pipeline(workload, pipeline.schedule)
+        check_titan_pipeline(workload.name, pipeline.schedule)
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
     templates = {} if templates is None else templates

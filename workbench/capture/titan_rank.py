@@ -57,6 +57,7 @@ __all__ = [
     "check_titan_pipeline",
     "graph_trainer_imports",
     "is_titan_workload",
+    "titan_experts",
     "trace_titan_rank",
 ]
 
@@ -76,6 +77,13 @@ _A2A = "_c10d_functional.all_to_all_single.default"
 
 def is_titan_workload(workload: Workload) -> bool:
     return workload.name.startswith("torchtitan:")
+
+
+def titan_experts(workload: Workload) -> int:
+    """Routed experts of a torchtitan model's MoE layers; 0 on a dense model or another one."""
+    if not is_titan_workload(workload):
+        return 0
+    return _experts(workload.model.config)
 
 
 def _experts(config: Any) -> int:
@@ -137,13 +145,13 @@ def check_titan_parallel(workload: Workload, parallel: Parallel, kernels: str) -
         )
 
 
-def check_titan_pipeline(workload: Workload, schedule: str) -> None:
+def check_titan_pipeline(name: str, schedule: str) -> None:
     """Refuse, in one line, a pipeline graph trainer's `graph_pp` does not build: a family
     whose graph trainer spec has no `graph_pipeline_llm` as its `pipelining_fn`, or a schedule
     its `_validate_graph_pp_config` refuses (it runs torch's runtime schedules only)."""
     from torchtitan.config import ParallelismConfig
 
-    family, flavor = parse_spec(workload.name)
+    family, flavor = parse_spec(name)
     with graph_trainer_imports():
         from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
         from torchtitan.experiments.graph_trainer.graph_pp import pipeline
@@ -156,7 +164,7 @@ def check_titan_pipeline(workload: Workload, schedule: str) -> None:
         spec = module.model_registry(flavor) if module is not None else None
         if spec is None or spec.pipelining_fn is not pipeline.graph_pipeline_llm:
             raise WorkbenchError(
-                f"--pp on {workload.name}: graph trainer 0.3.0 pipelines {family} through no "
+                f"--pp on {name}: graph trainer 0.3.0 pipelines {family} through no "
                 "graph_pp (its model spec's pipelining_fn is not graph_pipeline_llm); "
                 "families it pipelines: llama3, qwen3, deepseek_v3"
             )
@@ -167,7 +175,7 @@ def check_titan_pipeline(workload: Workload, schedule: str) -> None:
             )
         except ValueError as err:
             raise WorkbenchError(
-                f"--pp-schedule {schedule} on {workload.name}: graph trainer's graph_pp "
+                f"--pp-schedule {schedule} on {name}: graph trainer's graph_pp "
                 f"refuses it (_validate_graph_pp_config: {describe(err)}); choose "
                 "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV"
             ) from None
