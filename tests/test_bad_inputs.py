@@ -1765,7 +1765,8 @@ def test_plan_needs_a_model_laid_out_as_torchtitans(capsys: pytest.CaptureFixtur
     fails(
         capsys,
         ["plan", *MLP, "--gpus", "2"],
-        r"plan splits reference models.*'user_models:mlp' is not one: choose one of "
+        r"plan splits reference models and torchtitan's.*'user_models:mlp' is neither: "
+        r"choose one of "
         r"dsv3-16b, dsv3-debug",
     )
 

@@ -7,11 +7,14 @@ Entry points: `Pipeline(pp=, schedule=, microbatches=)`, `split_layers(n_layers,
 A stage's graph is one microbatch's forward and backward of its layers, as torch's
 `PipelineStage` runs them: a stage after the first receives hidden states (their gradient is
 its last output), one before the last receives its output's gradient instead of a loss.
+A torchtitan model's stage on a rank is graph trainer's `graph_pp` stage
+(`workbench.capture.titan_rank`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -181,33 +184,32 @@ def n_layers(workload: Workload) -> int:
     """The layers a pipeline splits; refuses a model not laid out as torchtitan's."""
     from workbench.capture.titan_rank import is_titan_workload
 
-    if is_titan_workload(workload):
-        raise WorkbenchError(
-            f"--pp on {workload.name!r}: torchtitan models pipeline through graph trainer's "
-            "graph_pp, which the workbench does not trace yet; use a reference model "
-            "(llama3-*, dsv3-*) with --pp"
-        )
     model = workload.model
-    if not isinstance(model, Llama3) or not isinstance(model.layers, nn.ModuleDict):
+    layers = getattr(model, "layers", None)
+    if not (isinstance(model, Llama3) or is_titan_workload(workload)) or not isinstance(
+        layers, nn.ModuleDict
+    ):
         raise WorkbenchError(
             f"--pp splits models laid out as torchtitan's (tok_embeddings, layers keyed by "
             f"index, norm, output); {workload.name!r} is a {type(model).__name__}: use a "
-            "reference model (llama3-*, dsv3-*)"
+            "reference model (llama3-*, dsv3-*) or a torchtitan model"
         )
-    return len(model.layers)
+    return len(layers)
 
 
-def _stage_model(model: Llama3, layers: tuple[int, ...], role: StageRole) -> nn.Module:
+def _stage_model(model: nn.Module, layers: tuple[int, ...], role: StageRole) -> nn.Module:
     """The modules stage `role` holds, sharing the model's parameters (torchtitan deletes the
-    others from a copy; module paths stay, so `layers.40` is `layers.40` on its stage)."""
+    others from a copy; module paths stay, so `layers.40` is `layers.40` on its stage). The
+    output projection is `output` on the reference models, `lm_head` on torchtitan's."""
     stage = copy.copy(model)
     stage._modules = dict(model._modules)
-    stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
-    if not role.first:
-        stage.tok_embeddings = None
-    if not role.last:
-        stage.norm = None
-        stage.output = None
+    held: Any = model.layers
+    stage.layers = nn.ModuleDict({str(i): held[str(i)] for i in layers})
+    dropped = [] if role.first else ["tok_embeddings"]
+    dropped += [] if role.last else ["norm", "output", "lm_head"]
+    for name in dropped:
+        if name in stage._modules:
+            setattr(stage, name, None)
     return stage
 
 
@@ -219,8 +221,7 @@ def stage_workload(
     else its output's gradient."""
     layout.check_stage(stage)
     n_layers(workload)
-    model = workload.model
-    assert isinstance(model, Llama3)
+    model: Any = workload.model
     tokens = workload.inputs[0]
     if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
         raise WorkbenchError(
@@ -237,9 +238,9 @@ def stage_workload(
     micro = batch // microbatches
     role = StageRole(stage, layout.n_stages, layout.layers[stage], micro * seq, seq)
     stage_model = _stage_model(model, role.layers, role)
-    tp = parallel.tp if parallel is not None else 1
+    shards = parallel.tp * parallel.cp if parallel is not None else 1
     dtype = DTYPES[parallel.param_dtype] if parallel is not None else _dtype_of(model)
-    hidden = (micro, seq // tp if seq % tp == 0 else seq, model.config.dim)
+    hidden = (micro, seq // shards if seq % shards == 0 else seq, model.config.dim)
 
     def received(seed: int) -> torch.Tensor:
         if tokens.is_meta:
@@ -266,7 +267,20 @@ def stage_workload(
         notes=list(workload.notes),
         stage=role,
         grad_output=None if role.last else received(10_000 + stage),
+        kernel_context=_kernel_context(workload, stage_model, micro, seq),
     )
+
+
+def _kernel_context(workload: Workload, stage_model: nn.Module, micro: int, seq: int) -> Any:
+    """The stage's kernel switch: a torchtitan model's (`titan_kernels`: its flex attention's
+    block mask) sized to the microbatch; a reference model has none."""
+    from workbench.capture.titan_rank import is_titan_workload
+
+    if not is_titan_workload(workload):
+        return workload.kernel_context
+    from workbench.capture.models.torchtitan import titan_kernels
+
+    return functools.partial(titan_kernels, stage_model, micro, seq)
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:
@@ -321,6 +335,10 @@ def trace_stages(
             f"parallel pp {parallel.pp} is not the pipeline's pp {pipeline.pp}: build both "
             "from one Degrees (Pipeline(pp=degrees.pp, ...), Parallel.of(degrees))"
         )
+    from workbench.capture.titan_rank import check_titan_pipeline, is_titan_workload
+
+    if is_titan_workload(workload):
+        check_titan_pipeline(workload.name, pipeline.schedule)
     layout = pipeline.layout(n_layers(workload))
     chosen = list(range(layout.n_stages)) if stages is None else stages
     _check_traced_layers(layout, chosen, mode)

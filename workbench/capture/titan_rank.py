@@ -4,8 +4,13 @@
 
 Entry points: `trace_titan_rank(workload, mode, parallel, kernels) -> JointGraph` (what
 `workbench.capture.trace.trace` calls for `torchtitan:` workloads with a `Parallel`),
-`GRAPH_TRAINER_FAMILIES`, `check_titan_parallel`, and `bind_token_counts` (the expert token
-counts fake tensors cannot route).
+`GRAPH_TRAINER_FAMILIES`, `check_titan_parallel`, `check_titan_pipeline`, and
+`bind_token_counts` (the expert token counts fake tensors cannot route).
+
+A pipeline stage (`Workload.stage`) is graph trainer's `graph_pp` stage: the model split by
+torchtitan's own `_split_module`, parallelized, and its stage step traced as graph_pp's
+`_build_stage_graphs` traces it (hidden states in after the first stage, the output's gradient
+in before the last).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from workbench.capture.degrees import EXPERT_MESH_DIMS, MESH_DIMS
 from workbench.capture.expert_parallel import ep_token_splits, routing_note
@@ -48,8 +54,10 @@ __all__ = [
     "GRAPH_TRAINER_FAMILIES",
     "bind_token_counts",
     "check_titan_parallel",
+    "check_titan_pipeline",
     "graph_trainer_imports",
     "is_titan_workload",
+    "titan_experts",
     "trace_titan_rank",
 ]
 
@@ -70,6 +78,13 @@ _A2A = "_c10d_functional.all_to_all_single.default"
 
 def is_titan_workload(workload: Workload) -> bool:
     return workload.name.startswith("torchtitan:")
+
+
+def titan_experts(workload: Workload) -> int:
+    """Routed experts of a torchtitan model's MoE layers; 0 on a dense model or another one."""
+    if not is_titan_workload(workload):
+        return 0
+    return _experts(workload.model.config)
 
 
 def _experts(config: Any) -> int:
@@ -137,6 +152,42 @@ def check_titan_parallel(workload: Workload, parallel: Parallel, kernels: str) -
             f"--seq {seq} is not a multiple of tp x 2cp = {divisor} (sequence parallelism "
             f"and context parallelism split it); choose a seq divisible by {divisor}"
         )
+
+
+def check_titan_pipeline(name: str, schedule: str) -> None:
+    """Refuse, in one line, a pipeline graph trainer's `graph_pp` does not build: a family
+    whose graph trainer spec has no `graph_pipeline_llm` as its `pipelining_fn`, or a schedule
+    its `_validate_graph_pp_config` refuses (it runs torch's runtime schedules only)."""
+    from torchtitan.config import ParallelismConfig
+
+    family, flavor = parse_spec(name)
+    with graph_trainer_imports():
+        from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
+        from torchtitan.experiments.graph_trainer.graph_pp import pipeline
+
+        module = (
+            importlib.import_module(f"{_GRAPH_TRAINER}.{family}")
+            if family in GRAPH_TRAINER_FAMILIES
+            else None
+        )
+        spec = module.model_registry(flavor) if module is not None else None
+        if spec is None or spec.pipelining_fn is not pipeline.graph_pipeline_llm:
+            raise WorkbenchError(
+                f"--pp on {name}: graph trainer 0.3.0 pipelines {family} through no "
+                "graph_pp (its model spec's pipelining_fn is not graph_pipeline_llm); "
+                "families it pipelines: llama3, qwen3, deepseek_v3"
+            )
+        try:
+            pipeline._validate_graph_pp_config(
+                compile_config=GraphTrainerCompileConfig(mode="aot_fx_trace"),
+                parallelism=ParallelismConfig(pipeline_parallel_schedule=schedule),
+            )
+        except ValueError as err:
+            raise WorkbenchError(
+                f"--pp-schedule {schedule} on {name}: graph trainer's graph_pp "
+                f"refuses it (_validate_graph_pp_config: {describe(err)}); choose "
+                "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV"
+            ) from None
 
 
 @contextlib.contextmanager
@@ -241,16 +292,43 @@ def _build_rank_model(
             model.load_state_dict(workload.model.state_dict())
     finally:
         torch.set_default_dtype(previous)
+    if workload.stage is not None:
+        model = _split_stage(model, workload)
     return spec, model, notes
 
 
-def _layer_count(workload: Workload) -> int:
-    """The blocks the rank's model holds: the workload model's (a template for stamping
-    keeps its first ones, `workbench.capture.stamp.keep_layers`), else the config's."""
+def _layer_ids(workload: Workload) -> list[int]:
+    """The blocks the rank's model holds, by id: the workload model's (a template for
+    stamping keeps three, `workbench.capture.stamp.keep_layers`; a stage its own), else the
+    config's first ones."""
     layers = getattr(workload.model, "layers", None)
     if isinstance(layers, torch.nn.ModuleDict):
-        return len(layers)
-    return int(workload.config["layers"])
+        return [int(key) for key in layers]
+    return list(range(int(workload.config["layers"])))
+
+
+def _layer_count(workload: Workload) -> int:
+    """Blocks to build: up to the highest id held, so that a stage's keep their names."""
+    return max(_layer_ids(workload), default=-1) + 1
+
+
+def _split_stage(model: Any, workload: Workload) -> Any:
+    """The stage's part of graph trainer's model, cut by torchtitan's own `_split_module`
+    from the module names `_generate_llm_fqn_per_model_part` gives a stage: the embedding on
+    the first, its layers, the norm and `lm_head` on the last (here only the layers the
+    workload holds, three for a stamping template)."""
+    from torchtitan.distributed.pipeline_parallel import _split_module
+
+    role = workload.stage
+    assert role is not None
+    names = [
+        *(["tok_embeddings"] if role.first else []),
+        *(f"layers.{i}" for i in _layer_ids(workload)),
+        *(["norm", "lm_head"] if role.last else []),
+    ]
+    with warnings.catch_warnings():  # its deepcopy reads fake tensors' data pointers
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return _split_module(model, names)
 
 
 def _parallel_dims(parallel: Parallel) -> Any:
@@ -292,11 +370,15 @@ def _mesh_dims(dims: Any) -> dict[str, str]:
 
 
 def _inputs(workload: Workload, mode: Mode) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and labels on the CPU (fake mode: zeros of the workload's shape)."""
-    ids, labels = workload.inputs[0], workload.target
+    """Token ids (a stage after the first: the hidden states it receives) and labels (a
+    stage before the last: its output's gradient) on the CPU; in fake mode uninitialised
+    tensors of the workload's shapes (the tracer makes them fake)."""
+    first, last = workload.inputs[0], workload.target
+    if workload.stage is not None and not workload.stage.last:
+        last = workload.grad_output
     if mode == "fake":
-        return torch.zeros(ids.shape, dtype=ids.dtype), torch.zeros(labels.shape, dtype=ids.dtype)
-    return ids, labels
+        return tuple(torch.empty(t.shape, dtype=t.dtype) for t in (first, last))  # type: ignore[return-value]
+    return first, last
 
 
 def trace_titan_rank(
@@ -312,6 +394,11 @@ def trace_titan_rank(
     from workbench.capture.parallel import check_fits_rank, fake_world
 
     check_titan_parallel(workload, parallel, kernels)
+    if workload.stage is not None and mode == "real":
+        raise WorkbenchError(
+            f"--pp on {workload.name} traces graph trainer's stages in --mode fake only (a "
+            "stage's weights are not loaded from the workload's model); use --mode fake"
+        )
     if mode == "real":
         check_fits_rank(workload, parallel)
     with (
@@ -335,15 +422,13 @@ def trace_titan_rank(
                 dump_folder="",
             )
             batch, seq = int(workload.config["batch"]), int(workload.config["seq"])
-            ids, labels = _inputs(workload, mode)
             shard = _cp_shard(dims) if parallel.cp > 1 else None
-            if shard is not None:
-                (ids, labels), _ = shard((ids, labels), None)
+            first, last = _sharded_inputs(workload, mode, shard)
             with (
                 kernel_dispatch(kernels) as record,
                 titan_kernels(model, batch, seq, kernels, shard) as switched,
             ):
-                traced = _trace(model, ids, labels)
+                traced = _trace(model, dims, workload, first, last)
             n_params = sum(1 for _ in model.named_parameters(remove_duplicate=False))
             model_state = list(extract_module_state(model).values())
         except WorkbenchError:
@@ -380,18 +465,75 @@ def _cp_shard(dims: Any) -> Any:
     return functools.partial(cp_shard, mesh, load_balancer_type="headtail")
 
 
-def _trace(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+def _sharded_inputs(
+    workload: Workload, mode: Mode, shard: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_inputs`, the token-position ones (ids on the first stage, labels on the last) cut
+    by `cp_shard` on a context-parallel rank; received hidden states and output gradients
+    are the rank's shard already."""
+    first, last = _inputs(workload, mode)
+    if shard is None:
+        return first, last
+    stage = workload.stage
+    cut = [stage is None or stage.first, stage is None or stage.last]
+    held = [t for t, c in zip((first, last), cut, strict=True) if c]
+    sharded = iter(shard(tuple(held), None)[0])
+    return tuple(next(sharded) if c else t for t, c in zip((first, last), cut, strict=True))  # type: ignore[return-value]
+
+
+def _trace(
+    model: Any, dims: Any, workload: Workload, first: torch.Tensor, last: torch.Tensor
+) -> Any:
+    """Graph trainer's step traced by its `minimal_fx_tracer`: its `make_fwd_bwd_step`, or
+    for a pipeline stage graph_pp's stage step (`_stage_step`)."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer
     from torchtitan.experiments.graph_trainer.trainer import make_fwd_bwd_step
 
     vocab = int(model.config.vocab_size)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=vocab))
-    tokens = torch.tensor(float(ids.numel()))
-    step = make_fwd_bwd_step(model, loss_fn)
+    tokens = torch.tensor(float(workload.tokens))
     with warnings.catch_warnings():  # its MoE asks for fp32 autocast, which the CPU ignores
         warnings.filterwarnings("ignore", message="In CPU autocast")
-        return minimal_fx_tracer(step, module=model)(ids, labels, tokens, {})
+        stage = workload.stage
+        if stage is None:
+            step = make_fwd_bwd_step(model, loss_fn)
+            return minimal_fx_tracer(step, module=model)(first, last, tokens, {})
+        received = _received(model, dims, first) if first.is_floating_point() else first
+        tracer = minimal_fx_tracer(_stage_step(model, loss_fn, stage.last), module=model)
+        if stage.last:
+            return tracer((received,), {}, last, {"global_valid_tokens": tokens})
+        return tracer((received,), {}, (last,))
+
+
+def _stage_step(model: Any, loss_fn: Any, last: bool) -> Any:
+    """graph_pp's stage step (`graph_builder._build_stage_graphs`), called as it calls it:
+    the last stage differentiates the annotated loss, the others their output against the
+    next stage's gradient; both with respect to the parameters and the received input, and
+    return (loss or output, parameter gradients, input gradients)."""
+    from torchtitan.experiments.graph_trainer.common_utils import compute_annotated_loss
+
+    def gradients(args: tuple[Any, ...], outputs: Any, grad_outputs: Any) -> tuple[Any, Any]:
+        params = [p for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        received = [a for a in pytree.tree_leaves(args) if getattr(a, "requires_grad", False)]
+        grads = torch.autograd.grad(
+            outputs, [*params, *received], grad_outputs=grad_outputs, allow_unused=True
+        )
+        return tuple(grads[: len(params)]), tuple(grads[len(params) :])
+
+    def last_step(args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_kwargs: Any):  # noqa: ANN202
+        loss = compute_annotated_loss(loss_fn, model(*args, **kwargs), target, loss_kwargs)
+        return (loss, *gradients(args, loss, None))
+
+    def middle_step(args: tuple[Any, ...], kwargs: dict[str, Any], grads_from_next: Any):  # noqa: ANN202
+        output = model(*args, **kwargs)
+        flat = pytree.tree_leaves(output)
+        grads = [
+            _like(g, o) for g, o in zip(pytree.tree_leaves(grads_from_next), flat, strict=True)
+        ]
+        return (output, *gradients(args, flat, grads))
+
+    return last_step if last else middle_step
 
 
 def _joint_graph(
@@ -412,8 +554,7 @@ def _joint_graph(
             *(("param", fqn) for fqn in traced.state_fqns[:n_params]),
             *(("buffer", fqn) for fqn in traced.state_fqns[n_params:]),
             ("input", "inputs[0]"),
-            ("target", "target"),
-            ("input", "global_valid_tokens"),
+            *_last_inputs(workload),
         ]
     )
     specs = []
@@ -436,6 +577,46 @@ def _joint_graph(
         mesh_dims=mesh_dims,
         notes=notes,
     )
+
+
+def _received(model: Any, dims: Any, local: torch.Tensor) -> Any:
+    """The hidden states a stage after the first receives, as graph_pp hands them over: a
+    leaf requiring grad, a DTensor where the embedding's output is one (its sharding config's
+    `out_dst_shardings` on the mesh torchtitan resolves for it: sequence-sharded under TP),
+    else the local tensor."""
+    from torchtitan.protocols.sharding import resolve_placements
+
+    sharding = getattr(model.config.tok_embeddings, "sharding_config", None)
+    layout = getattr(sharding, "out_dst_shardings", None)
+    mesh = dims.resolve_shared_mesh([layout]) if layout is not None else None
+    if mesh is None:
+        return local.requires_grad_()
+    placements = resolve_placements(layout, mesh)
+    return DTensor.from_local(local, mesh, placements, run_check=False).detach().requires_grad_()
+
+
+def _like(grad: torch.Tensor, output: Any) -> Any:
+    """The next stage's gradient as graph_pp hands it over: a DTensor of the output's mesh and
+    placements when the output is one (its PP metadata rebuilds it so); `grad` is the local
+    tensor, the graph's input either way (the tracer unwraps DTensors)."""
+    if not isinstance(output, DTensor):
+        return grad
+    return DTensor.from_local(
+        grad,
+        output.device_mesh,
+        output.placements,
+        run_check=False,
+        shape=output.shape,
+        stride=output.stride(),
+    )
+
+
+def _last_inputs(workload: Workload) -> list[tuple[InputKind, str]]:
+    """What follows the ids (or received hidden states): labels and the token count, or for a
+    stage before the last its output's gradient."""
+    if workload.stage is not None and not workload.stage.last:
+        return [("input", "grad_output")]
+    return [("target", "target"), ("input", "global_valid_tokens")]
 
 
 def _real_inputs(traced: Any, state: list[torch.Tensor], workload: Workload) -> list[Any]:

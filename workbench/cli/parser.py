@@ -513,7 +513,9 @@ def _add_plan(commands: Commands) -> None:
     plan = commands.add_parser(
         "plan", help="rank the parallel layouts of a job on N GPUs by tokens/s per GPU"
     )
-    plan.add_argument("--model", required=True, help="reference model (llama3-*, dsv3-*)")
+    plan.add_argument(
+        "--model", required=True, help="reference (llama3-*, dsv3-*) or torchtitan:F/V model"
+    )
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     plan.add_argument("--gpu", default="h100", help="device profile (h100, h200)")
     plan.add_argument(

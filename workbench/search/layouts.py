@@ -17,7 +17,6 @@ from torch import nn
 from workbench.capture.degrees import Degrees, divisors
 from workbench.capture.expert_parallel import check_expert_parallel
 from workbench.capture.models import DTYPES, Workload, model_names
-from workbench.capture.models.deepseek_v3 import GroupedExperts
 from workbench.capture.parallel import Parallel, check_tp_shapes
 from workbench.capture.pipeline import (
     SCHEDULES,
@@ -26,6 +25,12 @@ from workbench.capture.pipeline import (
     stages_per_rank,
 )
 from workbench.capture.stages import Pipeline, StageLayout, split_layers
+from workbench.capture.titan_rank import (
+    check_titan_parallel,
+    check_titan_pipeline,
+    is_titan_workload,
+    titan_experts,
+)
 from workbench.capture.workload import MAX_LAYERS
 from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, OptimizerName
 from workbench.cost.profiles import get_profile
@@ -83,16 +88,16 @@ class PlanOptions:
     `plan --jobs` defaults to one per CPU). The plan is the same for any count."""
 
     def __post_init__(self) -> None:
-        check_type("model", self.model, str, "a reference model's name")
+        check_type("model", self.model, str, "a reference model's or torchtitan:FAMILY/FLAVOR")
         check_type("gpu", self.gpu, str, "a device profile's name (h100, h200)")
         for name in ("schedules", "microbatch_multiples"):
             check_type(name, getattr(self, name), (tuple, list), "a tuple")
         if self.layers is not None:
             check_int("--layers", self.layers, 1, MAX_LAYERS, "transformer blocks")
-        if self.model not in model_names():
+        if self.model not in model_names() and not self.model.startswith("torchtitan:"):
             raise WorkbenchError(
-                f"plan splits reference models, laid out as torchtitan's; {self.model!r} is not "
-                f"one: choose one of {', '.join(model_names())}"
+                f"plan splits reference models and torchtitan's (torchtitan:FAMILY/FLAVOR); "
+                f"{self.model!r} is neither: choose one of {', '.join(model_names())}"
             )
         check_int("--gpus", self.gpus, 1, MAX_GPUS, "GPUs in one job")
         profile = get_profile(self.gpu)  # one line listing the profiles if unknown
@@ -216,12 +221,15 @@ class ParamCounts:
         blocks: Any = model.layers  # a ModuleDict keyed by index (`capture.stages.n_layers`)
         ids = [str(i) for i in range(len(blocks))]
         experts = [
-            count(*(m for m in blocks[i].modules() if isinstance(m, GroupedExperts))) for i in ids
+            count(*(m for m in blocks[i].modules() if type(m).__name__ == "GroupedExperts"))
+            for i in ids
         ]
+        # the output projection: `output` on the reference models, `lm_head` on torchtitan's
+        head = getattr(model, "output", None) or getattr(model, "lm_head", None)
         return cls(
             layers=tuple(count(blocks[i]) for i in ids),
             embedding=count(model.tok_embeddings),  # type: ignore[arg-type]
-            head=count(model.norm, model.output),  # type: ignore[arg-type]
+            head=count(model.norm, head),  # type: ignore[arg-type]
             itemsize=next(model.parameters()).dtype.itemsize,
             experts=tuple(experts) if any(experts) else (),
         )
@@ -274,7 +282,10 @@ def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
     if tp > max_tp:
         return f"tp {tp} spans more than one node of {max_tp} GPUs"
     try:
-        check_tp_shapes(workload, Parallel(tp=tp))
+        if is_titan_workload(workload):
+            check_titan_parallel(workload, Parallel(tp=tp), "h100")
+        else:
+            check_tp_shapes(workload, Parallel(tp=tp))
     except WorkbenchError as err:
         return str(err).split(";")[0]
     return None
@@ -297,6 +308,17 @@ def _microbatch_counts(
     return counts
 
 
+def _pipeline_refusal(options: PlanOptions, schedule: str) -> str | None:
+    """Why graph trainer's graph_pp does not pipeline a torchtitan model so (its schedules)."""
+    if not options.model.startswith("torchtitan:"):
+        return None
+    try:
+        check_titan_pipeline(options.model, schedule)
+    except WorkbenchError as err:
+        return str(err).split("; choose")[0]
+    return None
+
+
 def ep_degrees(workload: Workload, ranks: int) -> list[int]:
     """The EP degrees to try with `ranks` = fsdp x tp: those dividing both the routed
     experts and the ranks EP borrows from; [1] on a dense model.
@@ -308,15 +330,20 @@ def ep_degrees(workload: Workload, ranks: int) -> list[int]:
     [1]
     """
     config = getattr(workload.model, "moe_config", None)
-    if config is None:
+    experts = config.n_experts if config is not None else titan_experts(workload)
+    if not experts:
         return [1]
-    return [ep for ep in divisors(ranks) if config.n_experts % ep == 0]
+    return [ep for ep in divisors(ranks) if experts % ep == 0]
 
 
 def _ep_refusal(workload: Workload, degrees: Degrees) -> str | None:
-    """Why the reference MoE cannot shard its experts so (efsdp divides none of their sizes)."""
+    """Why the MoE cannot shard its experts so: the reference MoE's efsdp divides none of
+    their sizes; a torchtitan model's, graph trainer's `parallelize` refuses the degrees."""
     try:
-        check_expert_parallel(workload, Parallel.of(degrees))
+        if is_titan_workload(workload):
+            check_titan_parallel(workload, Parallel.of(degrees), "h100")
+        else:
+            check_expert_parallel(workload, Parallel.of(degrees))
     except WorkbenchError as err:
         return str(err).split(";")[0]
     return None
@@ -366,6 +393,9 @@ def _layout(
         except WorkbenchError:
             reason = f"{n_stages} stages cannot split {total} layers (+embedding, output)"
             return Pruned(degrees, schedule, reason)
+        refused = _pipeline_refusal(options, schedule)
+        if refused:
+            return Pruned(degrees, schedule, refused)
         layout = Pipeline(pp=pp, schedule=schedule, microbatches=n_stages).layout(total)
     bound = lower_bound_bytes(counts, Candidate(degrees, schedule, 1, local), layout)
     if bound > options.budget_bytes:

@@ -240,7 +240,13 @@ def _dense_layers(workload: Workload, layers: tuple[int, ...]) -> int:
     """How many of a stage's layers have no MoE: DeepSeek-V3's dense first layers make a
     stage of as many layers another graph (an MoE model's dense ones come first)."""
     blocks: Any = getattr(workload.model, "layers", {})
-    return sum(not isinstance(blocks[str(i)].feed_forward, MoE) for i in layers)
+
+    def moe(block: Any) -> bool:  # the reference's MoE feed-forward; torchtitan's `moe` module
+        return isinstance(getattr(block, "feed_forward", None), MoE) or bool(
+            getattr(block, "moe_enabled", False)
+        )
+
+    return sum(not moe(blocks[str(i)]) for i in layers)
 
 
 def _sharding(candidate: Candidate) -> Degrees:
