@@ -1597,11 +1597,16 @@ def test_bad_pipeline_flags(
     fails(capsys, [*command, *flags], message)
 
 
-def test_pipeline_refuses_torchtitan_models(capsys: pytest.CaptureFixture[str]) -> None:
+def test_pipeline_of_torchtitan_models_takes_graph_pps_schedules(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """torchtitan models pipeline as graph trainer's graph_pp does: the default 1F1B, which it
+    refuses, is refused in its words, with the schedules it runs."""
     fails(
         capsys,
         ["trace", "--model", "torchtitan:llama3/debugmodel", "--mode", "fake", "--pp", "2"],
-        r"--pp on 'torchtitan:llama3/debugmodel'.*graph_pp",
+        r"--pp-schedule 1F1B on torchtitan:llama3/debugmodel: graph trainer's graph_pp "
+        r"refuses it .*choose Interleaved1F1B",
     )
 
 
@@ -2034,6 +2039,23 @@ def test_pipeline_model_takes_stage_graphs_in_stage_order(pp_job: Any) -> None:
         PipelineModel(graphs[::-1], layout)
     with pytest.raises(TypeError, match="layout must be a StageLayout"):
         PipelineModel(graphs, pipeline)  # type: ignore[arg-type]
+
+
+def test_an_alike_stages_graph_stands_for_it() -> None:
+    """The planner traces alike middle stages once and passes that graph for each: taken;
+    a graph of another role in a stage's place is still refused."""
+    from workbench.capture.models import load_workload
+    from workbench.capture.stages import Pipeline, trace_stages
+    from workbench.cost.stages import PipelineModel
+
+    pipeline = Pipeline(pp=4, microbatches=4)
+    workload = load_workload("llama3-debug", layers=6, batch=4, seq=32, device="meta")
+    layout = pipeline.layout(6)
+    assert len(layout.layers[1]) == len(layout.layers[2])
+    first, middle, _, last = trace_stages(workload, "fake", None, pipeline)
+    PipelineModel([first, middle, middle, last], layout)
+    with pytest.raises(WorkbenchError, match=r"graphs\[2\] is the graph of stage 3: give"):
+        PipelineModel([first, middle, last, last], layout)
 
 
 # --- issue 35, item 10: results that misled -------------------------------------------------

@@ -272,13 +272,20 @@ class PipelineEstimate:
 def _check_stages(graphs: Sequence[JointGraph], layout: StageLayout) -> None:
     """The arguments of `PipelineModel`: a StageLayout and its stage graphs, in stage order
     (each graph says which stage it is: a list in another order would pair each stage's
-    graph with another stage's place in the schedule)."""
+    graph with another stage's place in the schedule). A graph of an alike stage (first or
+    not, last or not, as many layers) stands for it: the planner traces such stages once."""
     check_type("layout", layout, StageLayout, "a StageLayout (Pipeline.layout)")
     check_type("graphs", graphs, (list, tuple), "a list of stage graphs")
+    last = len(layout.layers) - 1
     for i, graph in enumerate(graphs):
         check_type(f"graphs[{i}]", graph, JointGraph, "a JointGraph (trace_stages)")
         stage = graph.config.get("stage")
-        if not isinstance(stage, dict) or stage.get("stage") != i:
+        alike = isinstance(stage, dict) and (
+            stage.get("stage") == i
+            or (stage.get("first"), stage.get("last"), len(stage.get("layers", ())))
+            == (i == 0, i == last, len(layout.layers[i]) if i <= last else -1)
+        )
+        if not alike:
             found = stage.get("stage") if isinstance(stage, dict) else "no stage"
             raise WorkbenchError(
                 f"graphs[{i}] is the graph of stage {found}: give the stage graphs in stage "
