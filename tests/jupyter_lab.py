@@ -23,9 +23,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 # Four layers fold into one `layers.0–3 ×4` frame; 128 tokens leave room for Suggest.
 EXPLORER_CELLS = [
     "from workbench.capture.models import load_workload\n"
@@ -49,8 +53,9 @@ def open_notebook(
     page.goto(url)
     page.wait_for_function(
         "window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
-        "?.status === 'idle'", timeout=120_000,
-    )  # fmt: skip
+        "?.status === 'idle'",
+        timeout=120_000,
+    )
     return page
 
 
@@ -70,9 +75,11 @@ def _write_notebook(path: Path, sources: list[str]) -> None:
         for src in sources
     ]
     kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    path.write_text(json.dumps(
-        {"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5}
-    ))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5}
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -97,11 +104,20 @@ def explorer_lab(folder: Path, cells: list[str] | None = None) -> Iterator[tuple
     lab_bin = Path(sys.executable).with_name("jupyter-lab")
     log = folder / "lab.log"
     server = subprocess.Popen(
-        [str(lab_bin), "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--allow-root"],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            str(lab_bin),
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--allow-root",
+        ],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_SECONDS

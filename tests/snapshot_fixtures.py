@@ -111,23 +111,43 @@ class _Recorder(TorchDispatchMode):
         for addr, size, small in self.allocator.mapped:
             inside = [b for b in blocks if addr <= b[0].addr < addr + size]
             assert sum(b[0].size for b in inside) == size
-            segments.append({
-                "device": 0, "address": BASE + addr, "total_size": size,
-                "allocated_size": sum(b[0].size for b in inside if b[2] is not None),
-                "active_size": sum(b[0].size for b in inside if b[2] is not None),
-                "requested_size": sum(b[1] for b in inside), "stream": 0,
-                "segment_type": "small" if small else "large", "segment_pool_id": (0, 0),
-                "is_expandable": False, "frames": [],
-                "blocks": [{"address": BASE + b.addr, "size": b.size, "requested_size": n,
+            segments.append(
+                {
+                    "device": 0,
+                    "address": BASE + addr,
+                    "total_size": size,
+                    "allocated_size": sum(b[0].size for b in inside if b[2] is not None),
+                    "active_size": sum(b[0].size for b in inside if b[2] is not None),
+                    "requested_size": sum(b[1] for b in inside),
+                    "stream": 0,
+                    "segment_type": "small" if small else "large",
+                    "segment_pool_id": (0, 0),
+                    "is_expandable": False,
+                    "frames": [],
+                    "blocks": [
+                        {
+                            "address": BASE + b.addr,
+                            "size": b.size,
+                            "requested_size": n,
                             "state": "inactive" if f is None else "active_allocated",
-                            "frames": f or []} for b, n, f in inside],
-            })  # fmt: skip
+                            "frames": f or [],
+                        }
+                        for b, n, f in inside
+                    ],
+                }
+            )
         return segments
 
 
 def _event(action: str, addr: int, size: int, frames: list[Any]) -> dict[str, Any]:
-    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 0,
-            "frames": frames}  # fmt: skip
+    return {
+        "action": action,
+        "addr": addr,
+        "size": size,
+        "stream": 0,
+        "time_us": 0,
+        "frames": frames,
+    }
 
 
 def record_run(

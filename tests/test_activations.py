@@ -55,8 +55,18 @@ def test_activations_command(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(capsys.readouterr().out)
     assert result["total"]["activations"] == len(result["rows"]) > 0
     row = result["rows"][0]
-    assert set(row) == {"layer", "node", "bytes", "dtype", "policy", "shape", "module", "op",
-                        "source", "traced_op"}  # fmt: skip
+    assert set(row) == {
+        "layer",
+        "node",
+        "bytes",
+        "dtype",
+        "policy",
+        "shape",
+        "module",
+        "op",
+        "source",
+        "traced_op",
+    }
     assert main([*common, "--policy", "eager"]) == 0
     out = capsys.readouterr().out
     assert "Total: " in out and "SubModule" in out

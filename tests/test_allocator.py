@@ -159,8 +159,14 @@ def test_estimate_and_solve_report_reserved_beside_allocated(
 ) -> None:
     model = ["--model", "llama3-debug", "--layers", "1", "--seq", "32"]
     est = _run(capsys, ["estimate", *model, "--profile", "h100", "--timeline"])
-    for key in ("peak_bytes", "reserved_peak_bytes", "exposed_comm_seconds",
-                "est_compute_seconds", "est_comm_seconds", "outside_allocator_bytes"):  # fmt: skip
+    for key in (
+        "peak_bytes",
+        "reserved_peak_bytes",
+        "exposed_comm_seconds",
+        "est_compute_seconds",
+        "est_comm_seconds",
+        "outside_allocator_bytes",
+    ):
         assert key in est
     assert est["reserved_peak_bytes"] >= est["peak_bytes"]  # type: ignore[operator]
     assert max(est["reserved_timeline"]) == est["reserved_peak_bytes"]  # type: ignore[call-overload]

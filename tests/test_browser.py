@@ -76,8 +76,10 @@ def _find(page: Page, scope: Locator, name: str) -> None:
     scope.locator(".sacwb-search").press("Enter")
     page.wait_for_function(
         "(name) => [...document.querySelectorAll('.sacwb-message')]"
-        ".some(m => m.innerText.startsWith(name + ' ('))", arg=name, timeout=60_000,
-    )  # fmt: skip
+        ".some(m => m.innerText.startsWith(name + ' ('))",
+        arg=name,
+        timeout=60_000,
+    )
 
 
 def _spread(page: Page, plot: int) -> float:
@@ -127,8 +129,9 @@ def test_a_researchers_session_in_the_explorer(lab: tuple[str, Path]) -> None:
             page.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-message').innerText"
-                ".includes('recomputed in every identical layer')", timeout=60_000,
-            )  # fmt: skip
+                ".includes('recomputed in every identical layer')",
+                timeout=60_000,
+            )
             assert "MUST_RECOMPUTE" in page.locator(".sacwb-details").inner_text()
 
             # 3. search opens and highlights the match
@@ -258,9 +261,9 @@ def test_offload_host_row_then_a_per_rank_explorer_and_a_busy_suggest(
                 _find(page, main, "mm_4")
                 main.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
                 page.wait_for_function(
-                    "document.querySelector('.sacwb-message').innerText"
-                    f".includes('{said}')", timeout=60_000,
-                )  # fmt: skip
+                    f"document.querySelector('.sacwb-message').innerText.includes('{said}')",
+                    timeout=60_000,
+                )
             page.wait_for_function(
                 "document.querySelector('.sacwb-host-peak').innerText.includes('offloaded')",
                 timeout=60_000,
@@ -300,9 +303,9 @@ def test_offload_host_row_then_a_per_rank_explorer_and_a_busy_suggest(
             assert "Suggest: solving for a budget of" in busy.json_value()
             page.screenshot(path=str(SHOTS / "explorer-suggest-busy.png"))
             page.wait_for_function(
-                "document.querySelectorAll('.sacwb-message')[1].innerText"
-                ".includes('suggested by')", timeout=120_000,
-            )  # fmt: skip
+                "document.querySelectorAll('.sacwb-message')[1].innerText.includes('suggested by')",
+                timeout=120_000,
+            )
             assert not rank.locator(".sacwb-suggest-go").is_disabled()
             assert "sacwb-busy" not in (rank.locator(".sacwb-status").get_attribute("class") or "")
         finally:
@@ -346,8 +349,9 @@ def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None
             page.locator(f'[id="{svg_id("m", "layers.0–3.attention")}"]').click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-legend').innerText"
-                ".includes('module:layers.0.attention')", timeout=60_000,
-            )  # fmt: skip
+                ".includes('module:layers.0.attention')",
+                timeout=60_000,
+            )
             page.locator(".sacwb-fit").click()
             fitted = page.evaluate(LABEL_PX)
             print(f"fitted attention module: smallest label {fitted:.1f} px")
@@ -381,8 +385,13 @@ def test_fitted_views_and_go_to_peak_stay_legible(lab: tuple[str, Path]) -> None
             # the history plot's y title and its ticks
             assert page.locator(".sacwb-timeline-plot text").count() >= 2
             assert page.evaluate(OVERLAPS, ".sacwb-timeline-plot text") == 0
-            assert page.evaluate(OVERLAPS, ".sacwb-scatter text.sacwb-axis-label-y, "
-                                 ".sacwb-scatter text.sacwb-tick-y") == 0  # fmt: skip
+            assert (
+                page.evaluate(
+                    OVERLAPS,
+                    ".sacwb-scatter text.sacwb-axis-label-y, .sacwb-scatter text.sacwb-tick-y",
+                )
+                == 0
+            )
             ticks = page.locator(".sacwb-scatter text.sacwb-tick-y").all_text_contents()
             assert ticks and all(t.split()[-1] in ("B", "KiB", "MiB", "GiB") for t in ticks)
         finally:
@@ -436,16 +445,18 @@ def test_a_click_on_a_stage_opens_it_and_a_flip_moves_its_peak(
             cell.click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-stages').textContent"
-                ".includes('stage 1 · rank 1 · open')", timeout=60_000,
-            )  # fmt: skip
+                ".includes('stage 1 · rank 1 · open')",
+                timeout=60_000,
+            )
             assert "stage 1 open" in page.locator(".sacwb-message").inner_text()
             # layers.1.feed_forward.w1: recomputing it lowers rank 1's peak by 96 KiB
             _find(page, page.locator(".sacwb"), "mm_4")
             page.locator(f'[id="{svg_id("n", "mm_4")}"]').click()
             page.wait_for_function(
                 "document.querySelector('.sacwb-stages').textContent"
-                ".includes('policy default + 1 edits')", timeout=60_000,
-            )  # fmt: skip
+                ".includes('policy default + 1 edits')",
+                timeout=60_000,
+            )
             after = page.locator('.sacwb-stages g.stage-cell[data-stage="1"]').text_content()
             assert _rank_peak(after or "") != before
             page.screenshot(path=str(SHOTS / "explorer-stages.png"))
@@ -527,8 +538,10 @@ def test_a_pipelined_job_finds_ops_in_every_stage_and_suggests_per_gpu(
                 page.locator(f'.sacwb-stages g.stage-cell[data-stage="{stage}"]').click()
                 page.wait_for_function(
                     "(s) => document.querySelector('.sacwb-stages').textContent"
-                    ".includes(`stage ${s} · rank ${s} · open`)", arg=stage, timeout=120_000,
-                )  # fmt: skip
+                    ".includes(`stage ${s} · rank ${s} · open`)",
+                    arg=stage,
+                    timeout=120_000,
+                )
 
             def in_view(what: str) -> None:
                 page.wait_for_timeout(700)
@@ -627,15 +640,17 @@ def test_two_graphs_of_one_model_save_every_export(two_graphs_lab: tuple[str, Pa
                     widget.locator(".sacwb-export-format").select_option(fmt)
                     page.wait_for_function(
                         "([i, f]) => document.querySelectorAll('.sacwb-message')[i]"
-                        ".innerText.startsWith(`export format ${f}`)", arg=[index, fmt],
+                        ".innerText.startsWith(`export format ${f}`)",
+                        arg=[index, fmt],
                         timeout=60_000,
-                    )  # fmt: skip
+                    )
                     widget.locator(".sacwb-save").click()
                     page.wait_for_function(
                         "([i, f]) => document.querySelectorAll('.sacwb-message')[i]"
-                        ".innerText.startsWith(`saved the ${f} export`)", arg=[index, fmt],
+                        ".innerText.startsWith(`saved the ${f} export`)",
+                        arg=[index, fmt],
                         timeout=60_000,
-                    )  # fmt: skip
+                    )
             names = sorted(p.name for p in root.iterdir() if "_sac_" in p.name)
             assert len(names) == 8, names
             assert all(":" not in n and "-" not in n for n in names), names

@@ -73,9 +73,21 @@ def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_trace_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "bench", "trace", "--model", "llama3-8b", "--mode", "fake", "--layers", "1",
-        "--seq", "512", "--repeat", "2", "--json",
-    )  # fmt: skip
+        capsys,
+        "bench",
+        "trace",
+        "--model",
+        "llama3-8b",
+        "--mode",
+        "fake",
+        "--layers",
+        "1",
+        "--seq",
+        "512",
+        "--repeat",
+        "2",
+        "--json",
+    )
     assert {"nodes", "seconds"} <= set(result)
     assert len(result["all_seconds"]) == 2 and result["seconds"] > 0
 
@@ -102,28 +114,44 @@ def test_errors_are_one_line_with_exit_2(
 
 
 ARGPARSE_ERRORS = [
-    (["trace", "--model", "llama3-debug", "--mode", "symbolic"],
-     "trace: error: argument --mode: invalid choice: 'symbolic' (choose from 'real', 'fake')"),
-    (["measure", "--model", "llama3-debug", "--device", "tpu"],
-     "argument --device: invalid choice: 'tpu'"),
-    (["estimate", "--model", "llama3-debug", "--optimizer", "adam"],
-     "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd', 'none')"),
-    (["solve", "--model", "llama3-debug", "--budget-frac", "0.5", "--budget-kind", "free"],
-     "argument --budget-kind: invalid choice: 'free' (choose from 'allocated', 'reserved')"),
-    (["floor", "--model", "llama3-debug", "--host-link", "fast"],
-     "argument --host-link: invalid choice: 'fast' (choose from 'in-step', 'benchmark',"),
+    (
+        ["trace", "--model", "llama3-debug", "--mode", "symbolic"],
+        "trace: error: argument --mode: invalid choice: 'symbolic' (choose from 'real', 'fake')",
+    ),
+    (
+        ["measure", "--model", "llama3-debug", "--device", "tpu"],
+        "argument --device: invalid choice: 'tpu'",
+    ),
+    (
+        ["estimate", "--model", "llama3-debug", "--optimizer", "adam"],
+        "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd', 'none')",
+    ),
+    (
+        ["solve", "--model", "llama3-debug", "--budget-frac", "0.5", "--budget-kind", "free"],
+        "argument --budget-kind: invalid choice: 'free' (choose from 'allocated', 'reserved')",
+    ),
+    (
+        ["floor", "--model", "llama3-debug", "--host-link", "fast"],
+        "argument --host-link: invalid choice: 'fast' (choose from 'in-step', 'benchmark',",
+    ),
     (["estimate"], "estimate: error: the following arguments are required: --model"),
     (["solve", "--model", "llama3-debug"], "one of the arguments --budget-bytes --budget-frac"),
-    (["estimate", "--model", "llama3-debug", "--polcy", "full"],
-     "estimate: error: unrecognized arguments: --polcy full (close matches: --policy"),
-    (["bench", "whatif", "--model", "llama3-debug", "--flips", "x"],
-     "bench whatif: error: argument --flips: invalid int value: 'x'"),
-    (["bench", "render", "--model", "llama3-debug", "--bogus"],
-     "bench render: error: unrecognized arguments: --bogus"),
+    (
+        ["estimate", "--model", "llama3-debug", "--polcy", "full"],
+        "estimate: error: unrecognized arguments: --polcy full (close matches: --policy",
+    ),
+    (
+        ["bench", "whatif", "--model", "llama3-debug", "--flips", "x"],
+        "bench whatif: error: argument --flips: invalid int value: 'x'",
+    ),
+    (
+        ["bench", "render", "--model", "llama3-debug", "--bogus"],
+        "bench render: error: unrecognized arguments: --bogus",
+    ),
     (["policy"], "required: subcommand (choose from explain)"),
     ([], "required: command (choose from trace, verify, export,"),
     (["nope"], "argument command: invalid choice: 'nope' (choose from 'trace'"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -150,14 +178,20 @@ def test_python_dash_m_entry_point() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     ok = subprocess.run(
         [sys.executable, "-m", "workbench", "trace", "--model", "user_models:mlp", "--json"],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["model"] == "user_models:mlp"
     bad = subprocess.run(
         [sys.executable, "-m", "workbench", "trace", "--model", "nope", "--json"],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
 
@@ -165,9 +199,18 @@ def test_python_dash_m_entry_point() -> None:
 @pytest.mark.parametrize("policy", ["none", "eager", "full"])
 def test_verify_json(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "verify", "--model", "llama3-debug", "--layers", "2", "--seq", "32",
-        "--policy", policy, "--json",
-    )  # fmt: skip
+        capsys,
+        "verify",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--seq",
+        "32",
+        "--policy",
+        policy,
+        "--json",
+    )
     assert {"bitwise_equal", "tagged_save", "tagged_recompute", "recomputed_nodes"} <= set(result)
     assert result["bitwise_equal"] is True and result["mismatched"] == []
     assert (result["recomputed_nodes"] > 0) == (policy != "none")
@@ -180,9 +223,18 @@ def test_verify_policy_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     policy = Policy("default", [Selector("layers.*.feed_forward.w2::aten.mm.default", "recompute")])
     saved = policy.save(tmp_path / "p.json")
     result = run_json(
-        capsys, "verify", "--model", "dsv3-debug", "--layers", "2", "--seq", "32",
-        "--policy", str(saved), "--json",
-    )  # fmt: skip
+        capsys,
+        "verify",
+        "--model",
+        "dsv3-debug",
+        "--layers",
+        "2",
+        "--seq",
+        "32",
+        "--policy",
+        str(saved),
+        "--json",
+    )
     assert result["bitwise_equal"] is True
     assert result["policy"]["selectors"][0]["action"] == "recompute"
 
@@ -190,9 +242,18 @@ def test_verify_policy_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 @pytest.mark.parametrize("fmt", ["policy_fn", "graph_pass", "torchtitan", "json"])
 def test_export_json(fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "export", "--model", "llama3-debug", "--layers", "2", "--policy", "eager",
-        "--format", fmt, "--json",
-    )  # fmt: skip
+        capsys,
+        "export",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--policy",
+        "eager",
+        "--format",
+        fmt,
+        "--json",
+    )
     assert result["format"] == fmt and result["code"].strip()
 
 
@@ -200,8 +261,20 @@ def test_export_writes_a_file_and_never_overwrites(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "policy_fn.py"
-    argv = ["export", "--model", "llama3-debug", "--layers", "1", "--policy", "full",
-            "--format", "policy_fn", "--out", str(out), "--json"]  # fmt: skip
+    argv = [
+        "export",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "1",
+        "--policy",
+        "full",
+        "--format",
+        "policy_fn",
+        "--out",
+        str(out),
+        "--json",
+    ]
     result = run_json(capsys, *argv)
     # the file is the code after the workbench's mark, which lets a rerun replace it
     assert result["path"] == str(out) and out.read_text().endswith("\n" + result["code"])
@@ -231,9 +304,20 @@ def test_policy_command_errors(
 
 def test_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "estimate", "--model", "llama3-debug", "--layers", "2", "--mode", "fake",
-        "--policy", "eager", "--profile", "h100,h200", "--json",
-    )  # fmt: skip
+        capsys,
+        "estimate",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--mode",
+        "fake",
+        "--policy",
+        "eager",
+        "--profile",
+        "h100,h200",
+        "--json",
+    )
     assert {"peak_bytes", "peak_node", "saved_activation_bytes", "recompute_flops"} <= set(result)
     assert set(result["est_step_seconds"]) == {"h100", "h200"}
     assert result["recompute_flops"] > 0 and result["peak_bytes"] > 0
@@ -242,9 +326,20 @@ def test_estimate_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_estimate_json_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "estimate", "--model", "llama3-debug", "--layers", "2", "--mode", "fake",
-        "--policy", "offload", "--profile", "h100", "--json",
-    )  # fmt: skip
+        capsys,
+        "estimate",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--mode",
+        "fake",
+        "--policy",
+        "offload",
+        "--profile",
+        "h100",
+        "--json",
+    )
     assert result["host_peak_bytes"] > 0 and result["offloaded_bytes"] >= result["host_peak_bytes"]
     rate = get_profile("h100").host_rate()  # the host link as measured in a step
     assert result["transfer_seconds"]["h100"] == pytest.approx(2 * result["offloaded_bytes"] / rate)
@@ -255,10 +350,26 @@ def test_estimate_baselines_json(capsys: pytest.CaptureFixture[str]) -> None:
     """`estimate --baselines`: the eager baselines beside the graph estimate, each with its
     allocated and reserved peak, the tracker's categories and the module at the peak."""
     result = run_json(
-        capsys, "estimate", "--model", "llama3-debug", "--layers", "2", "--seq", "512",
-        "--mode", "fake", "--fsdp", "2", "--tp", "2", "--profile", "h100", "--baselines",
-        "--expandable-segments", "--json",
-    )  # fmt: skip
+        capsys,
+        "estimate",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--seq",
+        "512",
+        "--mode",
+        "fake",
+        "--fsdp",
+        "2",
+        "--tp",
+        "2",
+        "--profile",
+        "h100",
+        "--baselines",
+        "--expandable-segments",
+        "--json",
+    )
     baselines = result["baselines"]
     assert [b["name"] for b in baselines] == ["no AC", "eager SAC", "eager full AC"]
     keys = {"peak_bytes", "reserved_peak_bytes", "peak_breakdown", "peak_module", "peak_phase"}
@@ -273,8 +384,20 @@ def test_estimate_baselines_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_estimate_baselines_table(capsys: pytest.CaptureFixture[str]) -> None:
     """Without --json the baselines are rows of the printed output, maps by their largest
     entries."""
-    argv = ["estimate", "--model", "llama3-debug", "--layers", "1", "--seq", "64", "--mode",
-            "fake", "--profile", "h100", "--baselines"]  # fmt: skip
+    argv = [
+        "estimate",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "1",
+        "--seq",
+        "64",
+        "--mode",
+        "fake",
+        "--profile",
+        "h100",
+        "--baselines",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     table = out[out.index("baselines: 3 rows") :].splitlines()
@@ -284,9 +407,21 @@ def test_estimate_baselines_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "measure", "--model", "llama3-debug", "--layers", "1", "--seq", "16",
-        "--policy", "full", "--repeat", "1", "--baselines", "--json",
-    )  # fmt: skip
+        capsys,
+        "measure",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "1",
+        "--seq",
+        "16",
+        "--policy",
+        "full",
+        "--repeat",
+        "1",
+        "--baselines",
+        "--json",
+    )
     assert {"peak_bytes", "estimated_peak_bytes", "step_seconds", "tokens_per_second"} <= set(
         result
     )
@@ -299,8 +434,21 @@ def test_measure_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_measure_says_what_its_two_peaks_count(capsys: pytest.CaptureFixture[str]) -> None:
     """Measured and estimated peak are the same bytes (on the CPU, device + host copies),
     in --json and in the text a person reads."""
-    argv = ["measure", "--model", "llama3-debug", "--layers", "2", "--seq", "128",
-            "--policy", "offload", "--repeat", "1", "--warmup", "0"]  # fmt: skip
+    argv = [
+        "measure",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--seq",
+        "128",
+        "--policy",
+        "offload",
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+    ]
     result = run_json(capsys, *argv, "--json")
     assert result["peak_counts"] == PEAK_COUNTS["cpu"]
     device, host = result["estimated_device_peak_bytes"], result["estimated_host_peak_bytes"]
@@ -314,9 +462,19 @@ def test_measure_says_what_its_two_peaks_count(capsys: pytest.CaptureFixture[str
 
 def test_bench_whatif_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_json(
-        capsys, "bench", "whatif", "--model", "llama3-debug", "--layers", "2", "--flips", "4",
-        "--full-path", "2", "--json",
-    )  # fmt: skip
+        capsys,
+        "bench",
+        "whatif",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "2",
+        "--flips",
+        "4",
+        "--full-path",
+        "2",
+        "--json",
+    )
     assert {"whatif_p50_seconds", "full_path_seconds", "flips"} <= set(result)
     assert result["flips"] == 4 and result["full_path_runs"] == 2
     assert result["equal_to_full_path"] is True
@@ -370,8 +528,19 @@ def test_export_out_says_where_instead_of_printing_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "ac.py"
-    argv = ["export", "--model", "llama3-debug", "--layers", "1", "--policy", "eager",
-            "--format", "policy_fn", "--out", str(out)]  # fmt: skip
+    argv = [
+        "export",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "1",
+        "--policy",
+        "eager",
+        "--format",
+        "policy_fn",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.count("\n") == 1 and str(out) in printed and "policy_fn export" in printed

@@ -95,10 +95,11 @@ def test_eager_sac_decides_like_the_graph_inside_layers(
         assert eager[key] is CheckpointPolicy.PREFER_RECOMPUTE
     # The ones that carry the memory: matmuls, attention, norm outputs decide identically.
     core = [
-        k for k, (op, _, _) in expected.items()
+        k
+        for k, (op, _, _) in expected.items()
         if op in ("aten.mm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default")
         or (k.split("::")[0].endswith("norm") and op == "aten.mul.Tensor")
-    ]  # fmt: skip
+    ]
     assert core and all(k in eager and k not in differ for k in core)
 
 

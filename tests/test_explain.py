@@ -80,8 +80,12 @@ def test_offload_is_compared_with_graph_trainers_sac_and_offload(
     result = explain("offload")
     assert result["graph_trainer_counterpart"] == "sac_and_offload"
     assert [d["key"] for d in result["differences"]] == [
-        "in-place", "lm_head/loss", "layer boundary", "save list", "offload candidates"
-    ]  # fmt: skip
+        "in-place",
+        "lm_head/loss",
+        "layer boundary",
+        "save list",
+        "offload candidates",
+    ]
     text = explain_text(result)
     assert "differs from graph trainer's `sac_and_offload` (`titan-sac_and_offload` here)" in text
     assert "no memory policy of this name" not in text

@@ -470,10 +470,14 @@ def test_every_edit_says_what_it_did(small_graphs: dict[str, Fixture], tmp_path:
         {"type": "undo"},
         {"type": "redo"},
         {"type": "reset"},
-        {"type": "switch", "module": "layers.*.attention", "op": "aten.mm.default",
-         "action": "save"},
+        {
+            "type": "switch",
+            "module": "layers.*.attention",
+            "op": "aten.mm.default",
+            "action": "save",
+        },
         {"type": "reset"},
-    ):  # fmt: skip
+    ):
         send(ex, **request)
         assert ex.message and ex.message not in said, (request, ex.message)
         said.append(ex.message)
@@ -652,8 +656,9 @@ def test_every_model_state_is_a_synced_traitlet_and_repr_names_the_session(
 ) -> None:
     ex = explorer(small_graphs["llama3-debug"], tmp_path, "eager")
     synced = set(ex.keys) - {"presets", "profiles", "export_formats"}
-    assert {n for n in synced if not n.startswith("_") and n not in ("layout", "tabbable",
-            "tooltip")} == set(STATE) | set(STAGES_STATE)  # fmt: skip
+    assert {
+        n for n in synced if not n.startswith("_") and n not in ("layout", "tabbable", "tooltip")
+    } == set(STATE) | set(STAGES_STATE)
     for name in STATE:
         assert getattr(ex, name) == getattr(ex.model, name), name
     assert repr(ex) == "PolicyExplorer(llama3-debug, policy eager)"

@@ -208,8 +208,9 @@ def test_panels_carry_figures_as_text(small: Fixture) -> None:
     assert timeline["labels"]["peak"] == f"peak {format_bytes(est.peak_bytes)}"
     assert timeline["labels"]["selected"] == "mm_4" and "recomputed" in timeline["marks"]
     assert timeline["marks"]["selected"] < timeline["marks"]["recomputed"] <= 1
-    details = details_panel(graph, estimator, decisions, decide(graph, Policy("none")),
-                            Policy("full"), "mm_4")  # fmt: skip
+    details = details_panel(
+        graph, estimator, decisions, decide(graph, Policy("none")), Policy("full"), "mm_4"
+    )
     assert (
         details["decision"].endswith("_RECOMPUTE") and details["preset_decision"] == "PREFER_SAVE"
     )
@@ -283,15 +284,26 @@ def test_history_ticks_sit_at_round_values_of_the_shown_unit() -> None:
         for s, b in ((1e-3, 98.4 * 2**20), (2e-3, 140.0 * 2**20), (3e-3, 64.3 * 2**20))
     ]
     (plot,) = history_plots(rows, "h100")
-    assert plot["y"]["ticks"] == [[75 * 2**20, "75 MiB"], [100 * 2**20, "100 MiB"],
-                                  [125 * 2**20, "125 MiB"]]  # fmt: skip
+    assert plot["y"]["ticks"] == [
+        [75 * 2**20, "75 MiB"],
+        [100 * 2**20, "100 MiB"],
+        [125 * 2**20, "125 MiB"],
+    ]
 
 
 def test_run_status_says_when_it_is_stale() -> None:
-    result = {"device": "cpu", "peak_bytes": 2**20, "estimated_peak_bytes": 2**20,
-              "peak_counts": PEAK_COUNTS["cpu"], "estimated_host_peak_bytes": 0,
-              "optimizer": "adamw", "optimizer_bytes": 2**21, "step_seconds": 0.01,
-              "bitwise_equal": True, "policy": Policy("eager").to_json()}  # fmt: skip
+    result = {
+        "device": "cpu",
+        "peak_bytes": 2**20,
+        "estimated_peak_bytes": 2**20,
+        "peak_counts": PEAK_COUNTS["cpu"],
+        "estimated_host_peak_bytes": 0,
+        "optimizer": "adamw",
+        "optimizer_bytes": 2**21,
+        "step_seconds": 0.01,
+        "bitwise_equal": True,
+        "policy": Policy("eager").to_json(),
+    }
     assert run_status({}, Policy("eager")) == ""
     line = run_status(result, Policy("eager"))
     assert line == (
@@ -315,8 +327,9 @@ def test_message_helpers(small: Fixture) -> None:
     assert offload_line(options) == "host budget no limit, prefetch 2 layer(s), defer 1"
     assert search_matches(graph, "mm_4")[0] == "mm_4"
     found = search_matches(graph, "wo")
-    assert found and all("wo" in n or "wo" in graph.nodes[n].op or "wo" in graph.nodes[n].module
-                         for n in found)  # fmt: skip
+    assert found and all(
+        "wo" in n or "wo" in graph.nodes[n].op or "wo" in graph.nodes[n].module for n in found
+    )
     info = graph.nodes[found[0]]
     assert (
         match_words(info, 0, 1, "wo")
@@ -424,9 +437,16 @@ def test_suggestion_fits_the_budget_and_says_so(small: Fixture) -> None:
     graph = small[1]
     estimator = Estimator(graph, ["h100"])
     budget = estimator.estimate(Policy("none")).peak_bytes
-    policy, message = suggestion(graph, Policy("default"), budget, method="greedy",
-                                 profile="h100", estimator=estimator, host_budget_bytes=0,
-                                 has_fsdp=False)  # fmt: skip
+    policy, message = suggestion(
+        graph,
+        Policy("default"),
+        budget,
+        method="greedy",
+        profile="h100",
+        estimator=estimator,
+        host_budget_bytes=0,
+        has_fsdp=False,
+    )
     assert estimator.estimate(policy).peak_bytes <= budget
     assert message.startswith("suggested by greedy for a budget of " + format_bytes(budget))
     assert "no offload (host budget 0)" in message and "FSDP" not in message
@@ -448,9 +468,16 @@ def test_suggest_leaves_out_overrides_that_change_nothing(small: Fixture) -> Non
     assert after.recompute_flops_by_node.get(_named(graph, useful), 0) > 0
     assert without_idle_overrides(graph, pruned, estimator) == (pruned, 0)
     peaks = [estimator.estimate(Policy(p)).peak_bytes for p in ("full", "none")]
-    suggested, _ = suggestion(graph, Policy("default"), sum(peaks) // 2, method="greedy",
-                              profile="h100", estimator=estimator, host_budget_bytes=0,
-                              has_fsdp=False)  # fmt: skip
+    suggested, _ = suggestion(
+        graph,
+        Policy("default"),
+        sum(peaks) // 2,
+        method="greedy",
+        profile="h100",
+        estimator=estimator,
+        host_budget_bytes=0,
+        has_fsdp=False,
+    )
     assert without_idle_overrides(graph, suggested, estimator)[1] == 0
 
 
@@ -497,8 +524,9 @@ def test_policy_edits_keep_what_they_do_not_edit(small: Fixture) -> None:
 
 def test_the_budget_can_hold_reserved_bytes(small: Fixture, tmp_path: Path) -> None:
     workload, graph = small
-    model = ExplorerModel(graph, "default", workload=workload, autosave=tmp_path / "p.json",
-                          budget_kind="reserved")  # fmt: skip
+    model = ExplorerModel(
+        graph, "default", workload=workload, autosave=tmp_path / "p.json", budget_kind="reserved"
+    )
     ends = [model.estimator.estimate(Policy(p)) for p in ("full", "none")]
     assert model.budget_range["min"] == min(e.reserved_peak_bytes for e in ends)
     assert model.budget_range["max"] == max(e.reserved_peak_bytes for e in ends)
@@ -525,9 +553,13 @@ def test_views_are_arranged_to_the_panel_the_front_end_reports(
     model.set_graph_aspect(1.6)
     assert model.picture.arrangement == wide
     assert model.canvas.arranged[("module:layers.0.attention", 1.6)] == wide  # once per panel
-    for bad, said in ((0.0, "must lie in 0.1–10.0"), (float("inf"), "must lie in"),
-                      (float("nan"), "must lie in"), ("wide", "must be a number, not str"),
-                      (True, "must be a number, not bool")):  # fmt: skip
+    for bad, said in (
+        (0.0, "must lie in 0.1–10.0"),
+        (float("inf"), "must lie in"),
+        (float("nan"), "must lie in"),
+        ("wide", "must be a number, not str"),
+        (True, "must be a number, not bool"),
+    ):
         with pytest.raises(WorkbenchError, match=said):
             model.set_graph_aspect(bad)  # type: ignore[arg-type]
     assert model.graph_aspect == 1.6

@@ -145,7 +145,8 @@ def test_rank_explorer_starts_from_a_policy_with_either_choice(
     _consistent(ex, reshard)
     ex.sweep(points=3)
     solver = [p for p in ex.history if p.get("solver")]
-    assert solver and all("fsdp_reshard" in p["policy"] or p["policy"]["version"] == 1
-                          for p in solver)  # fmt: skip
+    assert solver and all(
+        "fsdp_reshard" in p["policy"] or p["policy"]["version"] == 1 for p in solver
+    )
     send(ex, type="restore", index=solver[-1]["index"])
     _consistent(ex, Policy.from_json(solver[-1]["policy"]).fsdp_reshard)

@@ -92,8 +92,11 @@ def fresh_tags(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         files[name] = str(write_export(export(policy, "graph_pass"), folder / f"{name}.py"))
     run = subprocess.run(
         [sys.executable, "-c", HARNESS, json.dumps(files), json.dumps(MODELS)],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
@@ -186,8 +189,10 @@ def test_generated_code_reads_as_written_tables() -> None:
     assert load(export(Policy("none"), "policy_fn"))["WRAP_LAYERS"] is False
 
 
-@pytest.mark.skipif(shutil.which("ruff", path=str(Path(sys.executable).parent)) is None,
-                    reason="ruff is not installed next to this interpreter")  # fmt: skip
+@pytest.mark.skipif(
+    shutil.which("ruff", path=str(Path(sys.executable).parent)) is None,
+    reason="ruff is not installed next to this interpreter",
+)
 def test_generated_code_passes_ruff(tmp_path: Path) -> None:
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     assert ruff is not None
@@ -202,8 +207,10 @@ def test_generated_code_passes_ruff(tmp_path: Path) -> None:
     for command in (check, ["format", "--check"]):
         run = subprocess.run(
             [ruff, *command, "--isolated", "--no-cache", "--line-length", "100", str(tmp_path)],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
 
 

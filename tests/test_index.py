@@ -135,10 +135,17 @@ def test_activation_storages_are_the_traced_graphs_saved_bytes(
     """What a model of the pass reads per node gives back `saved_by_node` of the graph as
     traced: the storages of the forward nodes backward reads, by their owners."""
     index = graph_index(graphs[model])
-    forward = [name for name, phase in zip(index.names, index.phase, strict=True)
-               if phase in ("forward", "loss")]  # fmt: skip
-    held = {s for name in forward if index.read_in_backward(name)
-            for s in index.activation_storages(name)}  # fmt: skip
+    forward = [
+        name
+        for name, phase in zip(index.names, index.phase, strict=True)
+        if phase in ("forward", "loss")
+    ]
+    held = {
+        s
+        for name in forward
+        if index.read_in_backward(name)
+        for s in index.activation_storages(name)
+    }
     by_owner: dict[str, int] = {}
     for s in held:
         by_owner[index.storage_owner(s)] = by_owner.get(index.storage_owner(s), 0)
@@ -156,8 +163,11 @@ def test_live_backward_readers_leave_out_what_dead_code_elimination_drops(
     """A backward node nothing reads (autograd's leftover detach on the loss-parallel graph)
     reads its input, but not as torch's remat pass leaves the graph."""
     index = graph_index(graphs["llama3-debug-fsdp2-tp2"])
-    dropped = [n for n in index.names if index.read_in_backward(n)
-               and not index.read_in_backward(n, live=True)]  # fmt: skip
+    dropped = [
+        n
+        for n in index.names
+        if index.read_in_backward(n) and not index.read_in_backward(n, live=True)
+    ]
     assert dropped and all(index.op[index.index_of[n]] == "aten.detach.default" for n in dropped)
     for name in dropped:
         (reader,) = (u for u in index.users[index.index_of[name]] if index.is_bwd[u])

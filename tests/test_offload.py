@@ -69,8 +69,17 @@ def storage(nbytes: int = 8192, **kw: bool) -> Storage:
 
 
 def row(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> tuple[object, ...]:
-    return (name, module, op, kw.get("random", False), kw.get("mutation", False), None,
-            kw.get("users", ()), None, kw.get("storage", storage()))  # fmt: skip
+    return (
+        name,
+        module,
+        op,
+        kw.get("random", False),
+        kw.get("mutation", False),
+        None,
+        kw.get("users", ()),
+        None,
+        kw.get("storage", storage()),
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,8 +145,11 @@ def test_refused_requests_are_saved_with_the_reason_and_the_budget_is_largest_fi
     budget = OffloadOptions(budget_bytes=65536 + 8192)
     tags = decide_ops(facts, Request("offload", offload=budget))
     assert [tags[n].action for n in ("big", "small", "mid", "last")] == [
-        "offload", "offload", "save", "save",
-    ]  # fmt: skip
+        "offload",
+        "offload",
+        "save",
+        "save",
+    ]
     assert tags["mid"].why is Why.PRESET  # the preset's save, not a refusal
     asked = decide_ops(
         facts,
@@ -197,8 +209,10 @@ def test_policy_json_writes_version_3_only_when_it_offloads(tmp_path: object) ->
     policy = Policy("offload", offload=OffloadOptions(2**20, 2, 1))
     data = policy.to_json()
     assert data["version"] == 3 and data["offload"] == {
-        "budget_bytes": 2**20, "prefetch_layers": 2, "defer_layers": 1,
-    }  # fmt: skip
+        "budget_bytes": 2**20,
+        "prefetch_layers": 2,
+        "defer_layers": 1,
+    }
     assert Policy.from_json(json.loads(json.dumps(data))) == policy
     assert Policy(overrides={"a::b#0": "offload"}).to_json()["version"] == 3
     old = {"schema": "sac-workbench/policy", "version": 1, "preset": "eager"}
@@ -351,10 +365,20 @@ def test_place_offloads_equals_a_plain_placement_on_random_orders() -> None:
 def test_interleave_orders_steps_around_their_nodes() -> None:
     places = [Place(1, 1, 3, 3), Place(1, 2, 3, 4)]
     assert interleave(5, places) == [
-        Step("node", 0), Step("node", 1), Step("offload", 0), Step("offload", 1),
-        Step("free", 0), Step("node", 2), Step("free", 1), Step("reload", 0),
-        Step("reload", 1), Step("wait", 0), Step("node", 3), Step("wait", 1), Step("node", 4),
-    ]  # fmt: skip
+        Step("node", 0),
+        Step("node", 1),
+        Step("offload", 0),
+        Step("offload", 1),
+        Step("free", 0),
+        Step("node", 2),
+        Step("free", 1),
+        Step("reload", 0),
+        Step("reload", 1),
+        Step("wait", 0),
+        Step("node", 3),
+        Step("wait", 1),
+        Step("node", 4),
+    ]
 
 
 # --- the pass and numerics --------------------------------------------------------------
@@ -492,8 +516,10 @@ def test_explorer_cycles_to_offload_and_back_with_undo(
     ex.redo()
     ex._on_msg(ex, {"type": "offload", "budget_bytes": 2**20, "prefetch_layers": 2}, None)
     assert ex.policy_json["offload"] == {
-        "budget_bytes": 2**20, "prefetch_layers": 2, "defer_layers": 0,
-    }  # fmt: skip
+        "budget_bytes": 2**20,
+        "prefetch_layers": 2,
+        "defer_layers": 0,
+    }
     with pytest.raises(WorkbenchError, match="would offload nothing"):
         ex.set_offload(budget_bytes=0)
     ex.undo()

@@ -98,8 +98,9 @@ def ao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Streams]:
         streams.host_buffers.append(buffer)
         return buffer
 
-    ops = Ops(torch.ops.ao.offload.default, torch.ops.ao.reload.default,
-              torch.ops.ao.wait_tensor.default)  # fmt: skip
+    ops = Ops(
+        torch.ops.ao.offload.default, torch.ops.ao.reload.default, torch.ops.ao.wait_tensor.default
+    )
     monkeypatch.setattr(offload, "ops_for", lambda device: ops)
     monkeypatch.setattr(AO, "_get_or_create_transfer_stream", lambda device: transfer)
     monkeypatch.setattr(AO, "_maybe_pool_alloc", pool_alloc)

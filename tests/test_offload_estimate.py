@@ -169,8 +169,10 @@ def test_the_three_offload_checks_refuse_in_one_vocabulary(
     both = [n for n in rules if n in by_pass and _refusal(rules[n]) in shared]
     assert all(rules[n] == by_pass[n] for n in both)
     assert {_refusal(rules[n]) for n in both} == {
-        Refusal.NOT_ONE_TENSOR, Refusal.ALIAS, Refusal.NOT_READ
-    }  # fmt: skip
+        Refusal.NOT_ONE_TENSOR,
+        Refusal.ALIAS,
+        Refusal.NOT_READ,
+    }
 
 
 def test_host_rate_of_the_profiles() -> None:

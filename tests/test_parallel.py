@@ -338,9 +338,15 @@ def test_degrees_are_one_value_for_every_package() -> None:
         (lambda: Degrees(fsdp=2, ep=3), r"--ep 3 must divide fsdp x cp x tp = 2"),
         (lambda: Degrees(fsdp=2**11, tp=2**10), r"world size \(fsdp x cp x tp\) must be"),
         (lambda: Parallel(dp=2), "parallel dp 2: the workbench traces no replicated"),
-        (lambda: trace(load_workload("llama3-debug", device="meta", **SMALL), "fake",
-                       Parallel(fsdp=2, pp=2)), r"parallel pp 2 splits the model"),
-    ]:  # fmt: skip
+        (
+            lambda: trace(
+                load_workload("llama3-debug", device="meta", **SMALL),
+                "fake",
+                Parallel(fsdp=2, pp=2),
+            ),
+            r"parallel pp 2 splits the model",
+        ),
+    ]:
         with pytest.raises(WorkbenchError, match=message) as raised:
             bad()
         assert "\n" not in str(raised.value)

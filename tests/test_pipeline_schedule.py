@@ -85,9 +85,15 @@ def test_single_stage_orders_are_what_torchs_runtime_runs(
     on stand-in stages that record each forward and backward."""
     for rank in range(pp):
         stage = _Recorder(
-            stage_index=rank, num_stages=pp, group_size=pp, group_rank=rank,
-            is_first=rank == 0, is_last=rank == pp - 1, submod=None, ran=[],
-        )  # fmt: skip
+            stage_index=rank,
+            num_stages=pp,
+            group_size=pp,
+            group_rank=rank,
+            is_first=rank == 0,
+            is_last=rank == pp - 1,
+            submod=None,
+            ran=[],
+        )
         schedule = schedule_class(name)(stage, microbatches, loss_fn=lambda *a: None)
         schedule._initialize_stage = lambda *args, **kwargs: None
         schedule._step_microbatches(target_mbs=[None] * microbatches)

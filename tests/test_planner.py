@@ -235,8 +235,10 @@ def test_moe_plan_lists_ep_layouts_with_their_peaks(moe: Plan) -> None:
         assert lower_bound_bytes(counts, c, layout) <= config.peak_bytes
     ep4 = next(c for c in moe.configs if c.candidate.degrees == Degrees(fsdp=4, ep=4))
     assert ep4.candidate.describe() == "fsdp 4 x tp 1 x pp 1 x ep 4"
-    assert any(line.split()[1:6] == ["4", "x", "1", "x", "1"] and "ep 4" in line
-               for line in plan_table(result, rows=100).splitlines())  # fmt: skip
+    assert any(
+        line.split()[1:6] == ["4", "x", "1", "x", "1"] and "ep 4" in line
+        for line in plan_table(result, rows=100).splitlines()
+    )
     assert [n for n in moe.notes if n.startswith("expert routing: fake tensors cannot route")]
     assert not any("not planned" in note for note in moe.notes)
 

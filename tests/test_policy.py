@@ -78,9 +78,10 @@ def test_eager_recomputes_every_second_mm_per_layer(llama_debug: Fixture) -> Non
     decisions = decide(graph, Policy("eager"))
     for layer in range(6):
         mms = [
-            n for n, i in graph.nodes.items()
+            n
+            for n, i in graph.nodes.items()
             if i.layer == layer and i.op == "aten.mm.default" and n in decisions
-        ]  # fmt: skip
+        ]
         assert len(mms) == 7  # wq wk wv wo w1 w3 w2
         assert [decisions[n].recompute for n in mms] == [False, True] * 3 + [False]
     outside = [n for n in decisions if graph.nodes[n].layer is None]
@@ -319,9 +320,10 @@ def test_flip_in_one_layer_only(llama_debug: Fixture) -> None:
     _, graph = llama_debug
     policy = Policy("default")
     node = next(
-        n for n, d in decide(graph, policy).items()
+        n
+        for n, d in decide(graph, policy).items()
         if graph.nodes[n].op == "aten.mm.default" and graph.nodes[n].layer == 2
-    )  # fmt: skip
+    )
     after = decide(graph, flip(graph, policy, node, all_layers=False))
     key = node_keys(graph)[node]
     changed = [n for n, k in node_keys(graph).items() if k == key and after[n].recompute]
@@ -348,11 +350,15 @@ def test_restrict_keeps_what_applies_and_lists_the_rest(llama_debug: Fixture) ->
     _, graph = llama_debug
     stale = Policy(
         "eager",
-        [Selector("layers.*.attention.wo::aten.mm.default", "save"),
-         Selector("layers.*.moe.router::aten.mm.default", "save")],
-        {"layers.*.attention::aten.mul.Tensor#0": "save",
-         "layers.9.attention::aten.mul.Tensor#0": "save"},
-    )  # fmt: skip
+        [
+            Selector("layers.*.attention.wo::aten.mm.default", "save"),
+            Selector("layers.*.moe.router::aten.mm.default", "save"),
+        ],
+        {
+            "layers.*.attention::aten.mul.Tensor#0": "save",
+            "layers.9.attention::aten.mul.Tensor#0": "save",
+        },
+    )
     kept, dropped = restrict(graph, stale)
     assert [s.select for s in kept.selectors] == ["layers.*.attention.wo::aten.mm.default"]
     assert kept.overrides == {"layers.*.attention::aten.mul.Tensor#0": "save"}

@@ -105,8 +105,16 @@ def test_exported_rules_are_the_workbench_rules(
 
 
 def facts(name: str, module: str, op: str = "aten.mm.default", **kw: object) -> OpFacts:
-    row = (name, module, op, kw.get("random", False), kw.get("mutation", False), None,
-           kw.get("users", ()), None)  # fmt: skip
+    row = (
+        name,
+        module,
+        op,
+        kw.get("random", False),
+        kw.get("mutation", False),
+        None,
+        kw.get("users", ()),
+        None,
+    )
     return op_facts([row])[0]  # type: ignore[list-item]
 
 
@@ -136,8 +144,11 @@ def test_overrides_then_followers_and_forced_saves_stay() -> None:
     asked = {f.name: requested(f, PRESETS["none"].rule(), Request("none")) for f in facts_}
     asked["m"] = Tag(CheckpointPolicy.MUST_SAVE, Why.MUTATION)
     tags = dict(asked)
-    overrides = {"layers.*.ff::aten.mm.default#0": "recompute", "layers.0.ff::aten.mm.default#0":
-                 "save", "layers.*.ff::aten.add_.Tensor#0": "recompute"}  # fmt: skip
+    overrides = {
+        "layers.*.ff::aten.mm.default#0": "recompute",
+        "layers.0.ff::aten.mm.default#0": "save",
+        "layers.*.ff::aten.add_.Tensor#0": "recompute",
+    }
     assert apply_overrides(tags, asked, tables, overrides) == {"mm"}
     assert tags["mm"] == Tag(
         CheckpointPolicy.MUST_SAVE, Why.OVERRIDE, "layers.0.ff::aten.mm.default#0"
@@ -150,14 +161,35 @@ def test_overrides_then_followers_and_forced_saves_stay() -> None:
 
 def test_graph_trainers_steps_on_one_node() -> None:
     rows = [
-        ("ag", "layers.0.wq", "_c10d_functional.all_gather_into_tensor.default", False, False,
-         None, ("w",), "ag"),
-        ("w", "layers.0.wq", "_c10d_functional.wait_tensor.default", False, False, "ag", (),
-         "ag", None, ("ag",), None, (), True),  # the unsharded value
+        (
+            "ag",
+            "layers.0.wq",
+            "_c10d_functional.all_gather_into_tensor.default",
+            False,
+            False,
+            None,
+            ("w",),
+            "ag",
+        ),
+        (
+            "w",
+            "layers.0.wq",
+            "_c10d_functional.wait_tensor.default",
+            False,
+            False,
+            "ag",
+            (),
+            "ag",
+            None,
+            ("ag",),
+            None,
+            (),
+            True,
+        ),  # the unsharded value
         ("log", "loss", "aten._log_softmax.default", False, False, None, (), None),
         ("sdpa", "layers.0.attention", "aten.bernoulli.p", True, False, None, ("g",), None),
         ("g", "layers.0.attention", "getitem", False, False, "sdpa", (), None),
-    ]  # fmt: skip
+    ]
     ag, w, log, sdpa, g = op_facts(rows)  # type: ignore[arg-type]
     assert w.unshard_output and not ag.unshard_output
     assert titan_keep_unsharded(w) == fsdp_tag(False)  # only the wait, not its all-gather

@@ -49,11 +49,39 @@ from workbench.rewrite.remat import RematResult, remat
 
 # the opcodes memory_viz's JavaScript unpickler handles (torch/utils/viz/MemoryViz.js)
 VIEWER_OPCODES = {
-    "APPEND", "APPENDS", "BINGET", "BININT", "BININT1", "BININT2", "EMPTY_DICT", "EMPTY_LIST",
-    "FRAME", "LONG1", "LONG_BINGET", "MARK", "MEMOIZE", "PROTO", "SETITEMS", "SHORT_BINUNICODE",
-    "STOP", "TUPLE2", "NEWFALSE", "BINPUT", "BINUNICODE", "EMPTY_TUPLE", "NEWTRUE",
-    "NONE", "BINFLOAT", "TUPLE", "TUPLE1", "TUPLE3", "LONG_BINPUT", "LIST", "DICT", "SETITEM",
-}  # fmt: skip
+    "APPEND",
+    "APPENDS",
+    "BINGET",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "EMPTY_DICT",
+    "EMPTY_LIST",
+    "FRAME",
+    "LONG1",
+    "LONG_BINGET",
+    "MARK",
+    "MEMOIZE",
+    "PROTO",
+    "SETITEMS",
+    "SHORT_BINUNICODE",
+    "STOP",
+    "TUPLE2",
+    "NEWFALSE",
+    "BINPUT",
+    "BINUNICODE",
+    "EMPTY_TUPLE",
+    "NEWTRUE",
+    "NONE",
+    "BINFLOAT",
+    "TUPLE",
+    "TUPLE1",
+    "TUPLE3",
+    "LONG_BINPUT",
+    "LIST",
+    "DICT",
+    "SETITEM",
+}
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +283,15 @@ def test_torchs_own_cpu_snapshot_reads_and_its_peak_is_the_estimates(
 
     _, graph = peaky
     estimator, result, est = _remat_estimate(graph, "default")
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                                  record_shapes=True, with_stack=True) as prof:  # fmt: skip
+    with (
+        torch.no_grad(),
+        profile(
+            activities=[ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=True,
+            with_stack=True,
+        ) as prof,
+    ):
         result.gm(*(graph.example_inputs or []))
     data = pickle.loads(pickle.dumps(_memory_viz._profile_to_snapshot(prof)))
     report = compare_snapshot(parse_snapshot(data), estimator, est, result.gm).to_json()
@@ -308,28 +343,62 @@ def _torch_like() -> dict[str, Any]:
         {"filename": "/x/torch/fx/graph_module.py", "line": 800, "name": "__call__"},
     ]
     return {
-        "segments": [{
-            "device": 0, "address": 4096, "total_size": 2097152, "allocated_size": 512,
-            "active_size": 512, "requested_size": 100, "stream": 0, "segment_type": "small",
-            "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
-            "blocks": [
-                {"address": 4096, "size": 512, "requested_size": 100,
-                 "state": "active_allocated", "frames": frames},
-                {"address": 4608, "size": 2096640, "requested_size": 0, "state": "inactive",
-                 "frames": []},
-            ],
-        }],
-        "device_traces": [[
-            {"action": "segment_alloc", "addr": 4096, "size": 2097152, "stream": 0,
-             "time_us": 1, "frames": frames},
-            {"action": "alloc", "addr": 4096, "size": 100, "stream": 0, "time_us": 2,
-             "frames": frames},
-            {"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": 3},
-            {"action": "oom", "device_free": 7, "size": 9, "stream": 0, "time_us": 4},
-        ]],
+        "segments": [
+            {
+                "device": 0,
+                "address": 4096,
+                "total_size": 2097152,
+                "allocated_size": 512,
+                "active_size": 512,
+                "requested_size": 100,
+                "stream": 0,
+                "segment_type": "small",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": [],
+                "blocks": [
+                    {
+                        "address": 4096,
+                        "size": 512,
+                        "requested_size": 100,
+                        "state": "active_allocated",
+                        "frames": frames,
+                    },
+                    {
+                        "address": 4608,
+                        "size": 2096640,
+                        "requested_size": 0,
+                        "state": "inactive",
+                        "frames": [],
+                    },
+                ],
+            }
+        ],
+        "device_traces": [
+            [
+                {
+                    "action": "segment_alloc",
+                    "addr": 4096,
+                    "size": 2097152,
+                    "stream": 0,
+                    "time_us": 1,
+                    "frames": frames,
+                },
+                {
+                    "action": "alloc",
+                    "addr": 4096,
+                    "size": 100,
+                    "stream": 0,
+                    "time_us": 2,
+                    "frames": frames,
+                },
+                {"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": 3},
+                {"action": "oom", "device_free": 7, "size": 9, "stream": 0, "time_us": 4},
+            ]
+        ],
         "allocator_settings": {},
         "external_annotations": [],
-    }  # fmt: skip
+    }
 
 
 def test_parse_snapshot_types_torchs_format() -> None:
@@ -343,8 +412,17 @@ def test_parse_snapshot_types_torchs_format() -> None:
     assert events[1].time_us == 2 and events[3].addr == 0
     assert snapshot.devices() == [0] and snapshot.device() == 0
     # a list is segments alone, as torch's _memory_viz takes it; old blocks without frames
-    old = parse_snapshot([{"address": 0, "total_size": 512, "blocks": [
-        {"size": 512, "state": "active_allocated", "history": [{"real_size": 8}]}]}])  # fmt: skip
+    old = parse_snapshot(
+        [
+            {
+                "address": 0,
+                "total_size": 512,
+                "blocks": [
+                    {"size": 512, "state": "active_allocated", "history": [{"real_size": 8}]}
+                ],
+            }
+        ]
+    )
     assert old.segments[0].blocks[0].requested_size == 8 and old.traces == []
 
 
@@ -410,13 +488,13 @@ BAD: list[tuple[str, bytes, str]] = [
             }
         ),
         r"blocks\[0\]: size must be an int",
-    ),  # fmt: skip
+    ),
     ("traces", pickle.dumps({"segments": [], "device_traces": {}}), "device_traces must be a"),
     (
         "action",
         pickle.dumps({"segments": [], "device_traces": [[{"action": "malloc"}]]}),
         "unknown action 'malloc'; torch's are alloc",
-    ),  # fmt: skip
+    ),
     (
         "frames",
         pickle.dumps(
@@ -428,12 +506,12 @@ BAD: list[tuple[str, bytes, str]] = [
             }
         ),
         r"frames\[0\]: filename must be a string",
-    ),  # fmt: skip
+    ),
     (
         "newer format",
         pickle.dumps({"segments": [], META_KEY: {"format": 9}}),
         "has sac_workbench format 9; this workbench reads format 1",
-    ),  # fmt: skip
+    ),
     ("nested", b"\x80\x04" + b"]" * 200_000 + b"a" * 199_999 + b".", r"segments\[0\] must be a"),
     ("persistent id", b"\x80\x04X\x01\x00\x00\x00aQ.", "holds a persistent id"),
     ("protocol 9", b"\x80\x09N.", "unsupported pickle protocol"),

@@ -49,20 +49,23 @@ def test_estimate_snapshot_reads_back_through_compare_snapshot(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "est.pickle"
-    est = run_json(capsys, "estimate", *SMALL, "--policy", "full", "--profile", "h100",
-                   "--snapshot", str(out))  # fmt: skip
+    est = run_json(
+        capsys, "estimate", *SMALL, "--policy", "full", "--profile", "h100", "--snapshot", str(out)
+    )
     assert est["snapshot"] == str(out) and is_ours(out)
     assert est["time_basis"] == {"h100": time_basis([H100])["h100"]}
     # the run was traced in real mode on this CPU: its kernels are the CPU's
-    report = run_json(capsys, "compare-snapshot", str(out), *SMALL, "--policy", "full",
-                      "--kernels", "cpu")  # fmt: skip
+    report = run_json(
+        capsys, "compare-snapshot", str(out), *SMALL, "--policy", "full", "--kernels", "cpu"
+    )
     assert report["difference"] == {"allocated_peak_bytes": 0, "reserved_peak_bytes": 0}
     assert report["nodes_differing"] == 0 and report["snapshot"] == str(out)
     assert report["measured"]["allocated_peak_node"] == report["estimated"]["allocated_peak_node"]
     assert report["optimizer"] == "adamw" and report["policy"]["preset"] == "full"
     # run again: the workbench's own file is replaced without --overwrite
-    again = run_json(capsys, "estimate", *SMALL, "--policy", "full", "--profile", "h100",
-                     "--snapshot", str(out))  # fmt: skip
+    again = run_json(
+        capsys, "estimate", *SMALL, "--policy", "full", "--profile", "h100", "--snapshot", str(out)
+    )
     assert again["snapshot"] == str(out)
     # read as a person reads it
     argv = ["compare-snapshot", str(out), *SMALL, "--policy", "full", "--kernels", "cpu"]
@@ -80,19 +83,42 @@ def test_compare_snapshot_of_a_recorded_run_names_the_nodes_that_differ(
     data, _ = record_snapshot(remat(graph, Policy("none")).gm, graph.example_inputs or [])
     path = tmp_path / "run.pickle"
     path.write_bytes(pickle.dumps(data))
-    same = run_json(capsys, "compare-snapshot", str(path), *SMALL, "--policy", "none",
-                    "--optimizer", "none", "--kernels", "cpu")  # fmt: skip
+    same = run_json(
+        capsys,
+        "compare-snapshot",
+        str(path),
+        *SMALL,
+        "--policy",
+        "none",
+        "--optimizer",
+        "none",
+        "--kernels",
+        "cpu",
+    )
     assert same["nodes_differing"] == 0 and same["difference"]["allocated_peak_bytes"] == 0
-    other = run_json(capsys, "compare-snapshot", str(path), *SMALL, "--policy", "full",
-                     "--optimizer", "none", "--top", "2", "--kernels", "cpu")  # fmt: skip
+    other = run_json(
+        capsys,
+        "compare-snapshot",
+        str(path),
+        *SMALL,
+        "--policy",
+        "full",
+        "--optimizer",
+        "none",
+        "--top",
+        "2",
+        "--kernels",
+        "cpu",
+    )
     rows = other["node_differences"]
     assert other["nodes_differing"] > 2 and len(rows) == 2
     assert abs(rows[0]["difference_bytes"]) >= abs(rows[1]["difference_bytes"]) > 0
     assert other["difference"]["allocated_peak_bytes"] > 0  # the run kept every activation
     # traced with a GPU's kernels (fake mode's default), not the CPU's that ran: the frames'
     # lines name other nodes, so size and order match instead, and the note says why
-    gpu = run_json(capsys, "compare-snapshot", str(path), *SMALL, "--policy", "none",
-                   "--optimizer", "none")  # fmt: skip
+    gpu = run_json(
+        capsys, "compare-snapshot", str(path), *SMALL, "--policy", "none", "--optimizer", "none"
+    )
     assert gpu["attribution"]["methods"]["generated_code"]["allocations"] == 0
     assert any("the graph that ran differs" in note for note in gpu["notes"])
     assert gpu["attribution"]["peak_fraction_attributed_to_nodes"] >= 0.95
@@ -103,8 +129,14 @@ def test_bench_gpu_records_compares_and_writes_each_preset(
 ) -> None:
     """Everything `bench gpu` does but the GPU's own recording, on the CPU."""
     workload, _ = small
-    result = bench_gpu(lambda: workload, ["default", "full"], warmup=0, repeats=1,
-                       out=tmp_path, record=cpu_recording)  # fmt: skip
+    result = bench_gpu(
+        lambda: workload,
+        ["default", "full"],
+        warmup=0,
+        repeats=1,
+        out=tmp_path,
+        record=cpu_recording,
+    )
     assert result["model"] == "llama3-debug" and result["device"] == "cpu"
     for row in result["presets"]:
         assert row["bitwise_equal"] is True
@@ -118,8 +150,9 @@ def test_bench_gpu_records_compares_and_writes_each_preset(
         assert comparison["nodes_differing"] == 0
         assert comparison["attribution"]["peak_fraction_attributed_to_nodes"] >= 0.95
     # again into the same folder: its own files are replaced
-    again = bench_gpu(lambda: workload, ["default"], warmup=0, repeats=1, out=tmp_path,
-                      record=cpu_recording)  # fmt: skip
+    again = bench_gpu(
+        lambda: workload, ["default"], warmup=0, repeats=1, out=tmp_path, record=cpu_recording
+    )
     assert again["presets"][0]["snapshot"] == result["presets"][0]["snapshot"]
 
 

@@ -162,8 +162,14 @@ def test_cli_solve_and_pareto_json(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert len(result["points"]) == 3 and set(result["presets"]) >= {
-        "none", "default", "eager", "full", "titan-default", "titan-eager", "titan-full",
-    }  # fmt: skip
+        "none",
+        "default",
+        "eager",
+        "full",
+        "titan-default",
+        "titan-eager",
+        "titan-full",
+    }
     assert result["seconds"] >= 0 and captured.err.count("\n") == 3
     assert main(["solve", *common, "--budget-bytes", "1"]) == 2
     assert "smallest feasible budget" in capsys.readouterr().err

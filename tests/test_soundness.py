@@ -68,39 +68,55 @@ REGRESSIONS = [
     ISSUE_22,
     # llama3-debug, 1
     {
-        "schema": "sac-workbench/policy", "version": 3, "preset": "titan-sac_and_offload",
-        "overrides": {"layers.*.attention_norm::aten.detach.default#0": "offload",
-                      "layers.*.attention_norm::aten.mean.dim#0": "offload"},
+        "schema": "sac-workbench/policy",
+        "version": 3,
+        "preset": "titan-sac_and_offload",
+        "overrides": {
+            "layers.*.attention_norm::aten.detach.default#0": "offload",
+            "layers.*.attention_norm::aten.mean.dim#0": "offload",
+        },
         "offload": {"budget_bytes": None, "prefetch_layers": 2, "defer_layers": 0},
     },
     # llama3-debug, 4
     {
-        "schema": "sac-workbench/policy", "version": 3, "preset": "titan-sac_and_offload",
-        "selectors": [{"select": "norm::aten.mean.*", "action": "offload"},
-                      {"select": "**::aten.rsqrt.default", "action": "recompute"},
-                      {"select": "layers.*.attention::getitem", "action": "recompute"}],
-        "overrides": {"layers.*.attention::getitem#2": "offload",
-                      "layers.1.attention.wo::aten.view.default#0": "offload",
-                      "layers.1.attention::aten.unsqueeze.default#1": "save"},
+        "schema": "sac-workbench/policy",
+        "version": 3,
+        "preset": "titan-sac_and_offload",
+        "selectors": [
+            {"select": "norm::aten.mean.*", "action": "offload"},
+            {"select": "**::aten.rsqrt.default", "action": "recompute"},
+            {"select": "layers.*.attention::getitem", "action": "recompute"},
+        ],
+        "overrides": {
+            "layers.*.attention::getitem#2": "offload",
+            "layers.1.attention.wo::aten.view.default#0": "offload",
+            "layers.1.attention::aten.unsqueeze.default#1": "save",
+        },
         "offload": {"budget_bytes": None, "prefetch_layers": 0, "defer_layers": 2},
     },
     # llama3-debug, 12 (and dsv3-debug, 13)
     {
-        "schema": "sac-workbench/policy", "version": 3, "preset": "titan-full",
+        "schema": "sac-workbench/policy",
+        "version": 3,
+        "preset": "titan-full",
         "selectors": [{"select": "**::aten.add.*", "action": "offload"}],
-        "overrides": {"layers.*.attention_norm::aten.add_.Scalar#0": "recompute",
-                      "layers.0.ffn_norm::aten.mean.dim#0": "offload",
-                      "layers.1.attention_norm::aten.mean.dim#0": "recompute",
-                      "layers.1.attention_norm::aten.rsqrt.default#0": "save"},
+        "overrides": {
+            "layers.*.attention_norm::aten.add_.Scalar#0": "recompute",
+            "layers.0.ffn_norm::aten.mean.dim#0": "offload",
+            "layers.1.attention_norm::aten.mean.dim#0": "recompute",
+            "layers.1.attention_norm::aten.rsqrt.default#0": "save",
+        },
     },
     # dsv3-debug, 27
     {
-        "schema": "sac-workbench/policy", "version": 3, "preset": "titan-eager",
+        "schema": "sac-workbench/policy",
+        "version": 3,
+        "preset": "titan-eager",
         "selectors": [{"select": "norm::aten.mean.*", "action": "offload"}],
         "overrides": {"layers.1.attention_norm::aten.add_.Scalar#0": "recompute"},
         "offload": {"budget_bytes": None, "prefetch_layers": 1, "defer_layers": 2},
     },
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -216,13 +232,49 @@ def test_each_case_fails_without_the_rule(
 def test_rule_on_rows() -> None:
     """The rule from facts alone: `a` saved, `b` reads it and `w` writes it afterwards."""
     rows = [
-        ("a", "layers.0.f", "aten.mm.default", False, False, None, ("b", "w"), None, None,
-         ("x",), None, ()),
-        ("b", "layers.0.f", "aten.mul.Tensor", False, False, None, ("bw",), None, None,
-         ("a",), None, ()),
-        ("w", "layers.0.f", "aten.mul_.Tensor", False, True, None, ("bw",), None, None,
-         ("a",), "a", ("a",)),
-    ]  # fmt: skip
+        (
+            "a",
+            "layers.0.f",
+            "aten.mm.default",
+            False,
+            False,
+            None,
+            ("b", "w"),
+            None,
+            None,
+            ("x",),
+            None,
+            (),
+        ),
+        (
+            "b",
+            "layers.0.f",
+            "aten.mul.Tensor",
+            False,
+            False,
+            None,
+            ("bw",),
+            None,
+            None,
+            ("a",),
+            None,
+            (),
+        ),
+        (
+            "w",
+            "layers.0.f",
+            "aten.mul_.Tensor",
+            False,
+            True,
+            None,
+            ("bw",),
+            None,
+            None,
+            ("a",),
+            "a",
+            ("a",),
+        ),
+    ]
     facts = op_facts(rows)
     tables = decide_tables(facts)
     assert tables.writes.root == {"a": "a", "b": "b", "w": "a"}
@@ -258,8 +310,10 @@ def test_explain_lists_the_saves_and_the_step(small_graphs: dict[str, Fixture]) 
     result = explain(Policy.from_json(ISSUE_22), graph)
     assert [r["node"] for r in result["written_in_place"]] == ["add_", "add__1", "add__2", "add__3"]
     assert result["decisions_by_reason"]["written in place"] == {
-        "save": 4, "recompute": 0, "offload": 0
-    }  # fmt: skip
+        "save": 4,
+        "recompute": 0,
+        "offload": 0,
+    }
     assert any("would not see what forward saw" in step for step in result["steps"])
     assert "saved, written in place: add_ (layers.0.attention_norm): add_ writes mean" in (
         explain_text(result)

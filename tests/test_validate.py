@@ -74,12 +74,31 @@ def test_validate_json_on_a_cheap_row(capsys: pytest.CaptureFixture[str]) -> Non
     assert set(result) == {"rows", "layers", "seq", "seconds", "cpu_count"}
     (row,) = result["rows"]
     assert {
-        "id", "policy", "profile", "allocated_peak_bytes", "reserved_peak_bytes",
-        "outside_allocator_bytes", "published_bytes", "published_gib", "published_quantity",
-        "compared", "comparable", "difference_bytes", "difference_pct", "peak_at",
-        "breakdown", "saved_at_peak_by_op", "differences", "command", "trace_seconds",
-        "estimate_seconds", "trace_reused", "seconds", "source", "config",
-    } <= set(row)  # fmt: skip
+        "id",
+        "policy",
+        "profile",
+        "allocated_peak_bytes",
+        "reserved_peak_bytes",
+        "outside_allocator_bytes",
+        "published_bytes",
+        "published_gib",
+        "published_quantity",
+        "compared",
+        "comparable",
+        "difference_bytes",
+        "difference_pct",
+        "peak_at",
+        "breakdown",
+        "saved_at_peak_by_op",
+        "differences",
+        "command",
+        "trace_seconds",
+        "estimate_seconds",
+        "trace_reused",
+        "seconds",
+        "source",
+        "config",
+    } <= set(row)
     assert row["id"] == CHEAP and row["compared"] == "reserved"
     assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] > 0
     assert sum(row["breakdown"].values()) == row["allocated_peak_bytes"]
@@ -127,7 +146,7 @@ def test_difference_is_the_estimate_minus_the_published_figure() -> None:
         (["--rows", CHEAP, "--layers", "0"], r"--layers must be"),
         (["--rows", CHEAP, "--seq", "-3"], r"--seq must be"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:

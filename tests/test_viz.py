@@ -169,14 +169,20 @@ def test_overview_elements_say_what_each_box_and_frame_opens(four_layers: JointG
     assert set(view.elements) == set(drawn) | clusters  # every box and frame, nothing more
     frame = view.elements[svg_id("g", "layers.0–3")]
     assert (frame.kind, frame.name, frame.label, frame.layers) == (
-        "layers", "layers.0", "layers.0–3 ×4", (0, 1, 2, 3)
-    )  # fmt: skip
+        "layers",
+        "layers.0",
+        "layers.0–3 ×4",
+        (0, 1, 2, 3),
+    )
     forward = {i.name for i in four_layers.ops() if i.layer is not None and i.phase == "forward"}
     assert set(frame.nodes) == forward
     box = view.elements[svg_id("m", "layers.0–3.attention")]
     assert (box.kind, box.name, box.label, box.layers) == (
-        "module", "layers.0.attention", "attention", (0, 1, 2, 3)
-    )  # fmt: skip
+        "module",
+        "layers.0.attention",
+        "attention",
+        (0, 1, 2, 3),
+    )
     assert {four_layers.nodes[n].layer for n in box.nodes} == {0, 1, 2, 3}
     assert view.elements[svg_id("m", "norm")] == Element(
         "module", "norm", "norm", (), tuple(view.elements[svg_id("m", "norm")].nodes)
@@ -379,8 +385,11 @@ def test_plots_return_figures_with_their_artists() -> None:
     assert any("peak" in t.get_text() for t in ax.texts)
     spike = {"params": [2**20] * 400, "temporaries": [0] * 200 + [2**20] + [0] * 199}
     marked = plot_memory_timeline(spike).axes[0]  # a one-op peak, marked at its height
-    assert [(tuple(line.get_xdata()), tuple(line.get_ydata())) for line in marked.lines
-            if line.get_marker() == "v"] == [((200,), (2.0,))]  # fmt: skip
+    assert [
+        (tuple(line.get_xdata()), tuple(line.get_ydata()))
+        for line in marked.lines
+        if line.get_marker() == "v"
+    ] == [((200,), (2.0,))]
     with pytest.raises(WorkbenchError, match="differ in length"):
         plot_memory_timeline({"a": [1, 2], "b": [1]})
     with pytest.raises(WorkbenchError, match="reserved 1"):
@@ -551,10 +560,12 @@ def test_arrangements_refuse_what_they_cannot_draw(four_layers: JointGraph) -> N
 def test_around_names_an_element_and_its_drawn_neighbours(two_layers: JointGraph) -> None:
     view = expand(two_layers, decide(two_layers, Policy("default")), "layer:0")
     mm = next(
-        n for n in two_layers.gm.graph.nodes
-        if n.op == "call_function" and two_layers.nodes[n.name].layer == 0
+        n
+        for n in two_layers.gm.graph.nodes
+        if n.op == "call_function"
+        and two_layers.nodes[n.name].layer == 0
         and two_layers.nodes[n.name].op == "aten.mm.default"
-    )  # fmt: skip
+    )
     near = set(view.around(svg_id("n", mm.name)))
     drawn = {svg_id("n", n.name) for n in (*mm.all_input_nodes, *mm.users)} & set(view.elements)
     assert drawn and drawn | {svg_id("n", mm.name)} <= near

@@ -119,10 +119,18 @@ def _hf_llama(seq: int = 64):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
-        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
