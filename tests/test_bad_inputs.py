@@ -2307,3 +2307,65 @@ def test_flags_a_path_does_not_use(
     _no_trace(monkeypatch)
     _no_stage_trace(monkeypatch)
     fails(capsys, argv, message)
+
+
+# --- issue 35, item 11: refusals of what should work ----------------------------------------
+
+SMALL = ["--layers", "2", "--seq", "8", "--mode", "fake", "--budget-frac", "1"]
+SOLVES_THAT_WORK = [
+    ["--model", "llama3-debug", "--passes", "graph-trainer"],
+    ["--model", "llama3-debug", "--budget-kind", "reserved", "--expandable-segments"],
+    ["--model", "dsv3-debug", "--fsdp", "2", "--ep", "2"],
+    ["--model", "dsv3-debug", "--fsdp", "2", "--ep", "2", "--pp", "2"],
+]
+
+
+@pytest.mark.parametrize("flags", SOLVES_THAT_WORK, ids=" ".join)
+def test_solve_under_these_flags_works(
+    capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    assert main(["solve", *flags, *SMALL, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["peak_bytes"] <= result["budget_bytes"]
+    if "--budget-kind" in flags:
+        assert result["budget_kind"] == "reserved"
+        assert result["reserved_peak_bytes"] <= result["budget_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--passes", "graph-trainer"], "graph trainer's pass stack is estimated on one whole"),
+        (["--budget-kind", "reserved"], "no allocator to make reserved bytes of them"),
+        (["--expandable-segments"], "with no allocator to replay the interleaved microbatches"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_solve_pp_says_why_a_flag_is_not_used(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    why: str,
+) -> None:  # fmt: skip
+    _no_stage_trace(monkeypatch)
+    fails(capsys, ["solve", *ONE, "--pp", "2", "--budget-frac", "0.5", *flags], why)
+
+
+def test_plan_prunes_an_fsdp_that_does_not_divide_the_parameters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On 6 GPUs fsdp 3 and 6 split no embedding of 2048 rows: pruned with the reason, and
+    the layouts over 3 pipeline stages (their alike stages traced once) are planned."""
+    assert main([*PLAN, "--gpus", "6", "--jobs", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    reasons = {p["reason"] for p in result["pruned"]}
+    assert "fsdp 6 does not divide parameter tok_embeddings.weight of 'llama3-debug' " in {
+        r.split("(")[0] for r in reasons
+    }
+    assert {(c["tp"], c["pp"]) for c in result["configs"]} >= {(2, 3)}
+
+
+def test_plan_with_no_layout_names_gpus_and_the_counts_that_have_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = fails(capsys, [*PLAN, "--gpus", "13", "--jobs", "1"], r"^error: --gpus 13: no layout")
+    assert "--fsdp" not in line
+    assert line.endswith("choose --gpus among 6, 8, 12, 16")

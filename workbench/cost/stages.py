@@ -270,19 +270,27 @@ class PipelineEstimate:
 
 
 def _check_stages(graphs: Sequence[JointGraph], layout: StageLayout) -> None:
-    """The arguments of `PipelineModel`: a StageLayout and its stage graphs, in stage order
-    (each graph says which stage it is: a list in another order would pair each stage's
-    graph with another stage's place in the schedule)."""
+    """The arguments of `PipelineModel`: a StageLayout and its stage graphs, in stage order.
+    Each graph says which stage it was traced for: one stands for stage i if it is stage
+    i's, or alike (as many layers, the same first/last role: a planner traces alike middle
+    stages once); another order would pair a stage's graph with another's place."""
     check_type("layout", layout, StageLayout, "a StageLayout (Pipeline.layout)")
     check_type("graphs", graphs, (list, tuple), "a list of stage graphs")
+    if len(graphs) != layout.n_stages:
+        raise WorkbenchError(
+            f"a pipeline of {layout.n_stages} stages needs a graph per stage, got {len(graphs)}"
+        )
+    last = layout.n_stages - 1
     for i, graph in enumerate(graphs):
         check_type(f"graphs[{i}]", graph, JointGraph, "a JointGraph (trace_stages)")
         stage = graph.config.get("stage")
-        if not isinstance(stage, dict) or stage.get("stage") != i:
-            found = stage.get("stage") if isinstance(stage, dict) else "no stage"
+        if not isinstance(stage, dict):
+            raise WorkbenchError(f"graphs[{i}] is no stage's graph: trace it with trace_stages")
+        role = (len(stage.get("layers", ())), stage.get("first"), stage.get("last"))
+        if stage.get("stage") != i and role != (len(layout.layers[i]), i == 0, i == last):
             raise WorkbenchError(
-                f"graphs[{i}] is the graph of stage {found}: give the stage graphs in stage "
-                "order, as trace_stages returns them"
+                f"graphs[{i}] is the graph of stage {stage.get('stage')}: give the stage "
+                "graphs in stage order, as trace_stages returns them"
             )
 
 
@@ -300,10 +308,6 @@ class PipelineModel:
         cache: StageCache | None = None,
     ) -> None:
         _check_stages(graphs, layout)
-        if len(graphs) != layout.n_stages:
-            raise WorkbenchError(
-                f"a pipeline of {layout.n_stages} stages needs a graph per stage, got {len(graphs)}"
-            )
         self.layout = layout
         self.order = action_order(layout.pipeline.schedule, layout.pipeline.pp, layout.microbatches)
         check_order(self.order, layout.microbatches)

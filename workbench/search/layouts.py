@@ -18,7 +18,7 @@ from workbench.capture.degrees import divisors
 from workbench.capture.expert_parallel import check_expert_parallel
 from workbench.capture.models import DTYPES, Workload, model_names
 from workbench.capture.models.deepseek_v3 import GroupedExperts
-from workbench.capture.parallel import Parallel, check_tp_shapes
+from workbench.capture.parallel import Parallel, check_fsdp_shapes, check_tp_shapes
 from workbench.capture.pipeline import (
     SCHEDULES,
     check_microbatches,
@@ -284,6 +284,15 @@ def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
     return None
 
 
+def _fsdp_refusal(workload: Workload, fsdp: int, tp: int, ep: int) -> str | None:
+    """Why FSDP cannot split the parameters' rows so (`check_fsdp_shapes`), or None."""
+    try:
+        check_fsdp_shapes(workload, Parallel(fsdp=fsdp, tp=tp, ep=ep))
+    except WorkbenchError as err:
+        return str(err).split(";")[0]
+    return None
+
+
 def _microbatch_counts(
     multiples: tuple[int, ...], schedule: str, pp: int, n_stages: int, local: int
 ) -> list[int]:
@@ -338,7 +347,11 @@ def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], 
         for pp in divisors(options.gpus // tp):
             fsdp = options.gpus // (tp * pp)
             for ep in [1] if refusal else ep_degrees(workload, fsdp * tp):
-                why = refusal or (_ep_refusal(workload, fsdp, tp, ep) if ep > 1 else None)
+                why = (
+                    refusal
+                    or (_ep_refusal(workload, fsdp, tp, ep) if ep > 1 else None)
+                    or _fsdp_refusal(workload, fsdp, tp, ep)
+                )
                 for schedule in options.schedules if pp > 1 else (None,):
                     if why:
                         pruned.append(Pruned(fsdp, tp, pp, schedule, why, ep=ep))
