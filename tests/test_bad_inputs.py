@@ -2369,3 +2369,56 @@ def test_plan_with_no_layout_names_gpus_and_the_counts_that_have_one(
     line = fails(capsys, [*PLAN, "--gpus", "13", "--jobs", "1"], r"^error: --gpus 13: no layout")
     assert "--fsdp" not in line
     assert line.endswith("choose --gpus among 6, 8, 12, 16")
+
+
+# --- issue 35, item 6: the missing-dependency case and pareto --plot -------------------------
+
+
+def test_a_python_without_a_dependency_says_where_to_run() -> None:
+    """`python -m workbench` from a Python lacking torch: one line, exit 2."""
+    hide = (
+        "import sys; sys.modules['torch'] = None; import runpy; "
+        "runpy.run_module('workbench', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide, "trace", "--model", "llama3-debug"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "error: No module named 'torch': run the workbench from the set-up's environment "
+        "(.venv/bin/python -m workbench, after make lab)\n"
+    )
+
+
+PARETO = ["pareto", "--model", "llama3-debug", "--layers", "1", "--seq", "16", "--mode", "fake"]
+
+
+def test_pareto_plot_draws_the_front(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "front.svg"
+    assert main([*PARETO, "--points", "3", "--plot", str(plot), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == str(plot)
+    assert "Memory vs step time per policy" in plot.read_text()
+
+
+@pytest.mark.parametrize("plot", ["front.txt", "front", ""])
+def test_pareto_plot_suffix_checked_before_the_front(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    plot: str,
+) -> None:  # fmt: skip
+    _no_trace(monkeypatch)
+    path = str(tmp_path / plot) if plot else ""
+    fails(capsys, [*PARETO, "--plot", path], r"--plot .*one of .*\.png.*\.svg")
+
+
+def test_pareto_keeps_an_existing_plot(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_trace(monkeypatch)
+    plot = tmp_path / "front.svg"
+    plot.write_text("mine")
+    fails(capsys, [*PARETO, "--plot", str(plot)], r"exists")
+    assert plot.read_text() == "mine"
