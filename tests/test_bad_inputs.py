@@ -2422,3 +2422,35 @@ def test_pareto_keeps_an_existing_plot(
     plot.write_text("mine")
     fails(capsys, [*PARETO, "--plot", str(plot)], r"exists")
     assert plot.read_text() == "mine"
+
+
+# --- issue 35: what the previous items left: a dropped keyword, a dropped profile -----------
+
+
+@pytest.mark.parametrize(
+    ("keyword", "message"),
+    [
+        ({"passes": "graph-trainer"}, r"passes='graph-trainer' is not used .*own passes\)"),
+        ({"budget_kind": "reserved"}, r"budget_kind='reserved' is not used .*allocated bytes\)"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_pipeline_explorer_refuses_a_setting_it_does_not_use(
+    pp_job: Any, keyword: dict[str, str], message: str
+) -> None:
+    from workbench.show.widgets import PolicyExplorer
+
+    workload, pipeline, _ = pp_job
+    with pytest.raises(WorkbenchError, match=rf"^pipeline: {message}; leave it out$"):
+        PolicyExplorer.pipeline(workload, pipeline, **keyword)
+
+
+def test_estimate_pp_refuses_more_than_one_profile(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_stage_trace(monkeypatch)
+    fails(
+        capsys,
+        ["estimate", *ONE, "--pp", "2", "--profile", "h100,cpu"],
+        r"--profile h100,cpu names 2 profiles; --pp estimates one profile",
+    )
