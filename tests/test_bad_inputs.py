@@ -251,17 +251,40 @@ _NO_TRANSFORMERS = pytest.mark.skipif(
 )
 # Issue 37: Hugging Face models, --dtype for factories, measure --blocks.
 HF_FLAGS: list[Any] = [
-    pytest.param(["trace", "--model", "hf:nope"], "unknown Hugging Face model 'hf:nope'; "
-                 "choose one of hf:llama", marks=_NO_TRANSFORMERS),
-    pytest.param(["trace", "--model", "hf:vit", "--seq", "15"], "hf:vit: --seq counts image "
-                 "patches .* must be a square number", marks=_NO_TRANSFORMERS),
-    (["trace", "--model", "user_models:mlp_float32", "--dtype", "bfloat16"],
-     "--dtype bfloat16: model factory 'user_models:mlp_float32' built float32 parameters"),
-    (["measure", "--model", "user_models:mlp", "--blocks", "blocks", "--repeat", "1"],
-     "--blocks names what eager SAC wraps: it goes with --baselines"),
-    (["measure", "--model", "user_models:mlp", "--baselines", "--blocks", "nope",
-      "--repeat", "1", "--policy", "full"], "TinyMLP has no container of blocks at 'nope'"),
-]  # fmt: skip
+    pytest.param(
+        ["trace", "--model", "hf:nope"],
+        "unknown Hugging Face model 'hf:nope'; choose one of hf:llama",
+        marks=_NO_TRANSFORMERS,
+    ),
+    pytest.param(
+        ["trace", "--model", "hf:vit", "--seq", "15"],
+        "hf:vit: --seq counts image patches .* must be a square number",
+        marks=_NO_TRANSFORMERS,
+    ),
+    (
+        ["trace", "--model", "user_models:mlp_float32", "--dtype", "bfloat16"],
+        "--dtype bfloat16: model factory 'user_models:mlp_float32' built float32 parameters",
+    ),
+    (
+        ["measure", "--model", "user_models:mlp", "--blocks", "blocks", "--repeat", "1"],
+        "--blocks names what eager SAC wraps: it goes with --baselines",
+    ),
+    (
+        [
+            "measure",
+            "--model",
+            "user_models:mlp",
+            "--baselines",
+            "--blocks",
+            "nope",
+            "--repeat",
+            "1",
+            "--policy",
+            "full",
+        ],
+        "TinyMLP has no container of blocks at 'nope'",
+    ),
+]
 
 
 @pytest.mark.parametrize(("argv", "message"), HF_FLAGS)
@@ -338,7 +361,7 @@ TITAN_FLAGS: list[tuple[list[str], str]] = [
             "0.5",
         ],
         "--ep-imbalance must be a number from 1",
-    ),  # fmt: skip
+    ),
     (["--model", "llama3-debug", "--fsdp", "2", "--cp", "2"], "runs through graph trainer's"),
 ]
 
@@ -441,8 +464,19 @@ def test_estimate_baselines_refuses_what_it_cannot_run(
 
 
 def test_unknown_torchtitan_version(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["export", "--model", "llama3-debug", "--layers", "1", "--seq", "8",
-            "--format", "torchtitan", "--torchtitan-version", "9.9"]  # fmt: skip
+    argv = [
+        "export",
+        "--model",
+        "llama3-debug",
+        "--layers",
+        "1",
+        "--seq",
+        "8",
+        "--format",
+        "torchtitan",
+        "--torchtitan-version",
+        "9.9",
+    ]
     fails(capsys, argv, "unknown torchtitan version '9.9'; choose one of 0.3.0")
 
 
@@ -481,7 +515,7 @@ SIZES: list[tuple[list[str], str]] = [
             str(2**20),
         ],
         "batch × seq must be at most",
-    ),  # fmt: skip
+    ),
     (
         [
             "trace",
@@ -495,7 +529,7 @@ SIZES: list[tuple[list[str], str]] = [
             str(2**19),
         ],
         "needs at least .* GiB on cpu for parameters, gradients and token ids",
-    ),  # fmt: skip
+    ),
     (
         ["verify", "--model", "llama3-debug", "--layers", "1", "--batch", "4000", "--seq", "8192"],
         "estimated to need .* GiB at its peak",
@@ -981,13 +1015,13 @@ def _trace_cases() -> list[tuple[str, Any, type[BaseException], str]]:
             lambda g: trace(load_workload("user_models:mlp"), "fake", "fsdp=2"),
             TypeError,
             "parallel must be None or a Parallel",
-        ),  # fmt: skip
+        ),
         (
             "parallel int",
             lambda g: trace(load_workload("user_models:mlp"), "fake", 2),
             TypeError,
             "parallel must be",
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -1031,7 +1065,7 @@ def _explorer_model(graph: Any, tmp_path: Path, **kwargs: Any) -> Any:
         "autosave bytes",
         "passes unknown",
         "budget kind unknown",
-    ],  # fmt: skip
+    ],
 )
 def test_explorer_arguments(
     mlp_graph: Any, tmp_path: Path, kwargs: dict[str, Any], kind: type, message: str
@@ -1064,7 +1098,7 @@ def test_explorer_arguments(
         "sweep 2**64",
         "host 2**64",
         "host -1",
-    ],  # fmt: skip
+    ],
 )
 def test_explorer_actions(
     mlp_graph: Any, tmp_path: Path, call: Any, kind: type, message: str
@@ -1380,8 +1414,9 @@ def test_workload_name_with_a_slash(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     from workbench.show.widgets.model import ExplorerModel
 
     monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
-    workload = Workload(torch.nn.Linear(4, 2), torch.randn(3, 4), torch.randint(0, 2, (3,)),
-                        name="team/../mlp")  # fmt: skip
+    workload = Workload(
+        torch.nn.Linear(4, 2), torch.randn(3, 4), torch.randint(0, 2, (3,)), name="team/../mlp"
+    )
     model = ExplorerModel(trace(workload, "fake"), "full")
     assert model.autosave.path.parent == tmp_path == model.exports.path.parent
     assert "/" not in model.autosave.path.name and "/" not in model.exports.path.name
@@ -1671,12 +1706,16 @@ def _pipeline_explorer(*args: Any) -> Any:
         "graphs 1 of 2",
         "workload with a layout",
         "graphs with a pipeline",
-    ],  # fmt: skip
+    ],
 )
 def test_pipeline_explorer(
-    pp_job: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: Any, kind: type,
+    pp_job: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    call: Any,
+    kind: type,
     message: str,
-) -> None:  # fmt: skip
+) -> None:
     from workbench.show.widgets.stages import StagesModel
 
     monkeypatch.setenv("SAC_WORKBENCH_AUTOSAVE_DIR", str(tmp_path))
@@ -1883,9 +1922,12 @@ PP_POLICY_FILES.append(("key twice", b'{"stages": [], "stages": []}', "has the k
     ("content", "message"), [c[1:] for c in PP_POLICY_FILES], ids=[c[0] for c in PP_POLICY_FILES]
 )
 def test_bad_policy_file_under_pp(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    content: bytes, message: str,
-) -> None:  # fmt: skip
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    content: bytes,
+    message: str,
+) -> None:
     """A pipeline's policy file gets the checks a policy file gets, before the trace."""
     _no_stage_trace(monkeypatch)
     path = tmp_path / "stages.json"
@@ -1932,9 +1974,12 @@ CALIBRATION_TRACES: list[tuple[str, list[Any], str]] = [
     ids=[c[0] for c in CALIBRATION_TRACES],
 )
 def test_malformed_calibration_trace(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    events: list[Any], message: str,
-) -> None:  # fmt: skip
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    events: list[Any],
+    message: str,
+) -> None:
     """Each event is checked once where the trace is read: one line naming its index and
     field, before anything is traced."""
     _no_trace(monkeypatch)
@@ -1955,9 +2000,11 @@ def test_calibration_trace_with_mixed_thread_ids(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("plot", ["plan.txt", "plan", ""])
 def test_plan_plot_suffix_checked_before_the_plan(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
     plot: str,
-) -> None:  # fmt: skip
+) -> None:
     from workbench.search import planner
 
     def refuse(*args: object, **kwargs: object) -> None:
@@ -2073,9 +2120,12 @@ NAN_CALIBRATIONS: list[tuple[str, str, str]] = [
     ("text", "message"), [c[1:] for c in NAN_CALIBRATIONS], ids=[c[0] for c in NAN_CALIBRATIONS]
 )
 def test_calibration_with_a_time_that_is_no_duration(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    text: str, message: str,
-) -> None:  # fmt: skip
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    text: str,
+    message: str,
+) -> None:
     """A negative, NaN or infinite time would give a negative or NaN step time (and JSON
     with NaN in it): refused where the file is read."""
     _no_trace(monkeypatch)
@@ -2104,21 +2154,49 @@ def _record_cases() -> list[tuple[str, Any, type[BaseException], str]]:
     from workbench.search.layouts import PlanOptions
 
     return [
-        ("expandable 'no'", lambda: AllocatorConfig(expandable_segments="no"), TypeError,
-         r"expandable_segments must be True or False, got 'no' \(str\)"),
-        ("split 2 TiB", lambda: AllocatorConfig(max_split_size=2**41), WorkbenchError,
-         r"max_split_size must be a whole number from 1 to 1,099,511,627,776"),
-        ("sink_waits 'yes'", lambda: OverlapOptions(sink_waits="yes"), TypeError,
-         "sink_waits must be True or False"),
-        ("bucket_layers 1", lambda: OverlapOptions(bucket_layers=1), TypeError,
-         r"bucket_layers must be True or False, got 1 \(int\)"),
-        ("prefetch 1e6", lambda: OverlapOptions(prefetch=10**6), WorkbenchError,
-         "prefetch must be a whole number from 0 to 10,000"),
-        ("copies 0", lambda: OverlapOptions(max_copies_in_flight=0), WorkbenchError,
-         "max_copies_in_flight must be a whole number from 1 to 100,000"),
-        ("plan layers 0", lambda: PlanOptions(model="llama3-debug", gpus=2, layers=0),
-         WorkbenchError, "--layers must be a whole number from 1"),
-    ]  # fmt: skip
+        (
+            "expandable 'no'",
+            lambda: AllocatorConfig(expandable_segments="no"),
+            TypeError,
+            r"expandable_segments must be True or False, got 'no' \(str\)",
+        ),
+        (
+            "split 2 TiB",
+            lambda: AllocatorConfig(max_split_size=2**41),
+            WorkbenchError,
+            r"max_split_size must be a whole number from 1 to 1,099,511,627,776",
+        ),
+        (
+            "sink_waits 'yes'",
+            lambda: OverlapOptions(sink_waits="yes"),
+            TypeError,
+            "sink_waits must be True or False",
+        ),
+        (
+            "bucket_layers 1",
+            lambda: OverlapOptions(bucket_layers=1),
+            TypeError,
+            r"bucket_layers must be True or False, got 1 \(int\)",
+        ),
+        (
+            "prefetch 1e6",
+            lambda: OverlapOptions(prefetch=10**6),
+            WorkbenchError,
+            "prefetch must be a whole number from 0 to 10,000",
+        ),
+        (
+            "copies 0",
+            lambda: OverlapOptions(max_copies_in_flight=0),
+            WorkbenchError,
+            "max_copies_in_flight must be a whole number from 1 to 100,000",
+        ),
+        (
+            "plan layers 0",
+            lambda: PlanOptions(model="llama3-debug", gpus=2, layers=0),
+            WorkbenchError,
+            "--layers must be a whole number from 1",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("name", [c[0] for c in _record_cases()])
@@ -2157,9 +2235,11 @@ def test_bench_gpu_checks_its_flags_without_cuda(
     ],
 )
 def test_stream_and_allocator_flags_have_an_upper_bound(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
     message: str,
-) -> None:  # fmt: skip
+) -> None:
     _no_trace(monkeypatch)
     fails(capsys, ["estimate", *MLP, "--mode", "fake", *flags], message)
 
@@ -2255,9 +2335,11 @@ def test_a_copy_of_an_export_is_kept(
     ids=["ZBV schedule", "interleaved schedule", "stages traced"],
 )
 def test_pipelines_that_would_run_for_minutes(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
     message: str,
-) -> None:  # fmt: skip
+) -> None:
     from workbench.capture import trace as capture_trace
 
     def refuse(*args: object, **kwargs: object) -> None:
@@ -2324,9 +2406,162 @@ UNUSED_FLAGS: list[tuple[list[str], str]] = [
     ("argv", "message"), UNUSED_FLAGS, ids=[" ".join(a[9:]) for a, _ in UNUSED_FLAGS]
 )
 def test_flags_a_path_does_not_use(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
     message: str,
-) -> None:  # fmt: skip
+) -> None:
     _no_trace(monkeypatch)
     _no_stage_trace(monkeypatch)
     fails(capsys, argv, message)
+
+
+# --- issue 35, item 11: refusals of what should work ----------------------------------------
+
+SMALL = ["--layers", "2", "--seq", "8", "--mode", "fake", "--budget-frac", "1"]
+SOLVES_THAT_WORK = [
+    ["--model", "llama3-debug", "--passes", "graph-trainer"],
+    ["--model", "llama3-debug", "--budget-kind", "reserved", "--expandable-segments"],
+    ["--model", "dsv3-debug", "--fsdp", "2", "--ep", "2"],
+    ["--model", "dsv3-debug", "--fsdp", "2", "--ep", "2", "--pp", "2"],
+]
+
+
+@pytest.mark.parametrize("flags", SOLVES_THAT_WORK, ids=" ".join)
+def test_solve_under_these_flags_works(
+    capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    assert main(["solve", *flags, *SMALL, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["peak_bytes"] <= result["budget_bytes"]
+    if "--budget-kind" in flags:
+        assert result["budget_kind"] == "reserved"
+        assert result["reserved_peak_bytes"] <= result["budget_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--passes", "graph-trainer"], "graph trainer's pass stack is estimated on one whole"),
+        (["--budget-kind", "reserved"], "no allocator to make reserved bytes of them"),
+        (["--expandable-segments"], "with no allocator to replay the interleaved microbatches"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_solve_pp_says_why_a_flag_is_not_used(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    why: str,
+) -> None:
+    _no_stage_trace(monkeypatch)
+    fails(capsys, ["solve", *ONE, "--pp", "2", "--budget-frac", "0.5", *flags], why)
+
+
+def test_plan_prunes_an_fsdp_that_does_not_divide_the_parameters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On 6 GPUs fsdp 3 and 6 split no embedding of 2048 rows: pruned with the reason, and
+    the layouts over 3 pipeline stages (their alike stages traced once) are planned."""
+    assert main([*PLAN, "--gpus", "6", "--jobs", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    reasons = {p["reason"] for p in result["pruned"]}
+    assert "fsdp 6 does not divide parameter tok_embeddings.weight of 'llama3-debug' " in {
+        r.split("(")[0] for r in reasons
+    }
+    assert {(c["tp"], c["pp"]) for c in result["configs"]} >= {(2, 3)}
+
+
+def test_plan_with_no_layout_names_gpus_and_the_counts_that_have_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = fails(capsys, [*PLAN, "--gpus", "13", "--jobs", "1"], r"^error: --gpus 13: no layout")
+    assert "--fsdp" not in line
+    assert line.endswith("choose --gpus among 6, 8, 12, 16")
+
+
+# --- issue 35, item 6: the missing-dependency case and pareto --plot -------------------------
+
+
+def test_a_python_without_a_dependency_says_where_to_run() -> None:
+    """`python -m workbench` from a Python lacking torch: one line, exit 2."""
+    hide = (
+        "import sys; sys.modules['torch'] = None; import runpy; "
+        "runpy.run_module('workbench', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide, "trace", "--model", "llama3-debug"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "error: No module named 'torch': run the workbench from the set-up's environment "
+        "(.venv/bin/python -m workbench, after make lab)\n"
+    )
+
+
+PARETO = ["pareto", "--model", "llama3-debug", "--layers", "1", "--seq", "16", "--mode", "fake"]
+
+
+def test_pareto_plot_draws_the_front(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "front.svg"
+    assert main([*PARETO, "--points", "3", "--plot", str(plot), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == str(plot)
+    assert "Memory vs step time per policy" in plot.read_text()
+
+
+@pytest.mark.parametrize("plot", ["front.txt", "front", ""])
+def test_pareto_plot_suffix_checked_before_the_front(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    plot: str,
+) -> None:
+    _no_trace(monkeypatch)
+    path = str(tmp_path / plot) if plot else ""
+    fails(capsys, [*PARETO, "--plot", path], r"--plot .*one of .*\.png.*\.svg")
+
+
+def test_pareto_keeps_an_existing_plot(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_trace(monkeypatch)
+    plot = tmp_path / "front.svg"
+    plot.write_text("mine")
+    fails(capsys, [*PARETO, "--plot", str(plot)], r"exists")
+    assert plot.read_text() == "mine"
+
+
+# --- issue 35: what the previous items left: a dropped keyword, a dropped profile -----------
+
+
+@pytest.mark.parametrize(
+    ("keyword", "message"),
+    [
+        ({"passes": "graph-trainer"}, r"passes='graph-trainer' is not used .*own passes\)"),
+        ({"budget_kind": "reserved"}, r"budget_kind='reserved' is not used .*allocated bytes\)"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_pipeline_explorer_refuses_a_setting_it_does_not_use(
+    pp_job: Any, keyword: dict[str, str], message: str
+) -> None:
+    from workbench.show.widgets import PolicyExplorer
+
+    workload, pipeline, _ = pp_job
+    with pytest.raises(WorkbenchError, match=rf"^pipeline: {message}; leave it out$"):
+        PolicyExplorer.pipeline(workload, pipeline, **keyword)
+
+
+def test_estimate_pp_refuses_more_than_one_profile(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_stage_trace(monkeypatch)
+    fails(
+        capsys,
+        ["estimate", *ONE, "--pp", "2", "--profile", "h100,cpu"],
+        r"--profile h100,cpu names 2 profiles; --pp estimates one profile",
+    )

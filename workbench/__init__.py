@@ -7,20 +7,32 @@ offload pass) -> `cost` (estimate, measure) -> `search` (solver, Pareto front) -
 line, over them all.
 """
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from workbench.capture.graph import JointGraph, NodeInfo
-from workbench.capture.trace import trace
-from workbench.capture.workload import Workload
 from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    from workbench.capture.graph import JointGraph, NodeInfo
+    from workbench.capture.models import load_workload
+    from workbench.capture.trace import trace
+    from workbench.capture.workload import Workload
 
 __all__ = ["JointGraph", "NodeInfo", "Workload", "WorkbenchError", "load_workload", "trace"]
 
+# Imported on first use, so that importing the package needs no torch: `python -m workbench`
+# run by a Python without it says so in one line (`workbench.__main__`); the model zoo
+# (`load_workload`) is not needed for tracing.
+_LAZY = {
+    "JointGraph": "workbench.capture.graph",
+    "NodeInfo": "workbench.capture.graph",
+    "Workload": "workbench.capture.workload",
+    "load_workload": "workbench.capture.models",
+    "trace": "workbench.capture.trace",
+}
+
 
 def __getattr__(name: str) -> Any:
-    """`workbench.load_workload` imports the model zoo on first use: tracing does not need it."""
-    if name == "load_workload":
-        from workbench.capture.models import load_workload
-
-        return load_workload
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

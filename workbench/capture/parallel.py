@@ -41,7 +41,7 @@ from workbench.capture.fits import available_bytes
 from workbench.capture.graph import InputKind, JointGraph
 from workbench.capture.kernels import resolve_kernels
 from workbench.capture.models import DTYPES, Workload
-from workbench.capture.models.deepseek_v3 import MoE
+from workbench.capture.models.deepseek_v3 import GroupedExperts, MoE
 from workbench.capture.models.llama3 import Llama3
 from workbench.capture.param_shards import (
     ParamShard,
@@ -65,6 +65,7 @@ __all__ = [
     "Parallel",
     "RankWorkload",
     "TpPlan",
+    "check_fsdp_shapes",
     "device_mesh",
     "eager_rank_step",
     "fake_process_group",
@@ -196,6 +197,35 @@ def check_tp_shapes(workload: Workload, parallel: Parallel) -> None:
                 f"--tp {tp} does not divide the {what} of {workload.name!r} ({size}); "
                 f"choose a tp that divides {size}"
             )
+
+
+def check_fsdp_shapes(workload: Workload, parallel: Parallel) -> None:
+    """FSDP splits each parameter's rows (of its TP shard, under the reference TP plan) over
+    the fsdp ranks: refused before tracing, in the words sharding would use (routed experts
+    under EP are split by `check_expert_parallel`'s rule instead)."""
+    fsdp, tp = parallel.fsdp, parallel.tp
+    if fsdp == 1:
+        return
+    plan = (reference_tp_plan(workload.model, parallel.ep) if tp > 1 else None) or {}
+    seen: set[int] = set()
+    for path, module in workload.model.named_modules():
+        if parallel.ep > 1 and isinstance(module, GroupedExperts):
+            continue
+        style = plan.get(path)
+        split = isinstance(style, ColwiseParallel) or (
+            isinstance(style, RowwiseParallel) and isinstance(module, nn.Embedding)
+        )
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            rows = param.shape[0] // (tp if split else 1) if param.dim() else 0
+            if rows % fsdp or not rows:
+                fqn = f"{path}.{name}" if path else name
+                raise WorkbenchError(
+                    f"fsdp {fsdp} does not divide parameter {fqn} of {workload.name!r} "
+                    f"({rows} rows per tp rank); choose an fsdp that divides {rows}"
+                )
 
 
 @dataclass

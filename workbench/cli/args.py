@@ -147,11 +147,20 @@ WITHOUT_PP = {
     dest: "it shapes a pipelined job"
     for dest in ("pp_schedule", "microbatches", "stage", "layers_per_stage")
 }
-_NO_ALLOCATOR = "per-stage estimates have no allocator model"
+_NO_ALLOCATOR = (
+    "per-stage estimates sum allocated bytes over the schedule, with no allocator to replay "
+    "the interleaved microbatches' blocks"
+)
 _NO_STREAMS = "per-stage estimates have no stream model"
+_OWN_PASSES = (
+    "per-stage estimates run the workbench's own passes on each stage graph, split for "
+    "zero-bubble schedules into input and weight gradients, which graph trainer's cleanup "
+    "does not keep; graph trainer's pass stack is estimated on one whole-step graph: drop "
+    "--pp for it"
+)
 WITH_PP = {
-    "passes": "per-stage estimates run the workbench's own passes",
-    "ep_overlap": "per-stage estimates run the workbench's own passes",
+    "passes": _OWN_PASSES,
+    "ep_overlap": _OWN_PASSES,
     "calibrate": "per-stage estimates time ops by the profile's roofline",
     "expandable_segments": _NO_ALLOCATOR,
     "max_split_size_mb": _NO_ALLOCATOR,
@@ -160,7 +169,10 @@ WITH_PP = {
     "sink_waits": _NO_STREAMS,
     "max_copies_in_flight": _NO_STREAMS,
     "timeline": "per-stage estimates have no memory timeline",
-    "budget_kind": "per-stage budgets hold allocated bytes",
+    "budget_kind": (
+        "per-stage budgets hold allocated bytes: the schedule's simulation sums them, with no "
+        "allocator to make reserved bytes of them"
+    ),
     "host_budget_bytes": "per-stage policies do not offload",
 }
 

@@ -399,6 +399,10 @@ def _add_pareto(commands: Commands) -> None:
     add_model_args(pareto)
     add_solve_args(pareto)
     pareto.add_argument("--points", type=int, default=20, help="budgets in the sweep")
+    pareto.add_argument(
+        "--plot", help="draw peak memory vs step time, the front and presets (.svg, .png)"
+    )
+    pareto.add_argument("--overwrite", action="store_true", help="replace an existing --plot")
     pareto.set_defaults(run=cmd_pareto)
 
 

@@ -25,6 +25,7 @@ from workbench.cli.args import (
 )
 from workbench.cli.report import Report
 from workbench.errors import INT64_MAX, check_int
+from workbench.files import check_writable
 
 __all__ = ["Floor", "cmd_floor", "cmd_pareto", "cmd_solve"]
 
@@ -64,6 +65,11 @@ def cmd_pareto(args: argparse.Namespace) -> Report:
     options = solve_options_from_args(args)
     check_int("--points", args.points, 2, MAX_POINTS, "each point is a solve")
     cost = cost_options_from_args(args)
+    if args.plot is not None:
+        from workbench.show.viz.plots import figure_format
+
+        figure_format(args.plot, "--plot")
+        check_writable(args.plot, overwrite=args.overwrite)
     graph, trace_seconds = trace_from_args(args)
     start = time.perf_counter()
 
@@ -108,12 +114,15 @@ def cmd_pareto(args: argparse.Namespace) -> Report:
 
     # on graphs with FSDP all-gathers, the presets under the other FSDP choice too
     other = {"presets_keep_unsharded": presets(False)} if False in fsdp_choices(graph) else {}
+    solved = [p.to_json() for p in points]
+    plot = {} if args.plot is None else {"plot": _plot_front(args, solved, presets(True))}
     return Report(
         {
             "model": graph.model_name,
-            "points": [p.to_json() for p in points],
+            "points": solved,
             **offload,
             "presets": presets(True),
+            **plot,
             "time_basis": time_basis(estimator.profiles, estimator.calibration),
             **other,
             "seconds": round(seconds, 3),
@@ -121,6 +130,28 @@ def cmd_pareto(args: argparse.Namespace) -> Report:
             "cpu_count": os.cpu_count(),
         }
     )
+
+
+def _plot_front(
+    args: argparse.Namespace, points: list[dict[str, Any]], presets: dict[str, Any]
+) -> str:
+    """`pareto --plot`: the solver's points (unnamed) and the presets (named), peak against
+    estimated step time, with the front drawn through them (`plot_tradeoff`); the path."""
+    from workbench.show.viz.plots import plot_tradeoff, save_figure
+
+    drawn = [("", p) for p in points] + list(presets.items())
+    figure = plot_tradeoff(
+        [
+            {
+                "name": name,
+                "peak_bytes": p["peak_bytes"],
+                "step_seconds": p["est_step_seconds"],
+                "measured": False,
+            }
+            for name, p in drawn
+        ]
+    )
+    return str(save_figure(figure, args.plot, overwrite=args.overwrite))
 
 
 class Floor(Report):

@@ -22,6 +22,7 @@ from workbench.cli.args import (
     degrees_from_args,
     kernels_from_args,
     parallel_from_args,
+    profiles_from_args,
     solve_options_from_args,
 )
 from workbench.cli.report import Command, Report, Result
@@ -167,12 +168,26 @@ def _model(
     return PipelineModel(graphs, layout, profile, args.optimizer), graphs, seconds
 
 
+def _one_profile(args: argparse.Namespace) -> str:
+    """`estimate --pp`'s profile: the schedule is simulated on one device's figures, so a
+    --profile naming several is refused (the default list's first is taken)."""
+    names = profiles_from_args(args)
+    given = args.profile != getattr(args, "flag_defaults", {}).get("profile")
+    if given and len(names) > 1:
+        raise WorkbenchError(
+            f"--profile {args.profile} names {len(names)} profiles; --pp estimates one profile "
+            "(the schedule is simulated on one device's figures): give one, or run once per "
+            "profile"
+        )
+    return names[0]
+
+
 def cmd_estimate_stages(args: argparse.Namespace) -> Report:
     """Per stage: the peak of its rank over the schedule and the microbatches in flight
     then; the top-level peak is the largest."""
     if args.snapshot is not None:
         raise WorkbenchError("--snapshot writes one graph's estimate: drop --pp")
-    profile = args.profile.split(",")[0]
+    profile = _one_profile(args)
     policies: list[Policy] = []  # read before the trace, once the stages are known
 
     def read_policies(layout: StageLayout) -> None:

@@ -231,9 +231,13 @@ def _checked_events(events: list[Any], where: Path) -> tuple[list[_Event], list[
                 f"--calibrate {where}: {at} ts must be a finite number of microseconds, got {ts!r}"
             )
         event = _Event(
-            str(e.get("name", "")), tid, float(ts), _duration(e.get("dur", 0), f"{at} dur", where),
-            ext, dims,
-        )  # fmt: skip
+            str(e.get("name", "")),
+            tid,
+            float(ts),
+            _duration(e.get("dur", 0), f"{at} dur", where),
+            ext,
+            dims,
+        )
         (ops if e["cat"] == "cpu_op" else kernels).append(event)
     return ops, kernels
 

@@ -156,7 +156,7 @@ def _resident_bytes(graph: JointGraph, estimate: Estimate) -> int:
     """Parameter shards, optimizer state and, with FSDP, the stage's unsharded parameters
     in the compute dtype (kept between microbatches)."""
     held = estimate.timeline["parameters"][0] + estimate.timeline["optimizer"][0]
-    fsdp = graph.degrees.fsdp
+    fsdp = int(graph.config.get("fsdp", 1))
     if fsdp == 1:
         return held
     low = DTYPES[graph.config.get("param_dtype", "bfloat16")].itemsize
@@ -170,7 +170,7 @@ def _resident_bytes(graph: JointGraph, estimate: Estimate) -> int:
 def _grad_bytes(graph: JointGraph, storages: Any, param_grad: np.ndarray) -> int:
     """Gradients a stage accumulates over microbatches: with FSDP unsharded in the reduce
     dtype (torch's stage defers the reduce-scatter to the last backward), else as returned."""
-    fsdp = graph.degrees.fsdp
+    fsdp = int(graph.config.get("fsdp", 1))
     if fsdp == 1:
         return int(storages.sizes[param_grad].sum())
     reduce = DTYPES[graph.config.get("reduce_dtype", "float32")].itemsize
@@ -270,26 +270,27 @@ class PipelineEstimate:
 
 
 def _check_stages(graphs: Sequence[JointGraph], layout: StageLayout) -> None:
-    """The arguments of `PipelineModel`: a StageLayout and its stage graphs, in stage order
-    (each graph says which stage it is: a list in another order would pair each stage's
-    graph with another stage's place in the schedule). A graph of an alike stage (first or
-    not, last or not, as many layers) stands for it: the planner traces such stages once."""
+    """The arguments of `PipelineModel`: a StageLayout and its stage graphs, in stage order.
+    Each graph says which stage it was traced for: one stands for stage i if it is stage
+    i's, or alike (as many layers, the same first/last role: a planner traces alike middle
+    stages once); another order would pair a stage's graph with another's place."""
     check_type("layout", layout, StageLayout, "a StageLayout (Pipeline.layout)")
     check_type("graphs", graphs, (list, tuple), "a list of stage graphs")
-    last = len(layout.layers) - 1
+    if len(graphs) != layout.n_stages:
+        raise WorkbenchError(
+            f"a pipeline of {layout.n_stages} stages needs a graph per stage, got {len(graphs)}"
+        )
+    last = layout.n_stages - 1
     for i, graph in enumerate(graphs):
         check_type(f"graphs[{i}]", graph, JointGraph, "a JointGraph (trace_stages)")
         stage = graph.config.get("stage")
-        alike = isinstance(stage, dict) and (
-            stage.get("stage") == i
-            or (stage.get("first"), stage.get("last"), len(stage.get("layers", ())))
-            == (i == 0, i == last, len(layout.layers[i]) if i <= last else -1)
-        )
-        if not alike:
-            found = stage.get("stage") if isinstance(stage, dict) else "no stage"
+        if not isinstance(stage, dict):
+            raise WorkbenchError(f"graphs[{i}] is no stage's graph: trace it with trace_stages")
+        role = (len(stage.get("layers", ())), stage.get("first"), stage.get("last"))
+        if stage.get("stage") != i and role != (len(layout.layers[i]), i == 0, i == last):
             raise WorkbenchError(
-                f"graphs[{i}] is the graph of stage {found}: give the stage graphs in stage "
-                "order, as trace_stages returns them"
+                f"graphs[{i}] is the graph of stage {stage.get('stage')}: give the stage "
+                "graphs in stage order, as trace_stages returns them"
             )
 
 
@@ -307,10 +308,6 @@ class PipelineModel:
         cache: StageCache | None = None,
     ) -> None:
         _check_stages(graphs, layout)
-        if len(graphs) != layout.n_stages:
-            raise WorkbenchError(
-                f"a pipeline of {layout.n_stages} stages needs a graph per stage, got {len(graphs)}"
-            )
         self.layout = layout
         self.order = action_order(layout.pipeline.schedule, layout.pipeline.pp, layout.microbatches)
         check_order(self.order, layout.microbatches)
@@ -323,15 +320,15 @@ class PipelineModel:
             self.cache.estimator(g, self.profile, optimizer, overlap) for g in self.graphs
         ]
         device = get_profile(profile)
-        degrees = replace(graphs[0].degrees, pp=layout.pipeline.pp)
+        ranks = int(graphs[0].config.get("world_size", 1))
         self.p2p_bytes_per_s = (
             device.inter_node_bytes_per_s
-            if degrees.world_size >= device.ranks_per_node
+            if ranks >= device.ranks_per_node
             else device.intra_node_bytes_per_s
         )
         # torchtitan's tokens/s/GPU: a rank's tokens over the ranks sharing them (all but
         # the data-parallel ones: pp x tp x cp)
-        self.gpus = degrees.non_data_parallel_size
+        self.gpus = layout.pipeline.pp * ranks // int(graphs[0].config.get("fsdp", 1))
         seq = int(graphs[0].config.get("seq", 0)) or graphs[0].tokens
         self.tokens = int(graphs[0].config.get("local_batch", 1)) * seq
 

@@ -17,7 +17,7 @@ from torch import nn
 from workbench.capture.degrees import Degrees, divisors
 from workbench.capture.expert_parallel import check_expert_parallel
 from workbench.capture.models import DTYPES, Workload, model_names
-from workbench.capture.parallel import Parallel, check_tp_shapes
+from workbench.capture.parallel import Parallel, check_fsdp_shapes, check_tp_shapes
 from workbench.capture.pipeline import (
     SCHEDULES,
     check_microbatches,
@@ -291,6 +291,15 @@ def _tp_refusal(workload: Workload, tp: int, max_tp: int) -> str | None:
     return None
 
 
+def _fsdp_refusal(workload: Workload, degrees: Degrees) -> str | None:
+    """Why FSDP cannot split the parameters' rows so (`check_fsdp_shapes`), or None."""
+    try:
+        check_fsdp_shapes(workload, Parallel.of(degrees))
+    except WorkbenchError as err:
+        return str(err).split(";")[0]
+    return None
+
+
 def _microbatch_counts(
     multiples: tuple[int, ...], schedule: str, pp: int, n_stages: int, local: int
 ) -> list[int]:
@@ -362,7 +371,11 @@ def layouts(options: PlanOptions, workload: Workload) -> tuple[list[Candidate], 
             fsdp = options.gpus // (tp * pp)
             for ep in [1] if refusal else ep_degrees(workload, fsdp * tp):
                 degrees = Degrees(fsdp=fsdp, tp=tp, pp=pp, ep=ep)
-                why = refusal or (_ep_refusal(workload, degrees) if ep > 1 else None)
+                why = (
+                    refusal
+                    or (_ep_refusal(workload, degrees) if ep > 1 else None)
+                    or _fsdp_refusal(workload, degrees)
+                )
                 for schedule in options.schedules if pp > 1 else (None,):
                     if why:
                         pruned.append(Pruned(degrees, schedule, why))

@@ -420,6 +420,36 @@ def plan(options: PlanOptions, progress: Progress | None = None) -> Plan:
             pool.shutdown(cancel_futures=True)
 
 
+MAX_COUNTS_SHOWN = 4  # GPU counts an error suggests in place of --gpus
+
+
+def _no_layout(options: PlanOptions, workload: Workload, pruned: list[Pruned]) -> WorkbenchError:
+    """Why nothing is left to trace: the memory (the lowest bound) when a layout was pruned
+    for it; else no layout splits the model over these GPUs, with the nearest counts (up to
+    twice --gpus) that have one."""
+    bounds = [p.lower_bound_bytes for p in pruned if p.lower_bound_bytes is not None]
+    if bounds:
+        return WorkbenchError(
+            f"no layout of {options.model} on {options.gpus} GPUs fits "
+            f"{options.budget_bytes / GIB:.3g} GiB: parameters, optimizer state and gradients "
+            f"alone need at least {min(bounds) / GIB:.3g} GiB per GPU; give more --gpus or "
+            "--memory-gib"
+        )
+    near = sorted(range(1, 2 * options.gpus + 1), key=lambda n: (abs(n - options.gpus), n))
+    valid: list[int] = []
+    for gpus in near[1:]:
+        if layouts(replace(options, gpus=gpus), workload)[0]:
+            valid.append(gpus)
+            if len(valid) == MAX_COUNTS_SHOWN:
+                break
+    counts = ", ".join(map(str, sorted(valid))) or "none up to twice as many"
+    reasons = "; ".join(dict.fromkeys(p.reason for p in pruned))
+    return WorkbenchError(
+        f"--gpus {options.gpus}: no layout splits {options.model} over {options.gpus} GPUs "
+        f"({reasons}); choose --gpus among {counts}"
+    )
+
+
 def _plan(
     options: PlanOptions,
     progress: Progress | None,
@@ -430,12 +460,7 @@ def _plan(
     candidates, pruned = layouts(options, workload)
     budget_gib = options.budget_bytes / GIB
     if not candidates:
-        lowest = min((p.lower_bound_bytes or 0 for p in pruned), default=0) / GIB
-        raise WorkbenchError(
-            f"no layout of {options.model} on {options.gpus} GPUs fits {budget_gib:.3g} GiB: "
-            f"parameters, optimizer state and gradients alone need at least {lowest:.3g} GiB "
-            "per GPU; give more --gpus or --memory-gib"
-        )
+        raise _no_layout(options, workload, pruned)
     # Alike stages share fsdp, tp, ep and the microbatch size: evaluated group by group, a
     # group's graphs are dropped when it ends (a 70B plan holds hundreds otherwise).
     groups: dict[tuple[Degrees, int], list[Candidate]] = {}

@@ -45,6 +45,13 @@ __all__ = ["PolicyExplorer"]
 HERE = Path(__file__).parent
 
 
+# PolicyExplorer keywords the per-stage explorer holds to one value: (name, that value, why)
+_STAGE_SETTINGS = (
+    ("passes", "workbench", "stages are estimated under the workbench's own passes"),
+    ("budget_kind", "allocated", "a rank's pipelined peak sums allocated bytes"),
+)
+
+
 class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
     """Click an op to flip it (shift-click only selects it), click a module box to expand it.
 
@@ -174,7 +181,15 @@ class PolicyExplorer(anywidget.AnyWidget):  # type: ignore[misc]
         """The explorer of a pipelined job: a workload traced stage by stage under
         `pipeline` (or its stage graphs and their `StageLayout`), one policy per stage
         (`policy` for all, or one each), the stages side by side with each rank's
-        pipelined peak against `budget_bytes`, and stage `stage` open."""
+        pipelined peak against `budget_bytes`, and stage `stage` open. Each stage is
+        estimated as `estimate --pp` does: under the workbench's passes, in allocated bytes
+        (another `passes` or `budget_kind` is refused, not dropped)."""
+        for name, used, why in _STAGE_SETTINGS:
+            if kwargs.get(name, used) != used:
+                raise WorkbenchError(
+                    f"pipeline: {name}={kwargs[name]!r} is not used by the per-stage explorer "
+                    f"({why}); leave it out"
+                )
         if isinstance(source, Workload):
             if not isinstance(pipeline, Pipeline):
                 raise WorkbenchError("a workload is split by a Pipeline(pp=...), not a layout")
