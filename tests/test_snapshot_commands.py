@@ -62,6 +62,10 @@ def test_estimate_snapshot_reads_back_through_compare_snapshot(
     assert report["nodes_differing"] == 0 and report["snapshot"] == str(out)
     assert report["measured"]["allocated_peak_node"] == report["estimated"]["allocated_peak_node"]
     assert report["optimizer"] == "adamw" and report["policy"]["preset"] == "full"
+    # without --kernels: the kernels the estimate's snapshot says its graph was traced with
+    same = run_json(capsys, "compare-snapshot", str(out), *SMALL, "--policy", "full")
+    assert same["kernels"] == "cpu" and same["nodes_differing"] == 0
+    assert same["difference"] == {"allocated_peak_bytes": 0, "reserved_peak_bytes": 0}
     # run again: the workbench's own file is replaced without --overwrite
     again = run_json(
         capsys, "estimate", *SMALL, "--policy", "full", "--profile", "h100", "--snapshot", str(out)

@@ -197,6 +197,8 @@ def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
     cost = cost_options_from_args(args)
     snapshot = load_snapshot(args.snapshot)
     device = snapshot.device(args.device)
+    if args.kernels is None and isinstance(snapshot.meta.get("kernels"), str):
+        args.kernels = snapshot.meta["kernels"]  # an estimate's snapshot: the graph it was of
     graph, seconds = trace_from_args(args)
     estimator = Estimator(graph, (), args.optimizer, allocator=cost["allocator"])
     result = remat(graph, policy)
@@ -207,6 +209,7 @@ def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
             "model": graph.model_name,
             "policy": policy.to_json(),
             "optimizer": args.optimizer,
+            "kernels": graph.config.get("kernels"),
             **comparison.to_json(),
             "trace_seconds": round(seconds, 3),
         }

@@ -213,6 +213,7 @@ def estimated_snapshot(estimator: Estimator, est: Estimate, title: str = "") -> 
         META_KEY: {
             "format": SNAPSHOT_FORMAT,
             "model": estimator.graph.model_name,
+            "kernels": estimator.graph.config.get("kernels"),  # what compare-snapshot traces
             "title": title,
             "steps": walk.steps,
             "peak_bytes": est.peak_bytes,
