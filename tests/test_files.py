@@ -3,6 +3,7 @@ files (its mark, per format), regular files only, one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -15,7 +16,10 @@ from workbench.errors import WorkbenchError
 from workbench.files import MARK_KEY, file_stem, is_ours, marked, read_file, write_file
 
 
+@functools.cache
 def _dot(fmt: str) -> bytes:
+    """Graphviz's output, made once per format: its PDF holds a creation time to the second,
+    so two runs a second apart differ."""
     return subprocess.run(
         ["dot", f"-T{fmt}"], input=b"digraph{a->b}", capture_output=True, check=True
     ).stdout
