@@ -23,7 +23,7 @@ from workbench.cost.calibrate import measured_basis, time_basis
 from workbench.cost.estimate import Estimator
 from workbench.cost.measure import measure_graph
 from workbench.cost.profiles import H100, H200
-from workbench.cost.snapshot import load_snapshot
+from workbench.cost.snapshot import META_KEY, load_snapshot
 from workbench.decide.policy import Policy
 from workbench.files import is_ours
 from workbench.rewrite.remat import remat
@@ -66,6 +66,16 @@ def test_estimate_snapshot_reads_back_through_compare_snapshot(
     same = run_json(capsys, "compare-snapshot", str(out), *SMALL, "--policy", "full")
     assert same["kernels"] == "cpu" and same["nodes_differing"] == 0
     assert same["difference"] == {"allocated_peak_bytes": 0, "reserved_peak_bytes": 0}
+    # metadata naming kernels that are none: one line naming the snapshot, not a trace
+    data = pickle.loads(out.read_bytes())
+    for bad in ("tpu", 5):
+        data[META_KEY]["kernels"] = bad
+        odd = tmp_path / f"odd-{bad}.pickle"
+        odd.write_bytes(pickle.dumps(data))
+        assert main(["compare-snapshot", str(odd), *SMALL, "--policy", "full"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.splitlines()) == 1
+        assert f"snapshot {odd}: " in captured.err and "unknown kernel target" in captured.err
     # run again: the workbench's own file is replaced without --overwrite
     again = run_json(
         capsys, "estimate", *SMALL, "--policy", "full", "--profile", "h100", "--snapshot", str(out)

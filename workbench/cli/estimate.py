@@ -184,6 +184,7 @@ def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
     """A memory snapshot of a run of the policy's rematerialized graph against the estimate
     of that graph (`workbench.cost.attribution.compare_snapshot`): the snapshot is read and
     checked before anything is traced."""
+    from workbench.capture.kernels import check_kernels
     from workbench.cost.attribution import compare_snapshot
     from workbench.cost.estimate import Estimator, estimate_remat
     from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
@@ -197,8 +198,15 @@ def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
     cost = cost_options_from_args(args)
     snapshot = load_snapshot(args.snapshot)
     device = snapshot.device(args.device)
-    if args.kernels is None and isinstance(snapshot.meta.get("kernels"), str):
-        args.kernels = snapshot.meta["kernels"]  # an estimate's snapshot: the graph it was of
+    recorded = snapshot.meta.get("kernels")
+    if args.kernels is None and recorded is not None:  # an estimate's snapshot: its graph's
+        try:
+            args.kernels = check_kernels(recorded if isinstance(recorded, str) else repr(recorded))
+        except WorkbenchError as err:
+            raise WorkbenchError(
+                f"snapshot {args.snapshot}: the workbench's metadata in it names {err}; "
+                "or give --kernels"
+            ) from None
     graph, seconds = trace_from_args(args)
     estimator = Estimator(graph, (), args.optimizer, allocator=cost["allocator"])
     result = remat(graph, policy)
