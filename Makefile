@@ -113,8 +113,8 @@ lab: venv system
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} exec $(VENV)/bin/jupyter-lab $(ALLOW_ROOT) $(LAB_ARGS) $(LAB_DIR)/$(notdir $(NOTEBOOK))
 
 lint: venv
-	$(VENV)/bin/ruff check workbench studies tests
-	$(VENV)/bin/ruff format --check workbench studies tests
+	$(VENV)/bin/ruff check workbench studies tests scripts
+	$(VENV)/bin/ruff format --check workbench studies tests scripts
 	$(VENV)/bin/mypy
 	@$(MAKE) --no-print-directory jslint
 

@@ -15,6 +15,7 @@ from torch import nn
 from workbench.capture.models import load_workload
 from workbench.capture.parallel import Parallel
 from workbench.cost.allocator import AllocatorConfig, replay_allocator
+from workbench.cost.workspaces import BLAS_WORKSPACES
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
 from workbench.interop import eager_runs
@@ -85,7 +86,8 @@ def test_kernel_scratch_is_the_difference_at_the_embedding_backward() -> None:
 
 def test_sharded_fake_baselines_run_in_order() -> None:
     """One rank of FSDP 2 x TP 2 on fake tensors: FSDP2 units under FSDPMemTracker, bf16
-    gathers of fp32 shards, AdamW's two fp32 moments, the GPU's attention kernels; full AC
+    gathers of fp32 shards, AdamW's two fp32 moments, the GPU's attention kernels and cuBLAS's
+    workspaces; full AC
     holds less than eager SAC, eager SAC less than no AC, allocated and reserved alike."""
     workload = small(1024, device="meta")
     options = BaselineOptions(parallel=Parallel(fsdp=2, tp=2))
@@ -97,7 +99,8 @@ def test_sharded_fake_baselines_run_in_order() -> None:
         parts = b.tracked.peak_breakdown
         assert b.tracked.tracker == "FSDPMemTracker" and b.kernels == "h100"
         assert parts["OptState"] == 2 * parts["Sharded Param"] > 0
-        assert sum(parts.values()) == b.peak_bytes
+        assert sum(parts.values()) + sum(BLAS_WORKSPACES) == b.peak_bytes  # cuBLAS's beside
+        assert b.to_json()["workspace_bytes"] == sum(BLAS_WORKSPACES)
         assert b.reserved_peak_bytes >= b.allocator.allocated_peak_bytes >= b.peak_bytes  # type: ignore[union-attr,operator]
     assert any("_scaled_dot_product_cudnn_attention" in n for n in none.notes)
     assert sac.rule == sac_rule() and full.rule == eager_runs.FULL_AC

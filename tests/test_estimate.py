@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.trace import trace
+from workbench.cost.allocator import replay_allocator
 from workbench.cost.estimate import CATEGORIES, Estimator, estimate, estimate_remat
 from workbench.cost.measure import held_bytes, measure_graph
 from workbench.cost.profiles import DeviceProfile
@@ -230,3 +231,31 @@ def test_one_definition_of_saved_bytes(
     assert report.saved_bytes_by_node_after == est.saved_by_node
     assert overview(graph, decide(graph, Policy(preset))).saved_bytes == est.saved_activation_bytes
     assert report.to_json()["saved_activation_bytes"] == est.to_json()["saved_activation_bytes"]
+
+
+def test_a_gpu_step_holds_cublas_workspaces_beside_its_tensors() -> None:
+    """Traced for a GPU: two 32 MiB blocks held the whole step, allocated before it (the
+    allocator replays them first); none on the CPU, whose matmuls take no workspace."""
+    from workbench.cost.workspaces import BLAS_WORKSPACES, blas_workspaces
+
+    shape = {"layers": 2, "seq": 16, "batch": 1, "device": "meta"}
+    gpu = trace(load_workload("llama3-debug", **shape), "fake")
+    cpu = trace(load_workload("llama3-debug", **shape), "fake", kernels="cpu")
+    assert blas_workspaces(gpu) == list(BLAS_WORKSPACES) and blas_workspaces(cpu) == []
+    on_gpu = Estimator(gpu, (), "none").estimate(Policy("full"))
+    on_cpu = Estimator(cpu, (), "none").estimate(Policy("full"))
+    held = sum(BLAS_WORKSPACES)
+    assert set(on_gpu.timeline["workspaces"]) == {held}
+    assert set(on_cpu.timeline["workspaces"]) == {0}
+    assert on_gpu.peak_breakdown["workspaces"] == held
+    assert on_gpu.allocator_input is not None
+    assert on_gpu.allocator_input.before[: len(BLAS_WORKSPACES)] == list(BLAS_WORKSPACES)
+    # each takes a 32 MiB segment of its own: without them the allocator reserves 64 MiB less
+    without = replay_allocator(
+        **{**on_gpu.allocator_input._asdict(), "before": on_gpu.allocator_input.before[2:]}
+    )
+    assert on_gpu.reserved_peak_bytes - without.reserved_peak_bytes == held
+    from workbench.show.widgets.panels import peak_counts
+
+    assert peak_counts(on_gpu).endswith("and cuBLAS's workspaces (64.0 MiB)")
+    assert "cuBLAS" not in peak_counts(on_cpu)

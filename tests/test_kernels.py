@@ -15,6 +15,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workbench.capture.flex import block_mask_sparsity, causal_block_mask
+from workbench.capture.gpu_norm import (
+    FUSED_RMS_NORM,
+    fused_rms_norm,
+    fuses,
+    restore_fused_rms_norm,
+)
 from workbench.capture.graph import JointGraph
 from workbench.capture.kernels import (
     KERNEL_TARGETS,
@@ -148,9 +154,18 @@ def test_gpu_attention_nodes_save_what_the_kernel_saves(case: str, cpu_graph: Jo
     assert [b for n, b in cpu.saved_by_node.items() if cpu_graph.nodes[n].op == cpu_op] == [
         OUT + LSE
     ] * 2
-    assert gpu.saved_activation_bytes - cpu.saved_activation_bytes == 2 * extra
-    others = {n: b for n, b in gpu.saved_by_node.items() if n not in saved}
-    assert sum(others.values()) == cpu.saved_activation_bytes - 2 * (OUT + LSE)
+    # beside attention, only the norms differ: CUDA's fused RMSNorm saves its input and an
+    # fp32 rstd where the CPU's composite saves its own intermediates
+    norms = {n: b for n, b in gpu.saved_by_node.items() if graph.nodes[n].module.endswith("norm")}
+    cpu_norms = sum(
+        b for n, b in cpu.saved_by_node.items() if cpu_graph.nodes[n].module.endswith("norm")
+    )
+    others = {n: b for n, b in gpu.saved_by_node.items() if n not in saved and n not in norms}
+    assert sum(others.values()) == cpu.saved_activation_bytes - 2 * (OUT + LSE) - cpu_norms
+    assert (
+        gpu.saved_activation_bytes - cpu.saved_activation_bytes
+        == 2 * extra + sum(norms.values()) - cpu_norms
+    )
     assert any(case in note or op.split(".")[1] in note for note in graph.notes)
 
 
@@ -301,3 +316,52 @@ def test_attention_flops_count_what_the_kernel_computes(cpu_graph: JointGraph) -
     mask = causal_block_mask(B, S)  # 1 block of 128 x 128 at S = 64: all of it visited
     assert block_mask_sparsity(mask) == 0.0
     assert block_mask_sparsity(causal_block_mask(B, 512)) == 1 - 10 / 16
+
+
+def test_rms_norm_fuses_where_torchs_cuda_rms_norm_does() -> None:
+    """`rms_norm_symint` (layer_norm.cpp): fused unless complex, channels-last, or a weight
+    of another dtype than the input's."""
+    x = torch.empty(2, 8, 16, dtype=BF16, device="meta")
+    assert fuses(x, torch.empty(16, dtype=BF16, device="meta")) and fuses(x, None)
+    assert not fuses(x, torch.empty(16, device="meta"))  # fp32 weight, bf16 input
+    assert not fuses(torch.empty(2, 8, 16, dtype=torch.complex64, device="meta"), None)
+    image = torch.empty(2, 3, 4, 5, device="meta").to(memory_format=torch.channels_last)
+    assert not fuses(image, None)
+
+
+def test_gpu_graphs_carry_cudas_fused_rms_norm_and_its_backward(cpu_graph: JointGraph) -> None:
+    """Every norm of a GPU-shaped graph is the fused op, as `make_fx` records it on a GPU
+    (tests/test_gpu_fixtures.py compares a whole step); it saves an fp32 rstd [B, S, 1]."""
+    graph = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake")
+    norms = 2 * SMALL["layers"] + 1
+    forward = [i for i in graph.ops() if i.op == FUSED_RMS_NORM]
+    assert len(forward) == norms and all(i.phase == "forward" for i in forward)
+    assert sum(i.op == "aten._fused_rms_norm_backward.default" for i in graph.ops()) == norms
+    assert not any(i.op.startswith("workbench.") for i in graph.ops())
+    assert {(i.shapes[1], i.dtype) for i in forward} == {((B, S, 1), "bfloat16")}
+    rstd = graph.gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._fused_rms_norm.default
+    )
+    assert {n.meta["val"][1].dtype for n in rstd} == {torch.float32}
+    assert any(
+        n.startswith(f"rms_norm: CUDA's fused kernel, {FUSED_RMS_NORM}") for n in graph.notes
+    )
+    assert not any(i.op == FUSED_RMS_NORM for i in cpu_graph.ops())
+
+
+def test_the_stand_in_computes_torchs_rms_norm_on_a_cpu() -> None:
+    """Forward only: its backward is the GPU's op, which a CPU build runs on fake tensors."""
+    x, w = torch.randn(2, 8, 16), torch.randn(16)
+    torch.testing.assert_close(fused_rms_norm(x, [16], w, 1e-6), torch.rms_norm(x, [16], w, 1e-6))
+    torch.testing.assert_close(fused_rms_norm(x, [16]), torch.rms_norm(x, [16]))
+
+
+def test_restore_names_the_stand_in_as_the_gpus_op() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: fused_rms_norm(x, [16]))(torch.randn(2, 16))
+    assert restore_fused_rms_norm(gm) == 1
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][0] == (
+        torch.ops.aten._fused_rms_norm.default
+    )
+    assert restore_fused_rms_norm(gm) == 0

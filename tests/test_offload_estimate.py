@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workbench.capture.graph import JointGraph
-from workbench.capture.models import Workload
+from workbench.capture.models import Workload, load_workload
+from workbench.capture.parallel import Parallel
+from workbench.capture.trace import trace
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.measure import measure_graph
 from workbench.cost.profiles import H100
@@ -248,14 +250,14 @@ def test_traced_node_names_the_node_behind_every_step(
         estimator.traced_node("nope")
 
 
-def test_a_value_a_collective_reads_is_freed_after_its_wait(
-    small_graphs_and_rank: dict[str, JointGraph],
-) -> None:
+def test_a_value_a_collective_reads_is_freed_after_its_wait() -> None:
     """An all-gather reads its input until its wait_tensor (gloo and NCCL run it
     asynchronously): with defer 0 the offloaded input is freed after that wait, not after the
     all-gather's call, in the pass and in the what-if alike. Freed at the call, gloo read
-    freed memory (a segfault on one FSDP2 x TP2 rank)."""
-    graph = small_graphs_and_rank["llama3-debug-fsdp2-tp2"]
+    freed memory (a segfault on one FSDP2 x TP2 rank). The rank is the CPU's, as gloo ran
+    it: its norm is the composite, whose bf16 cast the sequence-parallel all-gather reads."""
+    workload = load_workload("llama3-debug", device="meta", layers=2, seq=128)
+    graph = trace(workload, "fake", Parallel(fsdp=2, tp=2), kernels="cpu")
     cast = "layers.*.attention_norm::aten._to_copy.default#2"  # bf16 cast, then all-gather
     policy = Policy("default", overrides={cast: "offload"}, offload=OffloadOptions(defer_layers=0))
     result = remat(graph, policy)

@@ -241,7 +241,7 @@ def test_cli_fsdp_tp_flags_json(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--fsdp", "2", "--tp", "2", "--json"]
     assert main(["trace", *small, *flags]) == 0
     traced = json.loads(capsys.readouterr().out)
-    assert traced["world_size"] == 4 and traced["nodes"] > 1000
+    assert traced["world_size"] == 4 and traced["nodes"] > 900
     assert traced["collectives"]["all_gather"] == 31
     assert main(["bench", "trace", *small, *flags]) == 0
     bench = json.loads(capsys.readouterr().out)

@@ -51,7 +51,8 @@ def test_stage_policy_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
 
 
 def test_solve_per_stage_beside_one_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    result = run(capsys, ["solve", *DEBUG, "--pp", "2", "--budget-frac", "0.97"])
+    # a fraction of the peak above the fixed bytes (cuBLAS's 64 MiB workspaces lead them here)
+    result = run(capsys, ["solve", *DEBUG, "--pp", "2", "--budget-frac", "0.99"])
     assert result["feasible"] and result["peak_bytes"] <= result["budget_bytes"]
     assert len(result["policies"]) == 2
     one = result["one_policy"]

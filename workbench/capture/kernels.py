@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from workbench.capture.gpu_norm import FUSED_RMS_NORM, fused_rms_norm, fuses
 from workbench.errors import WorkbenchError
 
 __all__ = [
@@ -330,10 +331,23 @@ class AttentionRecord:
 
     arch: GpuArch
     chosen: dict[tuple[SdpaBackend, str], list[str]] = field(default_factory=dict)
+    # `rms_norm` calls traced as CUDA's fused kernel, and as the composite (`gpu_norm.fuses`)
+    fused_norms: int = 0
+    composite_norms: int = 0
 
     def notes(self) -> list[str]:
         """One line per kernel and call shape, for the graph's notes."""
         lines = []
+        if self.fused_norms:
+            lines.append(
+                f"rms_norm: CUDA's fused kernel, {FUSED_RMS_NORM} and its backward, as "
+                "torch's rms_norm dispatches it on a GPU (layer_norm.cpp, rms_norm_symint)"
+            )
+        if self.composite_norms:
+            lines.append(
+                "rms_norm: the composite where torch's CUDA rms_norm falls back to it "
+                "(complex, channels-last, or a weight of another dtype than the input's)"
+            )
         for (backend, shapes), passed in sorted(self.chosen.items()):
             why = "; ".join(passed) or "first in torch's priority order"
             lines.append(
@@ -419,8 +433,12 @@ def _dispatch(backend: SdpaBackend, args: tuple[Any, ...], kw: dict[str, Any]) -
     )[0]
 
 
+_RMS_NORMS = (F.rms_norm, torch.rms_norm)
+
+
 class _GpuAttention(TorchFunctionMode):
-    """Routes `F.scaled_dot_product_attention` to the kernel `sdpa_backend` picks."""
+    """Routes `F.scaled_dot_product_attention` to the kernel `sdpa_backend` picks, and
+    `rms_norm` to CUDA's fused kernel where torch's rule fuses it."""
 
     def __init__(self, record: AttentionRecord) -> None:
         super().__init__()
@@ -430,6 +448,8 @@ class _GpuAttention(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func in _RMS_NORMS:
+            return self._rms_norm(func, args, kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v = args[:3]
@@ -446,6 +466,17 @@ class _GpuAttention(TorchFunctionMode):
         shapes = f"q/k {tuple(q.shape)}, v {tuple(v.shape)}, {str(q.dtype).removeprefix('torch.')}"
         self.record.chosen.setdefault((backend, shapes), passed)
         return _dispatch(backend, args, kwargs)
+
+    def _rms_norm(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        names = ("input", "normalized_shape", "weight", "eps")
+        bound = {**dict(zip(names, args, strict=False)), **kwargs}
+        bound.setdefault("weight", None)
+        bound.setdefault("eps", None)
+        if not fuses(bound["input"], bound["weight"]):
+            self.record.composite_norms += 1
+            return func(*args, **kwargs)
+        self.record.fused_norms += 1
+        return fused_rms_norm(**bound)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from workbench.capture.constant_reads import (
     user_frame,
 )
 from workbench.capture.fake_kernels import traceable_kernels
+from workbench.capture.gpu_norm import restore_fused_rms_norm
 from workbench.capture.graph import LOSS_MODULE, InputKind, InputSpec, JointGraph, describe_nodes
 from workbench.capture.kernels import (
     AttentionRecord,
@@ -289,6 +290,7 @@ def trace_step(
         ) from None
     except Exception as err:  # torch raises many types; the user needs one clear line
         raise WorkbenchError(f"model {workload.name!r} cannot be traced: {describe(err)}") from err
+    restore_fused_rms_norm(gm)
     _refuse_data_dependent_shapes(gm, workload.name)
     drop_constant_reads(gm, workload.name)
     record_absent_outputs(gm)

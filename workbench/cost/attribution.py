@@ -253,13 +253,14 @@ class _Attributor:
 
     def by_size(self, before: list[Allocation]) -> None:
         """Blocks made before the trace: storages held from the first step (graph inputs)
-        and the optimizer's state, matched by rounded size."""
+        the optimizer's state and cuBLAS's workspaces, matched by rounded size."""
         t = self.table
         free: dict[int, list[int]] = defaultdict(list)
         for s in range(len(t.entries)):
             if t.born[s] == 0 and t.kinds[s] in ("parameters", "inputs") and not self.claimed[s]:
                 free[t.rounded[s]].append(s)
         state = Counter(round_size(b) for b in t.optimizer)
+        workspaces = Counter(round_size(b) for b in t.workspaces)
         for a in before:
             if a.entry is not None or a.method is not None:
                 continue
@@ -268,6 +269,9 @@ class _Attributor:
             elif state[a.rounded] > 0:
                 state[a.rounded] -= 1
                 a.kind, a.method = "optimizer", "size"
+            elif workspaces[a.rounded] > 0:
+                workspaces[a.rounded] -= 1
+                a.kind, a.method = "workspaces", "size"
 
 
 def attribute(
@@ -297,8 +301,8 @@ def _attribute(
     if filename is None and files:
         filename = files.most_common(1)[0][0]
     for a in allocations:
-        if _EVENT_KINDS.get(a.category or "") == "optimizer":
-            a.kind, a.method = "optimizer", "category"
+        if _EVENT_KINDS.get(a.category or "") in ("optimizer", "workspaces"):
+            a.kind, a.method = _EVENT_KINDS[a.category or ""], "category"
         else:
             attributor.by_frames(a, filename)
     misfit = attributor.drop_misfit_lines(allocations)

@@ -21,6 +21,7 @@ from workbench.cost.calibrate import Calibration
 from workbench.cost.overlap import OverlapOptions, Streams, StreamTimes
 from workbench.cost.profiles import DeviceProfile, get_profile
 from workbench.cost.replay import offload_order, recompute_flags, replay
+from workbench.cost.workspaces import blas_workspaces
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.offloadable import OffloadOptions
 from workbench.decide.policy import Policy
@@ -31,7 +32,8 @@ from workbench.rewrite.remat import RECOMPUTED_SUFFIX, RematResult
 
 # `gathered`: parameter copies made for compute on a per-rank graph (storages of FSDP
 # unshard chains: the low-precision cast and the all-gathered weight); `optimizer`: state
-# held the whole step, outside the graph.
+# held the whole step, outside the graph; `workspaces`: cuBLAS's on a GPU, held likewise
+# (`workbench.cost.workspaces`).
 CATEGORIES: tuple[str, ...] = (
     "parameters",
     "inputs",
@@ -40,6 +42,7 @@ CATEGORIES: tuple[str, ...] = (
     "temporaries",
     "gathered",
     "optimizer",
+    "workspaces",
 )
 DEFAULT_PROFILES: tuple[str, ...] = ("h100", "h200", "cpu")
 OptimizerName = Literal["adamw", "sgd", "none"]
@@ -200,7 +203,8 @@ class DeviceStorages(NamedTuple):
 
 class _AllocatorInput(NamedTuple):
     """What `replay_allocator` replays: device storages' sizes, birth and free steps, the
-    step count, the optimizer state's tensors (allocated first), the allocator settings."""
+    step count, what is allocated before the step and held (cuBLAS's workspaces, then the
+    optimizer state's tensors), the allocator settings."""
 
     sizes: np.ndarray
     born: np.ndarray
@@ -252,6 +256,9 @@ class Estimator:
         self.index = graph_index(graph)
         self.optimizer = optimizer
         self.optimizer_bytes = optimizer_bytes(graph, optimizer)
+        # cuBLAS's workspaces on a GPU: allocated before the step (at the first matmul of
+        # the first) and held, as the optimizer's state is
+        self.workspace_tensors = blas_workspaces(graph)
         self.allocator = allocator or AllocatorConfig()
         self.overlap = overlap or OverlapOptions()
         self.streams = Streams(graph, self.index, self.overlap)
@@ -422,6 +429,7 @@ class Estimator:
         np.add.at(deltas, (category[device], freed[device] + 1), -sizes[device])
         live = np.cumsum(deltas[:, :steps], axis=1)
         live[CATEGORIES.index("optimizer")] = self.optimizer_bytes  # held the whole step
+        live[CATEGORIES.index("workspaces")] = sum(self.workspace_tensors)
         host_deltas = np.zeros(steps + 2, dtype=np.int64)
         np.add.at(host_deltas, born[host], sizes[host])
         np.add.at(host_deltas, freed[host] + 1, -sizes[host])
@@ -453,7 +461,7 @@ class Estimator:
                     born[device],
                     freed[device],
                     steps,
-                    self._optimizer_tensors,
+                    [*self.workspace_tensors, *self._optimizer_tensors],
                     self.allocator,
                 ),
                 device=DeviceStorages(

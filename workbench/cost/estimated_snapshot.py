@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 # What an allocation holds, as the comparison with a measured snapshot itemises it; the
-# estimate's categories map onto the first seven (`CATEGORY_KIND`).
+# estimate's categories map onto all but the last (`CATEGORY_KIND`).
 KINDS: tuple[str, ...] = (
     "parameters",
     "inputs",
@@ -41,6 +41,7 @@ KINDS: tuple[str, ...] = (
     "saved activations",
     "temporaries",
     "communication buffers",
+    "workspaces",
     "unattributed",
 )
 CATEGORY_KIND: dict[str, str] = {
@@ -51,6 +52,7 @@ CATEGORY_KIND: dict[str, str] = {
     "temporaries": "temporaries",
     "gathered": "communication buffers",  # FSDP's all-gathered (and cast) parameter copies
     "optimizer": "optimizer",
+    "workspaces": "workspaces",  # cuBLAS's (`workbench.cost.workspaces`)
 }
 # where the writer's addresses start (the allocator model counts from 0): a device address
 # as a CUDA process sees one, never the null pointer
@@ -63,7 +65,8 @@ class StorageTable:
     """The estimate's device storages in its storage order: the node-order entry allocating
     each (`Estimate.order`'s names: a recomputed copy or a reload keeps its own), the bytes
     requested and as torch rounds them (`allocator.round_size`), birth and free steps, kind;
-    `optimizer` the optimizer's state tensors, allocated before the step and held."""
+    `workspaces` cuBLAS's and `optimizer` the optimizer's state tensors, allocated before
+    the step (in that order) and held."""
 
     entries: list[str]
     requested: list[int]
@@ -73,6 +76,7 @@ class StorageTable:
     kinds: list[str]
     optimizer: list[int]
     steps: int
+    workspaces: list[int]
 
     def by_entry(self) -> dict[str, list[int]]:
         """Each entry's storages, in storage order."""
@@ -107,8 +111,9 @@ def storage_table(estimator: Estimator, est: Estimate) -> StorageTable:
         born=walk.born.tolist(),
         freed=walk.freed.tolist(),
         kinds=[CATEGORY_KIND[CATEGORIES[c]] for c in storages.category.tolist()],
-        optimizer=list(walk.before),
+        optimizer=list(walk.before[len(estimator.workspace_tensors) :]),
         steps=walk.steps,
+        workspaces=list(estimator.workspace_tensors),
     )
 
 
@@ -183,7 +188,13 @@ def estimated_snapshot(estimator: Estimator, est: Estimate, title: str = "") -> 
         trace.append({**event("alloc", addresses[key], nbytes, step, frames), "category": kind})
         held[key] = (block, nbytes, frames)
 
-    for k, nbytes in enumerate(table.optimizer):
+    workspace_frames = [
+        {"filename": "cuBLAS", "line": 0, "name": "cuBLAS / cuBLASLt workspace"},
+        {"filename": "sac-workbench estimate", "line": 0, "name": title},
+    ]
+    for k, nbytes in enumerate(table.workspaces):
+        malloc(-1 - k, nbytes, 0, workspace_frames, "workspaces")
+    for k, nbytes in enumerate(table.optimizer, start=len(table.workspaces)):
         malloc(-1 - k, nbytes, 0, optimizer_frames, "optimizer")
     steps = allocation_steps(walk.sizes, walk.born, walk.freed, walk.steps)
     for step, allocated, released in steps:

@@ -153,9 +153,9 @@ def _phase_seconds(
 
 
 def _resident_bytes(graph: JointGraph, estimate: Estimate) -> int:
-    """Parameter shards, optimizer state and, with FSDP, the stage's unsharded parameters
-    in the compute dtype (kept between microbatches)."""
-    held = estimate.timeline["parameters"][0] + estimate.timeline["optimizer"][0]
+    """Parameter shards, optimizer state, cuBLAS's workspaces and, with FSDP, the stage's
+    unsharded parameters in the compute dtype (kept between microbatches)."""
+    held = sum(estimate.timeline[c][0] for c in ("parameters", "optimizer", "workspaces"))
     fsdp = int(graph.config.get("fsdp", 1))
     if fsdp == 1:
         return held

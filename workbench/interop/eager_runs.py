@@ -40,10 +40,11 @@ from workbench.capture.workload import Workload
 from workbench.cost.allocator import AllocatorConfig, AllocatorReplay
 from workbench.cost.estimate import OPTIMIZER_STATE_BYTES, OptimizerName
 from workbench.cost.measure import Measurement, measure_run
+from workbench.cost.workspaces import gpu_workspaces
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError, describe
 from workbench.interop.eager import apply_eager_sac
-from workbench.interop.trackers import TrackedStep, track_step
+from workbench.interop.trackers import TrackedStep, replay_events, track_step
 
 __all__ = [
     "BASELINE_KINDS",
@@ -109,6 +110,8 @@ class EagerBaseline:
     tracked: TrackedStep
     allocator: AllocatorReplay | None
     notes: list[str] = field(default_factory=list)
+    # cuBLAS's workspaces a GPU run holds beside the tensors (`workbench.cost.workspaces`)
+    workspaces: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -116,8 +119,9 @@ class EagerBaseline:
 
     @property
     def peak_bytes(self) -> int:
-        """The tracker's peak: what the step's tensors held at most at once."""
-        return self.tracked.peak_bytes
+        """The tracker's peak (what the step's tensors held at most at once) and, on a GPU,
+        cuBLAS's workspaces, which no tensor holds."""
+        return self.tracked.peak_bytes + sum(self.workspaces)
 
     @property
     def reserved_peak_bytes(self) -> int | None:
@@ -142,6 +146,7 @@ class EagerBaseline:
             "peak_module": self.tracked.peak_module,
             "peak_phase": self.tracked.peak_phase,
             "peak_breakdown": self.tracked.peak_breakdown,
+            "workspace_bytes": sum(self.workspaces),
             "kind": self.kind,
             "rule": self.rule,
             "tracker": self.tracked.tracker,
@@ -453,8 +458,14 @@ def _baseline(workload: Workload, kind: AcKind, options: BaselineOptions) -> Eag
         raise WorkbenchError(
             f"the eager {BASELINE_KINDS[kind]} step of {workload.name!r} failed: {describe(err)}"
         ) from err
-    replay = tracked.replay(options.allocator) if options.mode == "fake" else None
-    return EagerBaseline(kind, run.rule, options.mode, run.kernels, tracked, replay, run.notes())
+    workspaces = gpu_workspaces(run.kernels) if options.mode == "fake" else []
+    replay = None
+    if options.mode == "fake":  # the workspaces first: made at the first step's first matmul
+        held = [(-1 - k, size) for k, size in enumerate(workspaces)]
+        replay = replay_events([*held, *tracked.events], options.allocator)
+    return EagerBaseline(
+        kind, run.rule, options.mode, run.kernels, tracked, replay, run.notes(), workspaces
+    )
 
 
 def estimate_baselines(

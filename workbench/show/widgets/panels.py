@@ -67,10 +67,13 @@ BUDGET_STOPS = 101  # positions of the memory-budget slider, every 1 % of its ra
 
 def peak_counts(est: Estimate) -> str:
     """What the estimate's peak counts, in words beside it: device memory only (host copies
-    of offloaded activations are the host row), optimizer state included when it is held."""
+    of offloaded activations are the host row), optimizer state included when it is held,
+    and cuBLAS's workspaces on a GPU."""
     state = est.peak_breakdown.get("optimizer", 0)
     held = f"with optimizer state ({format_bytes(state)})" if state else "without optimizer state"
-    return f"device memory of the whole step {held}"
+    workspaces = est.peak_breakdown.get("workspaces", 0)
+    blas = f" and cuBLAS's workspaces ({format_bytes(workspaces)})" if workspaces else ""
+    return f"device memory of the whole step {held}{blas}"
 
 
 def metrics_panel(

@@ -1,0 +1,195 @@
+"""The GPU-shaped graph against a real GPU (tests/fixtures/gpu/h200-torch2.11, recorded on an
+H200 with torch 2.11): the graph the GPU traced holds the same ops with the same shapes,
+and its memory snapshots meet the estimate byte for byte, cuBLAS's workspaces included.
+Nothing here needs a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workbench.capture.graph import JointGraph
+from workbench.capture.models import load_workload
+from workbench.capture.trace import trace
+from workbench.cli import main
+from workbench.cost.estimate import Estimator, estimate_remat
+from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
+from workbench.cost.workspaces import BLAS_WORKSPACES
+from workbench.decide.policy import Policy
+from workbench.rewrite.remat import remat
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).with_name("fixtures") / "gpu" / "h200-torch2.11"
+MODELS = {"debug": "llama3-debug", "1b": "llama3-1b"}
+# views autograd takes of a saved output (the fused norm's rstd), which hold no memory and
+# which a custom op's autograd does not record
+VIEWS = {"detach.default", "getitem"}
+
+
+def _result(run: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / run / "result.json").read_text())
+
+
+def _gpu_graph(run: str) -> JointGraph:
+    workload = load_workload(MODELS[run], dtype="bfloat16", device="meta")
+    return trace(workload, "fake", kernels="h200")
+
+
+def _ops(pairs: Any) -> Counter[tuple[str, str]]:
+    return Counter({(op.removeprefix("aten."), s): n for op, s, n in pairs if op not in VIEWS})
+
+
+@pytest.mark.parametrize("run", list(MODELS))
+def test_the_gpu_shaped_graph_is_the_graph_the_gpu_traced(run: str) -> None:
+    """Op for op with every output's shape, attention and norms included."""
+    graph = _gpu_graph(run)
+    ours = Counter(
+        (i.op.removeprefix("aten."), json.dumps([list(s) for s in i.shapes]))
+        for i in graph.ops()
+        if i.op.removeprefix("aten.") not in VIEWS and i.op != "getitem"
+    )
+    result = _result(run)
+    gpu = _ops(result["traced_ops"])
+    assert ours == gpu
+    [sdpa] = [op for op in result["sdpa"]["ops"] if op.startswith("aten.")]
+    assert graph.attention_counts() == {sdpa: graph.config["layers"]}
+
+
+@pytest.mark.parametrize("run", list(MODELS))
+def test_the_estimates_recorded_with_the_run_are_todays(run: str) -> None:
+    """The run's `est_*` figures came from the same graphs: today's estimate must give them
+    (regenerate the fixtures with scripts/gpu_checks.sh when a change moves them)."""
+    graph = _gpu_graph(run)
+    estimator = Estimator(graph, (), "none")
+    for preset, row in _result(run)["presets"].items():
+        est = estimate_remat(graph, remat(graph, Policy(preset)), estimator, CUDA_ALLOC_GRANULARITY)
+        assert (est.peak_bytes, est.reserved_peak_bytes) == (
+            row["est_peak_bytes"],
+            row["est_reserved_bytes"],
+        ), preset
+
+
+@pytest.mark.parametrize(
+    ("run", "preset"),
+    [("debug", "none"), ("debug", "default"), ("debug", "eager"), ("1b", "default")],
+)
+def test_a_real_gpu_snapshot_meets_the_estimate(
+    run: str, preset: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every block the GPU allocated is a graph storage or one of cuBLAS's two workspaces,
+    and the allocated peak is the estimate's to the byte, each kind at the peak included."""
+    snapshot = FIXTURES / run / f"{preset}.snapshot.pickle"
+    args = ["compare-snapshot", str(snapshot), "--model", MODELS[run], "--dtype", "bfloat16"]
+    args += ["--mode", "fake", "--kernels", "h200", "--optimizer", "none", "--policy", preset]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["difference"]["allocated_peak_bytes"] == 0
+    assert report["attribution"]["methods"]["unattributed"] == {"allocations": 0, "bytes": 0}
+    measured, estimated = report["measured"], report["estimated"]
+    assert measured["at_peak_bytes"] == estimated["at_peak_bytes"]
+    assert measured["at_peak_bytes"]["workspaces"] == sum(BLAS_WORKSPACES)
+    assert measured["allocated_peak_node"] == estimated["allocated_peak_node"]
+    recorded = _result(run)["presets"][preset]
+    assert measured["allocated_peak_bytes"] <= recorded["max_memory_allocated"]
+    if run == "debug":  # one segment per block size class: the reserved peak too
+        assert report["difference"]["reserved_peak_bytes"] == 0
+        assert recorded["max_memory_allocated"] == recorded["est_peak_bytes"]
+
+
+def test_packed_graphs_run_outside_the_workbench_tracer(tmp_path: Path) -> None:
+    """scripts/pack_graphs.py then scripts/run_graphs.py on the CPU (`--device cpu`): each
+    preset's generated code runs as is, bitwise equal to the eager step."""
+    pack, out = tmp_path / "pack", tmp_path / "out"
+    env_python = sys.executable
+    subprocess.run(
+        [
+            env_python,
+            "scripts/pack_graphs.py",
+            "llama3-debug",
+            "float32",
+            "cpu",
+            "none,full",
+            str(pack),
+            "2",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    meta = json.loads((pack / "meta.json").read_text())
+    assert meta["kernels"] == "cpu" and set(meta["presets"]) == {"none", "full"}
+    subprocess.run(
+        [
+            env_python,
+            "scripts/run_graphs.py",
+            str(pack),
+            str(out),
+            "--device",
+            "cpu",
+            "--traces",
+            "full",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    result = json.loads((out / "result.json").read_text())
+    for row in result["presets"].values():
+        assert row["outputs_differing_from_eager"] == 0 == row["outputs_differing_from_none"]
+    assert (out / "full.trace.json").exists()
+    assert [op for op in result["sdpa"]["ops"] if op.startswith("aten.")] == [
+        "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    ]
+
+
+def test_eager_baselines_measured_on_the_gpu_beside_the_trackers_estimate() -> None:
+    """llama3-debug's eager baselines run on the H200 (`scripts/run_baselines.py`) against
+    torch's tracker on fake tensors with the H200's kernels: full AC to the allocation
+    granularity, eager SAC within 0.2 %; no AC 4 % over (what the tracker counts that the
+    GPU's kernels never allocate is not found yet)."""
+    from workbench.interop.eager_runs import BaselineOptions, estimate_baselines
+
+    measured = json.loads((FIXTURES / "debug" / "baselines.json").read_text())["baselines"]
+    workload = load_workload("llama3-debug", dtype="bfloat16", device="meta")
+    options = BaselineOptions(kernels="h200", optimizer="none")
+    estimated = {b.kind: b.peak_bytes for b in estimate_baselines(workload, options)}
+    assert set(estimated) == set(measured)
+    assert abs(estimated["full"] - measured["full"]["peak_bytes"]) <= 512
+    assert abs(estimated["sac"] / measured["sac"]["peak_bytes"] - 1) < 0.002
+    assert 0 < estimated["none"] / measured["none"]["peak_bytes"] - 1 < 0.05
+
+
+def test_baselines_run_outside_the_workbench_tracer() -> None:
+    """scripts/run_baselines.py on the CPU measures what `measure_baseline` measures."""
+    from workbench.interop.eager_runs import BaselineOptions, measure_baseline
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/run_baselines.py",
+            "llama3-debug",
+            "float32",
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    rows = json.loads(out.stdout)["baselines"]
+    workload = load_workload("llama3-debug", layers=2)
+    options = BaselineOptions(mode="real", optimizer="none")
+    for kind in ("none", "full"):
+        assert rows[kind]["peak_bytes"] == measure_baseline(workload, kind, options).peak_bytes
