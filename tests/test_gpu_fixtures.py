@@ -150,21 +150,25 @@ def test_packed_graphs_run_outside_the_workbench_tracer(tmp_path: Path) -> None:
     ]
 
 
-def test_eager_baselines_measured_on_the_gpu_beside_the_trackers_estimate() -> None:
-    """llama3-debug's eager baselines run on the H200 (`scripts/run_baselines.py`) against
-    torch's tracker on fake tensors with the H200's kernels: full AC to the allocation
-    granularity, eager SAC within 0.2 %; no AC 4 % over (what the tracker counts that the
-    GPU's kernels never allocate is not found yet)."""
+@pytest.mark.parametrize("run", list(MODELS))
+def test_eager_baselines_measured_on_the_gpu_beside_the_trackers_estimate(run: str) -> None:
+    """The eager baselines run on the H200 (`scripts/run_baselines.py`) against torch's
+    tracker on fake tensors with the H200's kernels. llama3-debug: full AC to the allocation
+    granularity, eager SAC within 0.2 %, no AC 4 % over. llama3-1b (tied embeddings, which the
+    fake copy once untied: 525 MB counted twice) within 0.4 %, 33.6 MB over in each."""
     from workbench.interop.eager_runs import BaselineOptions, estimate_baselines
 
-    measured = json.loads((FIXTURES / "debug" / "baselines.json").read_text())["baselines"]
-    workload = load_workload("llama3-debug", dtype="bfloat16", device="meta")
+    measured = json.loads((FIXTURES / run / "baselines.json").read_text())["baselines"]
+    workload = load_workload(MODELS[run], dtype="bfloat16", device="meta")
     options = BaselineOptions(kernels="h200", optimizer="none")
     estimated = {b.kind: b.peak_bytes for b in estimate_baselines(workload, options)}
     assert set(estimated) == set(measured)
-    assert abs(estimated["full"] - measured["full"]["peak_bytes"]) <= 512
-    assert abs(estimated["sac"] / measured["sac"]["peak_bytes"] - 1) < 0.002
-    assert 0 < estimated["none"] / measured["none"]["peak_bytes"] - 1 < 0.05
+    over = {k: estimated[k] / measured[k]["peak_bytes"] - 1 for k in estimated}
+    if run == "debug":
+        assert abs(estimated["full"] - measured["full"]["peak_bytes"]) <= 512
+        assert abs(over["sac"]) < 0.002 and 0 < over["none"] < 0.05
+    else:
+        assert all(0 < o < 0.004 for o in over.values()), over
 
 
 def test_baselines_run_outside_the_workbench_tracer() -> None:

@@ -315,12 +315,14 @@ def _fake_copy(workload: Workload, fake_mode: FakeTensorMode) -> tuple[nn.Module
     have none). Parameters tied in the model stay tied."""
     model = copy.deepcopy(workload.model)
     device = workload_device(workload)
+    tied = tied_parameters(model)  # `to_empty` off the meta device gives each module its own
     with fake_mode:
         model.to_empty(device=device)
         batch = [
             torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t
             for t in (*workload.inputs, workload.target)
         ]
+    retie(tied, workload.name)
     return model, batch
 
 
