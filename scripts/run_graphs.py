@@ -182,6 +182,7 @@ def run(
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "packed_with": meta["torch"],
+        "pack": {k: meta[k] for k in ("model", "dtype", "kernels", "layers")},
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "sdpa": _sdpa_choice(
             workload.model, getattr(torch, meta["dtype"]), device, *workload.inputs[0].shape

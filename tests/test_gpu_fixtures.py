@@ -64,8 +64,9 @@ def test_the_gpu_shaped_graph_is_the_graph_the_gpu_traced(run: str) -> None:
 
 @pytest.mark.parametrize("run", list(MODELS))
 def test_the_estimates_recorded_with_the_run_are_todays(run: str) -> None:
-    """The run's `est_*` figures came from the same graphs: today's estimate must give them
-    (regenerate the fixtures with scripts/gpu_checks.sh when a change moves them)."""
+    """The run's `est_*` figures came from the same graphs: today's estimate must give them.
+    A change meant to move them refreshes them without a GPU:
+    `python scripts/pack_graphs.py --refresh tests/fixtures/gpu/*/*/result.json`."""
     graph = _gpu_graph(run)
     estimator = Estimator(graph, (), "none")
     for preset, row in _result(run)["presets"].items():
@@ -197,3 +198,21 @@ def test_baselines_run_outside_the_workbench_tracer() -> None:
     options = BaselineOptions(mode="real", optimizer="none")
     for kind in ("none", "full"):
         assert rows[kind]["peak_bytes"] == measure_baseline(workload, kind, options).peak_bytes
+
+
+def test_refresh_puts_todays_estimates_beside_what_was_measured(tmp_path: Path) -> None:
+    recorded = json.loads((FIXTURES / "debug" / "result.json").read_text())
+    stale = {
+        **recorded,
+        "presets": {k: {**v, "est_peak_bytes": 0} for k, v in recorded["presets"].items()},
+    }
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(stale))
+    subprocess.run(
+        [sys.executable, "scripts/pack_graphs.py", "--refresh", str(path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert json.loads(path.read_text()) == recorded
