@@ -8,7 +8,7 @@ backward ops, so the graph saves exactly what the GPU kernel saves.
 
 Entry points: `KERNEL_TARGETS` (name -> `GpuArch`, plus `"cpu"`), `check_kernels(name)`,
 `sdpa_backend(arch, query, key, value, ...)` (the rule) and `gpu_kernels(arch)` (the
-dispatch while tracing, with a record of what it chose).
+dispatch while tracing, RMSNorm's too, with a record of what it chose).
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def _dispatch(backend: SdpaBackend, args: tuple[Any, ...], kw: dict[str, Any]) -
 _RMS_NORMS = (F.rms_norm, torch.rms_norm)
 
 
-class _GpuAttention(TorchFunctionMode):
+class _GpuKernels(TorchFunctionMode):
     """Routes `F.scaled_dot_product_attention` to the kernel `sdpa_backend` picks, and
     `rms_norm` to CUDA's fused kernel where torch's rule fuses it."""
 
@@ -482,7 +482,8 @@ class _GpuAttention(TorchFunctionMode):
 @contextlib.contextmanager
 def gpu_kernels(arch: GpuArch) -> Iterator[AttentionRecord]:
     """While tracing: every `F.scaled_dot_product_attention` runs the kernel torch would pick
-    on `arch` (its meta function on fake CPU tensors); yields the record of what it chose."""
+    on `arch` (its meta function on fake CPU tensors) and every `rms_norm` CUDA's fused kernel
+    where torch fuses it (`workbench.capture.gpu_norm`); yields the record of what it chose."""
     record = AttentionRecord(arch)
-    with _GpuAttention(record):
+    with _GpuKernels(record):
         yield record

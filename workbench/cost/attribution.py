@@ -252,7 +252,7 @@ class _Attributor:
                     break
 
     def by_size(self, before: list[Allocation]) -> None:
-        """Blocks made before the trace: storages held from the first step (graph inputs)
+        """Blocks made before the trace: storages held from the first step (graph inputs),
         the optimizer's state and cuBLAS's workspaces, matched by rounded size."""
         t = self.table
         free: dict[int, list[int]] = defaultdict(list)
