@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +63,6 @@ def pack(model: str, dtype: str, kernels: str, presets: str, out: str, layers: s
     for name, (result, figures) in estimates(graph, presets.split(",")).items():
         (folder / f"{name}.py").write_text(result.gm.code)
         rows[name] = figures
-    ops = Counter(
-        (i.op, json.dumps([list(s) for s in i.shapes]), i.dtype)
-        for i in graph.ops()
-        if i.phase != "output"
-    )
     meta = {
         "model": model,
         "dtype": dtype,
@@ -78,7 +72,6 @@ def pack(model: str, dtype: str, kernels: str, presets: str, out: str, layers: s
         "inputs": [[s.kind, s.fqn] for s in graph.inputs],
         "summary": {k: v for k, v in graph.summary().items() if k != "notes"},
         "presets": rows,
-        "ops": [[op, shapes, dt, count] for (op, shapes, dt), count in sorted(ops.items())],
     }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 

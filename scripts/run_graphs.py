@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import ProfilerActivity, profile
 
 from workbench.capture.models import load_workload
-from workbench.capture.tracing import last_input, step_outputs
+from workbench.capture.trace import functional_step
 
 
 def node_ops(gm: torch.fx.GraphModule) -> Counter[tuple[str, str]]:
@@ -50,8 +50,8 @@ def node_ops(gm: torch.fx.GraphModule) -> Counter[tuple[str, str]]:
 def _forward(code: str, name: str, device: str) -> Any:
     """The generated code's `forward`, compiled under an `<eval_with_key>` name as FX names
     its own, so a snapshot's frames point at lines of the very code the estimate read."""
-    source = code.replace("device(type='cpu')", f"device(type={device!r}, index=0)")
-    source = source if device == "cuda" else code
+    moved = code.replace("device(type='cpu')", "device(type='cuda', index=0)")
+    source = moved if device == "cuda" else code
     filename = f"<eval_with_key>.{name}"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {
@@ -98,24 +98,12 @@ def _sdpa_choice(
 
 def _eager_step(meta: dict[str, Any], device: str) -> tuple[Any, list[Any], Any]:
     """The packed model built on `device`, the graph's inputs in its placeholder order, and
-    the step the graph was traced from, run eagerly."""
+    the step the graph was traced from (`functional_step`), to run eagerly."""
     workload = load_workload(
         meta["model"], dtype=meta["dtype"], device=device, layers=meta["layers"]
     )
-    model = workload.model
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    args = [*params.values(), *buffers.values(), *workload.inputs, last_input(workload)]
-    kinds = [*(["param", n] for n in params), *(["buffer", n] for n in buffers)]
-    assert kinds == meta["inputs"][: len(kinds)], "the packed graph's inputs differ"
-    n_params, n_state = len(params), len(params) + len(buffers)
-
-    def step(*flat: Any) -> list[Any]:
-        state = dict(zip(params, flat[:n_params], strict=True))
-        state.update(zip(buffers, flat[n_params:n_state], strict=True))
-        inputs = flat[n_state:-1]
-        output = torch.func.functional_call(model, state, inputs)
-        return step_outputs(workload, output, flat[-1], flat[:n_params], list(params), inputs[0])
-
+    step, args, kinds = functional_step(workload)
+    assert [list(k) for k in kinds] == meta["inputs"], "the packed graph's inputs differ"
     return workload, args, step
 
 

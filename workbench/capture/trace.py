@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,6 +97,16 @@ def trace(
         if is_titan_workload(workload):  # sharded by graph trainer's own parallelize
             return trace_titan_rank(workload, mode, parallel, kernels)
         return trace_rank(workload, mode, parallel, kernels=kernels)
+    step, real, kinds = functional_step(workload)
+    return trace_step(workload, step, real, kinds, mode, kernels)
+
+
+def functional_step(
+    workload: Workload,
+) -> tuple[Callable[..., list[torch.Tensor]], list[Any], list[tuple[InputKind, str]]]:
+    """The train step `trace` traces on one device, as a function of its flat inputs
+    (parameters, buffers, the batch, the target), with those inputs and what each stands
+    for: the step run eagerly is the traced graph's reference."""
     model = workload.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -117,7 +127,7 @@ def trace(
         *(("input", f"inputs[{i}]") for i in range(n_inputs)),
         last_input_kind(workload),
     ]
-    return trace_step(workload, step, real, kinds, mode, kernels)
+    return step, real, kinds
 
 
 def _reference_layers(workload: Workload) -> list[int]:

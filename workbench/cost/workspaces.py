@@ -23,7 +23,7 @@ BLAS_WORKSPACES: tuple[int, ...] = (32 * MiB, 32 * MiB)
 # ops that run through cuBLAS / cuBLASLt on a GPU
 MATMUL_OPS: frozenset[str] = frozenset(
     f"aten.{op}.default"
-    for op in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "_grouped_mm", "_scaled_mm", "matmul")
+    for op in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "_grouped_mm", "_scaled_mm")
 )
 
 
