@@ -33,6 +33,8 @@ from workbench.decide.engine import (
     forced_save,
     fsdp_tag,
     requested,
+    save_layer_boundaries,
+    save_written_inputs,
     titan_follows,
     titan_keep_unsharded,
     titan_request,
@@ -43,6 +45,7 @@ from workbench.decide.offloadable import (
     OffloadOptions,
     decide_offload,
     kept_for_backward,
+    may_offload,
     offload_refusal,
     offload_refusal_in,
 )
@@ -281,7 +284,12 @@ def test_the_recorded_steps_are_the_ones_the_deciders_take_in_order(
 ) -> None:
     """`STEPS` / `TITAN_STEPS` (what `policy explain` prints) name the functions the deciders
     call, in the order their code first calls them, and each says what it does."""
-    calls = _calls(decider, {"_requests": engine._requests})
+    inline = {
+        "_requests": engine._requests,
+        "_titan_requests": engine._titan_requests,
+        "_titan_tag": engine._titan_tag,
+    }
+    calls = _calls(decider, inline)
     names = [step.function.__name__ for step in steps]
     first = [name for i, name in enumerate(calls) if name in names and name not in calls[:i]]
     assert first == names
@@ -352,6 +360,56 @@ def test_deciding_with_kept_tables_equals_deciding_from_scratch(
             assert tags == _plain_decide(facts, policy.preset, rows, overrides, policy.fsdp_reshard)
         name = rng.choice([n for n, t in tags.items() if not t.forced])
         policy = flip(graph, policy, name, all_layers=rng.random() < 0.5, decisions=tags)
+
+
+def _titan_from_scratch(facts: list[OpFacts], request: Request) -> dict[str, Tag]:
+    """Graph trainer's tags with nothing kept: every node asked afresh by its per-node steps
+    (a fresh rule counting every node, overrides read on each), then the later steps."""
+    preset = PRESETS[request.preset]
+    rule, keep = preset.rule(), not request.fsdp_reshard and preset.keeps_unsharded
+    tags: dict[str, Tag] = {}
+    for f in facts:
+        tag = titan_untagged(f, request)
+        if tag is None and keep:
+            tag = titan_keep_unsharded(f)
+        if tag is None:
+            tag = titan_follows(f, tags)
+        tags[f.name] = tag if tag is not None else titan_request(f, rule, request)
+    tables = decide_tables(facts)
+    save_layer_boundaries(tags, tables.boundaries[GRAPH_TRAINER])
+    save_written_inputs(tags, tables)
+    if may_offload(request.preset, request.selectors, request.overrides):
+        decide_offload(facts, tags, preset, request.offload, tables)
+    return tags
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "dsv3-debug", "llama3-debug-fsdp2-tp2"])
+def test_graph_trainer_flips_equal_deciding_from_scratch(
+    small_graphs_and_rank: dict[str, JointGraph], model: str
+) -> None:
+    """Graph trainer's dialect keeps its rule's answers and the last overrides' tags, and
+    re-tags only the nodes an override change names and their followers: after random
+    flips (one layer or every layer), dropped overrides, FSDP and preset changes, its tags
+    equal deciding from scratch, `titan-eager`'s counted matmuls included."""
+    graph = small_graphs_and_rank[model]
+    facts = rules_of(graph).facts
+    rng = random.Random(7)
+    titan = [p for p in PRESETS if PRESETS[p].dialect == GRAPH_TRAINER]
+    policy = Policy("titan-eager")
+    redone = 0
+    for step in range(80):
+        if step % 20 == 19:
+            policy = Policy(rng.choice(titan), fsdp_reshard=rng.random() < 0.5)
+        elif step % 7 == 6 and policy.overrides:  # an override dropped
+            dropped = rng.choice(sorted(policy.overrides))
+            overrides = {k: v for k, v in policy.overrides.items() if k != dropped}
+            policy = Policy(policy.preset, overrides=overrides, fsdp_reshard=policy.fsdp_reshard)
+        tags = decide(graph, policy)
+        assert tags == _titan_from_scratch(facts, policy.request()), (step, policy)
+        redone += bool(policy.overrides)
+        name = rng.choice([n for n, t in tags.items() if not t.forced])
+        policy = flip(graph, policy, name, all_layers=rng.random() < 0.5, decisions=tags)
+    assert redone > 40  # most decisions started from kept tags
 
 
 def _plain_offload_refusal(

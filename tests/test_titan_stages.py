@@ -103,3 +103,22 @@ def test_plan_ranks_torchtitan_layouts(capsys: pytest.CaptureFixture[str]) -> No
         "ZBVZeroBubble",
     }
     assert any("Got 1F1B" in row["reason"] for row in result["pruned"])
+
+
+@pytest.mark.parametrize("parallel", [Parallel(fsdp=2, pp=2), Parallel(fsdp=2, tp=2, pp=2)])
+def test_stages_of_many_layers_are_stamped_as_full_traces(parallel: Parallel) -> None:
+    """Stages of more layers than a stamping template keeps (Llama3-8B's blocks, 18 layers
+    + embedding + output over 4 stages: [emb, 0-3], [4-8], [9-13], [14-17, norm, lm_head]):
+    graph_pp's stage graphs stamped from kept templates each equal their full trace, node
+    for node (`assert_same_graph` checks each stamped all but three layers)."""
+    from tests.test_stamp import assert_same_graph
+    from workbench.capture.stages import stage_workload
+
+    workload = load_workload("torchtitan:llama3/8B", layers=18, seq=64, batch=4, device="meta")
+    layout = PIPELINE.layout(18)
+    templates: dict[object, object] = {}
+    for s in range(layout.n_stages):
+        part = stage_workload(workload, layout, s, parallel)
+        stamped = trace(part, "fake", parallel, templates=templates)
+        assert_same_graph(stamped, trace(part, "fake", parallel, stamp=False))
+    assert len(templates) == 3  # first, middle, last

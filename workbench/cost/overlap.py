@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -21,6 +21,8 @@ from workbench.capture.graph import JointGraph
 from workbench.cost.profiles import DeviceProfile
 from workbench.errors import check_int, check_type
 from workbench.rewrite.index import GraphIndex
+
+T = TypeVar("T")
 
 __all__ = [
     "RING_FACTOR",
@@ -173,6 +175,9 @@ class Streams:
             self.kind[i] = c.kind
             self.nbytes[i] = c.bytes
             self.group[i] = (sizes.get(c.mesh_dim or "", graph.world_size), c.mesh_dim)
+        self._shape = {  # a collective node's (kind, bytes, group size, mesh dimension)
+            i: (kind, self.nbytes[i], *self.group[i]) for i, kind in self.kind.items()
+        }
         self.fsdp = {
             i
             for i, (_, dim) in self.group.items()
@@ -183,8 +188,10 @@ class Streams:
             [graph.nodes[name].is_view for name in index.names], dtype=bool
         ) | np.asarray(index.is_getitem, dtype=bool)
         self._readers: tuple[np.ndarray, dict[int, list[int]]] | None = None
-        # the last node order's collectives and stream events, shared by every profile's `run`
-        self._last: tuple[np.ndarray, list[_Collective]] | None = None
+        # what the last node order gave (its buckets, collectives, moved issues), shared by
+        # the memory walk and every profile's `run`; and its stream events
+        self._order: np.ndarray | None = None
+        self._of_order: dict[str, Any] = {}
         self._last_events: tuple[tuple[Any, ...], _StreamEvents] | None = None
         # seconds of each collective shape on each profile (held, so its id stays its own)
         self._seconds: dict[int, tuple[DeviceProfile, dict[tuple[Any, ...], float]]] = {}
@@ -197,10 +204,22 @@ class Streams:
         self._ends = np.full(index.n, -1, np.int64)  # wait node -> the collective it ends
         self._ends[list(self.waits)] = list(self.waits.values())
 
+    def _per_order(self, entries: np.ndarray, what: str, make: Callable[[], T]) -> T:
+        """`make()`, kept until another node order is asked of: the memory walk and every
+        profile's `run` ask the same of one node order."""
+        if self._order is not entries:
+            self._order, self._of_order = entries, {}
+        if what not in self._of_order:
+            self._of_order[what] = make()
+        return cast(T, self._of_order[what])
+
     def _buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
         """Per issued collective (or FSDP bucket): the positions of its members and of the
         waits on them, in issue order. A wait ends the latest issue of its collective
         before it (its node or the node's recomputed copy)."""
+        return self._per_order(entries, "buckets", lambda: self._make_buckets(entries))
+
+    def _make_buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
         index, opts = self.index, self.options
         if not opts.bucket_layers:
             return self._unbucketed(entries)
@@ -254,19 +273,21 @@ class Streams:
         """Per issued collective (or FSDP bucket) of a node order: its issue position, its
         waits' positions and its shape (kind, bytes, group size, mesh dimension); kept for
         the last node order, which every profile times."""
-        if self._last is not None and self._last[0] is entries:
-            return self._last[1]
+        return self._per_order(entries, "collectives", lambda: self._make_collectives(entries))
+
+    def _make_collectives(self, entries: np.ndarray) -> list[_Collective]:
         result = []
         at = np.flatnonzero(self._issue[entries])
         node_at = dict(zip(at.tolist(), self.index.space.node(entries[at]).tolist(), strict=True))
         for members, waits in self._buckets(entries):
-            nodes = [node_at[p] for p in members]
-            kind = self.kind[nodes[0]]
-            world, dim = self.group[nodes[0]]
-            shape = (kind, sum(self.nbytes[i] for i in nodes), world, dim)
-            issue = members[-1] if kind == "reduce_scatter" else members[0]
+            if len(members) == 1:
+                shape = self._shape[node_at[members[0]]]
+            else:
+                nodes = [node_at[p] for p in members]
+                kind, _, world, dim = self._shape[nodes[0]]
+                shape = (kind, sum(self.nbytes[i] for i in nodes), world, dim)
+            issue = members[-1] if shape[0] == "reduce_scatter" else members[0]
             result.append(_Collective(issue, waits, shape))
-        self._last = (entries, result)
         return result
 
     def _stream_events(
@@ -313,6 +334,9 @@ class Streams:
     def issue_positions(self, entries: np.ndarray) -> dict[int, int]:
         """Position each all-gather member is issued at, where prefetch or bucketing moves it
         earlier than its own (the memory walk counts its output from there)."""
+        return self._per_order(entries, "moved", lambda: self._make_issue_positions(entries))
+
+    def _make_issue_positions(self, entries: np.ndarray) -> dict[int, int]:
         moved: dict[int, int] = {}
         gathers = [  # FSDP's: a parameter's all-gather waits on no activation
             g

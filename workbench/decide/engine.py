@@ -27,7 +27,13 @@ from workbench.decide.presets import (
     preset_record,
     preset_rule,
 )
-from workbench.decide.tables import REQUEST_MEMO, DecideTables, decide_tables, replayed_by
+from workbench.decide.tables import (
+    REQUEST_MEMO,
+    DecideTables,
+    TitanRequests,
+    decide_tables,
+    replayed_by,
+)
 from workbench.decide.tags import MUST, Refusal, Refused, SelectorRow, Tag, Why
 
 
@@ -371,26 +377,95 @@ def decide_titan_ops(
     recomputed node with a recomputed user in a higher layer is saved, then the in-place
     rule and the offload step. Random ops are saved whatever was asked, as in every graph
     SAC preset here: torch's remat pass refuses them (on the CPU, graph trainer's `default`
-    and `eager` recompute SDPA)."""
-    preset = preset_record(request.preset)
-    rule = preset.rule()
-    keep = not request.fsdp_reshard and preset.keeps_unsharded
-    tags: dict[str, Tag] = {}
-    for f in facts:
-        tag = titan_untagged(f, request)
-        if tag is None and keep:
-            tag = titan_keep_unsharded(f)
-        if tag is None:
-            tag = titan_follows(f, tags)
-        if tag is None:
-            tag = titan_request(f, rule, request)
-        tags[f.name] = tag
+    and `eager` recompute SDPA). Pass the facts' `tables` to decide many policies of one
+    graph: a flip then re-tags only the nodes it overrides and their followers
+    (`_titan_requests`)."""
     tables = tables or decide_tables(facts)
+    tags = _titan_requests(facts, request, tables)
     save_layer_boundaries(tags, tables.boundaries[GRAPH_TRAINER])
     save_written_inputs(tags, tables)
     if may_offload(request.preset, request.selectors, request.overrides):
-        decide_offload(facts, tags, preset, request.offload, tables)
+        decide_offload(facts, tags, preset_record(request.preset), request.offload, tables)
     return tags
+
+
+def _titan_requests(
+    facts: Sequence[OpFacts], request: Request, tables: DecideTables
+) -> dict[str, Tag]:
+    """Graph trainer's per-node tags (`_titan_tag`), a fresh dict. Kept in `tables` per
+    preset, selectors and FSDP keep (`TitanRequests`): what the preset's rule answered for
+    each node it was asked of (a rule may count the nodes it sees, as graph trainer's
+    `eager` counts matmuls; an override changes the tag a node gets, not which nodes the
+    rule is asked of), and the last overrides' tags. A flip changes one override, so only
+    the nodes named by the overrides that changed and their followers are tagged again, in
+    graph order, from the kept answers."""
+    preset = preset_record(request.preset)
+    keep = not request.fsdp_reshard and preset.keeps_unsharded
+    memo_key = (request.preset, tuple(request.selectors), keep)
+    if memo_key not in tables.titan_memo:
+        rule, answers = preset.rule(), dict[str, CheckpointPolicy]()
+
+        def recording(f: OpFacts) -> CheckpointPolicy:
+            answers[f.name] = answer = rule(f)
+            return answer
+
+        plain = request._replace(overrides=MappingProxyType({}))
+        base: dict[str, Tag] = {}
+        for f in facts:
+            base[f.name] = _titan_tag(f, base, recording, plain, keep)
+        if len(tables.titan_memo) >= REQUEST_MEMO:
+            tables.titan_memo.clear()
+        tables.titan_memo[memo_key] = TitanRequests(answers, {}, base)
+    memo = tables.titan_memo[memo_key]
+    changed = {
+        key
+        for key in memo.overrides.keys() | request.overrides.keys()
+        if memo.overrides.get(key) != request.overrides.get(key)
+    }
+    if changed:
+        kept_answers = memo.answers
+
+        def kept(f: OpFacts) -> CheckpointPolicy:
+            return kept_answers[f.name]
+
+        tags = dict(memo.tags)
+        redo = _named_and_followers(tables, changed)
+        for name in sorted(redo, key=tables.writes.position.__getitem__):
+            tags[name] = _titan_tag(tables.by_name[name], tags, kept, request, keep)
+        memo = tables.titan_memo[memo_key] = memo._replace(
+            overrides=dict(request.overrides), tags=tags
+        )
+    return dict(memo.tags)
+
+
+def _titan_tag(
+    f: OpFacts, tags: Mapping[str, Tag], rule: Rule, request: Request, keep: bool
+) -> Tag:
+    """The first of graph trainer's per-node steps that answers; `tags` holds the nodes
+    before `f`."""
+    tag = titan_untagged(f, request)
+    if tag is None and keep:
+        tag = titan_keep_unsharded(f)
+    if tag is None:
+        tag = titan_follows(f, tags)
+    if tag is None:
+        tag = titan_request(f, rule, request)
+    return tag
+
+
+def _named_and_followers(tables: DecideTables, keys: Collection[str]) -> set[str]:
+    """The nodes override keys name, and the getitems and waits that follow them, at any
+    depth."""
+    todo = [
+        n for key in keys for n in (*tables.by_key.get(key, ()), *tables.by_layer_key.get(key, ()))
+    ]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(tables.followers.get(name, ()))
+    return seen
 
 
 # Graph trainer's steps on one node, in the order `decide_titan_ops` asks them: the first

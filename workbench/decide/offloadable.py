@@ -196,6 +196,9 @@ def decide_offload(
     kept = kept_for_backward(tags, tables.by_name)
     chosen: list[OpFacts] = []
     before: dict[str, Tag] = {}
+    if not offloads:  # only offload requests can be chosen: a walk over those alone
+        asking = (name for name, tag in tags.items() if tag.offload)
+        facts = [tables.by_name[n] for n in sorted(asking, key=tables.writes.position.__getitem__)]
     for f in facts:
         tag = tags[f.name]
         if tag.recompute:

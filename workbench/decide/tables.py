@@ -11,6 +11,8 @@ import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from torch.utils.checkpoint import CheckpointPolicy
+
 from workbench.decide.facts import OpFacts
 from workbench.decide.presets import DIALECTS, WORKBENCH, Dialect, DialectRules
 from workbench.decide.tags import Tag
@@ -32,6 +34,20 @@ class DecideTables(NamedTuple):
     # (preset, selectors, fsdp_reshard) -> tags before overrides, followers and boundaries,
     # and those tags once followers took their leader's
     request_memo: dict[tuple[Any, ...], tuple[dict[str, Tag], dict[str, Tag]]]
+    followers: dict[str, tuple[str, ...]]  # node -> the getitems and waits that unpack it
+    # graph trainer's dialect: (preset, selectors, keep unsharded) -> `TitanRequests`
+    titan_memo: dict[tuple[Any, ...], TitanRequests]
+
+
+class TitanRequests(NamedTuple):
+    """Graph trainer's per-node tags under one preset, selector list and FSDP keep
+    (`engine._titan_requests`): what the preset's rule answered for each node it was asked
+    of, and the last overrides decided with the tags they gave, which the next decision
+    starts from."""
+
+    answers: dict[str, CheckpointPolicy]
+    overrides: dict[str, str]
+    tags: dict[str, Tag]
 
 
 REQUEST_MEMO = 8  # request tables the decide tables remember (one per preset and selector list)
@@ -69,12 +85,15 @@ def decide_tables(facts: Sequence[OpFacts]) -> DecideTables:
     by_key: dict[str, list[str]] = collections.defaultdict(list)
     by_layer_key: dict[str, list[str]] = collections.defaultdict(list)
     leaders = []
+    followers: dict[str, list[str]] = collections.defaultdict(list)
     for f in facts:
         by_key[f.key].append(f.name)
         by_layer_key[f.layer_key].append(f.name)
         leader = f.gather if f.gather not in (None, f.name) else f.parent
         if leader is not None and leader in by_name:
             leaders.append((f.name, leader, leader == f.gather))
+        if f.parent is not None:
+            followers[f.parent].append(f.name)
     return DecideTables(
         by_name,
         {dialect: last_layer(facts, dialect) for dialect in DIALECTS},
@@ -83,6 +102,8 @@ def decide_tables(facts: Sequence[OpFacts]) -> DecideTables:
         leaders,
         {dialect: layer_boundaries(facts, by_name, rules) for dialect, rules in DIALECTS.items()},
         write_tables(facts),
+        {},
+        {parent: tuple(names) for parent, names in followers.items()},
         {},
     )
 
