@@ -173,6 +173,16 @@ _EAGER_IN_PR = (
 )
 
 
+# PR #2377's no-AC and eager-SAC rows are not the eager trainer's
+_EAGER_STAND_IN_2377 = (
+    "estimated as the eager step under torch's trackers (`ran`), but the PR ran all three rows "
+    "in the compiler toolkit: dynamo traced the step (eager SAC: torchtitan's checkpoint "
+    "wrappers inside it, whose HOP the PR reports failing on DeepSeek-V3's full-graph capture, "
+    "torchtitan#1935), aot_export_joint_with_descriptors and the default partitioner split it, "
+    "and the loss ran eagerly"
+)
+
+
 def _ran(policy: str) -> Literal["graph", "eager"]:
     return "eager" if policy in ("none", "eager") else "graph"
 
@@ -211,7 +221,7 @@ def _llama3_8b_pr2377(
             _SDPA_8B,
             "the whole step traced by torchtitan's compiler toolkit and compiled"
             if _ran(policy) == "graph"
-            else _EAGER_IN_PR,
+            else _EAGER_STAND_IN_2377,
             *more,
         ),
     )
@@ -257,7 +267,7 @@ def _llama3_8b_pr2570(
     )
 
 
-def _dsv3_pr3429(policy: str, gib: float) -> PublishedRun:
+def _dsv3_pr3429(policy: str, gib: float, more: tuple[str, ...] = ()) -> PublishedRun:
     name = preset_record(policy).memory_policy
     return PublishedRun(
         id=f"pr3429-dsv3-16b-{name}",
@@ -294,6 +304,7 @@ def _dsv3_pr3429(policy: str, gib: float) -> PublishedRun:
             "(graph_trainer/deepseek_v3/config_registry.py)",
             "experts receive a balanced token count (fake tensors cannot route)",
             _GRAPH_TRAINER,
+            *more,
         ),
     )
 
@@ -322,6 +333,20 @@ _SELECTIVE_OP = (
     "(train_configs/llama3_8b.toml): every second matmul of a block recomputed"
 )
 _FULL_AC = "full AC: activation_checkpoint mode 'full', every block recomputed in backward"
+# What the compiler toolkit of 2026-02 (27930cb6) did to PR #2377's no-AC step, measured on the
+# workbench's graph of the row (GiB allocated / reserved): the graph with unshard chains
+# recomputed 52.48 / 53.38, gathered weights kept 61.43 / 62.19, and also held to the end of
+# backward with the rest of what forward saved and the logits' gradient 63.04 / 63.50.
+_COMPILER_TOOLKIT_NO_AC = (
+    "reshard after forward not in effect: fsdp_reshard_after_fwd_pass tags all_gather, "
+    "wait_tensor and slice MUST_RECOMPUTE, not the untagged views (t, view) between the wait "
+    "and the matmuls, which the default partitioner saves: the gathered bf16 weights "
+    "(6.99 GiB) stay from forward to backward",
+    "the compiled backward is a plain GraphModule (the toolkit's compiler returns it unboxed), "
+    "which AOTAutograd calls with f(*args): every saved tensor and the logits' gradient "
+    "(0.98 GiB) live until the backward returns, by when 6.99 GiB of gradient shards are "
+    "resident",
+)
 _EAGER_SAC_LIST = (
     "torchtitan's eager SAC save list also holds reduce-scatter outputs and aten.max / abs "
     "(parallelize_llama.py `_save_list`)"
@@ -329,8 +354,17 @@ _EAGER_SAC_LIST = (
 
 _RUNS: tuple[PublishedRun, ...] = (
     _dsv3_pr3429("titan-default", 84.78),
-    _dsv3_pr3429("titan-full", 52.02),
-    _llama3_8b_pr2377("none", "no AC", 67.19, 37.67, ()),
+    _dsv3_pr3429(
+        "titan-full",
+        52.02,
+        (
+            "higher-order ops: the PR's description (2026-05-26) says `full` saved them "
+            "(flex_attention, inductor_compiled_code); the merged code (27aa4907, 2026-06-02), "
+            "which titan-full follows, recomputes flex_attention. Saving its outputs (27 layers x "
+            "65 MiB, 1.71 GiB) gives 44.64 GiB allocated, 48.28 reserved",
+        ),
+    ),
+    _llama3_8b_pr2377("none", "no AC", 67.19, 37.67, _COMPILER_TOOLKIT_NO_AC),
     _llama3_8b_pr2377(
         "eager",
         "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
