@@ -172,3 +172,29 @@ def test_live_backward_readers_leave_out_what_dead_code_elimination_drops(
     for name in dropped:
         (reader,) = (u for u in index.users[index.index_of[name]] if index.is_bwd[u])
         assert not index.users[reader]  # read by nothing, not even the output
+
+
+def test_a_wait_is_its_collectives_storage(graphs: dict[str, JointGraph]) -> None:
+    """`wait_tensor` returns the very tensor its collective made (checked on the fake process
+    group: its fake kernel returns a new one), so the index holds one storage for both:
+    each wait's slot aliases its collective's output and never allocates."""
+    import torch
+    import torch.distributed as dist
+
+    from workbench.capture.ops import WAIT
+    from workbench.capture.parallel import fake_world
+
+    with fake_world(2):
+        made = torch.ops._c10d_functional.all_gather_into_tensor(
+            torch.ones(4), 2, dist.group.WORLD.group_name
+        )
+        waited = torch.ops._c10d_functional.wait_tensor(made)
+        assert waited.untyped_storage().data_ptr() == made.untyped_storage().data_ptr()
+
+    graph = graphs["llama3-debug-fsdp2-tp2"]
+    index = graph_index(graph)
+    waits = [i for i, name in enumerate(index.names) if graph.nodes[name].op == WAIT]
+    assert len(waits) > 10
+    assert all(index.slots[i] == ((0, 0),) for i in waits)
+    _, owner, _ = _walk(index, index.identity())
+    assert not set(owner) & set(waits)

@@ -392,44 +392,17 @@ class Estimator:
         flat = index.flat(order)
         table = index.storages(flat)
         sizes = table.sizes if granularity == 1 else -(-table.sizes // granularity) * granularity
-
-        # Values die after their last use, or right after they run when unused; graph
-        # inputs are held by the caller and outputs are returned. A storage is freed when
-        # the last value holding it dies: every value aliasing it is made from a live one,
-        # so its reference count cannot reach zero earlier.
         entries = flat.entries
         steps = len(entries)
         position = np.zeros(index.space.size, dtype=np.int64)
         position[entries] = np.arange(steps)
-        death = position.copy()
-        np.maximum.at(death, flat.read, flat.reader)
-        death[self._held_forever] = steps
-        death[flat.read[entries[flat.reader] == index.output]] = steps
-        freed = np.zeros(len(sizes), dtype=np.int64)
-        np.maximum.at(freed, table.held, death[entries[table.holder]])
-
-        # an all-gather issued early (FSDP prefetch, buckets) holds its output from then on
-        born = table.born
-        moved = self.streams.issue_positions(entries) if self._moves else {}
-        if moved:
-            owner_at = position[table.owner]
-            early = np.arange(steps)
-            early[list(moved)] = list(moved.values())
-            born = np.where(np.isin(owner_at, list(moved)), early[owner_at], born)
+        born, freed = self._births(entries, table, position), self._deaths(flat, table, position)
         # host copies (owned by an offload's first step) count on the host, not the device
         space = index.space
         host = space.is_step(table.owner) & (space.step(table.owner) == 0)
         device = ~host
         category = self._categories(flat, table)
-        # graph inputs (parameters, batch) exist before the step starts: live from its first
-        # step, not from the placeholder step that names them
-        born = np.where(np.isin(table.owner, self._held_forever), 0, born)
-        deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
-        np.add.at(deltas, (category[device], born[device]), sizes[device])
-        np.add.at(deltas, (category[device], freed[device] + 1), -sizes[device])
-        live = np.cumsum(deltas[:, :steps], axis=1)
-        live[CATEGORIES.index("optimizer")] = self.optimizer_bytes  # held the whole step
-        live[CATEGORIES.index("workspaces")] = sum(self.workspace_tensors)
+        live = self._live(category[device], born[device], freed[device], sizes[device], steps)
         host_deltas = np.zeros(steps + 2, dtype=np.int64)
         np.add.at(host_deltas, born[host], sizes[host])
         np.add.at(host_deltas, freed[host] + 1, -sizes[host])
@@ -473,6 +446,54 @@ class Estimator:
                 ),
             )
         )
+
+    def _deaths(self, flat: Flat, table: Storages, position: np.ndarray) -> np.ndarray:
+        """The step after which each storage is freed. Values die after their last use, or
+        right after they run when unused; graph inputs are held by the caller and outputs
+        are returned. A storage is freed when the last value holding it dies: every value
+        aliasing it is made from a live one, so its reference count cannot reach zero
+        earlier."""
+        entries, steps = flat.entries, len(flat.entries)
+        death = position.copy()
+        np.maximum.at(death, flat.read, flat.reader)
+        death[self._held_forever] = steps
+        death[flat.read[entries[flat.reader] == self.index.output]] = steps
+        freed = np.zeros(len(table.sizes), dtype=np.int64)
+        np.maximum.at(freed, table.held, death[entries[table.holder]])
+        return freed
+
+    def _births(self, entries: np.ndarray, table: Storages, position: np.ndarray) -> np.ndarray:
+        """The step each storage is allocated at: its owner's, but an all-gather issued early
+        (FSDP prefetch, buckets) holds its output from its issue on, and graph inputs
+        (parameters, batch) exist before the step starts: live from its first step, not from
+        the placeholder step that names them."""
+        born = table.born
+        moved = self.streams.issue_positions(entries) if self._moves else {}
+        if moved:
+            owner_at = position[table.owner]
+            early = np.arange(len(entries))
+            early[list(moved)] = list(moved.values())
+            born = np.where(np.isin(owner_at, list(moved)), early[owner_at], born)
+        return np.where(np.isin(table.owner, self._held_forever), 0, born)
+
+    def _live(
+        self,
+        category: np.ndarray,
+        born: np.ndarray,
+        freed: np.ndarray,
+        sizes: np.ndarray,
+        steps: int,
+    ) -> np.ndarray:
+        """Device bytes live at each step, per category (`CATEGORIES`), from the device
+        storages' births and deaths; the optimizer state and the BLAS workspaces are held
+        the whole step."""
+        deltas = np.zeros((len(CATEGORIES), steps + 2), dtype=np.int64)
+        np.add.at(deltas, (category, born), sizes)
+        np.add.at(deltas, (category, freed + 1), -sizes)
+        live = np.cumsum(deltas[:, :steps], axis=1)
+        live[CATEGORIES.index("optimizer")] = self.optimizer_bytes
+        live[CATEGORIES.index("workspaces")] = sum(self.workspace_tensors)
+        return live
 
     def _categories(self, flat: Flat, table: Storages) -> np.ndarray:
         """Each storage's category: inputs by their kind, then returned values (gradients),

@@ -24,7 +24,7 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from workbench.capture.graph import ORIGIN_KEY, JointGraph, Phase
-from workbench.capture.ops import mutates, reads_until_wait
+from workbench.capture.ops import WAIT, mutates, op_name, reads_until_wait
 from workbench.decide.facts import unshard_chains
 from workbench.errors import WorkbenchError
 from workbench.rewrite.entries import Csr, EntrySpace, Flat, NodeOrder
@@ -595,6 +595,10 @@ def _slots_of(node: fx.Node, keys: dict[fx.Node, list[Any]]) -> tuple[Slot, ...]
             slots.append(held[key])
         elif node.op == "call_function" and node.target is operator.getitem:
             slots.append((0, int(node.args[1])))  # type: ignore[arg-type]
+        elif node.op == "call_function" and op_name(node.target) == WAIT:
+            # `wait_tensor` returns its input as it is (its fake kernel returns a new
+            # tensor): a collective's output and its wait are one storage
+            slots.append((0, 0))
         else:
             slots.append(int(tensor.untyped_storage().nbytes()))
     return tuple(slots)
