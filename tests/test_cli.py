@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -483,10 +484,48 @@ def test_bench_whatif_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
+    "pipeline", [[], ["--pp", "2", "--stage", "1", "--seq", "64"]], ids=["graph", "stage"]
+)
+def test_bench_click_json(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    pipeline: list[str],
+) -> None:
+    """Clicks through the explorer of one graph or of a pipelined job's stage, timed; the
+    explorer autosaves into a folder of the benchmark's own, not the working folder, and
+    starts from the policy given, whatever an earlier autosave there holds."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SAC_WORKBENCH_AUTOSAVE_DIR", raising=False)
+    argv = ["bench", "click", "--model", "llama3-debug", "--layers", "4", "--flips", "5"]
+    result = run_json(capsys, *argv, *pipeline, "--json")
+    assert result["flips"] == 5 and result["passes"] == "workbench"
+    assert result["click_p90_seconds"] >= result["click_p50_seconds"] > 0
+    assert result["stage"] == (1 if pipeline else None)
+    assert ("pipeline" in result) == bool(pipeline)
+    assert list(tmp_path.iterdir()) == []
+    assert "SAC_WORKBENCH_AUTOSAVE_DIR" not in os.environ
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan not installed: pip install -e '.[torchtitan]'",
+)
+def test_bench_click_under_graph_trainers_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    """A click on the job's own pass stack: graph trainer's passes replayed on indices."""
+    argv = ["bench", "click", "--model", "torchtitan:llama3/debugmodel", "--seq", "64"]
+    result = run_json(capsys, *argv, "--passes", "graph-trainer", "--flips", "3", "--json")
+    assert result["passes"] == "graph-trainer" and result["flips"] == 3
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["estimate", "--model", "llama3-debug", "--profile", "a100"], "unknown device profile"),
         (["bench", "whatif", "--model", "llama3-debug", "--flips", "0"], "--flips must be"),
+        (["bench", "click", "--model", "llama3-debug", "--flips", "0"], "--flips must be"),
+        (["bench", "click", "--model", "llama3-debug", "--seed", "-1"], "--seed must be"),
+        (["bench", "click", "--model", "llama3-debug", "--stage", "1"], "--stage is not used"),
     ],
 )
 def test_estimate_command_errors(

@@ -66,11 +66,17 @@ def byte_ticks(lo: float, hi: float, most: int = 4) -> list[tuple[int, str]]:
     unit = format_bytes(max(abs(lo), abs(hi))).split()[-1]
     scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
     low, high = lo / scale, hi / scale
-    if not high > low:
+    if not _spans(low, high):
         return [(round(lo), f"{low:g} {unit}")]
     values = _round_steps(low, high, most, 1.0 if unit == "B" else 0.0)
     digits = _decimals(values)  # as few decimals as show every tick exactly
     return [(round(v * scale), f"{v:.{digits}f} {unit}") for v in values]
+
+
+def _spans(low: float, high: float) -> bool:
+    """Whether [low, high] is wider than rounding error (two figures of one step that differ
+    in their last bits get one tick, not ticks a billionth apart)."""
+    return high - low > 1e-9 * max(abs(low), abs(high))
 
 
 def _round_steps(low: float, high: float, most: int, least: float = 0.0) -> list[float]:
@@ -101,12 +107,14 @@ def second_ticks(lo: float, hi: float, most: int = 4) -> list[tuple[float, str]]
     ['1.340 s', '1.345 s', '1.350 s']
     >>> [text for _, text in second_ticks(0.0102, 0.0131)]
     ['11 ms', '12 ms', '13 ms']
+    >>> [text for _, text in second_ticks(0.06295455373797687, 0.06295455373797688)]
+    ['62.9546 ms']
     """
     unit, scale = ("µs", 1e-6) if max(abs(lo), abs(hi)) < 1e-3 else ("ms", 1e-3)
     if max(abs(lo), abs(hi)) >= 1:
         unit, scale = "s", 1.0
     low, high = lo / scale, hi / scale
-    if not high > low:
+    if not _spans(low, high):
         return [(lo, f"{low:g} {unit}")]
     values = _round_steps(low, high, most)
     digits = _decimals(values)

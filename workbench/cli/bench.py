@@ -1,14 +1,18 @@
-"""`bench trace`, `bench whatif`, `bench render` and `bench gpu`: benchmarks that print measured
-figures (the functions that measure are `workbench.cli.benchmarks`'). `bench trace` of a
-pipelined job (`--pp`) is `workbench.cli.stages`'.
+"""`bench trace`, `bench whatif`, `bench click`, `bench render` and `bench gpu`: benchmarks that
+print measured figures (the functions that measure are `workbench.cli.benchmarks`'). `bench
+trace` and `bench click` of a pipelined job (`--pp`) are `workbench.cli.stages`'.
 
-Entry points: `cmd_bench_trace`, `cmd_bench_whatif`, `cmd_bench_render` and `cmd_bench_gpu`
-(each `args -> Result`).
+Entry points: `cmd_bench_trace`, `cmd_bench_whatif`, `cmd_bench_click`, `cmd_bench_render` and
+`cmd_bench_gpu` (each `args -> Result`), and `scratch_autosaves`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from workbench.cli.args import (
@@ -28,7 +32,14 @@ from workbench.decide.policy import parse_policy
 from workbench.errors import WorkbenchError, check_int
 from workbench.files import check_writable
 
-__all__ = ["cmd_bench_gpu", "cmd_bench_render", "cmd_bench_trace", "cmd_bench_whatif"]
+__all__ = [
+    "cmd_bench_click",
+    "cmd_bench_gpu",
+    "cmd_bench_render",
+    "cmd_bench_trace",
+    "cmd_bench_whatif",
+    "scratch_autosaves",
+]
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> Report:
@@ -57,6 +68,43 @@ def cmd_bench_whatif(args: argparse.Namespace) -> Report:
         passes=args.passes,
     )
     return Report({**result, "trace_seconds": round(trace_seconds, 3)})
+
+
+def cmd_bench_click(args: argparse.Namespace) -> Report:
+    """Random clicks through the explorer of one graph (`workbench.cli.benchmarks.bench_click`)."""
+    from workbench.cli.benchmarks import bench_click
+    from workbench.show.widgets.explorer import PolicyExplorer
+
+    check_click_args(args)
+    check_passes(args)
+    graph, trace_seconds = trace_from_args(args)
+    with scratch_autosaves():
+        explorer = PolicyExplorer(graph, parse_policy(args.policy), passes=args.passes)
+        result = bench_click(explorer, args.flips, args.seed)
+    return Report({**result, "trace_seconds": round(trace_seconds, 3)})
+
+
+def check_click_args(args: argparse.Namespace) -> None:
+    check_positive("--flips", args.flips, MAX_FLIPS, "each flip is one click")
+    check_int("--seed", args.seed, 0, SEED_MAX)
+
+
+@contextlib.contextmanager
+def scratch_autosaves() -> Iterator[None]:
+    """The explorer autosaves into a folder of its own for the benchmark's clicks: they
+    start from the given policy, not a file left in the working folder, and leave none
+    there."""
+    key = "SAC_WORKBENCH_AUTOSAVE_DIR"
+    before = os.environ.get(key)
+    with tempfile.TemporaryDirectory(prefix="sac-bench-") as folder:
+        os.environ[key] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = before
 
 
 def cmd_bench_render(args: argparse.Namespace) -> Report:

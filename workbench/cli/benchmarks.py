@@ -1,6 +1,7 @@
-"""Benchmarks: measured figures for tracing, the what-if, rendering and a GPU's memory.
+"""Benchmarks: measured figures for tracing, the what-if, the explorer's click, rendering and a
+GPU's memory.
 
-Entry points: `bench_trace`, `bench_whatif`, `bench_render` and `bench_gpu` (with
+Entry points: `bench_trace`, `bench_whatif`, `bench_click`, `bench_render` and `bench_gpu` (with
 `bench_gpu_paths`, the files it writes); `python -m workbench bench ...` prints them
 (`workbench.cli.bench`; what offload buys is a search: `workbench.search.floor`).
 """
@@ -14,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
@@ -32,7 +33,11 @@ from workbench.errors import WorkbenchError
 from workbench.files import file_stem, write_file
 from workbench.rewrite.remat import remat
 
+if TYPE_CHECKING:
+    from workbench.show.widgets.explorer import PolicyExplorer
+
 __all__ = [
+    "bench_click",
     "bench_gpu",
     "bench_gpu_paths",
     "bench_render",
@@ -135,6 +140,39 @@ def bench_whatif(
         "full_path_runs": len(full),
         "equal_to_full_path": exact,
         "replay_fallbacks": fallbacks,
+        "cpu_count": os.cpu_count(),
+        "load_average": round(load, 2) if load is not None else None,
+    }
+
+
+def bench_click(explorer: PolicyExplorer, flips: int, seed: int) -> dict[str, Any]:
+    """Random clicks on the open graph's forward ops that may flip, through
+    `PolicyExplorer.flip` (what the front end's click calls: decide, estimate, the view and
+    figures it sends back): the time per click, p50 and p90, and the load average. A flip
+    the rules refuse (a save they keep) is drawn again."""
+    candidates = sorted(n for n, d in explorer.decisions.items() if not d.forced)
+    rng = random.Random(seed)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    clicks: list[float] = []
+    while len(clicks) < flips:
+        if not candidates:
+            raise WorkbenchError(f"no node of {explorer.graph.model_name} can flip")
+        name = rng.choice(candidates)
+        start = time.perf_counter()
+        try:
+            explorer.flip(name)
+        except WorkbenchError:  # a save the rules keep (written in place): not a click
+            candidates.remove(name)
+            continue
+        clicks.append(time.perf_counter() - start)
+    return {
+        "model": explorer.graph.model_name,
+        "stage": explorer.stage if explorer.stage >= 0 else None,
+        "nodes": len(explorer.graph.gm.graph.nodes),
+        "passes": explorer.model.passes,
+        "flips": flips,
+        "click_p50_seconds": round(statistics.median(clicks), 4),
+        "click_p90_seconds": round(percentile(clicks, 0.9), 4),
         "cpu_count": os.cpu_count(),
         "load_average": round(load, 2) if load is not None else None,
     }

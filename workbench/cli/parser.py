@@ -14,7 +14,13 @@ from typing import Any, NoReturn
 
 from workbench.capture.models import DTYPES
 from workbench.cli.args import FSDP_CHOICES
-from workbench.cli.bench import cmd_bench_gpu, cmd_bench_render, cmd_bench_trace, cmd_bench_whatif
+from workbench.cli.bench import (
+    cmd_bench_click,
+    cmd_bench_gpu,
+    cmd_bench_render,
+    cmd_bench_trace,
+    cmd_bench_whatif,
+)
 from workbench.cli.estimate import (
     cmd_compare_snapshot,
     cmd_estimate,
@@ -26,6 +32,7 @@ from workbench.cli.policy import cmd_policy_explain
 from workbench.cli.render import cmd_activations, cmd_render
 from workbench.cli.solve import cmd_floor, cmd_pareto, cmd_solve
 from workbench.cli.stages import (
+    cmd_bench_click_stages,
     cmd_bench_trace_stages,
     cmd_estimate_stages,
     cmd_solve_stages,
@@ -434,6 +441,22 @@ def _add_bench(commands: Commands) -> None:
         "(graph trainer's passes replayed on indices; the full path runs them)",
     )
     bench_whatif.set_defaults(run=cmd_bench_whatif, mode="fake")
+
+    bench_click = benches.add_parser(
+        "click", help="time clicks through the explorer (flip, estimate, view)"
+    )
+    add_model_args(bench_click)
+    add_policy_arg(bench_click)
+    bench_click.add_argument("--flips", type=int, default=30, help="clicks timed")
+    bench_click.add_argument("--seed", type=int, default=0)
+    bench_click.add_argument(
+        "--passes",
+        default="workbench",
+        help="pass stack the explorer estimates under: workbench (default) or graph-trainer "
+        "(graph trainer's passes replayed on indices)",
+    )
+    add_pipeline_args(bench_click)
+    bench_click.set_defaults(run=pipelined(cmd_bench_click, cmd_bench_click_stages), mode="fake")
 
     bench_gpu = benches.add_parser(
         "gpu", help="per preset on CUDA: peaks, step time, snapshot, trace, vs the estimate"

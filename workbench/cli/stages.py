@@ -1,5 +1,5 @@
-"""`trace`, `estimate`, `solve` and `bench trace` of a pipelined job (`--pp`): one graph per
-stage, figures per stage over torch's schedule.
+"""`trace`, `estimate`, `solve`, `bench trace` and `bench click` of a pipelined job (`--pp`):
+one graph per stage, figures per stage over torch's schedule.
 
 Entry points: `pipelined(cmd, cmd_stages)`, which runs `cmd_stages` when `--pp` is given (the
 one-graph command otherwise); the `cmd_*_stages` commands; `stage_policies` (`--policy` for
@@ -32,6 +32,7 @@ from workbench.decide.policy import Policy, parse_policy, read_policy_json
 from workbench.errors import WorkbenchError
 
 __all__ = [
+    "cmd_bench_click_stages",
     "cmd_bench_trace_stages",
     "cmd_estimate_stages",
     "cmd_solve_stages",
@@ -59,10 +60,13 @@ def _pipeline(args: argparse.Namespace) -> Pipeline:
 
 
 def _stages_from_args(
-    args: argparse.Namespace, before: Callable[[StageLayout], None] | None = None
+    args: argparse.Namespace,
+    before: Callable[[StageLayout], None] | None = None,
+    every_stage: bool = False,
 ) -> tuple[list[JointGraph], StageLayout, float]:
-    """The stage graphs (one with --stage); without --batch one sequence per microbatch.
-    `before` sees the layout before anything is traced (to check what depends on it)."""
+    """The stage graphs (one with --stage, unless `every_stage`); without --batch one
+    sequence per microbatch. `before` sees the layout before anything is traced (to check
+    what depends on it)."""
     from workbench.capture.models import is_user_factory, load_workload
 
     pipeline = _pipeline(args)
@@ -87,7 +91,7 @@ def _stages_from_args(
         before(layout)
     workload = load(layout.microbatches if args.batch is None else args.batch)
     start = time.perf_counter()
-    stages = None if args.stage is None else [args.stage]
+    stages = None if args.stage is None or every_stage else [args.stage]
     kernels = kernels_from_args(args, args.mode)
     graphs = trace_stages(workload, args.mode, parallel, pipeline, stages, kernels=kernels)
     return graphs, layout, time.perf_counter() - start
@@ -126,6 +130,23 @@ def cmd_bench_trace_stages(args: argparse.Namespace) -> Report:
 
     result = bench_trace(run, args.repeat)
     return Report({**result, **shapes})
+
+
+def cmd_bench_click_stages(args: argparse.Namespace) -> Report:
+    """Random clicks through the per-stage explorer of a pipelined job, on stage --stage
+    (default 0) with every stage traced (`workbench.cli.benchmarks.bench_click`)."""
+    from workbench.cli.bench import check_click_args, scratch_autosaves
+    from workbench.cli.benchmarks import bench_click
+    from workbench.show.widgets.explorer import PolicyExplorer
+
+    check_click_args(args)
+    graphs, layout, seconds = _stages_from_args(args, every_stage=True)
+    stage = 0 if args.stage is None else args.stage
+    with scratch_autosaves():
+        policies = stage_policies(args.policy, layout.n_stages)
+        explorer = PolicyExplorer.pipeline(graphs, layout, policies, stage=stage)
+        result = bench_click(explorer, args.flips, args.seed)
+    return Report({**result, "pipeline": layout.to_json(), "trace_seconds": round(seconds, 3)})
 
 
 def stage_policies(spec: str, stages: int) -> list[Policy]:

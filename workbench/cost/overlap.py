@@ -222,7 +222,13 @@ class Streams:
     def _make_buckets(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
         index, opts = self.index, self.options
         if not opts.bucket_layers:
-            return self._unbucketed(entries)
+            issues, wait_at, wait_of = self._unbucketed(entries)
+            ends_at = np.cumsum(np.bincount(wait_of, minlength=len(issues))).tolist()
+            at = wait_at.tolist()
+            return [
+                ([p], at[(ends_at[g - 1] if g else 0) : ends_at[g]])
+                for g, p in enumerate(issues.tolist())
+            ]
         at = np.flatnonzero(self._issue[entries] | self._wait[entries]).tolist()
         nodes = index.space.node(entries[at]).tolist()
         groups: list[tuple[list[int], list[int]]] = []
@@ -249,8 +255,9 @@ class Streams:
             owner[node] = g
         return groups
 
-    def _unbucketed(self, entries: np.ndarray) -> list[tuple[list[int], list[int]]]:
-        """`_buckets` without FSDP buckets, on arrays: one group per issue."""
+    def _unbucketed(self, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Without FSDP buckets, on arrays: each issue's position, and the positions of the
+        waits found on them with the issue each ends (grouped by issue, in position order)."""
         space, length = self.index.space, len(entries) + 1
         issues = np.flatnonzero(self._issue[entries])
         keys = space.node(entries[issues]) * length + issues  # by (collective, position)
@@ -262,33 +269,36 @@ class Streams:
         found[found] = keys[by_key[k[found]]] // length == ends[found]
         group = by_key[k[found]]
         order = np.argsort(group, kind="stable")  # waits come in position order
-        ends_at = np.cumsum(np.bincount(group, minlength=len(issues))).tolist()
-        at = waits[found][order].tolist()
-        return [
-            ([p], at[(ends_at[g - 1] if g else 0) : ends_at[g]])
-            for g, p in enumerate(issues.tolist())
-        ]
+        return issues, waits[found][order], group[order]
 
-    def _collectives(self, entries: np.ndarray) -> list[_Collective]:
-        """Per issued collective (or FSDP bucket) of a node order: its issue position, its
-        waits' positions and its shape (kind, bytes, group size, mesh dimension); kept for
-        the last node order, which every profile times."""
+    def _collectives(self, entries: np.ndarray) -> _Collectives:
+        """The issued collectives (or FSDP buckets) of a node order, in issue order: issue
+        positions, shapes (kind, bytes, group size, mesh dimension) and waits; kept for the
+        last node order, which every profile times."""
         return self._per_order(entries, "collectives", lambda: self._make_collectives(entries))
 
-    def _make_collectives(self, entries: np.ndarray) -> list[_Collective]:
-        result = []
+    def _make_collectives(self, entries: np.ndarray) -> _Collectives:
+        space = self.index.space
+        if not self.options.bucket_layers:
+            issues, wait_at, wait_of = self._unbucketed(entries)
+            nodes = space.node(entries[issues]).tolist()
+            return _Collectives(issues, [self._shape[n] for n in nodes], wait_at, wait_of)
         at = np.flatnonzero(self._issue[entries])
-        node_at = dict(zip(at.tolist(), self.index.space.node(entries[at]).tolist(), strict=True))
-        for members, waits in self._buckets(entries):
-            if len(members) == 1:
-                shape = self._shape[node_at[members[0]]]
-            else:
-                nodes = [node_at[p] for p in members]
-                kind, _, world, dim = self._shape[nodes[0]]
-                shape = (kind, sum(self.nbytes[i] for i in nodes), world, dim)
-            issue = members[-1] if shape[0] == "reduce_scatter" else members[0]
-            result.append(_Collective(issue, waits, shape))
-        return result
+        node_at = dict(zip(at.tolist(), space.node(entries[at]).tolist(), strict=True))
+        issue: list[int] = []
+        shapes: list[tuple[str, int, int, str | None]] = []
+        waited: list[int] = []
+        ends: list[int] = []  # the bucket each wait ends
+        for b, (members, waits) in enumerate(self._buckets(entries)):
+            nodes = [node_at[p] for p in members]
+            kind, _, world, dim = self._shape[nodes[0]]
+            shapes.append((kind, sum(self.nbytes[i] for i in nodes), world, dim))
+            issue.append(members[-1] if kind == "reduce_scatter" else members[0])
+            waited += waits
+            ends += [b] * len(waits)
+        return _Collectives(
+            np.array(issue, np.int64), shapes, np.array(waited, np.int64), np.array(ends, np.int64)
+        )
 
     def _stream_events(
         self,
@@ -297,37 +307,74 @@ class Streams:
         reads: tuple[np.ndarray, np.ndarray] | None,
     ) -> _StreamEvents:
         """A node order's stream events in `walk_streams`' order, and what each costs: the
-        collectives' shapes, then the host copies' bytes. The same on every profile: kept
-        for the last node order."""
+        collectives' shapes, then the host copies' bytes. Keys: collective b is b, the j-th
+        host copy is len(shapes) + j (`copy_keys` says which node and direction). The same
+        on every profile: kept for the last node order."""
         key = (entries, offloaded, reads)
         if self._last_events is not None and all(
             a is b for a, b in zip(self._last_events[0], key, strict=True)
         ):
             return self._last_events[1]
         space, opts = self.index.space, self.options
+        c = self._collectives(entries)
+        n = len(c.shapes)
+        issue_at = c.issue
         moved = self.issue_positions(entries) if opts.prefetch else {}
-        events: list[tuple[int, str, Hashable, int]] = []  # (at, what, key, cost)
-        shapes: list[tuple[str, int, int, str | None]] = []
-        for b, (issue, waits, shape) in enumerate(self._collectives(entries)):
-            events.append((moved.get(issue, issue), "comm", ("c", b), len(shapes)))
-            shapes.append(shape)
-            if opts.sink_waits and reads is not None:
-                waits = [self._first_use(w, entries, reads) for w in waits]
-            events.extend((max(w, issue), "wait", ("c", b), -1) for w in waits)
-        at = np.flatnonzero(space.is_step(entries))
-        steps, nodes = space.step(entries[at]).tolist(), space.node(entries[at]).tolist()
+        if moved:
+            issue_at = np.array([moved.get(p, p) for p in c.issue.tolist()], np.int64)
+        wait_at = c.wait_at
+        if opts.sink_waits and reads is not None:
+            sunk = [self._first_use(w, entries, reads) for w in wait_at.tolist()]
+            wait_at = np.array(sunk, np.int64)
+        wait_at = np.maximum(wait_at, c.issue[c.wait_of])
+        # host copies issue on an offload's steps 0 and 2; steps 1 and 3 wait on them
+        host_at = np.flatnonzero(space.is_step(entries))
+        steps = space.step(entries[host_at]).tolist()
+        nodes = space.node(entries[host_at]).tolist()
         copies: list[int] = []
-        for p, k, node in zip(at.tolist(), steps, nodes, strict=True):
+        copy_keys: list[tuple[int, int]] = []
+        host_key, host_cost, copy_of = [], [], {}
+        for k, node in zip(steps, nodes, strict=True):
             if k in (0, 2):
-                events.append((p, "copy", (node, k), len(shapes) + len(copies)))
+                copy_of[(node, k)] = n + len(copies)
+                host_key.append(n + len(copies))
+                host_cost.append(n + len(copies))
                 copies.append(offloaded[node])
+                copy_keys.append((node, k // 2))
             else:
-                events.append((p, "wait", (node, k - 1), -1))
-        # `walk_streams`' order: by position, issues before waits, then as listed
-        position = np.fromiter((e[0] for e in events), np.int64, len(events))
-        waiting = np.fromiter((e[1] == "wait" for e in events), bool, len(events))
-        order = np.lexsort((np.arange(len(events)), waiting, position)).tolist()
-        result = _StreamEvents(shapes, copies, [events[i] for i in order])
+                host_key.append(copy_of[(node, k - 1)])
+                host_cost.append(-1)
+        host_wait = np.array([k % 2 == 1 for k in steps], bool)
+        # `walk_streams`' order: by position, issues before waits, then as listed (each
+        # collective then its waits, then the host steps)
+        counts = np.bincount(c.wait_of, minlength=n)
+        listed = np.concatenate(
+            (
+                np.arange(n) + np.cumsum(counts) - counts,
+                c.wait_of + 1 + np.arange(len(c.wait_of)),
+                n + len(c.wait_of) + np.arange(len(host_at)),
+            )
+        )
+        position = np.concatenate((issue_at, wait_at, host_at))
+        waiting = np.concatenate((np.zeros(n, bool), np.ones(len(wait_at), bool), host_wait))
+        what = np.concatenate(
+            (np.zeros(n, np.int64), np.ones(len(wait_at), np.int64), np.where(host_wait, 1, 2))
+        )
+        keys = np.concatenate((np.arange(n), c.wait_of, np.array(host_key, np.int64)))
+        costs = np.concatenate(
+            (np.arange(n), np.full(len(wait_at), -1), np.array(host_cost, np.int64))
+        )
+        order = np.lexsort((listed, waiting, position))
+        events = list(
+            zip(
+                position[order].tolist(),
+                _WHAT[what[order]].tolist(),
+                keys[order].tolist(),
+                costs[order].tolist(),
+                strict=True,
+            )
+        )
+        result = _StreamEvents(c.shapes, copies, events, copy_keys)
         self._last_events = (key, result)
         return result
 
@@ -412,13 +459,15 @@ class Streams:
             compute += copied / profile.bytes_per_s
         copy_stalls: dict[int, list[float]] = {}
         exposed = {"comm": 0.0, "copy": 0.0}
+        n = len(streams.shapes)
         for key, wait in stalls.items():
-            tag, which = cast(tuple[Any, int], key)
-            if tag == "c":
+            k = cast(int, key)
+            if k < n:
                 exposed["comm"] += wait
                 continue
             exposed["copy"] += wait
-            copy_stalls.setdefault(tag, [0.0, 0.0])[0 if which == 0 else 1] = wait
+            node, which = streams.copy_keys[k - n]
+            copy_stalls.setdefault(node, [0.0, 0.0])[which] = wait
         return StreamTimes(
             compute_seconds=compute,
             comm_seconds=comm,
@@ -429,22 +478,31 @@ class Streams:
         )
 
 
-class _Collective(NamedTuple):
-    """One issued collective of a node order (`Streams._collectives`)."""
+class _Collectives(NamedTuple):
+    """A node order's issued collectives (or FSDP buckets), in issue order: each one's issue
+    position and shape (kind, bytes, group size, mesh dimension); the positions of the waits
+    on them and the collective each ends, grouped by collective in position order
+    (`Streams._collectives`)."""
 
-    issue: int
-    waits: list[int]
-    shape: tuple[str, int, int, str | None]
+    issue: np.ndarray
+    shapes: list[tuple[str, int, int, str | None]]
+    wait_at: np.ndarray
+    wait_of: np.ndarray
 
 
 class _StreamEvents(NamedTuple):
     """A node order's stream events, sorted as `walk_streams` runs them, each (position, what,
     key, cost): the index of its seconds among the collectives' (`shapes`), then the host
-    copies' (`copies`, bytes), -1 for a wait (`Streams._stream_events`)."""
+    copies' (`copies`, bytes), -1 for a wait (`Streams._stream_events`); per host copy its
+    node and direction (0: to the host, 1: back), for the keys from len(shapes) on."""
 
     shapes: list[tuple[str, int, int, str | None]]
     copies: list[int]
     events: list[tuple[int, str, Hashable, int]]
+    copy_keys: list[tuple[int, int]]
+
+
+_WHAT = np.array(["comm", "wait", "copy"], dtype=object)  # `_StreamEvents`' event kinds
 
 
 class Event(NamedTuple):
