@@ -308,3 +308,32 @@ def test_dense_models_plan_ep_1_only(tiny: Plan) -> None:
     assert all(c["ep"] == 1 for c in tiny.to_json()["configs"])
     assert tiny.notes == []  # a dense model: nothing to say
     assert "ep" not in plan_table(tiny.to_json()).split("\n")[2]
+
+
+def test_memory_pruning_keeps_the_unpruned_searchs_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory bound prunes only layouts that cannot fit: Llama3-8B's blocks (2 layers,
+    16 tokens) on 4 GPUs under 8,000 MiB, where the bound prunes fsdp 2 x pp 2, rank the same
+    layouts, policies and figures as a search that prunes nothing for memory (every layout
+    traced and solved)."""
+    import workbench.search.layouts as search_layouts
+
+    options = PlanOptions(
+        model="llama3-8b",
+        gpus=4,
+        layers=2,
+        seq=16,
+        memory_bytes=8000 * 2**20,
+        schedules=("Interleaved1F1B",),
+        jobs=1,
+    )
+    pruned = plan(options)
+    assert [p for p in pruned.pruned if p.lower_bound_bytes is not None]
+    monkeypatch.setattr(search_layouts, "lower_bound_bytes", lambda *args: 0)
+    unpruned = plan(options)
+    assert not [p for p in unpruned.pruned if p.lower_bound_bytes is not None]
+    assert len(unpruned.configs) > len(pruned.configs)
+
+    def fitting(found: Plan) -> list[dict[str, object]]:
+        return [c.to_json() for c in found.configs if c.feasible]
+
+    assert fitting(pruned) and fitting(pruned) == fitting(unpruned)
