@@ -335,8 +335,8 @@ _SELECTIVE_OP = (
 _FULL_AC = "full AC: activation_checkpoint mode 'full', every block recomputed in backward"
 # What the compiler toolkit of 2026-02 (27930cb6) did to PR #2377's no-AC step, measured on the
 # workbench's graph of the row (GiB allocated / reserved): the graph with unshard chains
-# recomputed 52.48 / 53.38, gathered weights kept 61.43 / 62.19, and also held to the end of
-# backward with the rest of what forward saved and the logits' gradient 63.04 / 63.50.
+# recomputed 52.48 / 53.28, gathered weights kept 61.43 / 61.74, and also held to the end of
+# backward with the rest of what forward saved and the logits' gradient 63.04 / 63.22.
 _COMPILER_TOOLKIT_NO_AC = (
     "reshard after forward not in effect: fsdp_reshard_after_fwd_pass tags all_gather, "
     "wait_tensor and slice MUST_RECOMPUTE, not the untagged views (t, view) between the wait "
