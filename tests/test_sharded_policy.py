@@ -241,3 +241,20 @@ def test_op_view_of_a_sharded_layer_marks_its_collectives(rank_graph: JointGraph
     one = trace(load_workload("llama3-debug", device="meta", **SMALL), "fake")
     plain = render_view(one, None, "module:layers.0.attention.wq").dot.source
     assert "hexagon" not in plain
+
+
+def test_op_view_after_remat_draws_recomputed_collectives(rank_graph: JointGraph) -> None:
+    """With the remat output, an unshard chain recomputed in backward (reshard after
+    forward) draws its all-gather's copy as a dashed hexagon: the copy's style and the
+    collective's shape together (the two had clashed, and the view raised)."""
+    decisions = decide(rank_graph, Policy("default"))
+    gm = remat(rank_graph, decisions).gm
+    view = render_view(rank_graph, decisions, "module:layers.0.attention.wq", gm=gm)
+    gather = next(
+        c.node
+        for c in rank_graph.collectives()
+        if c.kind == "all_gather" and rank_graph.nodes[c.node].module == "layers.0.attention.wq"
+    )
+    copy = svg_id("n", f"{gather}_recomputed")
+    line = next(line for line in view.dot.source.splitlines() if f'id="{copy}"' in line)
+    assert "shape=hexagon" in line and 'style="filled,dashed,rounded"' in line

@@ -72,19 +72,7 @@ def floor_search(
     (`Estimator.estimate`); a budget below full recompute's peak counts as too low. The
     objective must be step time (`recompute_time`), on a profile `estimator` holds."""
     options = options or SolveOptions(host_budget_bytes=64 * GIB)
-    profile = options.profile_name
-    if options.objective != "recompute_time":
-        raise WorkbenchError(
-            f"floor_search bisects on step time: use objective 'recompute_time', not "
-            f"{options.objective!r}"
-        )
-    if profile not in {p.name for p in estimator.profiles}:
-        raise WorkbenchError(
-            f"the estimator has no profile {profile!r}: build it with "
-            f"Estimator(graph, profiles=[{profile!r}])"
-        )
-    if tolerance_bytes < 1:
-        raise WorkbenchError(f"tolerance_bytes must be 1 or more, got {tolerance_bytes}")
+    profile = _checked_profile(estimator, options, tolerance_bytes)
     eager = estimator.estimate(Policy("eager"))
     limit = eager.step_seconds[profile] * (1 + step_rtol)
     floor_at, floor = min(
@@ -94,46 +82,18 @@ def floor_search(
         ),
         key=lambda pair: pair[1].peak_bytes,
     )
-
-    def lowest(solver: Solver) -> tuple[Solution | None, int]:
-        """The lowest-peak solution within eager's time, and the solves it took."""
-        best = solver.solve(eager.peak_bytes)  # any error here is the caller's to see
-        if best.estimate.step_seconds[profile] > limit:
-            return None, 1
-        low, high, solves = floor.peak_bytes - 1, best.estimate.peak_bytes, 1
-        while high - low > tolerance_bytes:
-            budget = (low + high) // 2
-            solves += 1
-            found = solver.solve(budget) if budget >= solver.floor_bytes else None
-            if found is None or found.estimate.step_seconds[profile] > limit:
-                low = budget
-                continue
-            high = found.estimate.peak_bytes  # within the budget
-            if high < best.estimate.peak_bytes:
-                best = found
-        return best, solves
-
-    def point(est: Estimate) -> dict[str, Any]:
-        return {
-            "peak_bytes": est.peak_bytes,
-            "host_peak_bytes": est.host_peak_bytes,
-            "offloaded_bytes": est.offloaded_bytes,
-            "exposed_transfer_seconds": est.exposed_transfer_seconds.get(profile, 0.0),
-            "est_step_seconds": est.step_seconds[profile],
-            "below_eager_pct": round(100 * (1 - est.peak_bytes / eager.peak_bytes), 2),
-        }
-
     searched: dict[str, Any] = {}
     solves: dict[str, int] = {}
     host_budget = options.host_budget_bytes
     for key, host in (("without_offload", 0), ("with_offload", host_budget)):
         solver = Solver(graph, dataclasses.replace(options, host_budget_bytes=host), estimator)
-        solution, solves[key] = lowest(solver)
+        bracket = (floor.peak_bytes - 1, eager.peak_bytes)
+        solution, solves[key] = _lowest(solver, bracket, limit, profile, tolerance_bytes)
         searched[key] = (
             None
             if solution is None
             else {
-                **point(solution.estimate),
+                **_point(solution.estimate, eager, profile),
                 "budget_bytes": solution.budget_bytes,
                 "policy": solution.policy.to_json(),
             }
@@ -151,7 +111,7 @@ def floor_search(
         },
         **searched,
         "floor": {
-            **point(floor),
+            **_point(floor, eager, profile),
             **_peak_cause(estimator, floor),
             "policy": floor_at.to_json(),
         },
@@ -163,6 +123,61 @@ def floor_search(
             "tolerance_bytes": tolerance_bytes,
             "step_rtol": step_rtol,
         },
+    }
+
+
+def _checked_profile(estimator: Estimator, options: SolveOptions, tolerance_bytes: int) -> str:
+    """The profile `floor_search` times on, once its settings are checked."""
+    profile = options.profile_name
+    if options.objective != "recompute_time":
+        raise WorkbenchError(
+            f"floor_search bisects on step time: use objective 'recompute_time', not "
+            f"{options.objective!r}"
+        )
+    if profile not in {p.name for p in estimator.profiles}:
+        raise WorkbenchError(
+            f"the estimator has no profile {profile!r}: build it with "
+            f"Estimator(graph, profiles=[{profile!r}])"
+        )
+    if tolerance_bytes < 1:
+        raise WorkbenchError(f"tolerance_bytes must be 1 or more, got {tolerance_bytes}")
+    return profile
+
+
+def _lowest(
+    solver: Solver, bracket: tuple[int, int], limit: float, profile: str, tolerance_bytes: int
+) -> tuple[Solution | None, int]:
+    """The lowest-peak solution within `limit` seconds on `profile`, bisecting the device
+    budget inside `bracket` (below the floor's peak, eager's peak) until it is
+    `tolerance_bytes` wide; and the solves it took. None when even eager's budget is too
+    slow."""
+    floor_below, eager_peak = bracket
+    best = solver.solve(eager_peak)  # any error here is the caller's to see
+    if best.estimate.step_seconds[profile] > limit:
+        return None, 1
+    low, high, solves = floor_below, best.estimate.peak_bytes, 1
+    while high - low > tolerance_bytes:
+        budget = (low + high) // 2
+        solves += 1
+        found = solver.solve(budget) if budget >= solver.floor_bytes else None
+        if found is None or found.estimate.step_seconds[profile] > limit:
+            low = budget
+            continue
+        high = found.estimate.peak_bytes  # within the budget
+        if high < best.estimate.peak_bytes:
+            best = found
+    return best, solves
+
+
+def _point(est: Estimate, eager: Estimate, profile: str) -> dict[str, Any]:
+    """One searched point's figures on `profile`, and how far below eager's peak it is."""
+    return {
+        "peak_bytes": est.peak_bytes,
+        "host_peak_bytes": est.host_peak_bytes,
+        "offloaded_bytes": est.offloaded_bytes,
+        "exposed_transfer_seconds": est.exposed_transfer_seconds.get(profile, 0.0),
+        "est_step_seconds": est.step_seconds[profile],
+        "below_eager_pct": round(100 * (1 - est.peak_bytes / eager.peak_bytes), 2),
     }
 
 

@@ -288,7 +288,7 @@ def _legend_rows(
     return rows
 
 
-def op_view(  # noqa: C901, PLR0912, PLR0915
+def op_view(
     graph: JointGraph,
     names: Iterable[str],
     decisions: Decisions | None = None,
@@ -305,7 +305,6 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
 
     Raises WorkbenchError past MAX_LAYOUT_NODES unless `force`.
     """
-    joint = {n.name: n for n in graph.gm.graph.nodes}
     source = {n.name: n for n in (gm or graph.gm).graph.nodes}
     shown = list(dict.fromkeys(names))
     unknown = [n for n in shown if n not in graph.nodes]
@@ -313,16 +312,56 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
         raise WorkbenchError(f"no such nodes in {graph.model_name!r}: {', '.join(unknown[:5])}")
     copies = [] if gm is None else [f"{n}_recomputed" for n in shown if f"{n}_recomputed" in source]
     check_layout_size(len(shown) + len(copies), force)
-    # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
-    kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
+    ops = _OpSet(shown, copies, source)
+    infos = {n: node_facts(graph, n) for n in ops.members}
+    collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
+    lines, rows = _op_legend(graph, ops, decisions, changes, collectives)
+    drawing = Drawing()
+    elements: Elements = {}
+    _draw_ops(drawing, elements, graph, ops, decisions, changes, collectives)
+    outside, readers = _draw_inputs(drawing, elements, graph, ops)
+    _draw_backward_readers(drawing, elements, readers, ops, decisions)
+    _draw_copy_edges(drawing, ops)
+    dot = new_digraph(
+        "ops", legend_label(title or f"{graph.model_name}: {len(shown)} ops", lines, rows)
+    )
+    if len(ops.members) > QUICK_LAYOUT_ABOVE:
+        dot.graph_attr.update(QUICK_LAYOUT)
+    drawing.digraph(dot)
+    links = [(tail, head) for tail, head, _ in drawing.edges]
+    count = len(ops.members) + len(outside) + len(readers)
+    return View(dot, count, len(links), elements, rows, links, drawing)
+
+
+@dataclass(frozen=True)
+class _OpSet:
+    """The nodes an op view draws: the chosen ones in graph order, their recomputed copies
+    in the remat output, and the graph the edges are read from (that output, or the
+    traced graph)."""
+
+    shown: list[str]
+    copies: list[str]
+    source: dict[str, fx.Node]
+
+    @property
+    def members(self) -> set[str]:
+        return set(self.shown) | set(self.copies)
+
+
+def _op_legend(
+    graph: JointGraph,
+    ops: _OpSet,
+    decisions: Decisions | None,
+    changes: Changes | None,
+    collectives: set[str],
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The legend's lines (what the view keeps and runs again, what boxes, hovers and edges
+    mean) and its colour rows, for the kinds of box the view holds."""
+    kept = saved_bytes_by_node(graph, decisions)
     redone = recompute_flops_by_node(graph, decisions)
-    diffing = changes is not None
-    changes = changes or {}
-    members = set(shown) | set(copies)
-    fwd = [n for n in shown if forward_side(graph.nodes[n])]
-    heading = title or f"{graph.model_name}: {len(shown)} ops"
+    fwd = [n for n in ops.shown if forward_side(graph.nodes[n])]
     lines = [
-        f"kept for backward here: {format_bytes(sum(kept[1].get(n, 0) for n in fwd))}"
+        f"kept for backward here: {format_bytes(sum(kept.get(n, 0) for n in fwd))}"
         f" · run again in backward here: {format_flops(sum(redone.get(n, 0) for n in fwd))}",
         BOX_WORDS + HOVER_WORDS,
         *EDGE_WORDS,
@@ -331,39 +370,79 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
     if any(is_offload(decisions, n) for n in fwd):  # only then: pictures without stay as were
         lines.append(OFFLOAD_EDGE_WORDS)
         kinds.insert(len(DECISION_KINDS), "offload")
-    if copies:
+    if ops.copies:
         kinds.append("recomputed_copy")
-    infos = {n: node_facts(graph, n) for n in members}
-    collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
     if collectives:
         lines.append(COLLECTIVE_WORDS)
     tags = decisions or {}
-    fsdp = {_kind(graph, n, decisions) for n in shown if n in tags and tags[n].why is Why.FSDP}
-    rows = _legend_rows(kinds, diffing, fsdp)
-    drawing = Drawing()
-    elements: Elements = {}
-    for name in [*shown, *copies]:
+    fsdp = {_kind(graph, n, decisions) for n in ops.shown if n in tags and tags[n].why is Why.FSDP}
+    return lines, _legend_rows(kinds, changes is not None, fsdp)
+
+
+def _draw_ops(
+    drawing: Drawing,
+    elements: Elements,
+    graph: JointGraph,
+    ops: _OpSet,
+    decisions: Decisions | None,
+    changes: Changes | None,
+    collectives: set[str],
+) -> None:
+    """A box per op and per recomputed copy, coloured by its decision (faded where a diff
+    leaves it unchanged), a hexagon for a collective."""
+    # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
+    kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
+    diffing = changes is not None
+    for name in [*ops.shown, *ops.copies]:
         kind = _kind(graph, name, decisions)
-        change = changes.get(name)
-        traced = original_of(name) if name in copies else name
+        change = (changes or {}).get(name)
+        traced = original_of(name) if name in ops.copies else name
         assert traced is not None
         elements[svg_id("n", name)] = Element(
-            "copy" if name in copies else "op",
+            "copy" if name in ops.copies else "op",
             traced,
             nodes=(traced,),
             collective=name in collectives,
         )
+        attrs = _attrs(kind, change, diffing)
+        if name in collectives:  # a hexagon; the box's own style (a copy's dashes) stays
+            attrs = {**COLLECTIVE_STYLE, **attrs}
         drawing.node(
             svg_id("n", name),
             _op_label(graph, name, decisions, kept, change),
             tooltip=_tooltip(graph, name, decisions),
-            **_attrs(kind, change, diffing),
-            **(COLLECTIVE_STYLE if name in collectives else {}),
+            **attrs,
         )
+
+
+def _draw_copy_edges(drawing: Drawing, ops: _OpSet) -> None:
+    """A dashed edge from each original to its recomputed copy, laid out last (no rank
+    constraint)."""
+    for copy in ops.copies:
+        original = original_of(copy)
+        assert original is not None
+        drawing.edge(
+            svg_id("n", original),
+            svg_id("n", copy),
+            style="dashed",
+            color=ORANGE,
+            constraint="false",
+            tooltip="recomputed copy of this node",
+        )
+
+
+def _draw_inputs(
+    drawing: Drawing, elements: Elements, graph: JointGraph, ops: _OpSet
+) -> tuple[dict[str, None], dict[str, dict[str, None]]]:
+    """The edges between drawn ops, one "from MODULE" input per module whose forward values
+    they read; and, per backward module, the drawn values it reads (drawn by
+    `_draw_backward_readers`)."""
+    joint = {n.name: n for n in graph.gm.graph.nodes}
+    members = ops.members
     outside: dict[str, None] = {}
     readers: dict[str, dict[str, None]] = collections.defaultdict(dict)
-    for name in [*shown, *copies]:
-        node = source.get(name) or joint[name]
+    for name in [*ops.shown, *ops.copies]:
+        node = ops.source.get(name) or joint[name]
         for arg in node.all_input_nodes:
             if arg.name in members:
                 drawing.edge(svg_id("n", arg.name), svg_id("n", name))
@@ -382,15 +461,27 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
                         fontcolor="#555555",
                     )
                 drawing.edge(svg_id("i", module), svg_id("n", name), color="#999999")
-        if name not in source:
+        if name not in ops.source:
             continue
-        for user in source[name].users:
+        for user in ops.source[name].users:
             info = node_facts(graph, user.name)
             if user.name in members or info is None or info.phase != "backward":
                 continue
             if original_of(user.name) is not None and user.name not in graph.nodes:
                 continue  # recomputed chains outside the view
             readers[info.module][name] = None
+    return outside, readers
+
+
+def _draw_backward_readers(
+    drawing: Drawing,
+    elements: Elements,
+    readers: dict[str, dict[str, None]],
+    ops: _OpSet,
+    decisions: Decisions | None,
+) -> None:
+    """A grey note per backward module reading drawn values, reached by a blue edge (kept),
+    a green one (offloaded) or an orange dashed one (recomputed)."""
     for module, values in readers.items():
         elements[svg_id("b", module)] = Element("backward", module)
         drawing.node(
@@ -401,7 +492,7 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
             fillcolor=GREY,
         )
         for name in values:
-            recomputed = is_recompute(decisions, name) or name in copies
+            recomputed = is_recompute(decisions, name) or name in ops.copies
             offloaded = not recomputed and is_offload(decisions, name)
             drawing.edge(
                 svg_id("n", name),
@@ -410,24 +501,6 @@ def op_view(  # noqa: C901, PLR0912, PLR0915
                 style="dashed" if recomputed else "solid",
                 penwidth="1.2" if recomputed else "2",
             )
-    for copy in copies:
-        original = original_of(copy)
-        assert original is not None
-        drawing.edge(
-            svg_id("n", original),
-            svg_id("n", copy),
-            style="dashed",
-            color=ORANGE,
-            constraint="false",
-            tooltip="recomputed copy of this node",
-        )
-    dot = new_digraph("ops", legend_label(heading, lines, rows))
-    if len(members) > QUICK_LAYOUT_ABOVE:
-        dot.graph_attr.update(QUICK_LAYOUT)
-    drawing.digraph(dot)
-    links = [(tail, head) for tail, head, _ in drawing.edges]
-    count = len(members) + len(outside) + len(readers)
-    return View(dot, count, len(links), elements, rows, links, drawing)
 
 
 def op_elements(graph: JointGraph) -> Elements:
