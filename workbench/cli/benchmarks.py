@@ -57,6 +57,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def _load_average() -> float | None:
+    """The one-minute load average at this moment (None where the OS has none), rounded."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def bench_trace(trace_once: Callable[[], tuple[JointGraph, float]], repeat: int) -> dict[str, Any]:
     """Median of `repeat` traces (each returns the graph and its seconds)."""
     times, summary = [], {}
@@ -99,7 +104,7 @@ def bench_whatif(
     rng = random.Random(seed)
     whatif, full, exact, fallbacks = [], [], True, 0
     stages: dict[str, list[float]] = {"decide": [], "replay": [], "simulate": []}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = _load_average()
     k = 0
     while k < flips:
         if not candidates:
@@ -141,7 +146,7 @@ def bench_whatif(
         "equal_to_full_path": exact,
         "replay_fallbacks": fallbacks,
         "cpu_count": os.cpu_count(),
-        "load_average": round(load, 2) if load is not None else None,
+        "load_average": load,
     }
 
 
@@ -152,7 +157,7 @@ def bench_click(explorer: PolicyExplorer, flips: int, seed: int) -> dict[str, An
     the rules refuse (a save they keep) is drawn again."""
     candidates = sorted(n for n, d in explorer.decisions.items() if not d.forced)
     rng = random.Random(seed)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = _load_average()
     clicks: list[float] = []
     while len(clicks) < flips:
         if not candidates:
@@ -174,7 +179,7 @@ def bench_click(explorer: PolicyExplorer, flips: int, seed: int) -> dict[str, An
         "click_p50_seconds": round(statistics.median(clicks), 4),
         "click_p90_seconds": round(percentile(clicks, 0.9), 4),
         "cpu_count": os.cpu_count(),
-        "load_average": round(load, 2) if load is not None else None,
+        "load_average": load,
     }
 
 

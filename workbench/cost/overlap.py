@@ -333,17 +333,13 @@ class Streams:
         nodes = space.node(entries[host_at]).tolist()
         copies: list[int] = []
         copy_keys: list[tuple[int, int]] = []
-        host_key, host_cost, copy_of = [], [], {}
+        host_key, copy_of = [], {}
         for k, node in zip(steps, nodes, strict=True):
             if k in (0, 2):
                 copy_of[(node, k)] = n + len(copies)
-                host_key.append(n + len(copies))
-                host_cost.append(n + len(copies))
                 copies.append(offloaded[node])
                 copy_keys.append((node, k // 2))
-            else:
-                host_key.append(copy_of[(node, k - 1)])
-                host_cost.append(-1)
+            host_key.append(copy_of[(node, k if k in (0, 2) else k - 1)])
         host_wait = np.array([k % 2 == 1 for k in steps], bool)
         # `walk_streams`' order: by position, issues before waits, then as listed (each
         # collective then its waits, then the host steps)
@@ -360,9 +356,10 @@ class Streams:
         what = np.concatenate(
             (np.zeros(n, np.int64), np.ones(len(wait_at), np.int64), np.where(host_wait, 1, 2))
         )
-        keys = np.concatenate((np.arange(n), c.wait_of, np.array(host_key, np.int64)))
+        host_keys = np.array(host_key, np.int64)  # a copy's key is its cost's index too
+        keys = np.concatenate((np.arange(n), c.wait_of, host_keys))
         costs = np.concatenate(
-            (np.arange(n), np.full(len(wait_at), -1), np.array(host_cost, np.int64))
+            (np.arange(n), np.full(len(wait_at), -1), np.where(host_wait, -1, host_keys))
         )
         order = np.lexsort((listed, waiting, position))
         events = list(

@@ -315,10 +315,12 @@ def op_view(
     ops = _OpSet(shown, copies, source)
     infos = {n: node_facts(graph, n) for n in ops.members}
     collectives = {n for n, info in infos.items() if info is not None and is_collective(info)}
-    lines, rows = _op_legend(graph, ops, decisions, changes, collectives)
+    # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
+    kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
+    lines, rows = _op_legend(graph, ops, decisions, kept[1], changes, collectives)
     drawing = Drawing()
     elements: Elements = {}
-    _draw_ops(drawing, elements, graph, ops, decisions, changes, collectives)
+    _draw_ops(drawing, elements, graph, ops, decisions, kept, changes, collectives)
     outside, readers = _draw_inputs(drawing, elements, graph, ops)
     _draw_backward_readers(drawing, elements, readers, ops, decisions)
     _draw_copy_edges(drawing, ops)
@@ -352,12 +354,12 @@ def _op_legend(
     graph: JointGraph,
     ops: _OpSet,
     decisions: Decisions | None,
+    kept: dict[str, int],
     changes: Changes | None,
     collectives: set[str],
 ) -> tuple[list[str], list[tuple[str, str]]]:
     """The legend's lines (what the view keeps and runs again, what boxes, hovers and edges
     mean) and its colour rows, for the kinds of box the view holds."""
-    kept = saved_bytes_by_node(graph, decisions)
     redone = recompute_flops_by_node(graph, decisions)
     fwd = [n for n in ops.shown if forward_side(graph.nodes[n])]
     lines = [
@@ -385,13 +387,12 @@ def _draw_ops(
     graph: JointGraph,
     ops: _OpSet,
     decisions: Decisions | None,
+    kept: tuple[dict[str, int], dict[str, int]],
     changes: Changes | None,
     collectives: set[str],
 ) -> None:
     """A box per op and per recomputed copy, coloured by its decision (faded where a diff
     leaves it unchanged), a hexagon for a collective."""
-    # What autograd keeps, and what stays kept under `decisions` (storages by their owner).
-    kept = saved_bytes_by_node(graph, None), saved_bytes_by_node(graph, decisions)
     diffing = changes is not None
     for name in [*ops.shown, *ops.copies]:
         kind = _kind(graph, name, decisions)
