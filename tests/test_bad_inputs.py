@@ -1864,6 +1864,8 @@ def _snapshot_file(tmp_path: Path, data: bytes | None = None) -> str:
         (["estimate", *SNAP, "--snapshot", "{tmp}/no/such/x.pickle"], "folder .* is missing"),
         (["estimate", *SNAP, "--snapshot", "{mine}"], "exists and was not written by"),
         (["estimate", *SNAP, "--snapshot", "{tmp}/x.pickle", "--pp", "2"], "drop --pp"),
+        (["estimate", *SNAP, "--backward-inputs", "held", "--pp", "2"], "one graph's backward"),
+        (["estimate", *SNAP, "--policy", '{"preset": "none"'], "--policy JSON is not valid"),
         (["bench", "gpu", *SNAP, "--out", "{mine}"], "is not a folder"),
         (["bench", "gpu", *SNAP, "--out", "{tmp}/a/b"], "parent folder .* is missing"),
         (["bench", "gpu", *SNAP, "--presets", "fast"], "unknown fast; choose from"),
@@ -1894,6 +1896,7 @@ def test_snapshot_bad_inputs(
     [
         (["compare-snapshot", *SNAP], "the following arguments are required: snapshot"),
         (["compare-snapshot", "x.pickle", *SNAP, "--top", "many"], "--top: invalid int value"),
+        (["estimate", *SNAP, "--backward-inputs", "kept"], "invalid choice: 'kept' (choose"),
     ],
 )
 def test_snapshot_bad_cli_syntax_is_argparses_one_line(

@@ -97,6 +97,42 @@ def test_categories_account_for_every_byte(llama_debug: Fixture) -> None:
     assert sum(est.saved_by_layer.values()) == est.saved_activation_bytes
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_backward_holding_its_inputs_frees_them_when_it_returns(
+    llama_debug: Fixture, preset: str
+) -> None:
+    """`backward_inputs="held"` (an FX GraphModule backward called as f(*args)): what forward
+    saved and the logits' gradient stay to the step's end; nothing else moves."""
+    workload, graph = llama_debug
+    freed = Estimator(graph, PROFILES).estimate(Policy(preset))
+    estimator = Estimator(graph, PROFILES, backward_inputs="held")
+    held = estimator.estimate(Policy(preset))
+    assert held.order == freed.order and held.saved_by_node == freed.saved_by_node
+    assert freed.timeline["activations"][-1] == 0
+    # at its end backward still holds every byte the model's forward saved (what the loss
+    # saved for its own backward, which runs first, is the loss's)
+    model_saved = sum(b for n, b in held.saved_by_node.items() if graph.nodes[n].phase == "forward")
+    assert held.timeline["activations"][-1] == model_saved > 0
+    assert held.peak_bytes >= freed.peak_bytes
+    # the one input from the loss: the gradient of the logits, the model's output
+    index = estimator.index
+    flat = estimator.order_for(decide(graph, Policy(preset)))
+    from_loss = {
+        index.names[e] for e in index.backward_inputs(flat).tolist() if index.phase[e] != "forward"
+    }
+    (tangent,) = from_loss
+    logits = workload.model(*workload.inputs)
+    assert graph.nodes[tangent].shapes[0] == tuple(logits.shape)
+    # ... held to the end among the temporaries, beside the gradients
+    last = held.timeline["temporaries"][-1] - freed.timeline["temporaries"][-1]
+    assert last == graph.nodes[tangent].bytes
+
+
+def test_backward_inputs_are_freed_or_held(llama_debug: Fixture) -> None:
+    with pytest.raises(WorkbenchError, match=r"backward_inputs 'kept': one of freed, held"):
+        Estimator(llama_debug[1], PROFILES, backward_inputs="kept")  # type: ignore[arg-type]
+
+
 def test_presets_order_memory_and_recompute(llama_debug: Fixture) -> None:
     _, graph = llama_debug
     estimator = Estimator(graph, PROFILES)

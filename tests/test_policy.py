@@ -182,6 +182,24 @@ def test_json_round_trip_and_schema(tmp_path: Path) -> None:
     assert Policy.load(path) == policy
     assert parse_policy(str(path)) == policy
     assert parse_policy("full") == Policy("full")
+    # the same JSON as --policy's text, as a command line carries it (validate's rows)
+    assert parse_policy(" " + json.dumps(data, separators=(",", ":"))) == policy
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"preset": "full"', r"^--policy JSON is not valid JSON: "),
+        ('{"preset": "full"}', r"^--policy JSON: not a workbench policy \(schema must be"),
+        (
+            '{"schema": "sac-workbench/policy", "version": 1, "preset": "ful"}',
+            r"^--policy JSON: unknown preset 'ful' \(did you mean 'full'\?\)",
+        ),
+    ],
+)
+def test_policy_text_is_checked_as_a_file_is(text: str, message: str) -> None:
+    with pytest.raises(WorkbenchError, match=message):
+        parse_policy(text)
 
 
 def test_save_never_overwrites_unless_asked(tmp_path: Path) -> None:

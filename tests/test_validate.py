@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from workbench.capture.models import model_names
 from workbench.cli import build_parser, main
 from workbench.cost.profiles import PROFILES, get_profile
+from workbench.decide.policy import parse_policy
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.published import PUBLISHED_RUNS, PublishedRun, select_runs
@@ -22,7 +24,8 @@ from workbench.interop.validate import RowResult, eager_kind
 GIB = 2**30
 CHEAP = "pr2570-8b-fsdp4-tp2-default"  # one rank of Llama3-8B, cut to 1 layer and 128 tokens
 QUICK = ["--layers", "1", "--seq", "128"]
-OPTIONAL = {"pp_schedule", "microbatches", "device_memory_gib", "published_pct"}
+OPTIONAL = {"pp_schedule", "microbatches", "device_memory_gib", "published_pct", "selectors"}
+TOOLKIT = "pr2377-8b-tp2-fsdp2-none"  # the compiler toolkit's step: a policy as JSON, held
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
@@ -57,7 +60,10 @@ def test_every_row_has_every_field_and_a_source(run: PublishedRun) -> None:
 def test_each_row_is_an_estimate_command(run: PublishedRun) -> None:
     """A row's flags are ones `estimate` takes, naming the row's shape."""
     args = build_parser().parse_args(["estimate", *run.estimate_argv()])
-    assert (args.model, args.policy, args.profile) == (run.model, run.policy, run.profile)
+    assert (args.model, args.profile) == (run.model, run.profile)
+    assert parse_policy(args.policy) == run.workbench_policy
+    assert parse_policy(args.policy).preset == run.policy
+    assert args.backward_inputs == run.backward_inputs
     assert (args.fsdp, args.tp, args.ep, args.pp) == (run.fsdp, run.tp, run.ep, run.pp)
     assert (args.batch, args.seq) == (run.local_batch, run.seq)
 
@@ -108,16 +114,38 @@ def test_validate_json_on_a_cheap_row(capsys: pytest.CaptureFixture[str]) -> Non
     assert row["config"]["id"] == CHEAP and row["seconds"] >= row["estimate_seconds"]
 
 
-def test_validate_gives_what_estimate_gives(capsys: pytest.CaptureFixture[str]) -> None:
-    """One truth: a row's figures are `estimate`'s for the row's flags."""
-    row = run_cli(capsys, ["validate", "--rows", CHEAP, *QUICK])["rows"][0]
-    argv = row["command"].removeprefix("python -m workbench ").split()
-    assert argv == ["estimate", *PUBLISHED_RUNS[CHEAP].estimate_argv(1, 128)]
+@pytest.mark.parametrize("row_id", [CHEAP, TOOLKIT])
+def test_validate_gives_what_estimate_gives(
+    capsys: pytest.CaptureFixture[str], row_id: str
+) -> None:
+    """One truth: a row's figures are `estimate`'s for the row's command, a policy given as
+    JSON and a backward holding its inputs included."""
+    run = PUBLISHED_RUNS[row_id]
+    row = run_cli(capsys, ["validate", "--rows", row_id, *QUICK])["rows"][0]
+    python, m, workbench, *argv = shlex.split(row["command"])
+    assert (python, m, workbench) == ("python", "-m", "workbench")
+    assert argv == ["estimate", *run.estimate_argv(1, 128)]
     est = run_cli(capsys, argv)
     assert est["peak_bytes"] == row["allocated_peak_bytes"]
     assert est["reserved_peak_bytes"] == row["reserved_peak_bytes"]
     assert est["peak_breakdown"] == row["breakdown"]
-    assert est["outside_allocator_bytes"]["h100"] == row["outside_allocator_bytes"]
+    assert est["outside_allocator_bytes"][run.profile] == row["outside_allocator_bytes"]
+
+
+def test_the_toolkits_rows_hold_backwards_inputs_and_no_ac_keeps_gathered_weights(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """PR #2377 ran in the compiler toolkit: its rows are graph runs whose backward holds what
+    forward saved (higher than a freeing backward), no AC keeping the gathered weights."""
+    run = PUBLISHED_RUNS[TOOLKIT]
+    assert run.ran == "graph" and run.backward_inputs == "held" and not run.fsdp_reshard
+    argv = ["estimate", *run.estimate_argv(2, 128)]
+    assert argv[-2:] == ["--backward-inputs", "held"]
+    held, freed = run_cli(capsys, argv), run_cli(capsys, argv[:-2])
+    assert held["peak_bytes"] > freed["peak_bytes"]
+    assert held["peak_breakdown"]["gathered"] > 0
+    graph_sac = PUBLISHED_RUNS["pr2377-8b-tp2-fsdp2-default"].workbench_policy
+    assert len(graph_sac.selectors) == 7 and graph_sac.preset == "eager"
 
 
 def test_list_estimates_nothing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -210,10 +238,11 @@ def test_eager_runs_are_estimated_as_eager_runs_them(capsys: pytest.CaptureFixtu
     preset's figures beside; graph runs, pipelines and torchtitan ranks keep the graph's."""
     kinds = {run_id: eager_kind(run) for run_id, run in PUBLISHED_RUNS.items()}
     assert (
-        kinds["pr2377-8b-tp2-fsdp2-eager"] == "sac" and kinds["pr2377-8b-tp2-fsdp2-none"] == "none"
+        kinds["pr2570-8b-fsdp4-tp2-eager"] == "sac" and kinds["pr2570-8b-fsdp4-tp2-none"] == "none"
     )
     assert kinds["bench2412-70b-fsdp32-tp8-full"] == "full"
-    assert kinds["pr2377-8b-tp2-fsdp2-default"] is None  # graph SAC
+    assert kinds["pr2570-8b-fsdp4-tp2-default"] is None  # graph SAC
+    assert kinds["pr2377-8b-tp2-fsdp2-eager"] is None  # eager SAC traced by the toolkit
     assert kinds["bench2412-405b-pp8-1f1b"] is None  # a pipeline: no eager baseline
     assert kinds["pr3429-dsv3-16b-full"] is None  # graph trainer's rank
     row = run_cli(capsys, ["validate", "--rows", "bench2412-8b-fsdp8-sac", *QUICK])["rows"][0]

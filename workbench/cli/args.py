@@ -298,7 +298,12 @@ def cost_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     )
     path = getattr(args, "calibrate", None)
     calibration = None if path is None else load_calibration(path)
-    return {"allocator": allocator, "overlap": overlap, "calibration": calibration}
+    return {
+        "allocator": allocator,
+        "overlap": overlap,
+        "calibration": calibration,
+        "backward_inputs": getattr(args, "backward_inputs", "freed"),
+    }
 
 
 def solve_options_from_args(args: argparse.Namespace) -> SolveOptions:

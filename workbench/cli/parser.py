@@ -347,6 +347,15 @@ def _add_estimate(commands: Commands) -> None:
     add_optimizer_arg(estimate)
     add_passes_arg(estimate)
     add_cost_args(estimate, calibrate=True)
+    estimate.add_argument(
+        "--backward-inputs",
+        choices=("freed", "held"),  # cost.estimate.BACKWARD_INPUTS, without its imports
+        default="freed",
+        help="what the backward does with what forward saved and the loss's gradient: freed "
+        "after each one's last use (eager autograd, inductor; default) or held until it "
+        "returns (an FX GraphModule backward called as f(*args): torchtitan's compiler "
+        "toolkit)",
+    )
     add_pipeline_args(estimate)
     estimate.add_argument(
         "--baselines",

@@ -208,6 +208,11 @@ def cmd_estimate_stages(args: argparse.Namespace) -> Report:
     then; the top-level peak is the largest."""
     if args.snapshot is not None:
         raise WorkbenchError("--snapshot writes one graph's estimate: drop --pp")
+    if args.backward_inputs == "held":
+        raise WorkbenchError(
+            "--backward-inputs held models one graph's backward, not a pipeline schedule's "
+            "stages: drop --pp (or --backward-inputs)"
+        )
     profile = _one_profile(args)
     policies: list[Policy] = []  # read before the trace, once the stages are known
 

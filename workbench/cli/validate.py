@@ -95,6 +95,16 @@ def _itemised(row: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _policy_cell(row: dict[str, Any]) -> str:
+    """The row's preset, marked `+` where the row adds to it what `--policy` JSON or
+    `--backward-inputs` carries."""
+    config = row["config"]
+    added = (
+        config["selectors"] or not config["fsdp_reshard"] or config["backward_inputs"] != "freed"
+    )
+    return f"{row['policy']}{'+' if added else ''}"
+
+
 def validate_table(result: dict[str, Any], itemised: bool = True) -> str:
     """The rows side by side (GiB per GPU), then (`itemised`) each row's peak by category
     and what the run does that the workbench does not model."""
@@ -112,14 +122,16 @@ def validate_table(result: dict[str, Any], itemised: bool = True) -> str:
         diff, pct = row["difference_bytes"], row["difference_pct"]
         mark = "*" if row["compared"] == "allocated" else " "
         lines.append(
-            f"{row['id']:<34} {row['policy']:<13} {row['estimated_by']:<5} "
+            f"{row['id']:<34} {_policy_cell(row):<13} {row['estimated_by']:<5} "
             f"{_gib(row['allocated_peak_bytes']):>6} "
             f"{_gib(reserved):>6} {outside / GIB:>5.2f} {row['published_gib']:>6.2f} "
             f"{'-' if diff is None else f'{diff / GIB:+.2f}':>7}{mark}"
             f"{'-' if pct is None else f'{pct:+.1f}':>7} {row['seconds']:>5.1f}"
         )
     lines.append(
-        "GiB per GPU. by: graph (the preset on the workbench's graph) or eager (the run's AC "
+        "GiB per GPU. policy: the preset (+: with the row's selectors, FSDP choice or a "
+        "backward holding its inputs; its command says which). "
+        "by: graph (the preset on the workbench's graph) or eager (the run's AC "
         "as eager runs it, under torch's memory trackers: the published run was eager). publ: "
         "torchtitan's max_memory_reserved; diff = reserved estimate - published (* allocated: "
         "no reserved model over a pipeline schedule); +outs: CUDA context and NCCL buffers, "

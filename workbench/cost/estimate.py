@@ -50,6 +50,14 @@ BudgetKind = Literal["allocated", "reserved"]
 BUDGET_KINDS: tuple[str, ...] = ("allocated", "reserved")
 # fp32 state per parameter element: AdamW's two moments, SGD's momentum buffer.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "sgd": 4, "none": 0}
+# What the model's backward does with its inputs (what forward saved, and the loss's gradient
+# of the model's output): `freed` after each one's last use, as eager autograd, inductor's
+# compiled code and FX's boxed codegen do; `held` until the backward returns, as an FX
+# GraphModule backward does when AOTAutograd calls it with `f(*args)` (its caller's list
+# keeps every argument; `make_boxed_func` is such a call too): torchtitan's compiler toolkit
+# ran its backward so (`compiler` returned the GraphModule, 2025-11 to 2026-03).
+BackwardInputs = Literal["freed", "held"]
+BACKWARD_INPUTS: tuple[str, ...] = ("freed", "held")
 
 
 def check_budget_kind(kind: object) -> BudgetKind:
@@ -251,8 +259,14 @@ class Estimator:
         allocator: AllocatorConfig | None = None,
         overlap: OverlapOptions | None = None,
         calibration: Calibration | None = None,
+        backward_inputs: BackwardInputs = "freed",
     ) -> None:
+        if backward_inputs not in BACKWARD_INPUTS:
+            raise WorkbenchError(
+                f"backward_inputs {backward_inputs!r}: one of {', '.join(BACKWARD_INPUTS)}"
+            )
         self.graph = graph
+        self.backward_inputs = backward_inputs
         self.index = graph_index(graph)
         self.optimizer = optimizer
         self.optimizer_bytes = optimizer_bytes(graph, optimizer)
@@ -450,12 +464,15 @@ class Estimator:
     def _deaths(self, flat: Flat, table: Storages, position: np.ndarray) -> np.ndarray:
         """The step after which each storage is freed. Values die after their last use, or
         right after they run when unused; graph inputs are held by the caller and outputs
-        are returned. A storage is freed when the last value holding it dies: every value
-        aliasing it is made from a live one, so its reference count cannot reach zero
-        earlier."""
+        are returned; with `backward_inputs="held"` what the model's backward reads from
+        before it lives until the step's end. A storage is freed when the last value holding
+        it dies: every value aliasing it is made from a live one, so its reference count
+        cannot reach zero earlier."""
         entries, steps = flat.entries, len(flat.entries)
         death = position.copy()
         np.maximum.at(death, flat.read, flat.reader)
+        if self.backward_inputs == "held":
+            death[self.index.backward_inputs(flat)] = steps - 1
         death[self._held_forever] = steps
         death[flat.read[entries[flat.reader] == self.index.output]] = steps
         freed = np.zeros(len(table.sizes), dtype=np.int64)

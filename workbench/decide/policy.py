@@ -363,9 +363,12 @@ def offload_options(value: Any) -> OffloadOptions:
 
 
 def parse_policy(spec: str) -> Policy:
-    """A preset name or a path to a policy JSON file (the CLI's `--policy`)."""
+    """A preset name, a policy as JSON text (an object: `{"schema": ...}`) or a path to a
+    policy JSON file (the CLI's `--policy`)."""
     if spec in PRESETS:
         return Policy(preset=spec)
+    if spec.lstrip().startswith("{"):
+        return Policy.from_bytes(spec.encode(), "--policy JSON")
     if spec.endswith(".json") or os.path.sep in spec or Path(spec).exists():
         return Policy.load(spec)
     return Policy(preset=spec)  # raises with the list of presets

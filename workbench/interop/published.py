@@ -7,12 +7,17 @@ Entry points: `PUBLISHED_RUNS` (id -> `PublishedRun`, in table order) and `selec
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from workbench.capture.degrees import Degrees
 from workbench.decide.presets import preset_record
 from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    from workbench.decide.policy import Policy
 
 __all__ = ["PUBLISHED_RUNS", "PublishedRun", "select_runs"]
 
@@ -103,7 +108,15 @@ class PublishedRun:
     """The run's activation checkpointing as its source or config states it: a short name,
     then after a colon what it does."""
     policy: str
-    """The workbench preset standing for it (`--policy`)."""
+    """The workbench preset standing for it (`--policy`), with `selectors` and
+    `fsdp_reshard` on top (`workbench_policy`)."""
+    selectors: tuple[tuple[str, str], ...] = ()
+    """(MODULE_PATTERN::OP, action) selectors the run's checkpointing adds to its preset."""
+    fsdp_reshard: bool = True
+    """False where the run kept FSDP's gathered parameters from forward to backward."""
+    backward_inputs: Literal["freed", "held"] = "freed"
+    """What the run's backward did with what forward saved (`Estimator`'s
+    `backward_inputs`): `held` for an FX GraphModule backward called as f(*args)."""
     dtype: str = MIXED_BF16
     optimizer: Literal["adamw"] = "adamw"
     device: str
@@ -145,9 +158,25 @@ class PublishedRun:
         pipeline = (self.pp_schedule, self.microbatches)
         return (self.model, self.profile, self.degrees, pipeline, self.local_batch, self.seq)
 
+    @property
+    def workbench_policy(self) -> Policy:
+        """The policy the row is estimated with: its preset, selectors and FSDP choice."""
+        from workbench.decide.policy import Policy, Selector
+
+        selectors = [Selector(select, action) for select, action in self.selectors]  # type: ignore[arg-type]
+        return Policy(self.policy, selectors=selectors, fsdp_reshard=self.fsdp_reshard)
+
+    @property
+    def policy_arg(self) -> str:
+        """`--policy`'s value: the preset's name, or the policy as JSON where the row adds
+        selectors or an FSDP choice to it."""
+        if not self.selectors and self.fsdp_reshard:
+            return self.policy
+        return json.dumps(self.workbench_policy.to_json(), separators=(",", ":"))
+
     def estimate_argv(self, layers: int | None = None, seq: int | None = None) -> list[str]:
         """The `python -m workbench estimate` flags giving this row's estimate."""
-        argv = ["--model", self.model, "--mode", "fake", "--policy", self.policy]
+        argv = ["--model", self.model, "--mode", "fake", "--policy", self.policy_arg]
         for name, degree in self.degrees.used(()).items():
             if name != "pp":  # with its schedule and microbatches
                 argv += [f"--{name}", str(degree)]
@@ -160,10 +189,24 @@ class PublishedRun:
         argv += ["--profile", self.profile]
         if self.expandable_segments and self.pp == 1:
             argv.append("--expandable-segments")
+        if self.backward_inputs != "freed":
+            argv += ["--backward-inputs", self.backward_inputs]
         return argv
 
+    def estimate_command(self, layers: int | None = None, seq: int | None = None) -> str:
+        """The row's estimate as one shell command."""
+        return shlex.join(
+            ["python", "-m", "workbench", "estimate", *self.estimate_argv(layers, seq)]
+        )
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "differences": list(self.differences)}
+        return {
+            **asdict(self),
+            "selectors": [
+                {"select": select, "action": action} for select, action in self.selectors
+            ],
+            "differences": list(self.differences),
+        }
 
 
 # The PRs' no-AC and eager-SAC rows are their eager baselines, graph SAC the graph's
@@ -173,13 +216,35 @@ _EAGER_IN_PR = (
 )
 
 
-# PR #2377's no-AC and eager-SAC rows are not the eager trainer's
-_EAGER_STAND_IN_2377 = (
-    "estimated as the eager step under torch's trackers (`ran`), but the PR ran all three rows "
-    "in the compiler toolkit: dynamo traced the step (eager SAC: torchtitan's checkpoint "
-    "wrappers inside it, whose HOP the PR reports failing on DeepSeek-V3's full-graph capture, "
-    "torchtitan#1935), aot_export_joint_with_descriptors and the default partitioner split it, "
-    "and the loss ran eagerly"
+# How PR #2377 ran all three of its rows (torchtitan's compiler toolkit, 2026-02)
+_TOOLKIT_RUN = (
+    "the compiler toolkit: dynamo traced the model's step (eager SAC: torchtitan's checkpoint "
+    "wrappers inside it, the HOP the PR reports failing on DeepSeek-V3, torchtitan#1935), "
+    "aot_export_joint_with_descriptors and the default partitioner split it (every op tagged "
+    "for recompute is recomputed, every other one backward reads is saved), the loss ran "
+    "eagerly; the workbench's graph of the same step is estimated with the same tags"
+)
+# An FX GraphModule backward holds its inputs (`Estimator`'s backward_inputs="held")
+_TOOLKIT_BACKWARD = (
+    "backward held what forward saved and the logits' gradient (0.98 GiB) until it returned: "
+    "the toolkit's bw_compiler returned the partitioned GraphModule, which AOTAutograd calls "
+    "as f(*args) (call_func_at_runtime_with_args), its list of arguments alive to the end, "
+    "by when the gradient shards (6.99 GiB) are resident; modelled (--backward-inputs held)"
+)
+# Global matmul count of the toolkit's `apply_sac` on Llama3-8B's seven matmuls per layer
+# (wq, wk, wv, wo, w1, w3, w2): even layers save the 1st, 3rd, 5th and 7th, odd layers the
+# 2nd, 4th and 6th; the `eager` preset's count restarts each layer, as the even layers'.
+_APPLY_SAC_ODD_LAYERS: tuple[tuple[str, str], ...] = tuple(
+    (f"layers.*[13579].{module}::aten.mm.default", action)
+    for module, action in (
+        ("attention.wq", "recompute"),
+        ("attention.wk", "save"),
+        ("attention.wv", "recompute"),
+        ("attention.wo", "save"),
+        ("feed_forward.w1", "recompute"),
+        ("feed_forward.w3", "save"),
+        ("feed_forward.w2", "recompute"),
+    )
 )
 
 
@@ -188,11 +253,19 @@ def _ran(policy: str) -> Literal["graph", "eager"]:
 
 
 def _llama3_8b_pr2377(
-    policy: str, ac: str, gib: float, pct: float, more: tuple[str, ...]
+    name: str,
+    ac: str,
+    gib: float,
+    pct: float,
+    *,
+    policy: str,
+    selectors: tuple[tuple[str, str], ...] = (),
+    fsdp_reshard: bool = True,
+    more: tuple[str, ...] = (),
 ) -> PublishedRun:
+    """A row of PR #2377: the compiler toolkit's step, all three AC modes."""
     return PublishedRun(
-        ran=_ran(policy),
-        id=f"pr2377-8b-tp2-fsdp2-{policy}",
+        id=f"pr2377-8b-tp2-fsdp2-{name}",
         title=f"Llama3-8B TP 2 x FSDP 2, {ac.split(':')[0]}",
         source=PR_2377,
         source_detail=f"PR description, 'Llama3-8B (TP=2, FSDP=2)': {ac.split(':')[0]} "
@@ -207,6 +280,9 @@ def _llama3_8b_pr2377(
         seq=8192,
         ac=ac,
         policy=policy,
+        selectors=selectors,
+        fsdp_reshard=fsdp_reshard,
+        backward_inputs="held",
         device=B200,
         device_memory_gib=round(67.19 / 0.3767, 2),
         device_note="the log's 67.19 GiB is 37.67 % of the device: 178.37 GiB, a B200 "
@@ -217,13 +293,7 @@ def _llama3_8b_pr2377(
         published_pct=pct,
         config_source="torchtitan's llama3_8b config of that date (local batch 1, seq 8192: "
         "models/llama3/train_configs/llama3_8b.toml at 27930cb6); the PR's TP and FSDP degrees",
-        differences=(
-            _SDPA_8B,
-            "the whole step traced by torchtitan's compiler toolkit and compiled"
-            if _ran(policy) == "graph"
-            else _EAGER_STAND_IN_2377,
-            *more,
-        ),
+        differences=(_SDPA_8B, _TOOLKIT_RUN, _TOOLKIT_BACKWARD, *more),
     )
 
 
@@ -267,9 +337,15 @@ def _llama3_8b_pr2570(
     )
 
 
-def _dsv3_pr3429(policy: str, gib: float, more: tuple[str, ...] = ()) -> PublishedRun:
+def _dsv3_pr3429(
+    policy: str,
+    gib: float,
+    more: tuple[str, ...] = (),
+    selectors: tuple[tuple[str, str], ...] = (),
+) -> PublishedRun:
     name = preset_record(policy).memory_policy
     return PublishedRun(
+        selectors=selectors,
         id=f"pr3429-dsv3-16b-{name}",
         title=f"DeepSeek-V3 16B FSDP 8 x EP 8, graph trainer memory policy {name}",
         source=PR_3429,
@@ -337,15 +413,11 @@ _FULL_AC = "full AC: activation_checkpoint mode 'full', every block recomputed i
 # workbench's graph of the row (GiB allocated / reserved): the graph with unshard chains
 # recomputed 52.48 / 53.28, gathered weights kept 61.43 / 61.74, and also held to the end of
 # backward with the rest of what forward saved and the logits' gradient 63.04 / 63.22.
-_COMPILER_TOOLKIT_NO_AC = (
+_TOOLKIT_NO_AC_KEEPS_GATHERED = (
     "reshard after forward not in effect: fsdp_reshard_after_fwd_pass tags all_gather, "
     "wait_tensor and slice MUST_RECOMPUTE, not the untagged views (t, view) between the wait "
     "and the matmuls, which the default partitioner saves: the gathered bf16 weights "
-    "(6.99 GiB) stay from forward to backward",
-    "the compiled backward is a plain GraphModule (the toolkit's compiler returns it unboxed), "
-    "which AOTAutograd calls with f(*args): every saved tensor and the logits' gradient "
-    "(0.98 GiB) live until the backward returns, by when 6.99 GiB of gradient shards are "
-    "resident",
+    "(6.99 GiB) stay from forward to backward; modelled (fsdp_reshard false)"
 )
 _EAGER_SAC_LIST = (
     "torchtitan's eager SAC save list also holds reduce-scatter outputs and aten.max / abs "
@@ -358,27 +430,53 @@ _RUNS: tuple[PublishedRun, ...] = (
         "titan-full",
         52.02,
         (
-            "higher-order ops: the PR's description (2026-05-26) says `full` saved them "
-            "(flex_attention, inductor_compiled_code); the merged code (27aa4907, 2026-06-02), "
-            "which titan-full follows, recomputes flex_attention. Saving its outputs (27 layers x "
-            "65 MiB, 1.71 GiB) gives 44.64 GiB allocated, 47.96 reserved (−7.8 %)",
+            "higher-order ops saved: the PR's branch when its description was written "
+            "(cf4423bc, 2026-05-26) tagged every higher-order op MUST_SAVE (flex_attention; "
+            "inductor_compiled_code, which the workbench's graph has none of); 7faef1e7 "
+            "(2026-06-02, merged with the PR) recomputes flex_attention, as titan-full does. "
+            "Modelled (a selector saving flex_attention: 27 layers x 65 MiB, 1.71 GiB); "
+            "titan-full alone gives 42.92 GiB allocated, 46.16 reserved (−11.3 %)",
         ),
+        selectors=(("**::flex_attention", "save"),),
     ),
-    _llama3_8b_pr2377("none", "no AC", 67.19, 37.67, _COMPILER_TOOLKIT_NO_AC),
+    _llama3_8b_pr2377(
+        "none",
+        "no AC",
+        67.19,
+        37.67,
+        policy="none",
+        fsdp_reshard=False,
+        more=(_TOOLKIT_NO_AC_KEEPS_GATHERED,),
+    ),
     _llama3_8b_pr2377(
         "eager",
         "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
         "of a block recomputed)",
         45.88,
         25.73,
-        (_EAGER_SAC_LIST,),
+        policy="eager",
+        more=(
+            _EAGER_SAC_LIST,
+            "traced, the wrappers' op rule tags the graph and the partitioner saves what "
+            "backward reads of what it tags saved; the eager trainer caches every such op's "
+            "output (run eagerly under torch's trackers: 41.68 GiB allocated, 43.92 reserved)",
+        ),
     ),
     _llama3_8b_pr2377(
         "default",
-        "graph SAC: --compile.joint_passes apply_sac (the compiler toolkit's save list)",
+        "graph SAC: --compile.joint_passes apply_sac (the compiler toolkit's save list, every "
+        "second matmul of the step recomputed)",
         44.20,
         24.78,
-        (),
+        policy="eager",
+        selectors=_APPLY_SAC_ODD_LAYERS,
+        more=(
+            "apply_sac counts matmuls over the whole step: the preset's per-layer count with "
+            "its odd layers flipped (selectors) is that count on these layers",
+            "apply_sac tags every forward op up to the logits (one ac_graph_id, so no layer "
+            "boundary is saved) and leaves the loss untagged; the preset saves each layer's "
+            "boundary and everything outside the layers",
+        ),
     ),
     _llama3_8b_pr2570("none", "no AC", 49.65, 52.27, ()),
     _llama3_8b_pr2570(

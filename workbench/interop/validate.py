@@ -28,7 +28,6 @@ from workbench.capture.trace import trace
 from workbench.cost.allocator import AllocatorConfig
 from workbench.cost.estimate import Estimator
 from workbench.cost.stages import PipelineEstimate, PipelineModel
-from workbench.decide.policy import Policy
 from workbench.interop.eager_runs import AcKind, BaselineOptions, estimate_baselines
 from workbench.interop.published import PublishedRun
 
@@ -120,8 +119,7 @@ class RowResult:
             "differences": list(run.differences),
             "layers": self.layers,
             "seq": self.seq,
-            "command": "python -m workbench estimate "
-            + " ".join(run.estimate_argv(self.layers, self.seq)),
+            "command": run.estimate_command(self.layers, self.seq),
             "trace_seconds": round(self.trace_seconds, 3),
             "estimate_seconds": round(self.estimate_seconds, 3),
             "trace_reused": self.trace_reused,
@@ -168,11 +166,17 @@ def _by_op(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _graph_row(run: PublishedRun, graph: JointGraph, estimators: dict[Any, Estimator]) -> RowResult:
-    key = (run.profile, run.expandable_segments)
+    key = (run.profile, run.expandable_segments, run.backward_inputs)
     if key not in estimators:
         allocator = AllocatorConfig(expandable_segments=run.expandable_segments)
-        estimators[key] = Estimator(graph, [run.profile], run.optimizer, allocator=allocator)
-    est = estimators[key].estimate(Policy(run.policy))
+        estimators[key] = Estimator(
+            graph,
+            [run.profile],
+            run.optimizer,
+            allocator=allocator,
+            backward_inputs=run.backward_inputs,
+        )
+    est = estimators[key].estimate(run.workbench_policy)
     return RowResult(
         run=run,
         allocated_bytes=est.peak_bytes,
@@ -185,7 +189,7 @@ def _graph_row(run: PublishedRun, graph: JointGraph, estimators: dict[Any, Estim
 
 
 def _pipeline_row(run: PublishedRun, model: PipelineModel) -> RowResult:
-    est: PipelineEstimate = model.estimate(Policy(run.policy))
+    est: PipelineEstimate = model.estimate(run.workbench_policy)
     rank = max(est.schedule.ranks, key=lambda r: r.peak_bytes)
     stages = {s.stage: s for s in est.schedule.stages}
     costs = {c.stage: c for c in est.costs}

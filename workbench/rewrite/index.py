@@ -23,7 +23,7 @@ from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bw
 )
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from workbench.capture.graph import ORIGIN_KEY, JointGraph, Phase
+from workbench.capture.graph import LOSS_MODULE, ORIGIN_KEY, JointGraph, Phase
 from workbench.capture.ops import WAIT, mutates, op_name, reads_until_wait
 from workbench.decide.facts import unshard_chains
 from workbench.errors import WorkbenchError
@@ -80,6 +80,7 @@ class _Tables(NamedTuple):
     alias_slot: np.ndarray  # by key: which slot of that input
     forward: np.ndarray  # by entry (7n): an original forward or loss node
     reads_saved: np.ndarray  # by entry (7n): a backward node, a copy, a replay, an offload step
+    model_backward: np.ndarray  # by entry (7n): the model's backward (`backward_inputs`)
     kept: np.ndarray  # by node: an owner whose storages may count as saved activations
 
 
@@ -233,6 +234,18 @@ class GraphIndex:
         return flat
 
     @functools.cached_property
+    def _loss_side(self) -> np.ndarray:
+        """Per node: the loss's, not the model's: its forward (phase `loss`) and its backward,
+        the backward nodes of the loss module or the root that read no backward node of the
+        model (autograd runs the loss's backward first; the root's later backward nodes are
+        the model's collectives and gradient sums)."""
+        loss = np.array([p == "loss" for p in self.phase], bool)
+        for i in range(self.n):
+            if self.phase[i] == "backward" and self.module[i] in ("", LOSS_MODULE):
+                loss[i] = all(loss[j] or self.phase[j] != "backward" for j in self.args[i])
+        return loss
+
+    @functools.cached_property
     def _tables(self) -> _Tables:
         counts = np.fromiter((len(slots) for slots in self.slots), np.int64, self.n)
         slot_start = np.concatenate(([0], np.cumsum(counts)))
@@ -250,6 +263,10 @@ class GraphIndex:
         kept = np.array(
             [p != "input" and i not in self.gathered for i, p in enumerate(self.phase)], bool
         )
+        of_model = ~self._loss_side
+        model_backward = np.concatenate(
+            (backward[: self.n] & of_model, of_model, of_model, np.zeros(others - 2 * self.n, bool))
+        )
         return _Tables(
             slot_start=slot_start,
             fresh=Csr(np.searchsorted(node_of[fresh], bounds), fresh),
@@ -259,6 +276,7 @@ class GraphIndex:
             alias_slot=np.ascontiguousarray(alias_slot),
             forward=forward,
             reads_saved=backward,
+            model_backward=model_backward,
             kept=kept,
         )
 
@@ -457,6 +475,17 @@ class GraphIndex:
         t = self._tables
         read = flat.read[t.reads_saved[flat.entries[flat.reader]]]
         return read[t.forward[read]]
+
+    def backward_inputs(self, flat: Flat) -> np.ndarray:
+        """Entries the model's backward takes from before it (with repeats): the forward
+        values its nodes and recomputed copies read (what forward saved) and the loss's
+        gradient of the model's output (`_loss_side`). What the loss's own backward reads
+        is its own."""
+        t = self._tables
+        read = flat.read[t.model_backward[flat.entries[flat.reader]]]
+        before = read < self.n  # originals, not copies, replays or offload steps
+        read = read[before]
+        return read[t.forward[read] | self._loss_side[read]]
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops that read `name`'s output, directly or through forward views of its
