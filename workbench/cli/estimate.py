@@ -76,6 +76,7 @@ def cmd_estimate(args: argparse.Namespace) -> Report:
             "mode": graph.mode,
             "policy": policy.to_json(),
             **passes_json(args, graph, policy, estimator),
+            "backward_inputs": estimator.backward_inputs,
             "trace_seconds": round(seconds, 3),
             **est.to_json(timeline=args.timeline),
             "time_basis": time_basis(estimator.profiles, estimator.calibration),

@@ -593,7 +593,7 @@ def _add_validate(commands: Commands) -> None:
     validate.add_argument(
         "--layers",
         type=int,
-        help="override every row's layer count (a quick check: no longer comparable)",
+        help="override every row's layer count, at least 2 (a quick check: no longer comparable)",
     )
     validate.add_argument(
         "--seq", type=int, help="override every row's sequence length (no longer comparable)"

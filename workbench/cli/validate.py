@@ -37,7 +37,8 @@ def cmd_validate(args: argparse.Namespace) -> Validation:
     if args.list:
         return Validation({"rows": [run.to_json() for run in runs]})
     if args.layers is not None:
-        check_int("--layers", args.layers, 1, MAX_LAYERS, "transformer blocks")
+        # two at least: the compiler toolkit's rows name odd layers (apply_sac's matmul count)
+        check_int("--layers", args.layers, 2, MAX_LAYERS, "transformer blocks")
     if args.seq is not None:
         check_int("--seq", args.seq, 1, MAX_SEQ, "tokens")
     from workbench.interop.validate import validate

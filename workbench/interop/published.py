@@ -209,20 +209,15 @@ class PublishedRun:
         }
 
 
-# The PRs' no-AC and eager-SAC rows are their eager baselines, graph SAC the graph's
-_EAGER_IN_PR = (
-    "the PR's baseline: torchtitan's eager trainer (its checkpoint wrappers), not the "
-    "graph it compares against"
-)
-
-
-# How PR #2377 ran all three of its rows (torchtitan's compiler toolkit, 2026-02)
+# How PR #2377 and PR #2570 ran all three of their rows: torchtitan's compiler toolkit, which
+# became graph trainer's `aot` mode (its default) on 2026-03-10 (#2457)
 _TOOLKIT_RUN = (
-    "the compiler toolkit: dynamo traced the model's step (eager SAC: torchtitan's checkpoint "
-    "wrappers inside it, the HOP the PR reports failing on DeepSeek-V3, torchtitan#1935), "
-    "aot_export_joint_with_descriptors and the default partitioner split it (every op tagged "
-    "for recompute is recomputed, every other one backward reads is saved), the loss ran "
-    "eagerly; the workbench's graph of the same step is estimated with the same tags"
+    "the compiler toolkit (graph trainer's aot mode from 2026-03-10): dynamo traced the "
+    "model's step (eager SAC: torchtitan's checkpoint wrappers inside it, the HOP the PRs "
+    "report failing on DeepSeek-V3, torchtitan#1935), aot_export_joint_with_descriptors and "
+    "the default partitioner split it (every op tagged for recompute is recomputed, every "
+    "other one backward reads is saved), the loss ran eagerly; the workbench's graph of the "
+    "same step is estimated with the same tags"
 )
 # An FX GraphModule backward holds its inputs (`Estimator`'s backward_inputs="held")
 _TOOLKIT_BACKWARD = (
@@ -246,10 +241,6 @@ _APPLY_SAC_ODD_LAYERS: tuple[tuple[str, str], ...] = tuple(
         ("feed_forward.w2", "recompute"),
     )
 )
-
-
-def _ran(policy: str) -> Literal["graph", "eager"]:
-    return "eager" if policy in ("none", "eager") else "graph"
 
 
 def _llama3_8b_pr2377(
@@ -298,17 +289,26 @@ def _llama3_8b_pr2377(
 
 
 def _llama3_8b_pr2570(
-    policy: str, ac: str, gib: float, pct: float, more: tuple[str, ...]
+    name: str,
+    ac: str,
+    gib: float,
+    pct: float,
+    *,
+    policy: str,
+    selectors: tuple[tuple[str, str], ...] = (),
+    fsdp_reshard: bool = True,
+    more: tuple[str, ...] = (),
 ) -> PublishedRun:
+    """A row of PR #2570: graph trainer's aot mode (the compiler toolkit's step), all three
+    AC modes."""
     return PublishedRun(
-        ran=_ran(policy),
-        id=f"pr2570-8b-fsdp4-tp2-{policy}",
+        id=f"pr2570-8b-fsdp4-tp2-{name}",
         title=f"Llama3-8B FSDP 4 x TP 2, {ac.split(':')[0]}",
         source=PR_2570,
         source_detail=f"PR description, 'Llama3-8B FSDP=4, TP=2': {ac.split(':')[0]} "
         f"'memory: {gib:.2f}GiB({pct:.2f}%)'",
         date="2026-03-13",
-        published_model="torchtitan Llama3 8B (graph trainer)",
+        published_model="torchtitan Llama3 8B (graph trainer, aot mode)",
         model="llama3-8b",
         gpus=8,
         fsdp=4,
@@ -317,6 +317,9 @@ def _llama3_8b_pr2570(
         seq=8192,
         ac=ac,
         policy=policy,
+        selectors=selectors,
+        fsdp_reshard=fsdp_reshard,
+        backward_inputs="held",
         device=H100_96GB,
         device_memory_gib=round(49.65 / 0.5227, 2),
         device_note="the log's 49.65 GiB is 52.27 % of the device: 94.99 GiB, more than an "
@@ -327,13 +330,9 @@ def _llama3_8b_pr2570(
         published_gib=gib,
         published_pct=pct,
         config_source="torchtitan's graph_trainer_llama3_8b config of that date (llama3_8b: "
-        "local batch 1, seq 8192, models/llama3/config_registry.py at fca8ab7b); the PR's "
-        "FSDP and TP degrees",
-        differences=(
-            _SDPA_8B,
-            _GRAPH_TRAINER if _ran(policy) == "graph" else _EAGER_IN_PR,
-            *more,
-        ),
+        "local batch 1, seq 8192, models/llama3/config_registry.py at fca8ab7b; compile mode "
+        "'aot', its default); the PR's FSDP and TP degrees",
+        differences=(_SDPA_8B, _TOOLKIT_RUN, _TOOLKIT_BACKWARD, *more),
     )
 
 
@@ -419,6 +418,21 @@ _TOOLKIT_NO_AC_KEEPS_GATHERED = (
     "and the matmuls, which the default partitioner saves: the gathered bf16 weights "
     "(6.99 GiB) stay from forward to backward; modelled (fsdp_reshard false)"
 )
+_APPLY_SAC_COUNT = (
+    "apply_sac counts matmuls over the whole step: the preset's per-layer count with its odd "
+    "layers flipped (selectors) is that count on these layers"
+)
+
+
+def _traced_eager_sac(allocated: float, reserved: float) -> str:
+    """What tracing changes of eager SAC, with the eager trainer's figures for the job."""
+    return (
+        "traced, the wrappers' op rule tags the graph and the partitioner saves what backward "
+        "reads of what it tags saved; the eager trainer caches every such op's output (run "
+        f"eagerly under torch's trackers: {allocated:.2f} GiB allocated, {reserved:.2f} reserved)"
+    )
+
+
 _EAGER_SAC_LIST = (
     "torchtitan's eager SAC save list also holds reduce-scatter outputs and aten.max / abs "
     "(parallelize_llama.py `_save_list`)"
@@ -455,12 +469,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         45.88,
         25.73,
         policy="eager",
-        more=(
-            _EAGER_SAC_LIST,
-            "traced, the wrappers' op rule tags the graph and the partitioner saves what "
-            "backward reads of what it tags saved; the eager trainer caches every such op's "
-            "output (run eagerly under torch's trackers: 41.68 GiB allocated, 43.92 reserved)",
-        ),
+        more=(_EAGER_SAC_LIST, _traced_eager_sac(41.68, 43.92)),
     ),
     _llama3_8b_pr2377(
         "default",
@@ -471,29 +480,44 @@ _RUNS: tuple[PublishedRun, ...] = (
         policy="eager",
         selectors=_APPLY_SAC_ODD_LAYERS,
         more=(
-            "apply_sac counts matmuls over the whole step: the preset's per-layer count with "
-            "its odd layers flipped (selectors) is that count on these layers",
+            _APPLY_SAC_COUNT,
             "apply_sac tags every forward op up to the logits (one ac_graph_id, so no layer "
             "boundary is saved) and leaves the loss untagged; the preset saves each layer's "
             "boundary and everything outside the layers",
         ),
     ),
-    _llama3_8b_pr2570("none", "no AC", 49.65, 52.27, ()),
+    _llama3_8b_pr2570(
+        "none",
+        "no AC",
+        49.65,
+        52.27,
+        policy="none",
+        fsdp_reshard=False,
+        more=(_TOOLKIT_NO_AC_KEEPS_GATHERED,),
+    ),
     _llama3_8b_pr2570(
         "eager",
         "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
         "of a block recomputed)",
         28.54,
         30.04,
-        (_EAGER_SAC_LIST,),
+        policy="eager",
+        more=(_EAGER_SAC_LIST, _traced_eager_sac(30.46, 32.83)),
     ),
     _llama3_8b_pr2570(
         "default",
-        "graph SAC: graph trainer's default policy (compute-intensive ops from torch's "
-        "partitioner list saved)",
+        "graph SAC: graph trainer's apply_sac with its default policy (compute-intensive ops "
+        "from torch's partitioner list saved, every second matmul of the step recomputed)",
         28.09,
         29.57,
-        (),
+        policy="eager",
+        selectors=_APPLY_SAC_ODD_LAYERS,
+        more=(
+            _APPLY_SAC_COUNT,
+            "apply_sac tags every op of the joint graph (one ac_graph_id, so no layer boundary "
+            "is saved; the loss's too); the preset saves each layer's boundary and everything "
+            "outside the layers",
+        ),
     ),
     _bench_2412(
         id="bench2412-8b-fsdp8-sac",
