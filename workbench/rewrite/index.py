@@ -80,7 +80,6 @@ class _Tables(NamedTuple):
     alias_slot: np.ndarray  # by key: which slot of that input
     forward: np.ndarray  # by entry (7n): an original forward or loss node
     reads_saved: np.ndarray  # by entry (7n): a backward node, a copy, a replay, an offload step
-    model_backward: np.ndarray  # by entry (7n): the model's backward (`backward_inputs`)
     kept: np.ndarray  # by node: an owner whose storages may count as saved activations
 
 
@@ -246,6 +245,15 @@ class GraphIndex:
         return loss
 
     @functools.cached_property
+    def _model_backward(self) -> np.ndarray:
+        """By entry: the model's backward, its nodes and the recomputed copies and replayed
+        views of its forward's (not the loss's, nor an offload step)."""
+        of_model = ~self._loss_side
+        backward = np.array([p == "backward" for p in self.phase], bool)
+        steps = np.zeros(self.space.size - self.space.steps, bool)
+        return np.concatenate((backward & of_model, of_model, of_model, steps))
+
+    @functools.cached_property
     def _tables(self) -> _Tables:
         counts = np.fromiter((len(slots) for slots in self.slots), np.int64, self.n)
         slot_start = np.concatenate(([0], np.cumsum(counts)))
@@ -263,10 +271,6 @@ class GraphIndex:
         kept = np.array(
             [p != "input" and i not in self.gathered for i, p in enumerate(self.phase)], bool
         )
-        of_model = ~self._loss_side
-        model_backward = np.concatenate(
-            (backward[: self.n] & of_model, of_model, of_model, np.zeros(others - 2 * self.n, bool))
-        )
         return _Tables(
             slot_start=slot_start,
             fresh=Csr(np.searchsorted(node_of[fresh], bounds), fresh),
@@ -276,7 +280,6 @@ class GraphIndex:
             alias_slot=np.ascontiguousarray(alias_slot),
             forward=forward,
             reads_saved=backward,
-            model_backward=model_backward,
             kept=kept,
         )
 
@@ -481,11 +484,9 @@ class GraphIndex:
         values its nodes and recomputed copies read (what forward saved) and the loss's
         gradient of the model's output (`_loss_side`). What the loss's own backward reads
         is its own."""
-        t = self._tables
-        read = flat.read[t.model_backward[flat.entries[flat.reader]]]
-        before = read < self.n  # originals, not copies, replays or offload steps
-        read = read[before]
-        return read[t.forward[read] | self._loss_side[read]]
+        read = flat.read[self._model_backward[flat.entries[flat.reader]]]
+        read = read[read < self.n]  # originals, not copies, replays or offload steps
+        return read[self._tables.forward[read] | self._loss_side[read]]
 
     def backward_readers(self, name: str) -> list[str]:
         """Backward ops that read `name`'s output, directly or through forward views of its
