@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch._functorch.aot_autograd import (
-    aot_compile_joint_with_descriptors,
-    aot_export_joint_with_descriptors,
-)
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.trace import trace
 from workbench.cost.allocator import replay_allocator
-from workbench.cost.estimate import (
-    CATEGORIES,
-    BackwardInputs,
-    Estimator,
-    estimate,
-    estimate_remat,
-)
-from workbench.cost.measure import Measurement, held_bytes, measure_graph, measure_run
+from workbench.cost.estimate import CATEGORIES, Estimator, estimate, estimate_remat
+from workbench.cost.measure import held_bytes, measure_graph
 from workbench.cost.profiles import DeviceProfile
 from workbench.decide.decider import decide, flip
 from workbench.decide.policy import Policy
@@ -139,55 +126,6 @@ def test_a_backward_holding_its_inputs_frees_them_when_it_returns(
     # ... held to the end among the temporaries, beside the gradients
     last = held.timeline["temporaries"][-1] - freed.timeline["temporaries"][-1]
     assert last == graph.nodes[tangent].bytes
-
-
-def _toolkit_step(workload: Workload, boxed: bool) -> Measurement:
-    """One step as torchtitan's compiler toolkit ran it, measured on the CPU: the model's
-    joint graph exported by AOTAutograd and split by its default partitioner, forward and
-    backward run as FX GraphModules, the loss eager between them. Its backward is called as
-    `f(*args)` (the toolkit's compiler returned the GraphModule) or with FX's boxed codegen,
-    which frees each argument after its last use."""
-    params = [*workload.model.parameters(), *workload.model.buffers()]
-
-    def bw_compiler(gm: torch.fx.GraphModule, _: Any) -> torch.fx.GraphModule:
-        if boxed:
-            gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
-            gm.recompile()
-        return gm
-
-    with contextlib.ExitStack() as stack:
-        joint = aot_export_joint_with_descriptors(stack, workload.model, tuple(workload.inputs))
-        compiled = aot_compile_joint_with_descriptors(
-            joint, fw_compiler=lambda gm, _: gm, bw_compiler=bw_compiler
-        )
-
-    def step() -> list[torch.Tensor]:
-        logits = compiled(*params, *workload.inputs)
-        loss = workload.loss_fn(logits, workload.target)
-        del logits
-        loss.backward()
-        for p in workload.model.parameters():
-            p.grad = None  # after the peak: the next run starts without gradients
-        return [loss.detach()]
-
-    held = [*params, *workload.inputs, workload.target]
-    return measure_run("toolkit step", step, held, tokens=1, warmup=1, repeats=1)
-
-
-@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd is returning a function")
-@pytest.mark.parametrize(("backward_inputs", "boxed"), [("held", False), ("freed", True)])
-def test_backward_inputs_are_a_compiled_steps_measured_cpu_peak(
-    backward_inputs: BackwardInputs, boxed: bool
-) -> None:
-    """A compiler-toolkit step on the CPU (no AC): its backward called as f(*args) peaks at
-    the `held` estimate, with boxed codegen at the `freed` one, within the CPU allocator's
-    rounding (the same trace's joint graph is what the estimate walks)."""
-    workload = load_workload("llama3-debug", layers=2, seq=256, batch=2)
-    graph = trace(workload, "real")
-    estimator = Estimator(graph, PROFILES, optimizer="none", backward_inputs=backward_inputs)
-    est = estimator.estimate(Policy("none"))
-    measured = _toolkit_step(workload, boxed)
-    assert abs(measured.peak_bytes - est.peak_bytes) <= 8192, (measured.peak_bytes, est.peak_bytes)
 
 
 def test_backward_inputs_are_freed_or_held(llama_debug: Fixture) -> None:

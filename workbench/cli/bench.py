@@ -22,9 +22,11 @@ from workbench.cli.args import (
     SEED_MAX,
     check_passes,
     check_positive,
+    kernels_from_args,
     parallel_flags,
     parallel_from_args,
     trace_from_args,
+    trace_workload,
     workload_from_args,
 )
 from workbench.cli.report import Report
@@ -115,6 +117,22 @@ def cmd_bench_render(args: argparse.Namespace) -> Report:
     graph, trace_seconds = trace_from_args(args)
     result = bench_render(graph, parse_policy(args.policy), args.repeat)
     return Report({**result, "trace_seconds": round(trace_seconds, 3)})
+
+
+def cmd_bench_toolkit(args: argparse.Namespace) -> Report:
+    """A compiler-toolkit step measured on this CPU beside the estimate of it (see
+    `workbench.cli.benchmarks.bench_toolkit`): real mode, one unsharded process."""
+    from workbench.cli.benchmarks import bench_toolkit
+
+    if args.mode != "real":
+        raise WorkbenchError("bench toolkit runs the step for real on this CPU: drop --mode fake")
+    if parallel_from_args(args) is not None:
+        raise WorkbenchError(
+            f"bench toolkit runs one unsharded process: drop {parallel_flags(args)}"
+        )
+    workload = workload_from_args(args, "real")
+    graph, _ = trace_workload(workload, "real", None, kernels_from_args(args, "real"))
+    return Report(bench_toolkit(workload, graph))
 
 
 def _out_folder(args: argparse.Namespace, model: str, presets: list[str]) -> Path:

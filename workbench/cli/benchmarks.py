@@ -1,8 +1,9 @@
 """Benchmarks: measured figures for tracing, the what-if, the explorer's click, rendering and a
 GPU's memory.
 
-Entry points: `bench_trace`, `bench_whatif`, `bench_click`, `bench_render` and `bench_gpu` (with
-`bench_gpu_paths`, the files it writes); `python -m workbench bench ...` prints them
+Entry points: `bench_trace`, `bench_whatif`, `bench_click`, `bench_render`, `bench_toolkit`
+and `bench_gpu` (with `bench_gpu_paths`, the files it writes); `python -m workbench bench ...`
+prints them
 (`workbench.cli.bench`; what offload buys is a search: `workbench.search.floor`).
 """
 
@@ -22,7 +23,7 @@ from workbench.capture.models import Workload
 from workbench.capture.trace import trace
 from workbench.cost.attribution import compare_snapshot
 from workbench.cost.calibrate import measured_basis
-from workbench.cost.estimate import Estimate, Estimator, estimate_remat
+from workbench.cost.estimate import BackwardInputs, Estimate, Estimator, estimate_remat
 from workbench.cost.measure import Recording, device_of
 from workbench.cost.pass_stacks import PassStackEstimator, estimator_for
 from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from workbench.show.widgets.explorer import PolicyExplorer
 
 __all__ = [
+    "bench_toolkit",
     "bench_click",
     "bench_gpu",
     "bench_gpu_paths",
@@ -219,6 +221,39 @@ def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, An
         "decide_seconds": round(decide_seconds, 3),
         "cpu_count": os.cpu_count(),
     }
+
+
+def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
+    """A compiler-toolkit step measured on the CPU beside the workbench's estimate of it
+    (`workbench.interop.toolkit`): no AC and apply_sac's tags, the backward holding its inputs
+    (as the toolkit ran it) or freeing them (FX's boxed codegen). `graph` is the workload's
+    real-mode trace, whose joint graph the estimate walks."""
+    from workbench.interop.toolkit import Tags, apply_sac_decisions, measure_toolkit_step
+
+    tagged: dict[Tags, Decisions] = {
+        "none": decide(graph, Policy("none")),
+        "apply_sac": apply_sac_decisions(graph),
+    }
+    held: tuple[BackwardInputs, ...] = ("held", "freed")
+    rows = []
+    for tags, decisions in tagged.items():
+        for backward_inputs in held:
+            start = time.perf_counter()
+            measured = measure_toolkit_step(workload, tags, backward_inputs)
+            estimator = Estimator(graph, (), optimizer="none", backward_inputs=backward_inputs)
+            estimated = estimator.estimate(decisions).peak_bytes
+            rows.append(
+                {
+                    "tags": tags,
+                    "backward_inputs": backward_inputs,
+                    "measured_peak_bytes": measured.peak_bytes,
+                    "estimated_peak_bytes": estimated,
+                    "difference_bytes": measured.peak_bytes - estimated,
+                    "difference_pct": round(100 * (measured.peak_bytes / estimated - 1), 3),
+                    "seconds": round(time.perf_counter() - start, 2),
+                }
+            )
+    return {"model": graph.model_name, "device": "cpu", "rows": rows}
 
 
 def bench_gpu(

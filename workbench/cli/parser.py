@@ -18,6 +18,7 @@ from workbench.cli.bench import (
     cmd_bench_click,
     cmd_bench_gpu,
     cmd_bench_render,
+    cmd_bench_toolkit,
     cmd_bench_trace,
     cmd_bench_whatif,
 )
@@ -481,6 +482,14 @@ def _add_bench(commands: Commands) -> None:
     )
     bench_gpu.add_argument("--overwrite", action="store_true", help="replace existing files")
     bench_gpu.set_defaults(run=cmd_bench_gpu)
+
+    bench_toolkit = benches.add_parser(
+        "toolkit",
+        help="a compiler-toolkit step (AOT export, default partitioner, FX backward) measured on "
+        "this CPU beside the estimate: no AC and apply_sac, backward inputs held or freed",
+    )
+    add_model_args(bench_toolkit)
+    bench_toolkit.set_defaults(run=cmd_bench_toolkit)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")
     add_model_args(bench_render)

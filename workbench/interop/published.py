@@ -219,13 +219,20 @@ _TOOLKIT_RUN = (
     "other one backward reads is saved), the loss ran eagerly; the workbench's graph of the "
     "same step is estimated with the same tags"
 )
+
+
 # An FX GraphModule backward holds its inputs (`Estimator`'s backward_inputs="held")
-_TOOLKIT_BACKWARD = (
-    "backward held what forward saved and the logits' gradient (0.98 GiB) until it returned: "
-    "the toolkit's bw_compiler returned the partitioned GraphModule, which AOTAutograd calls "
-    "as f(*args) (call_func_at_runtime_with_args), its list of arguments alive to the end, "
-    "by when the gradient shards (6.99 GiB) are resident; modelled (--backward-inputs held)"
-)
+def _toolkit_backward(gradient_gib: float) -> str:
+    """How the toolkit's backward held its inputs, with the job's gradient shards."""
+    return (
+        "backward held what forward saved and the logits' gradient (0.98 GiB) until it "
+        "returned: the toolkit's bw_compiler returned the partitioned GraphModule, which "
+        "AOTAutograd calls as f(*args) (call_func_at_runtime_with_args), its list of arguments "
+        f"alive to the end, by when the gradient shards ({gradient_gib:.2f} GiB) are resident; "
+        "modelled (--backward-inputs held)"
+    )
+
+
 # Global matmul count of the toolkit's `apply_sac` on Llama3-8B's seven matmuls per layer
 # (wq, wk, wv, wo, w1, w3, w2): even layers save the 1st, 3rd, 5th and 7th, odd layers the
 # 2nd, 4th and 6th; the `eager` preset's count restarts each layer, as the even layers'.
@@ -284,7 +291,7 @@ def _llama3_8b_pr2377(
         published_pct=pct,
         config_source="torchtitan's llama3_8b config of that date (local batch 1, seq 8192: "
         "models/llama3/train_configs/llama3_8b.toml at 27930cb6); the PR's TP and FSDP degrees",
-        differences=(_SDPA_8B, _TOOLKIT_RUN, _TOOLKIT_BACKWARD, *more),
+        differences=(_SDPA_8B, _TOOLKIT_RUN, _toolkit_backward(6.99), *more),
     )
 
 
@@ -332,7 +339,7 @@ def _llama3_8b_pr2570(
         config_source="torchtitan's graph_trainer_llama3_8b config of that date (llama3_8b: "
         "local batch 1, seq 8192, models/llama3/config_registry.py at fca8ab7b; compile mode "
         "'aot', its default); the PR's FSDP and TP degrees",
-        differences=(_SDPA_8B, _TOOLKIT_RUN, _TOOLKIT_BACKWARD, *more),
+        differences=(_SDPA_8B, _TOOLKIT_RUN, _toolkit_backward(3.49), *more),
     )
 
 
@@ -418,6 +425,16 @@ _TOOLKIT_NO_AC_KEEPS_GATHERED = (
     "and the matmuls, which the default partitioner saves: the gathered bf16 weights "
     "(6.99 GiB) stay from forward to backward; modelled (fsdp_reshard false)"
 )
+# Measured by `python -m workbench bench toolkit --model llama3-debug` (the CPU, real tensors)
+_TOOLKIT_PARTITION = (
+    "the default partitioner splits SAC tags otherwise than torch's remat pass, which the "
+    "workbench replays: it keeps no multi-output op its tags save (the attention kernel's "
+    "outputs go by their getitems' own tags: untagged under apply_sac until PR #2570 gave "
+    "getitems their parent's) and recomputes in backward what those leave; on the CPU "
+    "(bench toolkit, Llama3 debug, apply_sac) a held backward's peak is the estimate's "
+    "−2.1 % (2 layers, seq 64) to +2.4 % (4 layers, seq "
+    "1024); no AC agrees within 5 KB, apply_sac with a freeing backward within 0.02 %"
+)
 _APPLY_SAC_COUNT = (
     "apply_sac counts matmuls over the whole step: the preset's per-layer count with its odd "
     "layers flipped (selectors) is that count on these layers"
@@ -469,7 +486,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         45.88,
         25.73,
         policy="eager",
-        more=(_EAGER_SAC_LIST, _traced_eager_sac(41.68, 43.92)),
+        more=(_EAGER_SAC_LIST, _traced_eager_sac(41.68, 43.92), _TOOLKIT_PARTITION),
     ),
     _llama3_8b_pr2377(
         "default",
@@ -481,6 +498,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         selectors=_APPLY_SAC_ODD_LAYERS,
         more=(
             _APPLY_SAC_COUNT,
+            _TOOLKIT_PARTITION,
             "apply_sac tags every forward op up to the logits (one ac_graph_id, so no layer "
             "boundary is saved) and leaves the loss untagged; the preset saves each layer's "
             "boundary and everything outside the layers",
@@ -502,7 +520,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         28.54,
         30.04,
         policy="eager",
-        more=(_EAGER_SAC_LIST, _traced_eager_sac(30.46, 32.83)),
+        more=(_EAGER_SAC_LIST, _traced_eager_sac(30.46, 32.83), _TOOLKIT_PARTITION),
     ),
     _llama3_8b_pr2570(
         "default",
@@ -514,6 +532,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         selectors=_APPLY_SAC_ODD_LAYERS,
         more=(
             _APPLY_SAC_COUNT,
+            _TOOLKIT_PARTITION,
             "apply_sac tags every op of the joint graph (one ac_graph_id, so no layer boundary "
             "is saved; the loss's too); the preset saves each layer's boundary and everything "
             "outside the layers",
