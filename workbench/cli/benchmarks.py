@@ -234,10 +234,10 @@ def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
         "none": decide(graph, Policy("none")),
         "apply_sac": apply_sac_decisions(graph),
     }
-    held: tuple[BackwardInputs, ...] = ("held", "freed")
+    calls: tuple[BackwardInputs, ...] = ("held", "freed")  # as the toolkit did, and boxed
     rows = []
     for tags, decisions in tagged.items():
-        for backward_inputs in held:
+        for backward_inputs in calls:
             start = time.perf_counter()
             measured = measure_toolkit_step(workload, tags, backward_inputs)
             estimator = Estimator(graph, (), optimizer="none", backward_inputs=backward_inputs)

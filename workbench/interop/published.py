@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from workbench.capture.degrees import Degrees
 from workbench.decide.presets import preset_record
@@ -250,7 +250,72 @@ _APPLY_SAC_ODD_LAYERS: tuple[tuple[str, str], ...] = tuple(
 )
 
 
-def _llama3_8b_pr2377(
+class _ToolkitJob(NamedTuple):
+    """What a PR's Llama3-8B job of the compiler toolkit's rows states of itself."""
+
+    slug: str  # the rows' id before their AC mode
+    degrees: str  # as the titles write them
+    source: str
+    heading: str  # the PR description's heading of the job
+    date: str
+    trainer: str  # torchtitan's code that ran it
+    gpus: int
+    fsdp: int
+    tp: int
+    device: str
+    device_memory_gib: float
+    device_note: str
+    profile: str
+    config_source: str
+    gradient_gib: float  # its gradient shards, resident as backward returns
+
+
+_PR_2377_JOB = _ToolkitJob(
+    slug="pr2377-8b-tp2-fsdp2",
+    degrees="TP 2 x FSDP 2",
+    source=PR_2377,
+    heading="'Llama3-8B (TP=2, FSDP=2)'",
+    date="2026-02-13",
+    trainer="compiler toolkit",
+    gpus=4,
+    fsdp=2,
+    tp=2,
+    device=B200,
+    device_memory_gib=round(67.19 / 0.3767, 2),
+    device_note="the log's 67.19 GiB is 37.67 % of the device: 178.37 GiB, a B200 "
+    "(torch reports 178.35 GiB, pytorch/ao#4002); its tflops / mfu (554.17 / 24.63 %) "
+    "imply torchtitan's B200 peak, 2,250 TFLOP/s",
+    profile="b200",
+    config_source="torchtitan's llama3_8b config of that date (local batch 1, seq 8192: "
+    "models/llama3/train_configs/llama3_8b.toml at 27930cb6); the PR's TP and FSDP degrees",
+    gradient_gib=6.99,
+)
+_PR_2570_JOB = _ToolkitJob(
+    slug="pr2570-8b-fsdp4-tp2",
+    degrees="FSDP 4 x TP 2",
+    source=PR_2570,
+    heading="'Llama3-8B FSDP=4, TP=2'",
+    date="2026-03-13",
+    trainer="graph trainer, aot mode",
+    gpus=8,
+    fsdp=4,
+    tp=2,
+    device=H100_96GB,
+    device_memory_gib=round(49.65 / 0.5227, 2),
+    device_note="the log's 49.65 GiB is 52.27 % of the device: 94.99 GiB, more than an "
+    "80 GB H100 holds; its tflops / mfu (282.50 / 28.56 %) imply torchtitan's H100 SXM "
+    "peak, 989 TFLOP/s: the 96 GB H100 of torchtitan's benchmarks (benchmarks/"
+    "llama3_h100_202412_torchtitan.md, 'Hardware')",
+    profile="h100",
+    config_source="torchtitan's graph_trainer_llama3_8b config of that date (llama3_8b: "
+    "local batch 1, seq 8192, models/llama3/config_registry.py at fca8ab7b; compile mode "
+    "'aot', its default); the PR's FSDP and TP degrees",
+    gradient_gib=3.49,
+)
+
+
+def _llama3_8b_toolkit(
+    job: _ToolkitJob,
     name: str,
     ac: str,
     gib: float,
@@ -261,19 +326,20 @@ def _llama3_8b_pr2377(
     fsdp_reshard: bool = True,
     more: tuple[str, ...] = (),
 ) -> PublishedRun:
-    """A row of PR #2377: the compiler toolkit's step, all three AC modes."""
+    """A row of a PR's Llama3-8B job run by the compiler toolkit (PR #2377) or graph
+    trainer's aot mode (PR #2570): the toolkit's step, one of its three AC modes."""
+    mode = ac.split(":")[0]
     return PublishedRun(
-        id=f"pr2377-8b-tp2-fsdp2-{name}",
-        title=f"Llama3-8B TP 2 x FSDP 2, {ac.split(':')[0]}",
-        source=PR_2377,
-        source_detail=f"PR description, 'Llama3-8B (TP=2, FSDP=2)': {ac.split(':')[0]} "
-        f"'memory: {gib:.2f}GiB({pct:.2f}%)'",
-        date="2026-02-13",
-        published_model="torchtitan Llama3 8B (compiler toolkit)",
+        id=f"{job.slug}-{name}",
+        title=f"Llama3-8B {job.degrees}, {mode}",
+        source=job.source,
+        source_detail=f"PR description, {job.heading}: {mode} 'memory: {gib:.2f}GiB({pct:.2f}%)'",
+        date=job.date,
+        published_model=f"torchtitan Llama3 8B ({job.trainer})",
         model="llama3-8b",
-        gpus=4,
-        fsdp=2,
-        tp=2,
+        gpus=job.gpus,
+        fsdp=job.fsdp,
+        tp=job.tp,
         local_batch=1,
         seq=8192,
         ac=ac,
@@ -281,65 +347,14 @@ def _llama3_8b_pr2377(
         selectors=selectors,
         fsdp_reshard=fsdp_reshard,
         backward_inputs="held",
-        device=B200,
-        device_memory_gib=round(67.19 / 0.3767, 2),
-        device_note="the log's 67.19 GiB is 37.67 % of the device: 178.37 GiB, a B200 "
-        "(torch reports 178.35 GiB, pytorch/ao#4002); its tflops / mfu (554.17 / 24.63 %) "
-        "imply torchtitan's B200 peak, 2,250 TFLOP/s",
-        profile="b200",
+        device=job.device,
+        device_memory_gib=job.device_memory_gib,
+        device_note=job.device_note,
+        profile=job.profile,
         published_gib=gib,
         published_pct=pct,
-        config_source="torchtitan's llama3_8b config of that date (local batch 1, seq 8192: "
-        "models/llama3/train_configs/llama3_8b.toml at 27930cb6); the PR's TP and FSDP degrees",
-        differences=(_SDPA_8B, _TOOLKIT_RUN, _toolkit_backward(6.99), *more),
-    )
-
-
-def _llama3_8b_pr2570(
-    name: str,
-    ac: str,
-    gib: float,
-    pct: float,
-    *,
-    policy: str,
-    selectors: tuple[tuple[str, str], ...] = (),
-    fsdp_reshard: bool = True,
-    more: tuple[str, ...] = (),
-) -> PublishedRun:
-    """A row of PR #2570: graph trainer's aot mode (the compiler toolkit's step), all three
-    AC modes."""
-    return PublishedRun(
-        id=f"pr2570-8b-fsdp4-tp2-{name}",
-        title=f"Llama3-8B FSDP 4 x TP 2, {ac.split(':')[0]}",
-        source=PR_2570,
-        source_detail=f"PR description, 'Llama3-8B FSDP=4, TP=2': {ac.split(':')[0]} "
-        f"'memory: {gib:.2f}GiB({pct:.2f}%)'",
-        date="2026-03-13",
-        published_model="torchtitan Llama3 8B (graph trainer, aot mode)",
-        model="llama3-8b",
-        gpus=8,
-        fsdp=4,
-        tp=2,
-        local_batch=1,
-        seq=8192,
-        ac=ac,
-        policy=policy,
-        selectors=selectors,
-        fsdp_reshard=fsdp_reshard,
-        backward_inputs="held",
-        device=H100_96GB,
-        device_memory_gib=round(49.65 / 0.5227, 2),
-        device_note="the log's 49.65 GiB is 52.27 % of the device: 94.99 GiB, more than an "
-        "80 GB H100 holds; its tflops / mfu (282.50 / 28.56 %) imply torchtitan's H100 SXM "
-        "peak, 989 TFLOP/s: the 96 GB H100 of torchtitan's benchmarks (benchmarks/"
-        "llama3_h100_202412_torchtitan.md, 'Hardware')",
-        profile="h100",
-        published_gib=gib,
-        published_pct=pct,
-        config_source="torchtitan's graph_trainer_llama3_8b config of that date (llama3_8b: "
-        "local batch 1, seq 8192, models/llama3/config_registry.py at fca8ab7b; compile mode "
-        "'aot', its default); the PR's FSDP and TP degrees",
-        differences=(_SDPA_8B, _TOOLKIT_RUN, _toolkit_backward(3.49), *more),
+        config_source=job.config_source,
+        differences=(_SDPA_8B, _TOOLKIT_RUN, _toolkit_backward(job.gradient_gib), *more),
     )
 
 
@@ -351,7 +366,6 @@ def _dsv3_pr3429(
 ) -> PublishedRun:
     name = preset_record(policy).memory_policy
     return PublishedRun(
-        selectors=selectors,
         id=f"pr3429-dsv3-16b-{name}",
         title=f"DeepSeek-V3 16B FSDP 8 x EP 8, graph trainer memory policy {name}",
         source=PR_3429,
@@ -367,6 +381,7 @@ def _dsv3_pr3429(
         seq=4096,
         ac=f"graph SAC {name}: graph trainer's --compile.memory_policy {name}",
         policy=policy,
+        selectors=selectors,
         device=H100_96GB,
         device_memory_gib=None,
         device_note="the PR runs on 8 H100s; 84.78 GiB exceeds what an 80 GB H100 holds "
@@ -470,7 +485,8 @@ _RUNS: tuple[PublishedRun, ...] = (
         ),
         selectors=(("**::flex_attention", "save"),),
     ),
-    _llama3_8b_pr2377(
+    _llama3_8b_toolkit(
+        _PR_2377_JOB,
         "none",
         "no AC",
         67.19,
@@ -479,7 +495,8 @@ _RUNS: tuple[PublishedRun, ...] = (
         fsdp_reshard=False,
         more=(_TOOLKIT_NO_AC_KEEPS_GATHERED,),
     ),
-    _llama3_8b_pr2377(
+    _llama3_8b_toolkit(
+        _PR_2377_JOB,
         "eager",
         "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
         "of a block recomputed)",
@@ -488,7 +505,8 @@ _RUNS: tuple[PublishedRun, ...] = (
         policy="eager",
         more=(_EAGER_SAC_LIST, _traced_eager_sac(41.68, 43.92), _TOOLKIT_PARTITION),
     ),
-    _llama3_8b_pr2377(
+    _llama3_8b_toolkit(
+        _PR_2377_JOB,
         "default",
         "graph SAC: --compile.joint_passes apply_sac (the compiler toolkit's save list, every "
         "second matmul of the step recomputed)",
@@ -504,7 +522,8 @@ _RUNS: tuple[PublishedRun, ...] = (
             "boundary and everything outside the layers",
         ),
     ),
-    _llama3_8b_pr2570(
+    _llama3_8b_toolkit(
+        _PR_2570_JOB,
         "none",
         "no AC",
         49.65,
@@ -513,7 +532,8 @@ _RUNS: tuple[PublishedRun, ...] = (
         fsdp_reshard=False,
         more=(_TOOLKIT_NO_AC_KEEPS_GATHERED,),
     ),
-    _llama3_8b_pr2570(
+    _llama3_8b_toolkit(
+        _PR_2570_JOB,
         "eager",
         "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
         "of a block recomputed)",
@@ -522,7 +542,8 @@ _RUNS: tuple[PublishedRun, ...] = (
         policy="eager",
         more=(_EAGER_SAC_LIST, _traced_eager_sac(30.46, 32.83), _TOOLKIT_PARTITION),
     ),
-    _llama3_8b_pr2570(
+    _llama3_8b_toolkit(
+        _PR_2570_JOB,
         "default",
         "graph SAC: graph trainer's apply_sac with its default policy (compute-intensive ops "
         "from torch's partitioner list saved, every second matmul of the step recomputed)",

@@ -249,7 +249,7 @@ class GraphIndex:
         """By entry: the model's backward, its nodes and the recomputed copies and replayed
         views of its forward's (not the loss's, nor an offload step)."""
         of_model = ~self._loss_side
-        backward = np.array([p == "backward" for p in self.phase], bool)
+        backward = self._tables.reads_saved[: self.n]  # of originals: the backward nodes
         steps = np.zeros(self.space.size - self.space.steps, bool)
         return np.concatenate((backward & of_model, of_model, of_model, steps))
 
