@@ -250,3 +250,33 @@ def test_eager_runs_are_estimated_as_eager_runs_them(capsys: pytest.CaptureFixtu
     assert graph["policy"] == "eager" and graph["allocated_peak_bytes"] > 0
     assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] > 0
     assert row["peak_at"].endswith(("(forward)", "(backward)"))
+
+
+def test_the_default_partitioners_reading_cited_for_pr_2377_graph_sac() -> None:
+    """The figure PR #2377's graph SAC row cites for apply_sac's tags as the default
+    partitioner reads them is that estimate of the row's full graph (fake, about 3 s)."""
+    from workbench.capture.models import load_workload
+    from workbench.capture.parallel import Parallel
+    from workbench.capture.trace import trace
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.cost.estimate import Estimator
+    from workbench.interop.toolkit import apply_sac_decisions
+
+    run = PUBLISHED_RUNS["pr2377-8b-tp2-fsdp2-default"]
+    workload = load_workload(run.model, seq=run.seq, batch=run.local_batch, device="meta")
+    graph = trace(workload, "fake", Parallel(fsdp=run.fsdp, tp=run.tp), kernels=run.profile)
+    estimator = Estimator(
+        graph,
+        [run.profile],
+        run.optimizer,
+        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
+        backward_inputs=run.backward_inputs,
+    )
+    est = estimator.estimate(apply_sac_decisions(graph))
+    assert est.reserved_peak_bytes is not None
+    pct = 100 * (est.reserved_peak_bytes / (run.published_gib * GIB) - 1)
+    cited = (
+        f"{est.peak_bytes / GIB:.2f} GiB allocated, {est.reserved_peak_bytes / GIB:.2f} "
+        f"reserved ({pct:.1f} %)".replace("-", "−")
+    )
+    assert any(cited in text for text in run.differences), cited

@@ -22,7 +22,7 @@ import sys
 import types
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sympy
 import torch
@@ -55,9 +55,12 @@ __all__ = [
     "bind_token_counts",
     "check_titan_parallel",
     "check_titan_pipeline",
+    "TitanRank",
     "graph_trainer_imports",
     "is_titan_workload",
     "titan_experts",
+    "titan_loss",
+    "titan_rank_model",
     "trace_titan_rank",
 ]
 
@@ -381,16 +384,30 @@ def _inputs(workload: Workload, mode: Mode) -> tuple[torch.Tensor, torch.Tensor]
     return first, last
 
 
-def trace_titan_rank(
-    workload: Workload, mode: Mode, parallel: Parallel, kernels: str
-) -> JointGraph:
-    """Rank 0 of `parallel` for the torchtitan workload: graph trainer's model, its
-    `parallelize` on a fake process group, its `make_fwd_bwd_step` traced by its
-    `minimal_fx_tracer` with its loss (`CrossEntropyLoss`, sum over tokens divided by the
-    global token count), for `kernels` (`workbench.capture.kernels.resolve_kernels`).
-    Expert token counts are bound by `bind_token_counts`."""
-    from torchtitan.experiments.graph_trainer.make_fx_tracer import extract_module_state
+class TitanRank(NamedTuple):
+    """Graph trainer's parallelized model for one rank, as `titan_rank_model` yields it: the
+    model, its `ParallelDims`, its inputs (ids or received hidden states; labels or the output's
+    gradient), the attention kernels chosen while tracing (`record`), the model's kernel
+    switch (`switched`) and the notes of what differs from the model as shipped."""
 
+    model: Any
+    dims: Any
+    first: torch.Tensor
+    last: torch.Tensor
+    record: Any
+    switched: Any
+    notes: list[str]
+
+
+@contextlib.contextmanager
+def titan_rank_model(
+    workload: Workload, mode: Mode, parallel: Parallel, kernels: str
+) -> Iterator[TitanRank]:
+    """Rank 0 of `parallel` for the torchtitan workload, ready to trace or run: graph
+    trainer's model, its `parallelize` on a fake process group, inside the contexts it needs
+    (its imports, its SPMD backend, the fake world, CPU meshes) and `kernels`' dispatch (a
+    GPU's attention, FlexAttention's block mask), which last until the context ends. A
+    failure inside names the job in one line (torchtitan raises many types)."""
     from workbench.capture.parallel import check_fits_rank, fake_world
 
     check_titan_parallel(workload, parallel, kernels)
@@ -408,40 +425,62 @@ def trace_titan_rank(
         _cpu_parallel_dims(),
     ):
         try:
-            spec, model, model_notes = _build_rank_model(workload, parallel, mode, kernels)
-            dims = _parallel_dims(parallel)
-            _forget_simple_fsdp_classes()
-            training, parallelism, compile_config = _configs(workload, parallel)
-            model = spec.parallelize_fn(
-                model,
-                parallel_dims=dims,
-                training=training,
-                parallelism=parallelism,
-                compile_config=compile_config,
-                ac_config=None,
-                dump_folder="",
-            )
-            batch, seq = int(workload.config["batch"]), int(workload.config["seq"])
-            shard = _cp_shard(dims) if parallel.cp > 1 else None
-            first, last = _sharded_inputs(workload, mode, shard)
-            with (
-                kernel_dispatch(kernels) as record,
-                titan_kernels(model, batch, seq, kernels, shard) as switched,
-            ):
-                traced = _trace(model, dims, workload, first, last)
-            n_params = sum(1 for _ in model.named_parameters(remove_duplicate=False))
-            model_state = list(extract_module_state(model).values())
+            with contextlib.ExitStack() as stack:
+                spec, model, notes = _build_rank_model(workload, parallel, mode, kernels)
+                dims = _parallel_dims(parallel)
+                _forget_simple_fsdp_classes()
+                training, parallelism, compile_config = _configs(workload, parallel)
+                model = spec.parallelize_fn(
+                    model,
+                    parallel_dims=dims,
+                    training=training,
+                    parallelism=parallelism,
+                    compile_config=compile_config,
+                    ac_config=None,
+                    dump_folder="",
+                )
+                batch, seq = int(workload.config["batch"]), int(workload.config["seq"])
+                shard = _cp_shard(dims) if parallel.cp > 1 else None
+                first, last = _sharded_inputs(workload, mode, shard)
+                record = stack.enter_context(kernel_dispatch(kernels))
+                switched = stack.enter_context(titan_kernels(model, batch, seq, kernels, shard))
+                yield TitanRank(model, dims, first, last, record, switched, notes)
         except WorkbenchError:
             raise
-        except Exception as err:  # torchtitan raises many types: one line naming the step
+        except Exception as err:
             raise WorkbenchError(
                 f"graph trainer's parallelize/trace of {workload.name} at "
                 f"{parallel.describe()} failed: {describe(err)}"
             ) from None
+
+
+def titan_loss(model: Any) -> Any:
+    """Graph trainer's loss for `model`: torchtitan's `CrossEntropyLoss` over its vocabulary
+    (sum over tokens, divided by the global token count it is given)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    vocab = int(model.config.vocab_size)
+    return CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=vocab))
+
+
+def trace_titan_rank(
+    workload: Workload, mode: Mode, parallel: Parallel, kernels: str
+) -> JointGraph:
+    """Rank 0 of `parallel` for the torchtitan workload (`titan_rank_model`): its
+    `make_fwd_bwd_step` traced by graph trainer's `minimal_fx_tracer` with its loss
+    (`titan_loss`), for `kernels` (`workbench.capture.kernels.resolve_kernels`). Expert token
+    counts are bound by `bind_token_counts`."""
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import extract_module_state
+
+    with titan_rank_model(workload, mode, parallel, kernels) as rank:
+        model, dims, record, switched = rank.model, rank.dims, rank.record, rank.switched
+        traced = _trace(model, dims, workload, rank.first, rank.last)
+        n_params = sum(1 for _ in model.named_parameters(remove_duplicate=False))
+        model_state = list(extract_module_state(model).values())
         mesh_dims = _mesh_dims(dims)
     record_absent_outputs(traced.gm)
     notes = [
-        *model_notes,
+        *rank.notes,
         *kernel_notes(kernels, mode, record, switched),
         *([CP_NOTE.format(cp=parallel.cp)] if parallel.cp > 1 else []),
         *bind_token_counts(traced.gm, parallel),
@@ -486,12 +525,10 @@ def _trace(
 ) -> Any:
     """Graph trainer's step traced by its `minimal_fx_tracer`: its `make_fwd_bwd_step`, or
     for a pipeline stage graph_pp's stage step (`_stage_step`)."""
-    from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer
     from torchtitan.experiments.graph_trainer.trainer import make_fwd_bwd_step
 
-    vocab = int(model.config.vocab_size)
-    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=vocab))
+    loss_fn = titan_loss(model)
     tokens = torch.tensor(float(workload.tokens))
     with warnings.catch_warnings():  # its MoE asks for fp32 autocast, which the CPU ignores
         warnings.filterwarnings("ignore", message="In CPU autocast")

@@ -120,15 +120,28 @@ def cmd_bench_render(args: argparse.Namespace) -> Report:
 
 
 def cmd_bench_toolkit(args: argparse.Namespace) -> Report:
-    """A compiler-toolkit step measured on this CPU beside the estimate of it (see
-    `workbench.cli.benchmarks.bench_toolkit`): real mode, one unsharded process."""
-    from workbench.cli.benchmarks import bench_toolkit
+    """A compiler-toolkit step measured beside the estimate of it: for real on this CPU, one
+    unsharded process (`workbench.cli.benchmarks.bench_toolkit`), or with --mode fake one rank
+    of a torchtitan model sharded by --fsdp/--tp on fake tensors under torch's tracker
+    (`bench_toolkit_rank`)."""
+    from workbench.cli.benchmarks import bench_toolkit, bench_toolkit_rank
 
-    if args.mode != "real":
-        raise WorkbenchError("bench toolkit runs the step for real on this CPU: drop --mode fake")
-    if parallel_from_args(args) is not None:
+    parallel = parallel_from_args(args)
+    if args.mode == "fake":
+        if parallel is None or not args.model.startswith("torchtitan:"):
+            raise WorkbenchError(
+                "bench toolkit --mode fake measures one rank of a sharded torchtitan job: give "
+                "a torchtitan: model and --fsdp/--tp (or drop --mode fake to run a step on this "
+                "CPU)"
+            )
+        workload = workload_from_args(args, "fake")
+        kernels = kernels_from_args(args, "fake")
+        graph, _ = trace_workload(workload, "fake", parallel, kernels)
+        return Report(bench_toolkit_rank(workload, graph, parallel))
+    if parallel is not None:
         raise WorkbenchError(
-            f"bench toolkit runs one unsharded process: drop {parallel_flags(args)}"
+            f"bench toolkit runs one unsharded process on this CPU: drop {parallel_flags(args)}, "
+            "or measure one rank of a torchtitan: model with --mode fake"
         )
     workload = workload_from_args(args, "real")
     graph, _ = trace_workload(workload, "real", None, kernels_from_args(args, "real"))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload
+from workbench.capture.parallel import Parallel
 from workbench.capture.trace import trace
 from workbench.cost.attribution import compare_snapshot
 from workbench.cost.calibrate import measured_basis
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "bench_toolkit",
+    "bench_toolkit_rank",
     "bench_click",
     "bench_gpu",
     "bench_gpu_paths",
@@ -254,6 +256,55 @@ def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
                 }
             )
     return {"model": graph.model_name, "device": "cpu", "rows": rows}
+
+
+def bench_toolkit_rank(workload: Workload, graph: JointGraph, parallel: Parallel) -> dict[str, Any]:
+    """One rank of a sharded torchtitan job's compiler-toolkit step, run on fake tensors under
+    torch's `MemTracker` (`workbench.interop.toolkit.track_toolkit_rank`: graph trainer's
+    SimpleFSDP and TP, AOTAutograd's export, the default partitioner), beside the workbench's
+    estimate of the same tags on `graph`, the workbench's trace of that rank for the same
+    kernels: no AC (gathered weights kept, as the toolkit's views kept them) and apply_sac's
+    tags as the default partitioner reads them, the backward holding or freeing its inputs.
+    The measured peak adds cuBLAS's workspaces, which the estimate holds and no tensor does."""
+    from workbench.cost.workspaces import gpu_workspaces
+    from workbench.interop.toolkit import Tags, apply_sac_decisions, track_toolkit_rank
+
+    kernels = str(graph.config["kernels"])
+    tagged: dict[Tags, Decisions] = {
+        "none": decide(graph, Policy("none", fsdp_reshard=False)),
+        "apply_sac": apply_sac_decisions(graph),
+    }
+    workspaces = sum(gpu_workspaces(kernels))
+    calls: tuple[BackwardInputs, ...] = ("held", "freed")
+    rows = []
+    for tags, decisions in tagged.items():
+        for backward_inputs in calls:
+            start = time.perf_counter()
+            tracked = track_toolkit_rank(workload, parallel, tags, backward_inputs, kernels)
+            measured = tracked.peak_bytes + workspaces
+            estimator = Estimator(graph, (), optimizer="none", backward_inputs=backward_inputs)
+            estimated = estimator.estimate(decisions).peak_bytes
+            rows.append(
+                {
+                    "tags": tags,
+                    "backward_inputs": backward_inputs,
+                    "measured_peak_bytes": measured,
+                    "estimated_peak_bytes": estimated,
+                    "difference_bytes": measured - estimated,
+                    "difference_pct": round(100 * (measured / estimated - 1), 3),
+                    "measured_phase": tracked.peak_phase,
+                    "seconds": round(time.perf_counter() - start, 2),
+                }
+            )
+    return {
+        "model": graph.model_name,
+        "device": "fake",
+        "kernels": kernels,
+        "parallel": parallel.to_json(),
+        "tracker": "MemTracker",
+        "workspace_bytes": workspaces,
+        "rows": rows,
+    }
 
 
 def bench_gpu(

@@ -485,8 +485,10 @@ def _add_bench(commands: Commands) -> None:
 
     bench_toolkit = benches.add_parser(
         "toolkit",
-        help="a compiler-toolkit step (AOT export, default partitioner, FX backward) measured on "
-        "this CPU beside the estimate: no AC and apply_sac, backward inputs held or freed",
+        help="a compiler-toolkit step (AOT export, default partitioner, FX backward) measured "
+        "beside the estimate: no AC and apply_sac, backward inputs held or freed; on this CPU, "
+        "or with --mode fake one rank of a torchtitan: model under --fsdp/--tp on fake tensors "
+        "(torch's MemTracker)",
     )
     add_model_args(bench_toolkit)
     bench_toolkit.set_defaults(run=cmd_bench_toolkit)

@@ -1,12 +1,15 @@
 """A training step as torchtitan's compiler toolkit ran it (graph trainer's `aot` mode until it
 traced the whole step): AOTAutograd exports the model's joint graph, joint passes tag it, torch's
 default partitioner splits it, forward and backward run as FX GraphModules and the loss runs
-eagerly between them. Measured for real on the CPU, beside the workbench's estimate of the same
-tags: the check of `Estimator(backward_inputs=...)` and of the partition against a real run.
+eagerly between them. Measured beside the workbench's estimate of the same tags, the check of
+`Estimator(backward_inputs=...)` and of the partition: for real on the CPU, or one rank of a
+torchtitan job sharded by graph trainer on fake tensors under torch's `MemTracker`.
 
 Entry points: `apply_sac(gm)` (the toolkit's `apply_sac` joint pass of 2026-02, a pass on an
-AOTAutograd joint graph), `apply_sac_decisions(graph)` (its rule on the workbench's graph) and
-`measure_toolkit_step(workload, tags, backward_inputs)`.
+AOTAutograd joint graph), `apply_sac_decisions(graph)` (its rule on the workbench's graph, as
+`default_partition_reading` says the default partitioner reads it),
+`measure_toolkit_step(workload, tags, backward_inputs)` (the CPU) and
+`track_toolkit_rank(workload, parallel, tags, backward_inputs, kernels)` (a fake rank).
 """
 
 from __future__ import annotations
@@ -23,17 +26,31 @@ from torch._functorch.aot_autograd import (
     aot_compile_joint_with_descriptors,
     aot_export_joint_with_descriptors,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from workbench.capture.graph import JointGraph
+from workbench.capture.parallel import Parallel
+from workbench.capture.titan_rank import is_titan_workload, titan_loss, titan_rank_model
 from workbench.capture.workload import Workload
 from workbench.cost.estimate import BackwardInputs
 from workbench.cost.measure import Measurement, measure_run
 from workbench.decide.decider import Decisions, decide
 from workbench.decide.policy import Policy
 from workbench.decide.tags import Tag, Why
+from workbench.errors import WorkbenchError
+from workbench.interop.trackers import TrackedStep, track_step
 
-__all__ = ["APPLY_SAC_SAVE_OPS", "Tags", "apply_sac", "apply_sac_decisions", "measure_toolkit_step"]
+__all__ = [
+    "APPLY_SAC_SAVE_OPS",
+    "Tags",
+    "apply_sac",
+    "apply_sac_decisions",
+    "default_partition_reading",
+    "measure_toolkit_step",
+    "track_toolkit_rank",
+]
 
 Tags = Literal["none", "apply_sac"]
 
@@ -49,6 +66,7 @@ APPLY_SAC_SAVE_OPS = frozenset(
         _aten._scaled_dot_product_cudnn_attention.default,
         _aten._scaled_dot_product_attention_math.default,
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.higher_order.flex_attention,
         _aten.max.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
@@ -86,19 +104,83 @@ def apply_sac(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def apply_sac_decisions(graph: JointGraph) -> Decisions:
-    """apply_sac's rule as decisions on the workbench's graph: its forward ops tagged in graph
-    order, the loss's left as autograd keeps them (saved), forced tags kept."""
+    """apply_sac's tags on the workbench's graph, as torch's default partitioner (which the
+    toolkit ran) reads them: its rule on the forward ops in graph order, then the partitioner's
+    reading (`default_partition_reading`); the loss's nodes left as autograd keeps them
+    (saved); forced tags kept."""
     decisions = dict(decide(graph, Policy("none")))
     forward = [n for n in graph.gm.graph.nodes if graph.nodes[n.name].phase == "forward"]
     for node, policy in _apply_sac_policy(forward).items():
         if not decisions[node.name].forced:
             decisions[node.name] = Tag(policy, Why.PRESET, "apply_sac")
-    return decisions
+    return default_partition_reading(graph, decisions, forward)
+
+
+def _multi_output(node: fx.Node) -> bool:
+    return bool(node.users) and all(u.target is operator.getitem for u in node.users)
+
+
+def default_partition_reading(
+    graph: JointGraph, decisions: Decisions, forward: list[fx.Node]
+) -> Decisions:
+    """What AOTAutograd's `default_partition` (torch 2.13, partitioners.py) does with tags that
+    leave getitems untagged, as decisions torch's remat pass replays node for node: it never
+    saves a multi-output op (its `MUST_SAVE` is skipped, so that no tuple is saved) and saves
+    an untagged node only where a backward node reads it directly; the rest backward needs is
+    recomputed. So an attention kernel or a fused RMSNorm whose outputs backward reads through
+    views or `detach` is recomputed, and their statistics backward reads directly are saved."""
+    reading = dict(decisions)
+    why = (Why.PARTITIONER, "default partitioner")
+    for node in forward:
+        if node.op != "call_function" or not _multi_output(node) or reading[node.name].forced:
+            continue
+        reading[node.name] = Tag(CheckpointPolicy.PREFER_RECOMPUTE, *why)
+        for item in node.users:
+            if reading[item.name].forced:
+                continue
+            direct = any(graph.nodes[user.name].phase != "forward" for user in item.users)
+            policy = CheckpointPolicy.MUST_SAVE if direct else CheckpointPolicy.PREFER_RECOMPUTE
+            reading[item.name] = Tag(policy, *why)
+    return reading
 
 
 def _as_traced(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """The toolkit's forward compiler without passes: the partitioned GraphModule itself."""
     return gm
+
+
+def _backward_compiler(backward_inputs: BackwardInputs) -> Any:
+    """The toolkit's bw_compiler: the partitioned GraphModule itself, called `f(*args)` by
+    AOTAutograd (`held`: its caller's argument list keeps every input), or with FX's boxed
+    codegen (`freed`: each input dropped after its last use)."""
+
+    def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+        if backward_inputs == "freed":
+            gm.graph.set_codegen(fx.graph._BoxedCodeGen())
+            gm.recompile()
+        return gm
+
+    return compiler
+
+
+def _compile(
+    model: torch.nn.Module, inputs: tuple[Any, ...], tags: Tags, backward_inputs: BackwardInputs
+) -> Any:
+    """The toolkit's joint graph builder without passes: AOTAutograd's export of `model`, the
+    tags, the default partitioner, forward and backward as GraphModules."""
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, model, inputs)
+        if tags == "apply_sac":
+            joint.graph_module = apply_sac(joint.graph_module)
+        return aot_compile_joint_with_descriptors(
+            joint, fw_compiler=_as_traced, bw_compiler=_backward_compiler(backward_inputs)
+        )
+
+
+def _backward(loss: torch.Tensor) -> None:
+    with warnings.catch_warnings():  # AOTAutograd's advice to box: the toolkit did not
+        warnings.filterwarnings("ignore", "Your compiler for AOTAutograd is returning")
+        loss.backward()
 
 
 def measure_toolkit_step(
@@ -109,21 +191,7 @@ def measure_toolkit_step(
     called as `f(*args)` (`held`: the toolkit's compiler returned the GraphModule, whose
     caller's argument list keeps every input) or with FX's boxed codegen (`freed`)."""
     params = [*workload.model.parameters(), *workload.model.buffers()]
-
-    def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
-        if backward_inputs == "freed":
-            gm.graph.set_codegen(fx.graph._BoxedCodeGen())
-            gm.recompile()
-        return gm
-
-    with contextlib.ExitStack() as stack:
-        joint = aot_export_joint_with_descriptors(stack, workload.model, tuple(workload.inputs))
-        if tags == "apply_sac":
-            joint.graph_module = apply_sac(joint.graph_module)
-        compiled = aot_compile_joint_with_descriptors(
-            joint, fw_compiler=_as_traced, bw_compiler=backward_compiler
-        )
-
+    compiled = _compile(workload.model, tuple(workload.inputs), tags, backward_inputs)
     loss_fn = workload.loss_fn
     assert loss_fn is not None  # a Workload sets its default loss when built
 
@@ -131,12 +199,63 @@ def measure_toolkit_step(
         logits = compiled(*params, *workload.inputs)
         loss = loss_fn(logits, workload.target)
         del logits
-        with warnings.catch_warnings():  # AOTAutograd's advice to box: the toolkit did not
-            warnings.filterwarnings("ignore", "Your compiler for AOTAutograd is returning")
-            loss.backward()
+        _backward(loss)
         for p in workload.model.parameters():
             p.grad = None  # after the peak: the next run starts without gradients
         return [loss.detach()]
 
     held = [*params, *workload.inputs, workload.target]
     return measure_run("toolkit step", step, held, tokens=1, warmup=1, repeats=1)
+
+
+def _fake_mode_of(model: torch.nn.Module) -> FakeTensorMode:
+    """The fake mode graph trainer's model was built in (its parameters' local shards')."""
+    param: torch.Tensor = next(model.parameters())
+    local = param.to_local() if isinstance(param, DTensor) else param
+    mode = getattr(local, "fake_mode", None)
+    if not isinstance(mode, FakeTensorMode):
+        raise WorkbenchError("a toolkit rank runs on fake tensors: build its workload in fake mode")
+    return mode
+
+
+def track_toolkit_rank(
+    workload: Workload,
+    parallel: Parallel,
+    tags: Tags = "none",
+    backward_inputs: BackwardInputs = "held",
+    kernels: str = "h100",
+) -> TrackedStep:
+    """One rank's step of a torchtitan job as the toolkit ran it, on fake tensors under torch's
+    `MemTracker` (`workbench.interop.trackers.track_step`): graph trainer's model sharded by its
+    own `parallelize` (SimpleFSDP, TP) on the fake process group, traced for `kernels`, then
+    `measure_toolkit_step`'s step (AOTAutograd's export, `tags`, the default partitioner, a
+    backward holding or freeing its inputs) with graph trainer's loss run eagerly between
+    forward and backward. Bytes are the tensors' (no allocator, no GPU library workspaces)."""
+    if not is_titan_workload(workload):
+        raise WorkbenchError(
+            f"a sharded toolkit step runs graph trainer's model: give a torchtitan: model, not "
+            f"{workload.name!r} (a workbench model's step runs unsharded, for real)"
+        )
+    if workload.stage is not None or parallel.pp > 1 or parallel.ep > 1 or parallel.cp > 1:
+        raise WorkbenchError(
+            "a toolkit step is measured for FSDP and TP ranks only: drop --pp/--ep/--cp"
+        )
+    with titan_rank_model(workload, "fake", parallel, kernels) as rank:
+        model, fake_mode = rank.model, _fake_mode_of(rank.model)
+        ids, labels = (fake_mode.from_tensor(t) for t in (rank.first, rank.last))
+        compiled = _compile(model, (ids,), tags, backward_inputs)
+        state = [*(p for _, p in model.named_parameters(remove_duplicate=False)), *model.buffers()]
+        loss_fn, tokens = titan_loss(model), float(workload.tokens)
+
+        def step() -> torch.Tensor:
+            logits = compiled(*state, ids)
+            loss, _ = loss_fn(logits, labels, global_valid_tokens=tokens)
+            del logits
+            _backward(loss)
+            for p in model.parameters():
+                p.grad = None
+            return loss.detach()
+
+        with fake_mode:
+            _, tracked = track_step(step, model, held=[ids, labels])
+    return tracked
