@@ -56,8 +56,8 @@ Tags = Literal["none", "apply_sac"]
 
 _aten = torch.ops.aten
 # What `apply_sac` saves (torchtitan a764c981, compiler_toolkit/passes.py DEFAULT_SAC_SAVE_OPS)
-# that a Llama step has, with the CPU's flash kernel standing for the GPU's attention kernels
-# the list names (it is seeded: the partitioner would have to replay its random state).
+# that a Llama step has: the GPU's attention kernels and flex attention's op, which the list
+# names, and the CPU's flash kernel standing for them on a CPU trace.
 APPLY_SAC_SAVE_OPS = frozenset(
     {
         _aten.mm.default,
@@ -113,16 +113,14 @@ def apply_sac_decisions(graph: JointGraph) -> Decisions:
     for node, policy in _apply_sac_policy(forward).items():
         if not decisions[node.name].forced:
             decisions[node.name] = Tag(policy, Why.PRESET, "apply_sac")
-    return default_partition_reading(graph, decisions, forward)
+    return default_partition_reading(graph, decisions)
 
 
 def _multi_output(node: fx.Node) -> bool:
     return bool(node.users) and all(u.target is operator.getitem for u in node.users)
 
 
-def default_partition_reading(
-    graph: JointGraph, decisions: Decisions, forward: list[fx.Node]
-) -> Decisions:
+def default_partition_reading(graph: JointGraph, decisions: Decisions) -> Decisions:
     """What AOTAutograd's `default_partition` (torch 2.13, partitioners.py) does with tags that
     leave getitems untagged, as decisions torch's remat pass replays node for node: it never
     saves a multi-output op (its `MUST_SAVE` is skipped, so that no tuple is saved) and saves
@@ -131,8 +129,13 @@ def default_partition_reading(
     views or `detach` is recomputed, and their statistics backward reads directly are saved."""
     reading = dict(decisions)
     why = (Why.PARTITIONER, "default partitioner")
-    for node in forward:
-        if node.op != "call_function" or not _multi_output(node) or reading[node.name].forced:
+    for node in graph.gm.graph.nodes:
+        if (
+            graph.nodes[node.name].phase != "forward"
+            or node.op != "call_function"
+            or not _multi_output(node)
+            or reading[node.name].forced
+        ):
             continue
         reading[node.name] = Tag(CheckpointPolicy.PREFER_RECOMPUTE, *why)
         for item in node.users:
