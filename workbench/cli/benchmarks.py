@@ -225,6 +225,37 @@ def bench_render(graph: JointGraph, policy: Policy, repeat: int) -> dict[str, An
     }
 
 
+def _toolkit_rows(
+    graph: JointGraph,
+    tagged: dict[Any, Decisions],
+    measure: Callable[[Any, BackwardInputs], tuple[int, dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """Per tags and backward (holding its inputs, as the toolkit did, or freeing them: FX's
+    boxed codegen) the step `measure` runs, its peak beside the estimate of the same decisions
+    on `graph`; `measure` returns the peak and the row's fields of its own."""
+    calls: tuple[BackwardInputs, ...] = ("held", "freed")
+    rows = []
+    for tags, decisions in tagged.items():
+        for backward_inputs in calls:
+            start = time.perf_counter()
+            measured, more = measure(tags, backward_inputs)
+            estimator = Estimator(graph, (), optimizer="none", backward_inputs=backward_inputs)
+            estimated = estimator.estimate(decisions).peak_bytes
+            rows.append(
+                {
+                    "tags": tags,
+                    "backward_inputs": backward_inputs,
+                    "measured_peak_bytes": measured,
+                    "estimated_peak_bytes": estimated,
+                    "difference_bytes": measured - estimated,
+                    "difference_pct": round(100 * (measured / estimated - 1), 3),
+                    **more,
+                    "seconds": round(time.perf_counter() - start, 2),
+                }
+            )
+    return rows
+
+
 def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
     """A compiler-toolkit step measured on the CPU beside the workbench's estimate of it
     (`workbench.interop.toolkit`): no AC and apply_sac's tags, the backward holding its inputs
@@ -236,25 +267,11 @@ def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
         "none": decide(graph, Policy("none")),
         "apply_sac": apply_sac_decisions(graph),
     }
-    calls: tuple[BackwardInputs, ...] = ("held", "freed")  # as the toolkit did, and boxed
-    rows = []
-    for tags, decisions in tagged.items():
-        for backward_inputs in calls:
-            start = time.perf_counter()
-            measured = measure_toolkit_step(workload, tags, backward_inputs)
-            estimator = Estimator(graph, (), optimizer="none", backward_inputs=backward_inputs)
-            estimated = estimator.estimate(decisions).peak_bytes
-            rows.append(
-                {
-                    "tags": tags,
-                    "backward_inputs": backward_inputs,
-                    "measured_peak_bytes": measured.peak_bytes,
-                    "estimated_peak_bytes": estimated,
-                    "difference_bytes": measured.peak_bytes - estimated,
-                    "difference_pct": round(100 * (measured.peak_bytes / estimated - 1), 3),
-                    "seconds": round(time.perf_counter() - start, 2),
-                }
-            )
+
+    def measure(tags: Tags, backward_inputs: BackwardInputs) -> tuple[int, dict[str, Any]]:
+        return measure_toolkit_step(workload, tags, backward_inputs).peak_bytes, {}
+
+    rows = _toolkit_rows(graph, tagged, measure)
     return {"model": graph.model_name, "device": "cpu", "rows": rows}
 
 
@@ -275,27 +292,11 @@ def bench_toolkit_rank(workload: Workload, graph: JointGraph, parallel: Parallel
         "apply_sac": apply_sac_decisions(graph),
     }
     workspaces = sum(gpu_workspaces(kernels))
-    calls: tuple[BackwardInputs, ...] = ("held", "freed")
-    rows = []
-    for tags, decisions in tagged.items():
-        for backward_inputs in calls:
-            start = time.perf_counter()
-            tracked = track_toolkit_rank(workload, parallel, tags, backward_inputs, kernels)
-            measured = tracked.peak_bytes + workspaces
-            estimator = Estimator(graph, (), optimizer="none", backward_inputs=backward_inputs)
-            estimated = estimator.estimate(decisions).peak_bytes
-            rows.append(
-                {
-                    "tags": tags,
-                    "backward_inputs": backward_inputs,
-                    "measured_peak_bytes": measured,
-                    "estimated_peak_bytes": estimated,
-                    "difference_bytes": measured - estimated,
-                    "difference_pct": round(100 * (measured / estimated - 1), 3),
-                    "measured_phase": tracked.peak_phase,
-                    "seconds": round(time.perf_counter() - start, 2),
-                }
-            )
+
+    def measure(tags: Tags, backward_inputs: BackwardInputs) -> tuple[int, dict[str, Any]]:
+        tracked = track_toolkit_rank(workload, parallel, tags, backward_inputs, kernels)
+        return tracked.peak_bytes + workspaces, {"measured_phase": tracked.peak_phase}
+
     return {
         "model": graph.model_name,
         "device": "fake",
@@ -303,7 +304,7 @@ def bench_toolkit_rank(workload: Workload, graph: JointGraph, parallel: Parallel
         "parallel": parallel.to_json(),
         "tracker": "MemTracker",
         "workspace_bytes": workspaces,
-        "rows": rows,
+        "rows": _toolkit_rows(graph, tagged, measure),
     }
 
 
