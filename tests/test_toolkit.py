@@ -13,13 +13,24 @@ import torch
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.utils.checkpoint import CheckpointPolicy
 
+from workbench.capture.graph import JointGraph
 from workbench.capture.models import Workload, load_workload
 from workbench.capture.parallel import Parallel
 from workbench.capture.trace import trace
 from workbench.cli import main
 from workbench.cli.benchmarks import bench_toolkit, bench_toolkit_rank
+from workbench.decide.decider import decide
+from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.interop.toolkit import apply_sac, apply_sac_decisions, track_toolkit_rank
+from workbench.interop.toolkit import (
+    apply_sac,
+    apply_sac_decisions,
+    apply_sac_pass,
+    apply_sac_pass_decisions,
+    eager_sac_decisions,
+    measure_toolkit_step,
+    track_toolkit_rank,
+)
 
 MM = torch.ops.aten.mm.default
 
@@ -62,6 +73,49 @@ def test_apply_sac_decisions_are_its_rule_on_the_workbench_graph(small: Workload
     ]
     assert all(t.detail in ("apply_sac", "default partitioner") or t.forced for t in tagged)
     assert {decisions[name].detail for name in loss} == {"none"}
+
+
+def test_apply_sac_pass_tags_getitems_and_waits_as_their_op(small: Workload) -> None:
+    """Graph trainer's pass of PR #2570: the same matmul count as apply_sac, over the whole
+    joint graph (backward's ops tagged too), and every getitem tagged as the op it reads."""
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, small.model, tuple(small.inputs))
+        gm = apply_sac_pass(joint.graph_module)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all("recompute" in n.meta and n.meta["ac_graph_id"] == 0 for n in calls)
+    mms = [n.meta["recompute"] for n in calls if n.target is MM]
+    forward = [
+        CheckpointPolicy.PREFER_RECOMPUTE if i % 2 else CheckpointPolicy.MUST_SAVE
+        for i in range(15)
+    ]
+    assert mms[:15] == forward
+    items = [n for n in calls if n.target is operator.getitem]
+    assert items and all(n.meta["recompute"] == n.args[0].meta["recompute"] for n in items)
+
+
+def test_apply_sac_pass_decisions_follow_the_pass(titan_graph: JointGraph) -> None:
+    """On a sharded rank: each getitem and collective wait as the node it reads (flex
+    attention's outputs saved: the pass's save list holds it), the loss untouched."""
+    decisions = apply_sac_pass_decisions(titan_graph)
+    nodes, gm = titan_graph.nodes, titan_graph.gm
+    forward = [n for n in gm.graph.nodes if nodes[n.name].phase == "forward"]
+    followers = [
+        n
+        for n in forward
+        if n.op == "call_function"
+        and nodes[n.name].op in ("getitem", "_c10d_functional.wait_tensor.default")
+        and not decisions[n.name].forced
+    ]
+    assert any(nodes[n.name].op == "getitem" for n in followers)
+    assert any(nodes[n.name].op != "getitem" for n in followers)
+    for node in followers:
+        assert decisions[node.name].policy == decisions[node.args[0].name].policy, node.name
+    flex = [n for n in forward if nodes[n.name].op == "flex_attention"]
+    assert flex and all(not decisions[u.name].recompute for n in flex for u in n.users)
+    assert {decisions[n.name].detail for n in forward if n.op == "call_function"} <= {
+        "apply_sac_pass",
+        *(t.detail for t in decisions.values() if t.forced),
+    }
 
 
 def test_a_toolkit_step_is_measured_beside_its_estimate(small: Workload) -> None:
@@ -113,26 +167,63 @@ def titan_rank() -> Workload:
     return load_workload("torchtitan:llama3/debugmodel", layers=2, seq=256, batch=1, device="meta")
 
 
-def test_a_sharded_toolkit_rank_equals_its_estimate(titan_rank: Workload) -> None:
+@pytest.fixture(scope="module")
+def titan_graph(titan_rank: Workload) -> JointGraph:
+    return trace(titan_rank, "fake", Parallel(fsdp=2, tp=2), kernels="b200")
+
+
+def test_a_sharded_toolkit_rank_equals_its_estimate(
+    titan_rank: Workload, titan_graph: JointGraph
+) -> None:
     """One rank of graph trainer's Llama3 at FSDP 2 x TP 2, traced for a B200, run as the
     toolkit ran it on fake tensors under torch's MemTracker: with its backward holding its
-    inputs, no AC and apply_sac (read as the default partitioner reads it) peak at the
-    estimate within 128 bytes. Freeing them, the measured peak is above the estimate by the
-    logits' gradient and under 8 KB more: AOTAutograd frees its local tensor from the argument
-    list, but the DTensor autograd holds keeps it."""
-    parallel = Parallel(fsdp=2, tp=2)
-    graph = trace(titan_rank, "fake", parallel, kernels="b200")
-    result = bench_toolkit_rank(titan_rank, graph, parallel)
+    inputs, no AC, apply_sac, apply_sac_pass and torchtitan's eager SAC wrappers (read as the
+    default partitioner reads them) peak at the estimate within 128 bytes. Freeing them, the
+    measured peak is above the estimate by the logits' gradient and under 8 KB more:
+    AOTAutograd frees its local tensor from the argument list, but the DTensor autograd holds
+    keeps it."""
+    result = bench_toolkit_rank(titan_rank, titan_graph, Parallel(fsdp=2, tp=2))
     rows = {(r["tags"], r["backward_inputs"]): r for r in result["rows"]}
     assert result["tracker"] == "MemTracker" and result["workspace_bytes"] == 64 << 20
-    for tags in ("none", "apply_sac"):
+    for tags in ("none", "apply_sac", "apply_sac_pass", "eager_sac"):
         assert abs(rows[(tags, "held")]["difference_bytes"]) <= 128, tags
         gradient = 1 * 256 * 1024 * 4  # batch x seq x vocab / tp, fp32
         assert 0 <= rows[(tags, "freed")]["difference_bytes"] - gradient <= 8192, tags
-    assert (
-        rows[("apply_sac", "held")]["measured_peak_bytes"]
-        < rows[("none", "held")]["measured_peak_bytes"]
-    )
+    held = {tags: rows[(tags, "held")]["measured_peak_bytes"] for tags in ("none", "apply_sac")}
+    assert held["apply_sac"] < held["none"]
+    assert rows[("eager_sac", "held")]["measured_peak_bytes"] < held["none"]
+
+
+def test_eager_sac_decisions_read_the_wrappers_as_the_partitioner_does(
+    titan_graph: JointGraph,
+) -> None:
+    """Inside the blocks the `eager` preset's tags with flex attention saved (the wrappers'
+    save list); outside them the partitioner's reading of untagged nodes: the output
+    projection's (lm_head's) gathered weight kept, which the `eager` preset reshards."""
+    decisions = eager_sac_decisions(titan_graph)
+    eager = decide(titan_graph, Policy("eager"))
+    nodes = titan_graph.nodes
+    flex = [name for name, info in nodes.items() if info.op == "flex_attention"]
+    assert len(flex) == 2 and all(not decisions[name].recompute for name in flex)
+    assert all(eager[name].recompute for name in flex)
+    inside = [name for name in eager if nodes[name].layer is not None]
+    changed = [name for name in inside if decisions[name].policy != eager[name].policy]
+    flex_outputs = {
+        user.name for node in titan_graph.gm.graph.nodes if node.name in flex for user in node.users
+    }
+    assert set(changed) <= {*flex, *flex_outputs}
+    resharded = [
+        name
+        for name in eager
+        if nodes[name].layer is None and eager[name].policy is CheckpointPolicy.MUST_RECOMPUTE
+    ]
+    assert any(nodes[name].module == "lm_head" for name in resharded)
+    assert all(not decisions[name].recompute for name in resharded)
+
+
+def test_measure_toolkit_step_refuses_eager_sac_on_a_workbench_model(small: Workload) -> None:
+    with pytest.raises(WorkbenchError, match="measure it on a sharded torchtitan rank"):
+        measure_toolkit_step(small, "eager_sac")
 
 
 @pytest.mark.parametrize(

@@ -252,17 +252,24 @@ def test_eager_runs_are_estimated_as_eager_runs_them(capsys: pytest.CaptureFixtu
     assert row["peak_at"].endswith(("(forward)", "(backward)"))
 
 
-def test_the_default_partitioners_reading_cited_for_pr_2377_graph_sac() -> None:
-    """The figure PR #2377's graph SAC row cites for apply_sac's tags as the default
+@pytest.mark.parametrize(
+    ("run_id", "reading"),
+    [
+        ("pr2377-8b-tp2-fsdp2-default", "apply_sac_decisions"),
+        ("pr2570-8b-fsdp4-tp2-default", "apply_sac_pass_decisions"),
+    ],
+)
+def test_the_default_partitioners_reading_cited_for_graph_sac(run_id: str, reading: str) -> None:
+    """The figure each toolkit job's graph SAC row cites for its pass's tags as the default
     partitioner reads them is that estimate of the row's full graph (fake, about 3 s)."""
     from workbench.capture.models import load_workload
     from workbench.capture.parallel import Parallel
     from workbench.capture.trace import trace
     from workbench.cost.allocator import AllocatorConfig
     from workbench.cost.estimate import Estimator
-    from workbench.interop.toolkit import apply_sac_decisions
+    from workbench.interop import toolkit
 
-    run = PUBLISHED_RUNS["pr2377-8b-tp2-fsdp2-default"]
+    run = PUBLISHED_RUNS[run_id]
     workload = load_workload(run.model, seq=run.seq, batch=run.local_batch, device="meta")
     graph = trace(workload, "fake", Parallel(fsdp=run.fsdp, tp=run.tp), kernels=run.profile)
     estimator = Estimator(
@@ -272,7 +279,7 @@ def test_the_default_partitioners_reading_cited_for_pr_2377_graph_sac() -> None:
         allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
         backward_inputs=run.backward_inputs,
     )
-    est = estimator.estimate(apply_sac_decisions(graph))
+    est = estimator.estimate(getattr(toolkit, reading)(graph))
     assert est.reserved_peak_bytes is not None
     pct = 100 * (est.reserved_peak_bytes / (run.published_gib * GIB) - 1)
     cited = (
@@ -280,3 +287,27 @@ def test_the_default_partitioners_reading_cited_for_pr_2377_graph_sac() -> None:
         f"reserved ({pct:.1f} %)".replace("-", "−")
     )
     assert any(cited in text for text in run.differences), cited
+
+
+def test_the_toolkit_eager_rows_selector_is_the_wrappers_reading() -> None:
+    """The eager SAC rows' selector (the output projection's gathered weight kept) gives the
+    estimate of `eager_sac_decisions` (torchtitan's wrappers as the toolkit traced them and the
+    default partitioner read them) within 8 KB, as the rows say."""
+    from workbench.capture.models import load_workload
+    from workbench.capture.parallel import Parallel
+    from workbench.capture.trace import trace
+    from workbench.cost.estimate import Estimator
+    from workbench.decide.decider import decide
+    from workbench.interop.toolkit import eager_sac_decisions
+
+    run = PUBLISHED_RUNS["pr2377-8b-tp2-fsdp2-eager"]
+    workload = load_workload(run.model, seq=run.seq, batch=run.local_batch, device="meta")
+    graph = trace(workload, "fake", Parallel(fsdp=run.fsdp, tp=run.tp), kernels=run.profile)
+    estimator = Estimator(graph, [run.profile], run.optimizer, backward_inputs="held")
+    row = estimator.estimate(decide(graph, run.workbench_policy)).peak_bytes
+    reading = estimator.estimate(eager_sac_decisions(graph)).peak_bytes
+    preset = estimator.estimate(
+        decide(graph, dataclasses.replace(run.workbench_policy, selectors=[]))
+    )
+    assert abs(row - reading) <= 8192
+    assert row - preset.peak_bytes > 128256 * 4096 // 2 * 2 * 0.99  # the gathered bf16 weight

@@ -280,16 +280,26 @@ def bench_toolkit_rank(workload: Workload, graph: JointGraph, parallel: Parallel
     torch's `MemTracker` (`workbench.interop.toolkit.track_toolkit_rank`: graph trainer's
     SimpleFSDP and TP, AOTAutograd's export, the default partitioner), beside the workbench's
     estimate of the same tags on `graph`, the workbench's trace of that rank for the same
-    kernels: no AC (gathered weights kept, as the toolkit's views kept them) and apply_sac's
-    tags as the default partitioner reads them, the backward holding or freeing its inputs.
-    The measured peak adds cuBLAS's workspaces, which the estimate holds and no tensor does."""
+    kernels: no AC (gathered weights kept, as the toolkit's views kept them), the tags of the
+    toolkit's apply_sac (2026-02), of graph trainer's apply_sac_pass (2026-03) and of
+    torchtitan's eager SAC wrappers as the default partitioner reads them, the backward
+    holding or freeing its inputs. The measured peak adds cuBLAS's workspaces, which the
+    estimate holds and no tensor does."""
     from workbench.cost.workspaces import gpu_workspaces
-    from workbench.interop.toolkit import Tags, apply_sac_decisions, track_toolkit_rank
+    from workbench.interop.toolkit import (
+        Tags,
+        apply_sac_decisions,
+        apply_sac_pass_decisions,
+        eager_sac_decisions,
+        track_toolkit_rank,
+    )
 
     kernels = str(graph.config["kernels"])
     tagged: dict[Tags, Decisions] = {
         "none": decide(graph, Policy("none", fsdp_reshard=False)),
         "apply_sac": apply_sac_decisions(graph),
+        "apply_sac_pass": apply_sac_pass_decisions(graph),
+        "eager_sac": eager_sac_decisions(graph),
     }
     workspaces = sum(gpu_workspaces(kernels))
 

@@ -488,7 +488,8 @@ def _add_bench(commands: Commands) -> None:
         help="a compiler-toolkit step (AOT export, default partitioner, FX backward) measured "
         "beside the estimate: no AC and apply_sac, backward inputs held or freed; on this CPU, "
         "or with --mode fake one rank of a torchtitan: model under --fsdp/--tp on fake tensors "
-        "(torch's MemTracker)",
+        "(torch's MemTracker), where graph trainer's apply_sac_pass and torchtitan's eager SAC "
+        "wrappers are measured too",
     )
     add_model_args(bench_toolkit)
     bench_toolkit.set_defaults(run=cmd_bench_toolkit)

@@ -7,7 +7,10 @@ torchtitan job sharded by graph trainer on fake tensors under torch's `MemTracke
 
 Entry points: `apply_sac(gm)` (the toolkit's `apply_sac` joint pass of 2026-02, a pass on an
 AOTAutograd joint graph), `apply_sac_decisions(graph)` (its rule on the workbench's graph, as
-`default_partition_reading` says the default partitioner reads it),
+`default_partition_reading` says the default partitioner reads it), `apply_sac_pass(gm)` and
+`apply_sac_pass_decisions(graph)` (graph trainer's pass of 2026-03, getitems tagged as their op),
+`eager_sac_decisions(graph)` (torchtitan's eager SAC wrappers as the toolkit traced them, read the
+same way),
 `measure_toolkit_step(workload, tags, backward_inputs)` (the CPU) and
 `track_toolkit_rank(workload, parallel, tags, backward_inputs, kernels)` (a fake rank).
 """
@@ -18,7 +21,7 @@ import contextlib
 import operator
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.fx as fx
@@ -26,6 +29,7 @@ from torch._functorch.aot_autograd import (
     aot_compile_joint_with_descriptors,
     aot_export_joint_with_descriptors,
 )
+from torch._functorch.partitioners import get_default_op_list
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy
@@ -37,22 +41,26 @@ from workbench.capture.workload import Workload
 from workbench.cost.estimate import BackwardInputs
 from workbench.cost.measure import Measurement, measure_run
 from workbench.decide.decider import Decisions, decide
-from workbench.decide.policy import Policy
+from workbench.decide.policy import Policy, Selector
 from workbench.decide.tags import Tag, Why
 from workbench.errors import WorkbenchError
 from workbench.interop.trackers import TrackedStep, track_step
 
 __all__ = [
+    "APPLY_SAC_PASS_SAVE_OPS",
     "APPLY_SAC_SAVE_OPS",
     "Tags",
     "apply_sac",
     "apply_sac_decisions",
+    "apply_sac_pass",
+    "apply_sac_pass_decisions",
     "default_partition_reading",
+    "eager_sac_decisions",
     "measure_toolkit_step",
     "track_toolkit_rank",
 ]
 
-Tags = Literal["none", "apply_sac"]
+Tags = Literal["none", "apply_sac", "apply_sac_pass", "eager_sac"]
 
 _aten = torch.ops.aten
 # What `apply_sac` saves (torchtitan a764c981, compiler_toolkit/passes.py DEFAULT_SAC_SAVE_OPS)
@@ -71,6 +79,46 @@ APPLY_SAC_SAVE_OPS = frozenset(
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
 )
+
+
+# What graph trainer's `apply_sac_pass` saves (torchtitan fca8ab7b, PR #2570, graph_trainer/
+# passes.py `_get_default_sac_save_ops`): torch's partitioner's compute-intensive ops, the SDPA
+# kernels that list lacks, flex attention, inductor's code and the collectives it names.
+APPLY_SAC_PASS_SAVE_OPS = frozenset(
+    {
+        *(cast(Any, op).default for op in get_default_op_list().compute_intensive_ops),
+        _aten._scaled_dot_product_cudnn_attention.default,
+        _aten._scaled_dot_product_attention_math.default,
+        _aten._scaled_dot_product_fused_attention_overrideable.default,
+        torch.ops.higher_order.flex_attention,
+        torch.ops.higher_order.inductor_compiled_code,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops._c10d_functional.all_to_all_single.default,
+    }
+)
+# Nodes `apply_sac_pass` gives their first argument's tag: a tuple's items, a collective's wait.
+_FOLLOWERS = (operator.getitem, torch.ops._c10d_functional.wait_tensor.default)
+
+
+def _apply_sac_pass_policy(nodes: list[fx.Node]) -> dict[fx.Node, CheckpointPolicy]:
+    """`apply_sac_pass`'s rule in graph order: `_apply_sac_policy`'s count and recompute, its
+    own save list, and getitems and waits tagged as the node they read."""
+    count, tags = 0, dict[fx.Node, CheckpointPolicy]()
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _FOLLOWERS:
+            parent = node.args[0]
+            if isinstance(parent, fx.Node) and parent in tags:
+                tags[node] = tags[parent]
+            continue
+        if node.target is _aten.mm.default:
+            count += 1
+            saved = count % 2 == 1
+        else:
+            saved = node.target in APPLY_SAC_PASS_SAVE_OPS
+        tags[node] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return tags
 
 
 def _apply_sac_policy(nodes: list[fx.Node]) -> dict[fx.Node, CheckpointPolicy]:
@@ -103,6 +151,27 @@ def apply_sac(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def apply_sac_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Graph trainer's `apply_sac_pass` joint pass of 2026-03 (PR #2570): its rule on every op
+    of the joint graph, backward's too (which the partitioner never saves), one AC region."""
+    for node, policy in _apply_sac_pass_policy(list(gm.graph.nodes)).items():
+        node.meta["recompute"], node.meta["ac_graph_id"] = policy, 0
+    gm.recompile()
+    return gm
+
+
+def apply_sac_pass_decisions(graph: JointGraph) -> Decisions:
+    """`apply_sac_pass`'s tags on the workbench's graph: its rule on the forward ops in graph
+    order, which tags every getitem as its op, so the default partitioner's reading is the tags
+    themselves; the loss's nodes left as autograd keeps them (saved); forced tags kept."""
+    decisions = dict(decide(graph, Policy("none")))
+    forward = [n for n in graph.gm.graph.nodes if graph.nodes[n.name].phase == "forward"]
+    for node, policy in _apply_sac_pass_policy(forward).items():
+        if not decisions[node.name].forced:
+            decisions[node.name] = Tag(policy, Why.PRESET, "apply_sac_pass")
+    return decisions
+
+
 def apply_sac_decisions(graph: JointGraph) -> Decisions:
     """apply_sac's tags on the workbench's graph, as torch's default partitioner (which the
     toolkit ran) reads them: its rule on the forward ops in graph order, then the partitioner's
@@ -114,6 +183,24 @@ def apply_sac_decisions(graph: JointGraph) -> Decisions:
         if not decisions[node.name].forced:
             decisions[node.name] = Tag(policy, Why.PRESET, "apply_sac")
     return default_partition_reading(graph, decisions)
+
+
+def eager_sac_decisions(graph: JointGraph) -> Decisions:
+    """torchtitan's eager SAC wrappers (`SelectiveAC`) on the workbench's graph, as the toolkit
+    traced them and the default partitioner reads them: inside each block the checkpoint HOP
+    tags every op with the wrappers' rule, getitems with their op's (the `eager` preset: every
+    second matmul of a block recomputed, the save list kept, the block's output saved), flex
+    attention kept as the wrappers' save list keeps it; outside the blocks nothing is tagged,
+    read as `default_partition_reading` reads untagged nodes, so the views of the output
+    projection's gathered weight are saved and keep it from forward to backward."""
+    flex = any(info.op == "flex_attention" for info in graph.nodes.values())
+    selectors = [Selector("**::flex_attention", "save")] if flex else []
+    inside = decide(graph, Policy("eager", selectors=selectors))
+    outside = default_partition_reading(graph, decide(graph, Policy("none", fsdp_reshard=False)))
+    return {
+        name: inside[name] if graph.nodes[name].layer is not None else outside[name]
+        for name in inside
+    }
 
 
 def _multi_output(node: fx.Node) -> bool:
@@ -171,10 +258,37 @@ def _compile(
 ) -> Any:
     """The toolkit's joint graph builder without passes: AOTAutograd's export of `model`, the
     tags, the default partitioner, forward and backward as GraphModules."""
+    if tags == "eager_sac":
+        return _compile_eager_sac(model, inputs, backward_inputs)
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, model, inputs)
         if tags == "apply_sac":
             joint.graph_module = apply_sac(joint.graph_module)
+        elif tags == "apply_sac_pass":
+            joint.graph_module = apply_sac_pass(joint.graph_module)
+        return aot_compile_joint_with_descriptors(
+            joint, fw_compiler=_as_traced, bw_compiler=_backward_compiler(backward_inputs)
+        )
+
+
+def _compile_eager_sac(
+    model: torch.nn.Module, inputs: tuple[Any, ...], backward_inputs: BackwardInputs
+) -> Any:
+    """The toolkit's step of a model in torchtitan's eager SAC wrappers: torchtitan's
+    `SelectiveAC` wraps each block (its op rule: the save list kept, every second matmul of a
+    block recomputed), graph trainer's `export_joint` captures the step with dynamo (each
+    wrapper a checkpoint HOP with its own `ac_graph_id`) and AOTAutograd inlines the HOPs with
+    the rule's tags, which the default partitioner reads."""
+    from torch._guards import tracing
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.experiments.graph_trainer.graph_utils import export_joint
+
+    try:
+        SelectiveAC(SelectiveAC.Config()).apply(model)
+        joint, context = export_joint(model, inputs)
+    finally:  # `apply` turns dynamo's LRU cache off for the process; on is torch's default
+        torch._C._dynamo.eval_frame._set_lru_cache(True)  # type: ignore[attr-defined]
+    with tracing(context):
         return aot_compile_joint_with_descriptors(
             joint, fw_compiler=_as_traced, bw_compiler=_backward_compiler(backward_inputs)
         )
@@ -193,6 +307,13 @@ def measure_toolkit_step(
     measured: the joint graph `tags`-tagged, split by the default partitioner; the backward
     called as `f(*args)` (`held`: the toolkit's compiler returned the GraphModule, whose
     caller's argument list keeps every input) or with FX's boxed codegen (`freed`)."""
+    if tags == "eager_sac":
+        raise WorkbenchError(
+            "eager_sac wraps graph trainer's blocks in torchtitan's SelectiveAC: measure it on "
+            "a sharded torchtitan rank (bench toolkit --mode fake with a torchtitan: model and "
+            f"--fsdp/--tp), not on {workload.name!r}'s step; tags here: none, apply_sac or "
+            "apply_sac_pass"
+        )
     params = [*workload.model.parameters(), *workload.model.buffers()]
     compiled = _compile(workload.model, tuple(workload.inputs), tags, backward_inputs)
     loss_fn = workload.loss_fn
