@@ -29,6 +29,7 @@ from workbench.interop.toolkit import (
     apply_sac_pass_decisions,
     eager_sac_decisions,
     measure_toolkit_step,
+    toolkit_decisions,
     track_toolkit_rank,
 )
 
@@ -221,6 +222,23 @@ def test_eager_sac_decisions_read_the_wrappers_as_the_partitioner_does(
     assert all(not decisions[name].recompute for name in resharded)
 
 
+def test_toolkit_decisions_name_each_reading(titan_graph: JointGraph) -> None:
+    """No AC keeps FSDP's gathered weights (what the toolkit's views kept); the other
+    taggings are their readings."""
+    none = toolkit_decisions(titan_graph, "none")
+    gathered = [
+        name
+        for name in none
+        if titan_graph.nodes[name].op == "_c10d_functional.all_gather_into_tensor.default"
+    ]
+    assert gathered and all(not none[name].recompute for name in gathered)
+    assert decide(titan_graph, Policy("none")) != none  # resharding would recompute them
+    assert toolkit_decisions(titan_graph, "apply_sac") == apply_sac_decisions(titan_graph)
+    pass_reading = apply_sac_pass_decisions(titan_graph)
+    assert toolkit_decisions(titan_graph, "apply_sac_pass") == pass_reading
+    assert toolkit_decisions(titan_graph, "eager_sac") == eager_sac_decisions(titan_graph)
+
+
 def test_measure_toolkit_step_refuses_eager_sac_on_a_workbench_model(small: Workload) -> None:
     with pytest.raises(WorkbenchError, match="measure it on a sharded torchtitan rank"):
         measure_toolkit_step(small, "eager_sac")
@@ -232,6 +250,9 @@ def test_measure_toolkit_step_refuses_eager_sac_on_a_workbench_model(small: Work
         (["--mode", "fake"], "give a torchtitan: model and --fsdp/--tp"),
         (["--fsdp", "2"], "drop --fsdp 2"),
         (["--mode", "fake", "--fsdp", "2"], "give a torchtitan: model"),
+        (["--tags", "apply_sac,bogus"], "--tags 'apply_sac,bogus': bogus; name some of none,"),
+        (["--tags", ","], "nothing named"),
+        (["--tags", "eager_sac"], "--tags eager_sac wraps graph trainer's blocks"),
     ],
 )
 def test_bench_toolkit_refuses_what_it_cannot_run(
@@ -248,6 +269,17 @@ def test_bench_toolkit_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"] == "cpu" and len(result["rows"]) == 4
+
+
+def test_bench_toolkit_runs_the_tags_named(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "toolkit", "--model", "llama3-debug", "--layers", "2", "--seq", "32"]
+    assert main([*argv, "--tags", "apply_sac_pass", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["tags"], r["backward_inputs"]) for r in rows] == [
+        ("apply_sac_pass", "held"),
+        ("apply_sac_pass", "freed"),
+    ]
+    assert all(r["measured_peak_bytes"] > 0 and r["estimated_peak_bytes"] > 0 for r in rows)
 
 
 def test_track_toolkit_rank_refuses_a_workbench_model(small: Workload) -> None:

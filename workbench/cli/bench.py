@@ -14,6 +14,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workbench.cli.args import (
     MAX_FLIPS,
@@ -33,6 +34,9 @@ from workbench.cli.report import Report
 from workbench.decide.policy import parse_policy
 from workbench.errors import WorkbenchError, check_int
 from workbench.files import check_writable
+
+if TYPE_CHECKING:
+    from workbench.interop.toolkit import Tags
 
 __all__ = [
     "cmd_bench_click",
@@ -127,6 +131,7 @@ def cmd_bench_toolkit(args: argparse.Namespace) -> Report:
     from workbench.cli.benchmarks import bench_toolkit, bench_toolkit_rank
 
     parallel = parallel_from_args(args)
+    tags = _toolkit_tags(args.tags, args.mode)
     if args.mode == "fake":
         if parallel is None or not args.model.startswith("torchtitan:"):
             raise WorkbenchError(
@@ -137,7 +142,7 @@ def cmd_bench_toolkit(args: argparse.Namespace) -> Report:
         workload = workload_from_args(args, "fake")
         kernels = kernels_from_args(args, "fake")
         graph, _ = trace_workload(workload, "fake", parallel, kernels)
-        return Report(bench_toolkit_rank(workload, graph, parallel))
+        return Report(bench_toolkit_rank(workload, graph, parallel, tags))
     if parallel is not None:
         raise WorkbenchError(
             f"bench toolkit runs one unsharded process on this CPU: drop {parallel_flags(args)}, "
@@ -145,7 +150,29 @@ def cmd_bench_toolkit(args: argparse.Namespace) -> Report:
         )
     workload = workload_from_args(args, "real")
     graph, _ = trace_workload(workload, "real", None, kernels_from_args(args, "real"))
-    return Report(bench_toolkit(workload, graph))
+    return Report(bench_toolkit(workload, graph, tags))
+
+
+def _toolkit_tags(value: str | None, mode: str) -> list[Tags] | None:
+    """`--tags`: the taggings named, each known, eager SAC on a fake rank only (its wrappers
+    would change a real workload's model); None when not given (each mode's default)."""
+    from workbench.interop.toolkit import TOOLKIT_TAGS
+
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TOOLKIT_TAGS]
+    if unknown or not names:
+        raise WorkbenchError(
+            f"--tags {value!r}: {', '.join(unknown) or 'nothing named'}; name some of "
+            f"{', '.join(TOOLKIT_TAGS)}, comma-separated"
+        )
+    if "eager_sac" in names and mode != "fake":
+        raise WorkbenchError(
+            "--tags eager_sac wraps graph trainer's blocks in torchtitan's SelectiveAC: add "
+            "--mode fake with a torchtitan: model and --fsdp/--tp"
+        )
+    return [name for name in TOOLKIT_TAGS if name in names]
 
 
 def _out_folder(args: argparse.Namespace, model: str, presets: list[str]) -> Path:

@@ -36,6 +36,7 @@ from workbench.files import file_stem, write_file
 from workbench.rewrite.remat import remat
 
 if TYPE_CHECKING:
+    from workbench.interop.toolkit import Tags
     from workbench.show.widgets.explorer import PolicyExplorer
 
 __all__ = [
@@ -256,17 +257,17 @@ def _toolkit_rows(
     return rows
 
 
-def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
+def bench_toolkit(
+    workload: Workload, graph: JointGraph, tags: Sequence[Tags] | None = None
+) -> dict[str, Any]:
     """A compiler-toolkit step measured on the CPU beside the workbench's estimate of it
-    (`workbench.interop.toolkit`): no AC and apply_sac's tags, the backward holding its inputs
-    (as the toolkit ran it) or freeing them (FX's boxed codegen). `graph` is the workload's
-    real-mode trace, whose joint graph the estimate walks."""
-    from workbench.interop.toolkit import Tags, apply_sac_decisions, measure_toolkit_step
+    (`workbench.interop.toolkit`): per tagging in `tags` (None: no AC and apply_sac's),
+    the backward holding its inputs (as the toolkit ran it) or freeing them (FX's boxed
+    codegen). `graph` is the workload's real-mode trace, whose joint graph the estimate
+    walks."""
+    from workbench.interop.toolkit import measure_toolkit_step, toolkit_decisions
 
-    tagged: dict[Tags, Decisions] = {
-        "none": decide(graph, Policy("none")),
-        "apply_sac": apply_sac_decisions(graph),
-    }
+    tagged = {name: toolkit_decisions(graph, name) for name in tags or ("none", "apply_sac")}
 
     def measure(tags: Tags, backward_inputs: BackwardInputs) -> tuple[int, dict[str, Any]]:
         return measure_toolkit_step(workload, tags, backward_inputs).peak_bytes, {}
@@ -275,32 +276,26 @@ def bench_toolkit(workload: Workload, graph: JointGraph) -> dict[str, Any]:
     return {"model": graph.model_name, "device": "cpu", "rows": rows}
 
 
-def bench_toolkit_rank(workload: Workload, graph: JointGraph, parallel: Parallel) -> dict[str, Any]:
+def bench_toolkit_rank(
+    workload: Workload,
+    graph: JointGraph,
+    parallel: Parallel,
+    tags: Sequence[Tags] | None = None,
+) -> dict[str, Any]:
     """One rank of a sharded torchtitan job's compiler-toolkit step, run on fake tensors under
     torch's `MemTracker` (`workbench.interop.toolkit.track_toolkit_rank`: graph trainer's
     SimpleFSDP and TP, AOTAutograd's export, the default partitioner), beside the workbench's
     estimate of the same tags on `graph`, the workbench's trace of that rank for the same
-    kernels: no AC (gathered weights kept, as the toolkit's views kept them), the tags of the
-    toolkit's apply_sac (2026-02), of graph trainer's apply_sac_pass (2026-03) and of
-    torchtitan's eager SAC wrappers as the default partitioner reads them, the backward
-    holding or freeing its inputs. The measured peak adds cuBLAS's workspaces, which the
-    estimate holds and no tensor does."""
+    kernels. Per tagging in `tags` (None: all of them, no AC, keeping gathered weights as the
+    toolkit's views kept them, the toolkit's apply_sac of 2026-02, graph trainer's
+    apply_sac_pass of 2026-03 and torchtitan's eager SAC wrappers, as the default partitioner
+    reads them), the backward holding or freeing its inputs. The measured peak adds cuBLAS's
+    workspaces, which the estimate holds and no tensor does."""
     from workbench.cost.workspaces import gpu_workspaces
-    from workbench.interop.toolkit import (
-        Tags,
-        apply_sac_decisions,
-        apply_sac_pass_decisions,
-        eager_sac_decisions,
-        track_toolkit_rank,
-    )
+    from workbench.interop.toolkit import TOOLKIT_TAGS, toolkit_decisions, track_toolkit_rank
 
     kernels = str(graph.config["kernels"])
-    tagged: dict[Tags, Decisions] = {
-        "none": decide(graph, Policy("none", fsdp_reshard=False)),
-        "apply_sac": apply_sac_decisions(graph),
-        "apply_sac_pass": apply_sac_pass_decisions(graph),
-        "eager_sac": eager_sac_decisions(graph),
-    }
+    tagged = {name: toolkit_decisions(graph, name) for name in tags or TOOLKIT_TAGS}
     workspaces = sum(gpu_workspaces(kernels))
 
     def measure(tags: Tags, backward_inputs: BackwardInputs) -> tuple[int, dict[str, Any]]:

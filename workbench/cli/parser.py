@@ -492,6 +492,12 @@ def _add_bench(commands: Commands) -> None:
         "wrappers are measured too",
     )
     add_model_args(bench_toolkit)
+    bench_toolkit.add_argument(
+        "--tags",
+        help="the taggings to run, comma-separated, of none, apply_sac (the toolkit's pass of "
+        "2026-02), apply_sac_pass (graph trainer's of 2026-03) and eager_sac (torchtitan's "
+        "wrappers, --mode fake only); default none,apply_sac on this CPU, all with --mode fake",
+    )
     bench_toolkit.set_defaults(run=cmd_bench_toolkit)
 
     bench_render = benches.add_parser("render", help="time the overview and a layer view")

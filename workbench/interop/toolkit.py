@@ -11,6 +11,7 @@ AOTAutograd joint graph), `apply_sac_decisions(graph)` (its rule on the workbenc
 `apply_sac_pass_decisions(graph)` (graph trainer's pass of 2026-03, getitems tagged as their op),
 `eager_sac_decisions(graph)` (torchtitan's eager SAC wrappers as the toolkit traced them, read the
 same way),
+`toolkit_decisions(graph, tags)` (which of them stands for `tags`),
 `measure_toolkit_step(workload, tags, backward_inputs)` (the CPU) and
 `track_toolkit_rank(workload, parallel, tags, backward_inputs, kernels)` (a fake rank).
 """
@@ -21,7 +22,7 @@ import contextlib
 import operator
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.fx as fx
@@ -56,11 +57,14 @@ __all__ = [
     "apply_sac_pass_decisions",
     "default_partition_reading",
     "eager_sac_decisions",
+    "TOOLKIT_TAGS",
     "measure_toolkit_step",
+    "toolkit_decisions",
     "track_toolkit_rank",
 ]
 
 Tags = Literal["none", "apply_sac", "apply_sac_pass", "eager_sac"]
+TOOLKIT_TAGS: tuple[Tags, ...] = get_args(Tags)
 
 _aten = torch.ops.aten
 # What `apply_sac` saves (torchtitan a764c981, compiler_toolkit/passes.py DEFAULT_SAC_SAVE_OPS)
@@ -201,6 +205,20 @@ def eager_sac_decisions(graph: JointGraph) -> Decisions:
         name: inside[name] if graph.nodes[name].layer is not None else outside[name]
         for name in inside
     }
+
+
+def toolkit_decisions(graph: JointGraph, tags: Tags) -> Decisions:
+    """The workbench's decisions standing for a toolkit step tagged `tags`, as the default
+    partitioner reads the tags: no AC keeps FSDP's gathered weights (the toolkit's views kept
+    them; an unsharded graph has none), the rest is each tagging's reading."""
+    if tags == "none":
+        return decide(graph, Policy("none", fsdp_reshard=False))
+    readings = {
+        "apply_sac": apply_sac_decisions,
+        "apply_sac_pass": apply_sac_pass_decisions,
+        "eager_sac": eager_sac_decisions,
+    }
+    return readings[tags](graph)
 
 
 def _multi_output(node: fx.Node) -> bool:
