@@ -104,40 +104,29 @@ APPLY_SAC_PASS_SAVE_OPS = frozenset(
 _FOLLOWERS = (operator.getitem, torch.ops._c10d_functional.wait_tensor.default)
 
 
-def _apply_sac_pass_policy(nodes: list[fx.Node]) -> dict[fx.Node, CheckpointPolicy]:
-    """`apply_sac_pass`'s rule in graph order: `_apply_sac_policy`'s count and recompute, its
-    own save list, and getitems and waits tagged as the node they read."""
+def _every_other_matmul(
+    nodes: list[fx.Node], save_ops: frozenset[Any], followers: tuple[Any, ...] = ()
+) -> dict[fx.Node, CheckpointPolicy]:
+    """The rule of both passes on ops in graph order: every second matmul recomputed (one count
+    that never restarts), `save_ops` saved, every other op recomputed. A node whose target is
+    in `followers` takes the tag of the node it reads (apply_sac_pass: getitems and waits);
+    other getitems stay untagged (apply_sac)."""
     count, tags = 0, dict[fx.Node, CheckpointPolicy]()
     for node in nodes:
         if node.op != "call_function":
             continue
-        if node.target in _FOLLOWERS:
+        if node.target in followers:
             parent = node.args[0]
             if isinstance(parent, fx.Node) and parent in tags:
                 tags[node] = tags[parent]
             continue
-        if node.target is _aten.mm.default:
-            count += 1
-            saved = count % 2 == 1
-        else:
-            saved = node.target in APPLY_SAC_PASS_SAVE_OPS
-        tags[node] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-    return tags
-
-
-def _apply_sac_policy(nodes: list[fx.Node]) -> dict[fx.Node, CheckpointPolicy]:
-    """apply_sac's rule on forward ops in graph order: every second matmul of the whole step
-    recomputed (its count never restarts), the save list saved, every other op recomputed;
-    getitems untagged."""
-    count, tags = 0, {}
-    for node in nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
+        if node.target is operator.getitem:
             continue
         if node.target is _aten.mm.default:
             count += 1
             saved = count % 2 == 1
         else:
-            saved = node.target in APPLY_SAC_SAVE_OPS
+            saved = node.target in save_ops
         tags[node] = CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
     return tags
 
@@ -149,7 +138,7 @@ def apply_sac(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     logits = nodes[-1].all_input_nodes[0]
     forward = nodes[: nodes.index(logits) + 1]
-    for node, policy in _apply_sac_policy(forward).items():
+    for node, policy in _every_other_matmul(forward, APPLY_SAC_SAVE_OPS).items():
         node.meta["recompute"], node.meta["ac_graph_id"] = policy, 0
     gm.recompile()
     return gm
@@ -158,7 +147,9 @@ def apply_sac(gm: fx.GraphModule) -> fx.GraphModule:
 def apply_sac_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Graph trainer's `apply_sac_pass` joint pass of 2026-03 (PR #2570): its rule on every op
     of the joint graph, backward's too (which the partitioner never saves), one AC region."""
-    for node, policy in _apply_sac_pass_policy(list(gm.graph.nodes)).items():
+    for node, policy in _every_other_matmul(
+        list(gm.graph.nodes), APPLY_SAC_PASS_SAVE_OPS, _FOLLOWERS
+    ).items():
         node.meta["recompute"], node.meta["ac_graph_id"] = policy, 0
     gm.recompile()
     return gm
@@ -170,7 +161,7 @@ def apply_sac_pass_decisions(graph: JointGraph) -> Decisions:
     themselves; the loss's nodes left as autograd keeps them (saved); forced tags kept."""
     decisions = dict(decide(graph, Policy("none")))
     forward = [n for n in graph.gm.graph.nodes if graph.nodes[n.name].phase == "forward"]
-    for node, policy in _apply_sac_pass_policy(forward).items():
+    for node, policy in _every_other_matmul(forward, APPLY_SAC_PASS_SAVE_OPS, _FOLLOWERS).items():
         if not decisions[node.name].forced:
             decisions[node.name] = Tag(policy, Why.PRESET, "apply_sac_pass")
     return decisions
@@ -183,7 +174,7 @@ def apply_sac_decisions(graph: JointGraph) -> Decisions:
     (saved); forced tags kept."""
     decisions = dict(decide(graph, Policy("none")))
     forward = [n for n in graph.gm.graph.nodes if graph.nodes[n.name].phase == "forward"]
-    for node, policy in _apply_sac_policy(forward).items():
+    for node, policy in _every_other_matmul(forward, APPLY_SAC_SAVE_OPS).items():
         if not decisions[node.name].forced:
             decisions[node.name] = Tag(policy, Why.PRESET, "apply_sac")
     return default_partition_reading(graph, decisions)
