@@ -563,6 +563,8 @@ SIZES: list[tuple[list[str], str]] = [
         r"--max-split-size-mb must be .* \(above torch.s 20 MiB",
     ),
     (["bench", "gpu", *MLP, "--presets", "fast"], "--presets 'fast': unknown fast; choose"),
+    (["bench", "toolkit", *MLP, "--tags", "fast"], "--tags 'fast': fast; name some of none,"),
+    (["bench", "toolkit", *MLP, "--tags", "eager_sac"], "--tags eager_sac wraps graph trainer"),
 ]
 
 
