@@ -116,6 +116,38 @@ def test_expandable_segments_fill_the_fragmented_tail() -> None:
     assert alloc.allocated_bytes == 40 * MiB
 
 
+def test_a_freed_block_serves_only_its_own_streams_requests() -> None:
+    """`get_free_block` searches the pool by stream: 30 MiB freed on stream 1 is cached for
+    stream 1 alone; the default stream's request of the same size takes a segment of its
+    own, and stream 1's next request reuses its block."""
+    alloc = CachingAllocator()
+    side = alloc.malloc(30 * MiB, stream=1)
+    assert side.stream == 1
+    alloc.free(side)
+    default = alloc.malloc(30 * MiB)
+    assert default.stream == 0 and default.addr != side.addr
+    assert alloc.reserved_bytes == 60 * MiB
+    again = alloc.malloc(30 * MiB, stream=1)
+    assert again is side and alloc.reserved_bytes == 60 * MiB
+    assert alloc.reserved_by_stream == {0: 30 * MiB, 1: 30 * MiB}
+    # split remainders stay with their stream: 10 MiB left of stream 1's 30 is not stream 0's
+    alloc.free(again)
+    alloc.malloc(20 * MiB, stream=1)
+    alloc.malloc(10 * MiB)
+    assert alloc.reserved_by_stream == {0: 40 * MiB, 1: 30 * MiB}
+
+
+def test_expandable_segments_are_one_per_stream() -> None:
+    """With expandable segments each stream maps pages into a segment of its own: a page
+    stream 1 freed is not grown into by the default stream."""
+    alloc = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    alloc.free(alloc.malloc(8 * MiB, stream=1))
+    alloc.malloc(8 * MiB)
+    assert alloc.reserved_by_stream == {1: 20 * MiB, 0: 20 * MiB} and alloc.segments == 2
+    alloc.malloc(12 * MiB, stream=1)  # stream 1's page, free again: no new page
+    assert alloc.reserved_bytes == 40 * MiB
+
+
 def test_max_split_size_keeps_oversize_blocks_whole() -> None:
     config = AllocatorConfig(max_split_size=40 * MiB)
     alloc = CachingAllocator(config)

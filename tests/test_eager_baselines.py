@@ -23,6 +23,7 @@ from workbench.interop.baselines import eager_target, measure_eager, track_eager
 from workbench.interop.eager_runs import (
     BASELINE_KINDS,
     BaselineOptions,
+    EagerBaseline,
     apply_baseline_ac,
     eager_run,
     estimate_baselines,
@@ -106,6 +107,36 @@ def test_sharded_fake_baselines_run_in_order() -> None:
     assert sac.rule == sac_rule() and full.rule == eager_runs.FULL_AC
     # per FSDP unit, its forward and backward peaks
     assert {"layers.0", "layers.1"} <= set(none.tracked.module_peaks)
+    _check_fsdp_streams(none)
+
+
+def _check_fsdp_streams(baseline: EagerBaseline) -> None:
+    """FSDP2's allocations on its own streams: each all-gather's buffers on its copy-in
+    stream (the largest a layer's bf16 gather of its TP shard), the reduced gradients on its
+    reduce-scatter stream (the fp32 shards' bytes), all freed within the step (the step drops
+    its gradients); the pools each stream reserved add up to the reserved peak."""
+    tracked = baseline.tracked
+    assert tracked.streams[0] == "default"
+    number = {name: n for n, name in enumerate(tracked.streams)}
+    born: dict[int, tuple[int, int]] = {}
+    for key, size, stream in tracked.events:
+        if size > 0:
+            born[key] = (size, stream)
+        else:
+            born.pop(key, None)
+    allocated = [(size, stream) for key, size, stream in tracked.events if size > 0]
+    gathers = [size for size, stream in allocated if stream == number["all_gather_copy_in"]]
+    layer = sum(p.numel() for p in small(1024, device="meta").model.layers["0"].parameters())
+    gathered = 2 * layer // 2  # bf16 bytes of the layer's TP 2 shard, FSDP's padding aside
+    assert gathered <= max(gathers) < 2 * gathered
+    left = {stream for _, stream in born.values()}
+    assert not left & {number["all_gather_copy_in"], number["reduce_scatter"]}
+    reduced = [size for size, stream in allocated if stream == number["reduce_scatter"]]
+    assert sum(reduced) == tracked.peak_breakdown["Sharded Param"]
+    by_stream = baseline.reserved_by_stream
+    assert set(by_stream) == {"default", "all_gather_copy_in", "reduce_scatter"}
+    assert sum(by_stream.values()) == baseline.reserved_peak_bytes
+    assert baseline.to_json()["allocator"]["reserved_by_stream"] == by_stream
 
 
 def test_unsharded_fake_baselines_without_torchtitan(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,19 +221,22 @@ def test_track_step_counts_a_small_step() -> None:
         return loss
 
     _, tracked = track_step(run, model, held=[x])
-    live = np.cumsum([size for _, size in tracked.events])
+    live = np.cumsum([size for _, size, _ in tracked.events])
     assert tracked.peak_bytes == live.max() and tracked.tracker == "MemTracker"
     assert tracked.peak_breakdown["Parameter"] == 4 * sum(p.numel() for p in model.parameters())
     replay = tracked.replay()
     assert replay.allocated_peak_bytes >= tracked.peak_bytes and replay.reserved_peak_bytes > 0
     assert set(tracked.to_json()) >= {"peak_bytes", "peak_breakdown", "peak_module"}
+    # no stream but the default one
+    assert tracked.streams == ["default"] and {s for _, _, s in tracked.events} == {0}
+    assert replay.reserved_by_stream == {0: replay.reserved_peak_bytes}
 
 
 def test_replay_events_is_the_allocator_on_the_same_sequence() -> None:
     """Alloc/free events give what `replay_allocator` gives for the same storages' lives."""
     sizes = [3 * 2**20, 700, 25 * 2**20, 5 * 2**20]
-    events = [(0, sizes[0]), (1, sizes[1]), (0, -sizes[0]), (2, sizes[2]), (3, sizes[3])]
-    events += [(1, -sizes[1]), (2, -sizes[2]), (3, -sizes[3])]
+    events = [(0, sizes[0], 0), (1, sizes[1], 0), (0, -sizes[0], 0), (2, sizes[2], 0)]
+    events += [(3, sizes[3], 0), (1, -sizes[1], 0), (2, -sizes[2], 0), (3, -sizes[3], 0)]
     config = AllocatorConfig(expandable_segments=True)
     ours = replay_events(events, config)
     born, freed = np.array([0, 1, 2, 3]), np.array([1, 3, 3, 3])

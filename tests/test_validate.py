@@ -94,6 +94,7 @@ def test_validate_json_on_a_cheap_row(capsys: pytest.CaptureFixture[str]) -> Non
         "difference_bytes",
         "difference_pct",
         "peak_at",
+        "reserved_by_stream",
         "breakdown",
         "saved_at_peak_by_op",
         "differences",
@@ -107,6 +108,7 @@ def test_validate_json_on_a_cheap_row(capsys: pytest.CaptureFixture[str]) -> Non
     } <= set(row)
     assert row["id"] == CHEAP and row["compared"] == "reserved"
     assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] > 0
+    assert row["reserved_by_stream"] == {}  # a graph's estimate: one stream
     assert sum(row["breakdown"].values()) == row["allocated_peak_bytes"]
     assert set(row["outside_allocator_bytes"]) == {"cuda_context_bytes", "nccl_buffer_bytes"}
     # cut to one layer, the row is no longer the published run: no difference
@@ -250,6 +252,34 @@ def test_eager_runs_are_estimated_as_eager_runs_them(capsys: pytest.CaptureFixtu
     assert graph["policy"] == "eager" and graph["allocated_peak_bytes"] > 0
     assert row["reserved_peak_bytes"] >= row["allocated_peak_bytes"] > 0
     assert row["peak_at"].endswith(("(forward)", "(backward)"))
+    # FSDP2's side streams keep pools of their own, part of the reserved figure
+    streams = row["reserved_by_stream"]
+    assert set(streams) == {"default", "all_gather_copy_in", "reduce_scatter"}
+    assert sum(streams.values()) == row["reserved_peak_bytes"]
+
+
+@pytest.mark.parametrize("run_id", ["pr2377-8b-tp2-fsdp2-eager", "pr2570-8b-fsdp4-tp2-eager"])
+def test_the_eager_trainers_figures_cited_for_traced_eager_sac(run_id: str) -> None:
+    """Each toolkit job's eager SAC row cites what the eager trainer would hold for the same
+    job (its eager baseline: allocated, and reserved with each stream's pools); recomputed at
+    the row's full shape (about 10 s each)."""
+    from workbench.cost.allocator import AllocatorConfig
+    from workbench.interop.eager_runs import BaselineOptions, estimate_baselines
+    from workbench.interop.validate import _parallel, _workload
+
+    run = PUBLISHED_RUNS[run_id]
+    cited = [re.search(r"([\d.]+) GiB allocated, ([\d.]+) reserved", d) for d in run.differences]
+    [(allocated, reserved)] = [m.groups() for m in cited if m is not None]
+    options = BaselineOptions(
+        parallel=_parallel(run),
+        kernels=run.profile,
+        optimizer=run.optimizer,
+        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
+        kinds=("sac",),
+    )
+    [baseline] = estimate_baselines(_workload(run, None, None), options)
+    assert f"{baseline.peak_bytes / 2**30:.2f}" == allocated
+    assert f"{baseline.reserved_peak_bytes / 2**30:.2f}" == reserved  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(

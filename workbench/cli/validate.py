@@ -79,6 +79,10 @@ def _itemised(row: dict[str, Any]) -> list[str]:
     if row["saved_at_peak_by_op"]:
         ops = ", ".join(f"{op} {b / GIB:.2f}" for op, b in row["saved_at_peak_by_op"].items())
         lines.append(f"    saved at the peak by op: {ops} GiB")
+    streams = row["reserved_by_stream"]
+    if len(streams) > 1:
+        pools = ", ".join(f"{name} {size / GIB:.2f}" for name, size in streams.items())
+        lines.append(f"    reserved by stream: {pools} GiB")
     graph = row.get("graph_estimate")
     if graph is not None:
         lines.append(

@@ -1,13 +1,16 @@
 """What torch's CUDA caching allocator reserves for a sequence of allocations and frees.
 
-Entry points: `CachingAllocator(AllocatorConfig(...))` with `malloc(nbytes) -> block` and
-`free(block)`, `replay_allocator(sizes, born, freed, steps, config)` for an estimate's walk,
+Entry points: `CachingAllocator(AllocatorConfig(...))` with `malloc(nbytes, stream) -> block`
+and `free(block)`, `replay_allocator(sizes, born, freed, steps, config)` for an estimate's walk,
 and `allocation_steps`, the order that replay (and the estimate's memory snapshot) runs in.
 The rules are those of `c10/cuda/CUDACachingAllocator.cpp` (torch 2.x, named per constant
-and function below) for one device and one stream, with no memory limit: nothing
-is ever released to CUDA within a step (torch returns cached segments only when a cudaMalloc
-fails, on `empty_cache()`, or under a garbage-collection threshold, none of which a step
-that fits runs into), so the reserved bytes only grow.
+and function below) for one device, with no memory limit. Each stream has pools of its own:
+a freed block serves only requests made on the stream it was allocated on (`get_free_block`
+searches by stream first; expandable segments are per stream too), so what an eager FSDP2
+step allocates on its all-gather and reduce-scatter streams is never reused by the compute
+stream. Nothing is ever released to CUDA within a step (torch returns cached segments only
+when a cudaMalloc fails, on `empty_cache()`, or under a garbage-collection threshold, none of
+which a step that fits runs into), so the reserved bytes only grow.
 """
 
 from __future__ import annotations
@@ -120,34 +123,44 @@ class Block:
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
     expandable: bool = False
+    stream: int = 0
 
 
 class CachingAllocator:
-    """One device's pools (small and large), one stream. `reserved_bytes` counts what was
-    cudaMalloc'd (or mapped, with expandable segments); `allocated_bytes` the blocks handed
-    out (rounded sizes, as `torch.cuda.memory_allocated` counts them); `mapped` the address,
-    bytes and pool (small or not) of each cudaMalloc, or of each page run mapped with
-    expandable segments, in order."""
+    """One device's pools (small and large) per stream (0: the default stream).
+    `reserved_bytes` counts what was cudaMalloc'd (or mapped, with expandable segments), and
+    `reserved_by_stream` the same per stream; `allocated_bytes` the blocks handed out (rounded
+    sizes, as `torch.cuda.memory_allocated` counts them); `mapped` the address, bytes and pool
+    (small or not) of each cudaMalloc, or of each page run mapped with expandable segments, in
+    order."""
 
     def __init__(self, config: AllocatorConfig | None = None) -> None:
         self.config = config or AllocatorConfig()
         self.mapped: list[tuple[int, int, bool]] = []
-        # free blocks of each pool ordered by (size, address): `BlockComparatorSize`
-        self._free: dict[bool, list[tuple[int, int, Block]]] = {True: [], False: []}
-        self._tail: dict[bool, Block] = {}  # expandable: each pool's unmapped tail
+        # free blocks of each (pool, stream) ordered by (size, address): `BlockComparatorSize`
+        self._free: dict[tuple[bool, int], list[tuple[int, int, Block]]] = {}
+        self._tail: dict[tuple[bool, int], Block] = {}  # expandable: each pool's unmapped tail
         self._next_addr = 0
         self.reserved_bytes = 0
+        self.reserved_by_stream: dict[int, int] = {}
         self.allocated_bytes = 0
         self.segments = 0
 
-    def malloc(self, nbytes: int) -> Block:
-        """`DeviceCachingAllocator::malloc`: round, best fit in the pool, else a new
-        segment (or pages mapped), then split off the remainder when `should_split`."""
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
+        """`DeviceCachingAllocator::malloc` on `stream`: round, best fit in that stream's
+        pool, else a new segment (or pages mapped), then split off the remainder when
+        `should_split`."""
         size = round_size(nbytes)
         small = size <= K_SMALL_SIZE
-        block = self._free_block(size, small) or self._new_block(size, small)
+        block = self._free_block(size, small, stream) or self._new_block(size, small, stream)
         if self._should_split(block, size):
-            rest = Block(block.addr + size, block.size - size, small, expandable=block.expandable)
+            rest = Block(
+                block.addr + size,
+                block.size - size,
+                small,
+                expandable=block.expandable,
+                stream=stream,
+            )
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -178,7 +191,7 @@ class CachingAllocator:
         self._insert(block)
 
     def cached_blocks(self) -> list[Block]:
-        """The free blocks both pools cache, in no particular order (an expandable segment's
+        """The free blocks every pool caches, in no particular order (an expandable segment's
         unmapped tail is not one)."""
         return [block for pool in self._free.values() for _, _, block in pool]
 
@@ -188,11 +201,12 @@ class CachingAllocator:
             return remaining >= K_MIN_BLOCK_SIZE
         return size < self.config.split_limit and remaining > K_SMALL_SIZE
 
-    def _free_block(self, size: int, small: bool) -> Block | None:
-        """`get_free_block`: the smallest cached block of at least `size`; with expandable
-        segments a block before unmapped pages counts as the size it can grow to, so a
-        smaller-growing larger block is preferred; oversize rules of `max_split_size`."""
-        pool = self._free[small]
+    def _free_block(self, size: int, small: bool, stream: int) -> Block | None:
+        """`get_free_block`: the smallest cached block of at least `size` allocated on
+        `stream`; with expandable segments a block before unmapped pages counts as the size it
+        can grow to, so a smaller-growing larger block is preferred; oversize rules of
+        `max_split_size`."""
+        pool = self._free.get((small, stream), [])
         at = bisect.bisect_left(pool, (size, -1))
         if at == len(pool):
             return None
@@ -213,35 +227,44 @@ class CachingAllocator:
         nxt = block.next
         return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
 
-    def _new_block(self, size: int, small: bool) -> Block:
+    def _reserve(self, nbytes: int, stream: int) -> None:
+        self.reserved_bytes += nbytes
+        self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
+
+    def _new_block(self, size: int, small: bool, stream: int) -> Block:
         if self.config.expandable_segments:
-            return self._map(size, small)
+            return self._map(size, small, stream)
         segment = allocation_size(size)  # `alloc_block`: one cudaMalloc
-        block = Block(self._next_addr, segment, small)
+        block = Block(self._next_addr, segment, small, stream=stream)
         self.mapped.append((block.addr, segment, small))
         self._next_addr += segment
-        self.reserved_bytes += segment
+        self._reserve(segment, stream)
         self.segments += 1
         return block
 
-    def _map(self, size: int, small: bool) -> Block:
-        """`try_allocate_expandable_block`: grow the pool's one segment at its end by whole
-        pages (kSmallBuffer or kLargeBuffer, the segment's page size), merging with a free
-        block just before the unmapped tail."""
+    def _map(self, size: int, small: bool, stream: int) -> Block:
+        """`try_allocate_expandable_block`: grow the stream's one segment of the pool at its
+        end by whole pages (kSmallBuffer or kLargeBuffer, the segment's page size), merging
+        with a free block just before the unmapped tail."""
         page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
-        if small not in self._tail:
-            tail = Block(self._next_addr, 2**62, small, mapped=False, expandable=True)
+        key = (small, stream)
+        if key not in self._tail:
+            tail = Block(
+                self._next_addr, 2**62, small, mapped=False, expandable=True, stream=stream
+            )
             self._next_addr += 2**62
-            self._tail[small] = tail
+            self._tail[key] = tail
             self.segments += 1
-        tail = self._tail[small]
+        tail = self._tail[key]
         before = tail.prev
         start = before if before is not None and not before.allocated else None
         have = start.size if start is not None else 0
         grow = page * -(-(size - have) // page)
-        self.reserved_bytes += grow
+        self._reserve(grow, stream)
         self.mapped.append((tail.addr, grow, small))
-        block = Block(tail.addr, grow, small, prev=tail.prev, next=tail, expandable=True)
+        block = Block(
+            tail.addr, grow, small, prev=tail.prev, next=tail, expandable=True, stream=stream
+        )
         if tail.prev is not None:
             tail.prev.next = block
         tail.prev, tail.addr, tail.size = block, tail.addr + grow, tail.size - grow
@@ -253,10 +276,11 @@ class CachingAllocator:
         return block
 
     def _insert(self, block: Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.addr, block))
+        pool = self._free.setdefault((block.small, block.stream), [])
+        bisect.insort(pool, (block.size, block.addr, block))
 
     def _remove(self, block: Block) -> None:
-        pool = self._free[block.small]
+        pool = self._free[block.small, block.stream]
         at = bisect.bisect_left(pool, (block.size, block.addr))
         del pool[at]
 
@@ -265,12 +289,14 @@ class CachingAllocator:
 class AllocatorReplay:
     """One step's allocator figures: reserved bytes after each step of the node order and
     their peak, the allocated bytes torch counts (sizes rounded by `round_size`) and their
-    peak (`max_memory_allocated`), and the segments made."""
+    peak (`max_memory_allocated`), the segments made and, per stream, the bytes its pools
+    reserved (0: the default stream)."""
 
     reserved_peak_bytes: int
     allocated_peak_bytes: int
     segments: int
     reserved_timeline: list[int]
+    reserved_by_stream: dict[int, int] = field(default_factory=dict)
 
 
 def allocation_steps(
@@ -327,4 +353,5 @@ def replay_allocator(
         allocated_peak_bytes=allocated_peak,
         segments=allocator.segments,
         reserved_timeline=timeline.tolist(),
+        reserved_by_stream=dict(allocator.reserved_by_stream),
     )

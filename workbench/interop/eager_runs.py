@@ -127,6 +127,16 @@ class EagerBaseline:
     def reserved_peak_bytes(self) -> int | None:
         return self.allocator.reserved_peak_bytes if self.allocator is not None else None
 
+    @property
+    def reserved_by_stream(self) -> dict[str, int]:
+        """What each stream's pools reserved, by the stream's name (FSDP2's all-gather and
+        reduce-scatter streams keep pools the default stream cannot reuse); empty without an
+        allocator."""
+        if self.allocator is None:
+            return {}
+        names = self.tracked.streams
+        return {names[n]: size for n, size in sorted(self.allocator.reserved_by_stream.items())}
+
     def to_json(self) -> dict[str, Any]:
         """Flat figures first (the printed table's columns), then the tracker's breakdown at
         the peak, per-module peaks and the allocator's figures; `notes` apart (what kernels
@@ -135,6 +145,7 @@ class EagerBaseline:
             {
                 "allocated_peak_bytes": self.allocator.allocated_peak_bytes,
                 "segments": self.allocator.segments,
+                "reserved_by_stream": self.reserved_by_stream,
             }
             if self.allocator is not None
             else None
@@ -463,7 +474,7 @@ def _baseline(workload: Workload, kind: AcKind, options: BaselineOptions) -> Eag
     workspaces = gpu_workspaces(run.kernels) if options.mode == "fake" else []
     replay = None
     if options.mode == "fake":  # the workspaces first: made at the first step's first matmul
-        held = [(-1 - k, size) for k, size in enumerate(workspaces)]
+        held = [(-1 - k, size, 0) for k, size in enumerate(workspaces)]
         replay = replay_events([*held, *tracked.events], options.allocator)
     return EagerBaseline(
         kind, run.rule, options.mode, run.kernels, tracked, replay, run.notes(), workspaces

@@ -50,9 +50,12 @@ class TrackedStep:
     """One step as torch's tracker saw it. Bytes are storages as the tracker counts them (the
     tensors' sizes; no allocator rounding on the CPU tensors a fake run uses).
 
-    `events` is the allocation sequence the tracker counted, in order: `(storage, +bytes)` when
-    a storage is counted, `(storage, -bytes)` when it dies, a resize being a free and an
-    allocation; `storage` is a number standing for one storage while it lives."""
+    `events` is the allocation sequence the tracker counted, in order: `(storage, +bytes,
+    stream)` when a storage is counted, `(storage, -bytes, stream)` when it dies, a resize
+    being a free and an allocation; `storage` is a number standing for one storage while it
+    lives, `stream` the number of the stream current when the event happened (0: the default
+    stream), which `streams` names: FSDP2 allocates its all-gather buffers on its
+    `all_gather_copy_in` stream and its reduced gradients on its `reduce_scatter` stream."""
 
     tracker: str
     peak_bytes: int
@@ -60,7 +63,8 @@ class TrackedStep:
     peak_module: str
     peak_phase: str
     module_peaks: dict[str, dict[str, int]]
-    events: list[tuple[int, int]] = field(repr=False)
+    events: list[tuple[int, int, int]] = field(repr=False)
+    streams: list[str] = field(default_factory=lambda: ["default"])
 
     def replay(self, config: AllocatorConfig | None = None) -> AllocatorReplay:
         """The caching allocator's figures for this step's allocations (`replay_events`)."""
@@ -78,19 +82,20 @@ class TrackedStep:
 
 
 def replay_events(
-    events: Sequence[tuple[int, int]], config: AllocatorConfig | None = None
+    events: Sequence[tuple[int, int, int]], config: AllocatorConfig | None = None
 ) -> AllocatorReplay:
     """Run a tracked allocation sequence through `CachingAllocator`: each allocation a
-    `malloc`, each free a `free` of that storage's block. Storages counted before the step
-    (parameters, optimizer state, inputs) come first in the sequence, as they were allocated
-    before it. The reserved timeline has one entry per event."""
+    `malloc` on its stream, each free a `free` of that storage's block (back to the pool of
+    the stream it was allocated on, whichever stream frees it). Storages counted before the
+    step (parameters, optimizer state, inputs) come first in the sequence, as they were
+    allocated before it. The reserved timeline has one entry per event."""
     allocator = CachingAllocator(config)
     blocks: dict[int, Block] = {}
     timeline: list[int] = []
     peak = 0
-    for key, size in events:
+    for key, size, stream in events:
         if size > 0:
-            blocks[key] = allocator.malloc(size)
+            blocks[key] = allocator.malloc(size, stream)
             peak = max(peak, allocator.allocated_bytes)
         elif key in blocks:
             allocator.free(blocks.pop(key))
@@ -100,6 +105,7 @@ def replay_events(
         allocated_peak_bytes=peak,
         segments=allocator.segments,
         reserved_timeline=timeline,
+        reserved_by_stream=dict(allocator.reserved_by_stream),
     )
 
 
@@ -145,9 +151,24 @@ class _Recording:
 
     def _start_recording(self) -> None:
         self.propagating = 0
-        self.events: list[tuple[int, int]] = []
+        self.events: list[tuple[int, int, int]] = []
         self.peak_parents: set[str] = {"Global"}
         self.peak_in_backward = False
+        # each stream met, numbered in order; 0 the default stream (the CPU's current one now:
+        # fake tensors live on the CPU, whose stand-in streams FSDP2 enters as it would CUDA's)
+        self.streams: dict[Any, int] = {torch.cpu.current_stream(): 0}
+
+    def _stream(self, device: torch.device) -> int:
+        """The number of the stream current on `device` (0 on a device without streams)."""
+        if device.type == "cuda":
+            current: Any = torch.cuda.current_stream(device)
+            if current == torch.cuda.default_stream(device):
+                return 0
+        elif device.type == "cpu":
+            current = torch.cpu.current_stream()
+        else:
+            return 0
+        return self.streams.setdefault(current, len(set(self.streams.values())))
 
     def _update_snap(
         self,
@@ -156,16 +177,16 @@ class _Recording:
         old_mem_consumed: int | None = None,
         old_reftype: Any = None,
     ) -> None:
-        key = id(winfo)
+        key, stream = id(winfo), self._stream(winfo.device)
         if u_type == _UpdateType.ADD:
-            self.events.append((key, winfo.mem_consumed))
+            self.events.append((key, winfo.mem_consumed, stream))
         elif u_type == _UpdateType.DEL:
-            self.events.append((key, -winfo.mem_consumed))
+            self.events.append((key, -winfo.mem_consumed, stream))
         elif u_type == _UpdateType.SIZE:
             if old_mem_consumed:
-                self.events.append((key, -old_mem_consumed))
+                self.events.append((key, -old_mem_consumed, stream))
             if winfo.mem_consumed:
-                self.events.append((key, winfo.mem_consumed))
+                self.events.append((key, winfo.mem_consumed, stream))
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
 
     def _update_peak_stats(self, peak_state: Any) -> None:
@@ -186,6 +207,18 @@ class _FSDPRecorder(_Recording, FSDPMemTracker):
     def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer | None = None) -> None:
         super().__init__(mod, optm)
         self._start_recording()
+
+
+def _stream_names(model: nn.Module, numbers: dict[Any, int]) -> list[str]:
+    """Each stream number's name: `default` for 0, FSDP2's streams by their names in its
+    communication context (`all_gather_copy_in`, `reduce_scatter`, ...), `stream N` else."""
+    names = ["default", *(f"stream {n}" for n in range(1, len(set(numbers.values()))))]
+    if isinstance(model, FSDPModule):
+        context = model._get_fsdp_state()._comm_ctx
+        for attr, value in vars(context).items():
+            if attr.endswith("_stream") and value in numbers:
+                names[numbers[value]] = attr.removesuffix("_stream")
+    return names
 
 
 def _innermost(parents: set[str]) -> str:
@@ -259,5 +292,6 @@ def track_step(
         peak_phase="backward" if recorder.peak_in_backward else "forward",
         module_peaks=_module_peaks(tracker),
         events=recorder.events,
+        streams=_stream_names(model, recorder.streams),
     )
     return outputs, step

@@ -64,6 +64,10 @@ class RowResult:
     run's AC as eager runs it, under torch's trackers: the row ran eagerly)."""
     graph: dict[str, Any] | None = None
     """For an eager-estimated row, the graph preset's figures beside it."""
+    reserved_by_stream: dict[str, int] = field(default_factory=dict)
+    """For an eager-estimated row, what each stream's pools reserved (FSDP2 allocates on its
+    all-gather copy-in and reduce-scatter streams, whose cached blocks the default stream
+    cannot reuse); empty for a graph's estimate, one stream."""
 
     @property
     def compared(self) -> Literal["reserved", "allocated"]:
@@ -114,6 +118,7 @@ class RowResult:
             "ran": run.ran,
             "estimated_by": self.estimated_by,
             "graph_estimate": self.graph,
+            "reserved_by_stream": self.reserved_by_stream,
             "breakdown": self.breakdown,
             "saved_at_peak_by_op": self.saved_at_peak_by_op,
             "differences": list(run.differences),
@@ -258,6 +263,7 @@ def _eager_row(
             "reserved_peak_bytes": graph_row.reserved_bytes,
             "peak_at": graph_row.peak_at,
         },
+        reserved_by_stream=baseline.reserved_by_stream,
     )
 
 
