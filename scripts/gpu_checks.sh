@@ -4,8 +4,10 @@
 # and packed here first (`scripts/pack_graphs.py` into out/gpu-pack/MODEL, carried along),
 # and only run there (`scripts/run_graphs.py`). Run from the repository root with $OUT set;
 # each step is time-boxed and a failed one does not stop the next. Writes log.txt,
-# MODEL.json (each run's figures) and all.tar.xz[.NN] (snapshots, traces, figures, the eager
-# baselines measured by `scripts/run_baselines.py`).
+# MODEL.json (each run's figures), fsdp-streams*.json (`scripts/run_fsdp_streams.py`: one
+# FSDP2 rank's reserved bytes beside the allocator model's per-stream replay) and
+# all.tar.xz[.NN] (snapshots, traces, figures, the eager baselines measured by
+# `scripts/run_baselines.py`).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 W=/tmp/gpu-checks
@@ -29,6 +31,11 @@ step 1b 300 python3 scripts/run_graphs.py out/gpu-pack/1b "$W/1b" --traces defau
 for m in llama3-debug llama3-1b; do  # the eager baselines, measured
   echo "== baselines $m $(date +%T)" >>"$log"
   timeout 180 python3 scripts/run_baselines.py "$m" bfloat16 >"$W/$m.baselines.json" 2>>"$log"
+done
+for exp in "" --expandable-segments; do  # FSDP2's streams' pools, measured (one process each)
+  echo "== fsdp-streams $exp $(date +%T)" >>"$log"
+  timeout 180 python3 scripts/run_fsdp_streams.py llama3-1b --layers 4 --seq 2048 --batch 2 \
+    $exp >"$OUT/fsdp-streams$exp.json" 2>>"$log"
 done
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # what deterministic cuBLAS asks for
 step debug-det 60 python3 scripts/run_graphs.py out/gpu-pack/debug "$W/debug-det" --deterministic

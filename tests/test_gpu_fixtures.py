@@ -216,3 +216,36 @@ def test_refresh_puts_todays_estimates_beside_what_was_measured(tmp_path: Path) 
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert json.loads(path.read_text()) == recorded
+
+
+def test_fsdp_streams_run_outside_the_workbench_tracer() -> None:
+    """scripts/run_fsdp_streams.py on the CPU (gloo, one rank): FSDP2's reduced gradients
+    tracked on its reduce-scatter stream, replayed with that stream's own pool; the per-stream
+    pools add up to the reserved figure, and nothing is measured without a GPU."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/run_fsdp_streams.py",
+            "llama3-debug",
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+            "--seq",
+            "128",
+            "--batch",
+            "2",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    result = json.loads(out.stdout)
+    assert result["streams"][0] == "default" and "reduce_scatter" in result["streams"]
+    by_stream = result["est_reserved_by_stream"]
+    assert by_stream["reduce_scatter"] > 0
+    assert sum(by_stream.values()) == result["est_reserved_bytes"]
+    assert result["est_allocated_bytes"] >= result["tracker_peak_bytes"] > 0
+    assert result["est_reserved_one_stream_bytes"] > 0 and result["measured"] is None
