@@ -137,9 +137,10 @@ class CachingAllocator:
     def __init__(self, config: AllocatorConfig | None = None) -> None:
         self.config = config or AllocatorConfig()
         self.mapped: list[tuple[int, int, bool]] = []
-        # free blocks of each (pool, stream) ordered by (size, address): `BlockComparatorSize`
-        self._free: dict[tuple[bool, int], list[tuple[int, int, Block]]] = {}
-        self._tail: dict[tuple[bool, int], Block] = {}  # expandable: each pool's unmapped tail
+        # free blocks of each pool of each stream ordered by (size, address):
+        # `BlockComparatorSize`; a pool's key is `stream << 1 | small`, cheap on the hot path
+        self._free: dict[int, list[tuple[int, int, Block]]] = {}
+        self._tail: dict[int, Block] = {}  # expandable: each pool's unmapped tail
         self._next_addr = 0
         self.reserved_bytes = 0
         self.reserved_by_stream: dict[int, int] = {}
@@ -206,7 +207,9 @@ class CachingAllocator:
         `stream`; with expandable segments a block before unmapped pages counts as the size it
         can grow to, so a smaller-growing larger block is preferred; oversize rules of
         `max_split_size`."""
-        pool = self._free.get((small, stream), [])
+        pool = self._free.get(stream << 1 | small)
+        if not pool:
+            return None
         at = bisect.bisect_left(pool, (size, -1))
         if at == len(pool):
             return None
@@ -247,7 +250,7 @@ class CachingAllocator:
         end by whole pages (kSmallBuffer or kLargeBuffer, the segment's page size), merging
         with a free block just before the unmapped tail."""
         page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
-        key = (small, stream)
+        key = stream << 1 | small
         if key not in self._tail:
             tail = Block(
                 self._next_addr, 2**62, small, mapped=False, expandable=True, stream=stream
@@ -276,11 +279,15 @@ class CachingAllocator:
         return block
 
     def _insert(self, block: Block) -> None:
-        pool = self._free.setdefault((block.small, block.stream), [])
+        key = block.stream << 1 | block.small
+        try:
+            pool = self._free[key]
+        except KeyError:  # a stream's first free block of this pool
+            pool = self._free[key] = []
         bisect.insort(pool, (block.size, block.addr, block))
 
     def _remove(self, block: Block) -> None:
-        pool = self._free[block.small, block.stream]
+        pool = self._free[block.stream << 1 | block.small]
         at = bisect.bisect_left(pool, (block.size, block.addr))
         del pool[at]
 
