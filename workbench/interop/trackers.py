@@ -168,7 +168,10 @@ class _Recording:
             current = torch.cpu.current_stream()
         else:
             return 0
-        return self.streams.setdefault(current, len(set(self.streams.values())))
+        number = self.streams.get(current)
+        if number is None:  # a stream met for the first time: the next number
+            number = self.streams[current] = len(set(self.streams.values()))
+        return number
 
     def _update_snap(
         self,
