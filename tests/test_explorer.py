@@ -714,6 +714,7 @@ def test_eager_baselines_in_the_side_panel(
     assert [r["name"] for r in rows] == ["no AC", "eager SAC", "eager full AC"]
     assert ex.baselines == rows and "eager baselines: no AC" in ex.message
     assert all(r["peak"].endswith("iB") and r["reserved"] == "-" for r in rows)  # real: no GPU
+    assert all(r["streams"] == "" for r in rows)  # nor its allocator's streams
     again = PolicyExplorer(graph, "full", workload=workload, autosave=tmp_path / "q.json")
     assert again.baselines == rows  # once per graph
     assert baseline_rows(graph, None, again.estimator) is cached_rows(graph)
@@ -731,3 +732,18 @@ def test_eager_baselines_need_the_workload(rank_debug: JointGraph, tmp_path: Pat
     assert options.mode == "fake" and options.kernels == "h100" and options.optimizer == "adamw"
     ex._on_msg(ex, {"type": "baselines"}, [])
     assert "open the explorer with its workload" in ex.message and ex.baselines == []
+
+
+def test_a_ranks_baselines_say_each_streams_pools() -> None:
+    """On a sharded rank each row says what each stream's pools reserved: FSDP2's copy-in and
+    reduce-scatter streams beside the default one (the reserved cell's tooltip). A graph of
+    its own: the rows are kept per graph."""
+    from workbench.capture.parallel import Parallel
+
+    workload = load_workload("llama3-debug", device="meta", layers=2, seq=128)
+    graph = trace(workload, "fake", Parallel(fsdp=2, tp=2))
+    rows = baseline_rows(graph, workload, Estimator(graph, ["h100"]))
+    for row in rows:
+        names = [part.rsplit(" ", 2)[0] for part in row["streams"].split(", ")]
+        assert names == ["default", "all_gather_copy_in", "reduce_scatter"], row["streams"]
+        assert row["reserved"].endswith("iB")

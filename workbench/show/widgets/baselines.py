@@ -53,8 +53,9 @@ def cached_rows(graph: JointGraph) -> list[dict[str, Any]]:
 def baseline_rows(
     graph: JointGraph, workload: Workload | None, estimator: Estimator
 ) -> list[dict[str, Any]]:
-    """One row per baseline: its name, tracker peak and reserved peak (bytes and text), and
-    where the peak is. Run once per graph; the same rows after that."""
+    """One row per baseline: its name, tracker peak and reserved peak (bytes and text), what
+    each stream's pools reserved when more than one stream allocated (FSDP2's), and where the
+    peak is. Run once per graph; the same rows after that."""
     if graph in _ROWS:
         return _ROWS[graph]
     if workload is None:
@@ -64,13 +65,18 @@ def baseline_rows(
         )
     rows = []
     for b in estimate_baselines(workload, baseline_options(graph, estimator)):
-        reserved = b.reserved_peak_bytes
+        reserved, streams = b.reserved_peak_bytes, b.reserved_by_stream
         rows.append(
             {
                 "name": b.name,
                 "peak_bytes": b.peak_bytes,
                 "peak": format_bytes(b.peak_bytes),
                 "reserved": format_bytes(reserved) if reserved is not None else "-",
+                "streams": ", ".join(
+                    f"{name} {format_bytes(size)}" for name, size in streams.items()
+                )
+                if len(streams) > 1
+                else "",
                 "at": f"{b.tracked.peak_module or 'model'} ({b.tracked.peak_phase})",
                 "rule": b.rule,
             }

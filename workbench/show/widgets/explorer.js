@@ -587,7 +587,15 @@ function baselinesTable({ model, request }) {
       h("th", {}, "reserved"),
       h("th", {}, "at"),
     ),
-    ...rows.map((r) => h("tr", { title: r.rule }, cells(r.name, r.peak, r.reserved, r.at))),
+    ...rows.map((r) =>
+      h(
+        "tr",
+        { title: r.rule },
+        ...cells(r.name, r.peak),
+        h("td", { title: r.streams ? `reserved per stream: ${r.streams}` : r.rule }, r.reserved),
+        ...cells(r.at),
+      ),
+    ),
   );
 }
 
