@@ -80,9 +80,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "tracker_peak_bytes": tracked.peak_bytes,
         "est_allocated_bytes": per_stream.allocated_peak_bytes,
         "est_reserved_bytes": per_stream.reserved_peak_bytes,
-        "est_reserved_by_stream": {
-            tracked.streams[n]: size for n, size in sorted(per_stream.reserved_by_stream.items())
-        },
+        "est_reserved_by_stream": tracked.named_streams(per_stream),
         "est_reserved_one_stream_bytes": one_stream.reserved_peak_bytes,
         "measured": measured,
     }

@@ -230,6 +230,7 @@ def test_track_step_counts_a_small_step() -> None:
     # no stream but the default one
     assert tracked.streams == ["default"] and {s for _, _, s in tracked.events} == {0}
     assert replay.reserved_by_stream == {0: replay.reserved_peak_bytes}
+    assert tracked.named_streams(replay) == {"default": replay.reserved_peak_bytes}
 
 
 def test_replay_events_is_the_allocator_on_the_same_sequence() -> None:

@@ -132,10 +132,7 @@ class EagerBaseline:
         """What each stream's pools reserved, by the stream's name (FSDP2's all-gather and
         reduce-scatter streams keep pools the default stream cannot reuse); empty without an
         allocator."""
-        if self.allocator is None:
-            return {}
-        names = self.tracked.streams
-        return {names[n]: size for n, size in sorted(self.allocator.reserved_by_stream.items())}
+        return {} if self.allocator is None else self.tracked.named_streams(self.allocator)
 
     def to_json(self) -> dict[str, Any]:
         """Flat figures first (the printed table's columns), then the tracker's breakdown at

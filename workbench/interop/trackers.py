@@ -70,6 +70,10 @@ class TrackedStep:
         """The caching allocator's figures for this step's allocations (`replay_events`)."""
         return replay_events(self.events, config)
 
+    def named_streams(self, replay: AllocatorReplay) -> dict[str, int]:
+        """A replay of this step's events: what each stream's pools reserved, by name."""
+        return {self.streams[n]: size for n, size in sorted(replay.reserved_by_stream.items())}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "tracker": self.tracker,
