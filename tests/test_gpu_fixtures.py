@@ -33,6 +33,20 @@ MODELS = {"debug": "llama3-debug", "1b": "llama3-1b"}
 VIEWS = {"detach.default", "getitem"}
 
 
+def _run_script(script: str, *args: str) -> str:
+    """`python scripts/SCRIPT ARGS` from the repository root with the workbench importable, as
+    the device machine runs it; its stdout (a failed run fails the test)."""
+    out = subprocess.run(
+        [sys.executable, f"scripts/{script}", *args],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    return out.stdout
+
+
 def _result(run: str) -> dict[str, Any]:
     return json.loads((FIXTURES / run / "result.json").read_text())
 
@@ -108,40 +122,10 @@ def test_packed_graphs_run_outside_the_workbench_tracer(tmp_path: Path) -> None:
     """scripts/pack_graphs.py then scripts/run_graphs.py on the CPU (`--device cpu`): each
     preset's generated code runs as is, bitwise equal to the eager step."""
     pack, out = tmp_path / "pack", tmp_path / "out"
-    env_python = sys.executable
-    subprocess.run(
-        [
-            env_python,
-            "scripts/pack_graphs.py",
-            "llama3-debug",
-            "float32",
-            "cpu",
-            "none,full",
-            str(pack),
-            "2",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    _run_script("pack_graphs.py", "llama3-debug", "float32", "cpu", "none,full", str(pack), "2")
     meta = json.loads((pack / "meta.json").read_text())
     assert meta["kernels"] == "cpu" and set(meta["presets"]) == {"none", "full"}
-    subprocess.run(
-        [
-            env_python,
-            "scripts/run_graphs.py",
-            str(pack),
-            str(out),
-            "--device",
-            "cpu",
-            "--traces",
-            "full",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    _run_script("run_graphs.py", str(pack), str(out), "--device", "cpu", "--traces", "full")
     result = json.loads((out / "result.json").read_text())
     for row in result["presets"].values():
         assert row["outputs_differing_from_eager"] == 0 == row["outputs_differing_from_none"]
@@ -176,24 +160,10 @@ def test_baselines_run_outside_the_workbench_tracer() -> None:
     """scripts/run_baselines.py on the CPU measures what `measure_baseline` measures."""
     from workbench.interop.eager_runs import BaselineOptions, measure_baseline
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/run_baselines.py",
-            "llama3-debug",
-            "float32",
-            "--device",
-            "cpu",
-            "--layers",
-            "2",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    out = _run_script(
+        "run_baselines.py", "llama3-debug", "float32", "--device", "cpu", "--layers", "2"
     )
-    rows = json.loads(out.stdout)["baselines"]
+    rows = json.loads(out)["baselines"]
     workload = load_workload("llama3-debug", layers=2)
     options = BaselineOptions(mode="real", optimizer="none")
     for kind in ("none", "full"):
@@ -208,13 +178,7 @@ def test_refresh_puts_todays_estimates_beside_what_was_measured(tmp_path: Path) 
     }
     path = tmp_path / "result.json"
     path.write_text(json.dumps(stale))
-    subprocess.run(
-        [sys.executable, "scripts/pack_graphs.py", "--refresh", str(path)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    _run_script("pack_graphs.py", "--refresh", str(path))
     assert json.loads(path.read_text()) == recorded
 
 
@@ -222,27 +186,8 @@ def test_fsdp_streams_run_outside_the_workbench_tracer() -> None:
     """scripts/run_fsdp_streams.py on the CPU (gloo, one rank): FSDP2's reduced gradients
     tracked on its reduce-scatter stream, replayed with that stream's own pool; the per-stream
     pools add up to the reserved figure, and nothing is measured without a GPU."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/run_fsdp_streams.py",
-            "llama3-debug",
-            "--device",
-            "cpu",
-            "--layers",
-            "2",
-            "--seq",
-            "128",
-            "--batch",
-            "2",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    result = json.loads(out.stdout)
+    args = ("--device", "cpu", "--layers", "2", "--seq", "128", "--batch", "2")
+    result = json.loads(_run_script("run_fsdp_streams.py", "llama3-debug", *args))
     assert result["streams"][0] == "default" and "reduce_scatter" in result["streams"]
     by_stream = result["est_reserved_by_stream"]
     assert by_stream["reduce_scatter"] > 0
