@@ -483,6 +483,31 @@ _EAGER_SAC_LIST = (
     "(parallelize_llama.py `_save_list`)"
 )
 
+
+def _toolkit_eager_sac(
+    job: _ToolkitJob, gib: float, pct: float, eager_trainer: tuple[float, float]
+) -> PublishedRun:
+    """A toolkit job's eager SAC row: torchtitan's wrappers traced, the output projection's
+    gathered weight kept (`output::** save`, as nothing outside the wrappers is tagged);
+    `eager_trainer`, the eager trainer's allocated and reserved GiB for the same job."""
+    return _llama3_8b_toolkit(
+        job,
+        "eager",
+        "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
+        "of a block recomputed)",
+        gib,
+        pct,
+        policy="eager",
+        selectors=(("output::**", "save"),),
+        more=(
+            _EAGER_SAC_LIST,
+            _TOOLKIT_EAGER_OUTSIDE,
+            _traced_eager_sac(*eager_trainer),
+            _TOOLKIT_PARTITION,
+        ),
+    )
+
+
 _RUNS: tuple[PublishedRun, ...] = (
     _dsv3_pr3429("titan-default", 84.78),
     _dsv3_pr3429(
@@ -508,22 +533,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         fsdp_reshard=False,
         more=(_TOOLKIT_NO_AC_KEEPS_GATHERED,),
     ),
-    _llama3_8b_toolkit(
-        _PR_2377_JOB,
-        "eager",
-        "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
-        "of a block recomputed)",
-        45.88,
-        25.73,
-        policy="eager",
-        selectors=(("output::**", "save"),),
-        more=(
-            _EAGER_SAC_LIST,
-            _TOOLKIT_EAGER_OUTSIDE,
-            _traced_eager_sac(41.68, 51.50),
-            _TOOLKIT_PARTITION,
-        ),
-    ),
+    _toolkit_eager_sac(_PR_2377_JOB, 45.88, 25.73, eager_trainer=(41.68, 51.50)),
     _llama3_8b_toolkit(
         _PR_2377_JOB,
         "default",
@@ -554,22 +564,7 @@ _RUNS: tuple[PublishedRun, ...] = (
         fsdp_reshard=False,
         more=(_TOOLKIT_NO_AC_KEEPS_GATHERED,),
     ),
-    _llama3_8b_toolkit(
-        _PR_2570_JOB,
-        "eager",
-        "eager SAC: torchtitan's checkpoint wrappers with its op rule (every second matmul "
-        "of a block recomputed)",
-        28.54,
-        30.04,
-        policy="eager",
-        selectors=(("output::**", "save"),),
-        more=(
-            _EAGER_SAC_LIST,
-            _TOOLKIT_EAGER_OUTSIDE,
-            _traced_eager_sac(30.46, 36.39),
-            _TOOLKIT_PARTITION,
-        ),
-    ),
+    _toolkit_eager_sac(_PR_2570_JOB, 28.54, 30.04, eager_trainer=(30.46, 36.39)),
     _llama3_8b_toolkit(
         _PR_2570_JOB,
         "default",
