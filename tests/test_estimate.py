@@ -17,7 +17,7 @@ from workbench.cost.profiles import DeviceProfile
 from workbench.decide.decider import decide, flip
 from workbench.decide.policy import Policy
 from workbench.errors import WorkbenchError
-from workbench.rewrite.remat import copy_graph_module, remat
+from workbench.rewrite.remat import copy_graph_module, remat, returning
 from workbench.show.viz import overview
 
 Fixture = tuple[Workload, JointGraph]
@@ -95,6 +95,32 @@ def test_categories_account_for_every_byte(llama_debug: Fixture) -> None:
     assert set(est.timeline["inputs"]) == {inputs}
     assert sum(r["bytes"] for r in est.saved_at_peak) == est.peak_breakdown["activations"]
     assert sum(est.saved_by_layer.values()) == est.saved_activation_bytes
+
+
+@pytest.mark.parametrize("preset", ["default", "full"])
+def test_returning_the_backward_inputs_runs_what_held_estimates(
+    llama_debug: Fixture, preset: str
+) -> None:
+    """Code that also returns `backward_input_nodes` (what scripts/run_rank_graph.py runs on
+    a GPU for `held`) keeps them to its end: estimated as plain code, its walk is the `held`
+    estimate's, byte for byte; recomputed copies are not among them."""
+    _, graph = llama_debug
+    result = remat(graph, Policy(preset))
+    held = Estimator(graph, PROFILES, backward_inputs="held")
+    freed = Estimator(graph, PROFILES)
+    names = held.backward_input_nodes(result.gm)
+    kept = returning(result.gm, names)
+    outputs = kept.graph.output_node().args[0]
+    assert [n.name for n in outputs[-len(names) :]] == names  # type: ignore[index,union-attr]
+    nodes = {n.name: n for n in result.gm.graph.nodes}
+    assert not any(nodes[n].name.endswith("_recomputed") for n in names)
+    as_run = freed.simulate(freed.order_of(kept))
+    target = estimate_remat(graph, result, held)
+    assert as_run.peak_bytes == target.peak_bytes > estimate_remat(graph, result, freed).peak_bytes
+    at_end = [sum(t[-1] for t in e.timeline.values()) for e in (as_run, target)]
+    assert at_end[0] == at_end[1]
+    with pytest.raises(WorkbenchError, match="no node nope"):
+        returning(result.gm, ["nope"])
 
 
 @pytest.mark.parametrize("preset", PRESETS)

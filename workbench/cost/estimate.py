@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch.fx as fx
 
-from workbench.capture.graph import JointGraph
+from workbench.capture.graph import ORIGIN_KEY, JointGraph
 from workbench.cost.allocator import AllocatorConfig, AllocatorReplay, replay_allocator
 from workbench.cost.calibrate import Calibration
 from workbench.cost.overlap import OverlapOptions, Streams, StreamTimes
@@ -397,6 +397,20 @@ class Estimator:
 
     def order_of(self, gm: fx.GraphModule) -> NodeOrder:
         return self.index.order_of(gm)
+
+    def backward_input_nodes(self, gm: fx.GraphModule) -> list[str]:
+        """The nodes of `gm` (made from this graph by `remat`) that the model's backward
+        reads from before it: what `backward_inputs="held"` keeps to the step's end."""
+        index = self.index
+        held = set(index.backward_inputs(index.flat(self.order_of(gm))).tolist())
+        names = []
+        for node in gm.graph.nodes:
+            e = index.origin_of.get(node.meta.get(ORIGIN_KEY))
+            # a forward node recomputed in backward is a copy there, not what forward saved
+            copy = e is not None and not index.is_bwd[e] and node.meta.get("autograd_backward")
+            if node.op != "output" and e in held and not copy:
+                names.append(node.name)
+        return names
 
     def simulate(self, order: NodeOrder | Flat, granularity: int = 1) -> Estimate:
         """Walk the graph as its generated code runs: allocate each node's fresh outputs,

@@ -150,11 +150,14 @@ def _workload(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
     )
 
 
-def _trace(run: PublishedRun, layers: int | None, seq: int | None) -> Any:
+def trace_run(
+    run: PublishedRun, layers: int | None, seq: int | None, kernels: str | None = None
+) -> Any:
     """The row's graph (one rank) or, pipelined, its stage graphs and layout: what
-    `estimate` traces for the row's flags (`PublishedRun.estimate_argv`)."""
+    `estimate` traces for the row's flags (`PublishedRun.estimate_argv`). `kernels` defaults
+    to the row's GPU's, as `estimate --profile` traces them ("cpu": a graph this CPU runs)."""
     workload = _workload(run, layers, seq)
-    kernels = run.profile  # the row's GPU's kernels, as `estimate --profile` traces them
+    kernels = kernels or run.profile
     if run.degrees.pp == 1:
         return trace(workload, "fake", _parallel(run), kernels=kernels)
     pipeline = _pipeline(run)
@@ -300,7 +303,7 @@ def validate(
         if not reused:
             say(f"{head}: tracing {run.model} ({run.gpus} GPUs) ...")
             start = time.perf_counter()
-            traces[run.trace_key] = (_trace(run, layers, seq), {})
+            traces[run.trace_key] = (trace_run(run, layers, seq), {})
             trace_seconds = time.perf_counter() - start
         traced, estimators = traces[run.trace_key]
         start = time.perf_counter()

@@ -8,6 +8,7 @@ RematResult`. The JointGraph is never modified: torch's pass rewrites the tags i
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,22 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     return fx.GraphModule(gm, graph)
+
+
+def returning(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
+    """A copy of `gm` that also returns its nodes `names`, after its own outputs: they live
+    until the step returns, as a runtime that keeps the backward's inputs to its end does
+    (`Estimator.backward_input_nodes`, `backward_inputs="held"`)."""
+    wanted = set(names)
+    held = copy_graph_module(gm)
+    nodes = [n for n in held.graph.nodes if n.name in wanted]
+    missing = wanted - {n.name for n in nodes}
+    if missing:
+        raise WorkbenchError(f"returning: the graph has no node {', '.join(sorted(missing))}")
+    output = held.graph.output_node()
+    output.args = (tuple(output.args[0]) + tuple(nodes),)  # type: ignore[arg-type]
+    held.recompile()
+    return held
 
 
 def tag_graph(graph: JointGraph, decisions: Decisions) -> fx.GraphModule:
