@@ -21,16 +21,12 @@ from workbench.capture.graph import JointGraph
 from workbench.capture.models import load_workload
 from workbench.capture.trace import trace
 from workbench.cli import main
-from workbench.cost.allocator import AllocatorConfig
-from workbench.cost.attribution import compare_snapshot
 from workbench.cost.estimate import Estimator, estimate_remat
 from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
-from workbench.cost.snapshot import load_snapshot
 from workbench.cost.workspaces import BLAS_WORKSPACES
 from workbench.decide.policy import Policy
 from workbench.interop.published import PUBLISHED_RUNS
-from workbench.interop.validate import trace_run
-from workbench.rewrite.remat import remat, returning
+from workbench.rewrite.remat import remat
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).with_name("fixtures") / "gpu" / "h200-torch2.11"
@@ -246,27 +242,22 @@ def test_a_published_rows_rank_graph_reserves_on_the_gpu_what_validate_estimates
     assert PUBLISHED_RUNS[row].published_bytes > 1.10 * steady
 
 
-def test_a_rank_graphs_gpu_snapshot_meets_the_estimate(tmp_path: Path) -> None:
-    """The 8B rank's snapshot (its first `held-adamw` step) against the estimate of the code
-    that ran: every kind at the allocated peak equal to the byte (parameters, gradients,
-    optimizer state, saved activations, temporaries), the peak at the same node, all but a few
-    kilobytes attributed to nodes or to what was allocated before the step."""
+def test_a_rank_graphs_gpu_snapshot_meets_the_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 8B rank's snapshot (its first `held-adamw` step) through `compare-snapshot` with
+    the row's own flags: every kind at the allocated peak equal to the byte (parameters,
+    gradients, optimizer state, saved activations, temporaries), the peak at the same node,
+    all but a few kilobytes attributed to nodes or to what was allocated before the step."""
     row = "pr2377-8b-tp2-fsdp2-default"
     path = tmp_path / "snapshot.pickle"
     path.write_bytes(lzma.decompress((RANKS / f"{row}.snapshot.pickle.xz").read_bytes()))
-    run = PUBLISHED_RUNS[row]
-    graph = trace_run(run, None, None)
-    result = remat(graph, run.workbench_policy)
-    estimator = Estimator(
-        graph,
-        [],
-        "adamw",
-        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
-        backward_inputs="held",
-    )
-    est = estimate_remat(graph, result, estimator, CUDA_ALLOC_GRANULARITY)
-    ran = returning(result.gm, estimator.backward_input_nodes(result.gm))
-    report = compare_snapshot(load_snapshot(path), estimator, est, ran).to_json()
+    flags = PUBLISHED_RUNS[row].estimate_argv()
+    at = flags.index("--profile")
+    flags[at] = "--kernels"  # the graph traced for the row's GPU, as `estimate` traces it
+    assert main(["compare-snapshot", str(path), *flags, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backward_inputs"] == "held" and report["optimizer"] == "adamw"
     measured, estimated = report["measured"], report["estimated"]
     kinds = ("parameters", "gradients", "optimizer", "saved activations", "temporaries")
     assert {k: measured["at_peak_bytes"][k] for k in kinds} == {
@@ -274,8 +265,7 @@ def test_a_rank_graphs_gpu_snapshot_meets_the_estimate(tmp_path: Path) -> None:
     }
     assert measured["at_peak_bytes"]["workspaces"] == BLAS_WORKSPACES[0]
     assert measured["allocated_peak_node"] == estimated["allocated_peak_node"] == "clone_67"
-    unattributed = report["attribution"]["methods"]["unattributed"]
-    assert unattributed["bytes"] < 2**20
+    assert report["attribution"]["methods"]["unattributed"]["bytes"] < 2**20
     recorded = _rank(row)["variants"]["held-adamw"]["steps"][0]
     assert measured["allocated_peak_bytes"] == recorded["max_memory_allocated"]
     assert measured["reserved_peak_bytes"] == recorded["max_memory_reserved"]

@@ -19,7 +19,7 @@ from workbench.decide.policy import parse_policy
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.published import PUBLISHED_RUNS, PublishedRun, select_runs
-from workbench.interop.validate import RowResult, eager_kind
+from workbench.interop.validate import RowResult, eager_kind, trace_run
 
 GIB = 2**30
 CHEAP = "pr2570-8b-fsdp4-tp2-default"  # one rank of Llama3-8B, cut to 2 layers and 128 tokens
@@ -341,3 +341,13 @@ def test_the_toolkit_eager_rows_selector_is_the_wrappers_reading() -> None:
     )
     assert abs(row - reading) <= 8192
     assert row - preset.peak_bytes > 128256 * 4096 // 2 * 2 * 0.99  # the gathered bf16 weight
+
+
+def test_trace_run_takes_the_rows_gpus_kernels_unless_told() -> None:
+    """A row's graph carries its GPU's attention (cuDNN on the H100 row), or this CPU's when
+    `kernels="cpu"` asks for a graph this CPU runs (scripts/pack_rank_graph.py --kernels)."""
+    run = PUBLISHED_RUNS["pr2570-8b-fsdp4-tp2-default"]
+    gpu, cpu = trace_run(run, 2, 64), trace_run(run, 2, 64, kernels="cpu")
+    assert gpu.config["kernels"] == run.profile == "h100"
+    assert gpu.attention_counts() == {"aten._scaled_dot_product_cudnn_attention.default": 2}
+    assert cpu.attention_counts() == {"aten._scaled_dot_product_flash_attention_for_cpu.default": 2}

@@ -184,13 +184,14 @@ def cmd_measure(args: argparse.Namespace) -> Report:
 def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
     """A memory snapshot of a run of the policy's rematerialized graph against the estimate
     of that graph (`workbench.cost.attribution.compare_snapshot`): the snapshot is read and
-    checked before anything is traced."""
+    checked before anything is traced. With `--backward-inputs held` the run is of the code
+    that also returns what backward reads (scripts/run_rank_graph.py's `held`)."""
     from workbench.capture.kernels import check_kernels
     from workbench.cost.attribution import compare_snapshot
     from workbench.cost.estimate import Estimator, estimate_remat
     from workbench.cost.profiles import CUDA_ALLOC_GRANULARITY
     from workbench.cost.snapshot import load_snapshot
-    from workbench.rewrite.remat import remat
+    from workbench.rewrite.remat import remat, returning
 
     check_int("--top", args.top, 0, MAX_TOP)
     if args.device is not None:
@@ -209,15 +210,25 @@ def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
                 "or give --kernels"
             ) from None
     graph, seconds = trace_from_args(args)
-    estimator = Estimator(graph, (), args.optimizer, allocator=cost["allocator"])
+    estimator = Estimator(
+        graph,
+        (),
+        args.optimizer,
+        allocator=cost["allocator"],
+        backward_inputs=cost["backward_inputs"],
+    )
     result = remat(graph, policy)
     est = estimate_remat(graph, result, estimator, CUDA_ALLOC_GRANULARITY)
-    comparison = compare_snapshot(snapshot, estimator, est, result.gm, device, args.top)
+    ran = result.gm  # the code whose lines the snapshot's frames name
+    if estimator.backward_inputs == "held":  # run returning what backward reads, as it holds
+        ran = returning(ran, estimator.backward_input_nodes(ran))
+    comparison = compare_snapshot(snapshot, estimator, est, ran, device, args.top)
     return Report(
         {
             "model": graph.model_name,
             "policy": policy.to_json(),
             "optimizer": args.optimizer,
+            "backward_inputs": estimator.backward_inputs,
             "kernels": graph.config.get("kernels"),
             **comparison.to_json(),
             "trace_seconds": round(seconds, 3),

@@ -178,6 +178,18 @@ def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_backward_inputs_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backward-inputs",
+        choices=("freed", "held"),  # cost.estimate.BACKWARD_INPUTS, without its imports
+        default="freed",
+        help="what the backward does with what forward saved and the loss's gradient: freed "
+        "after each one's last use (eager autograd, inductor; default) or held until it "
+        "returns (an FX GraphModule backward called as f(*args): torchtitan's compiler "
+        "toolkit)",
+    )
+
+
 def add_cost_args(parser: argparse.ArgumentParser, calibrate: bool = False) -> None:
     """What the GPU will see: the caching allocator's settings and the streams' options."""
     group = parser.add_argument_group("allocator and streams")
@@ -348,15 +360,7 @@ def _add_estimate(commands: Commands) -> None:
     add_optimizer_arg(estimate)
     add_passes_arg(estimate)
     add_cost_args(estimate, calibrate=True)
-    estimate.add_argument(
-        "--backward-inputs",
-        choices=("freed", "held"),  # cost.estimate.BACKWARD_INPUTS, without its imports
-        default="freed",
-        help="what the backward does with what forward saved and the loss's gradient: freed "
-        "after each one's last use (eager autograd, inductor; default) or held until it "
-        "returns (an FX GraphModule backward called as f(*args): torchtitan's compiler "
-        "toolkit)",
-    )
+    add_backward_inputs_arg(estimate)
     add_pipeline_args(estimate)
     estimate.add_argument(
         "--baselines",
@@ -376,6 +380,7 @@ def _add_compare_snapshot(commands: Commands) -> None:
     add_policy_arg(compare)
     add_optimizer_arg(compare)
     add_cost_args(compare)
+    add_backward_inputs_arg(compare)
     compare.add_argument("--device", type=int, help="the snapshot's device (default: its one)")
     compare.add_argument("--top", type=int, default=20, help="nodes differing most (20)")
     compare.set_defaults(run=cmd_compare_snapshot, mode="fake")  # nothing runs
