@@ -220,7 +220,7 @@ def cmd_compare_snapshot(args: argparse.Namespace) -> Report:
     result = remat(graph, policy)
     est = estimate_remat(graph, result, estimator, CUDA_ALLOC_GRANULARITY)
     ran = result.gm  # the code whose lines the snapshot's frames name
-    if estimator.backward_inputs == "held":  # run returning what backward reads, as it holds
+    if estimator.backward_inputs == "held":  # a held run's code also returns what backward reads
         ran = returning(ran, estimator.backward_input_nodes(ran))
     comparison = compare_snapshot(snapshot, estimator, est, ran, device, args.top)
     return Report(
