@@ -7,6 +7,7 @@ it on one GPU, its collectives replaced by allocations of their outputs: the all
 own peaks for the row's very graph, beside the model's.
 
     python scripts/pack_rank_graph.py ROW OUT_DIR [--layers N] [--seq S] [--kernels cpu]
+        [--expandable-segments row|on|off]
     python scripts/pack_rank_graph.py --refresh RECORDED.json ...
 
 `--refresh` rewrites the estimate's figures in recorded GPU runs with today's, as
@@ -67,12 +68,20 @@ def _constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 def pack(
-    run: PublishedRun, out: Path, layers: int | None, seq: int | None, kernels: str | None
+    run: PublishedRun,
+    out: Path,
+    layers: int | None,
+    seq: int | None,
+    kernels: str | None,
+    expandable: bool | None = None,
 ) -> dict[str, Any]:
-    """The row's graph packed into `out` (see the module's docstring); its meta.json."""
+    """The row's graph packed into `out` (see the module's docstring); its meta.json. The
+    GPU's allocator runs as the row's did unless `expandable` says otherwise; the variants'
+    estimates follow it, `validate`'s figure is the row's own."""
+    expandable = run.expandable_segments if expandable is None else expandable
     graph: JointGraph = trace_run(run, layers, seq, kernels)
     result = remat(graph, run.workbench_policy)
-    allocator = AllocatorConfig(expandable_segments=run.expandable_segments)
+    allocator = AllocatorConfig(expandable_segments=expandable)
     figures: dict[str, dict[str, int]] = {}
     held: list[str] = []
     for variant, (backward_inputs, optimizer) in VARIANTS.items():
@@ -91,7 +100,7 @@ def pack(
         graph,
         [run.profile],
         run.optimizer,
-        allocator=allocator,
+        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
         backward_inputs=run.backward_inputs,
     ).estimate(run.workbench_policy)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +113,7 @@ def pack(
         "seq": seq or run.seq,
         "kernels": kernels or run.profile,
         "torch": torch.__version__,
-        "expandable_segments": run.expandable_segments,
+        "expandable_segments": expandable,
         "published_gib": run.published_gib,
         "validate": {
             "allocated_bytes": validate_est.peak_bytes,
@@ -127,7 +136,14 @@ def refresh(path: Path) -> None:
     recorded: dict[str, Any] = json.loads(path.read_text())
     [run] = select_runs(recorded["row"])
     with tempfile.TemporaryDirectory() as folder:
-        meta = pack(run, Path(folder), recorded["layers"], recorded["seq"], recorded["kernels"])
+        meta = pack(
+            run,
+            Path(folder),
+            recorded["layers"],
+            recorded["seq"],
+            recorded["kernels"],
+            recorded["expandable_segments"],
+        )
     recorded["validate"] = meta["validate"]
     for row in recorded["variants"].values():
         row.update(meta["variants"][row["estimate_of"]])
@@ -145,6 +161,13 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--kernels", help="the kernels traced (default: the row's GPU's)")
+    parser.add_argument(
+        "--expandable-segments",
+        choices=("row", "on", "off"),
+        default="row",
+        help="the GPU allocator's expandable segments (default: as the row ran)",
+    )
     a = parser.parse_args()
     [row] = select_runs(a.row)
-    pack(row, a.out, a.layers, a.seq, a.kernels)
+    expandable = {"row": None, "on": True, "off": False}[a.expandable_segments]
+    pack(row, a.out, a.layers, a.seq, a.kernels, expandable)

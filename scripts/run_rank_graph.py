@@ -200,8 +200,8 @@ def main() -> None:
     parser.add_argument("--snapshot-variant", default="held-adamw", help="of this variant")
     a = parser.parse_args()
     meta = json.loads((a.pack / "meta.json").read_text())
-    if meta["expandable_segments"]:  # before CUDA starts, as a job's environment sets it
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    # the allocator as packed, set before CUDA starts (as a job's environment sets it)
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{meta['expandable_segments']}"
     import torch
 
     result: dict[str, Any] = {
