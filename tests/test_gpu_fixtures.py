@@ -306,10 +306,14 @@ def test_rank_graphs_run_outside_the_workbench_tracer(tmp_path: Path) -> None:
     pack, out = tmp_path / "pack", tmp_path / "run.json"
     row = "pr2570-8b-fsdp4-tp2-default"
     _run_script(
-        "pack_rank_graph.py", row, str(pack), "--layers", "2", "--seq", "64", "--kernels", "cpu"
+        "pack_rank_graph.py",
+        row,
+        str(pack),
+        *("--layers", "2", "--seq", "64", "--kernels", "cpu", "--expandable-segments", "off"),
     )
     meta = json.loads((pack / "meta.json").read_text())
     assert meta["held_outputs"] > 0 and meta["kernels"] == "cpu"
+    assert meta["expandable_segments"] is False  # the row ran with them: overridden
     figures = meta["variants"]
     assert figures["held"]["est_allocated_bytes"] >= figures["freed"]["est_allocated_bytes"]
     assert (
