@@ -30,7 +30,7 @@ from workbench.capture.graph import JointGraph
 from workbench.cost.allocator import AllocatorConfig
 from workbench.cost.estimate import BackwardInputs, Estimator, OptimizerName, estimate_remat
 from workbench.interop.published import PublishedRun, select_runs
-from workbench.interop.validate import trace_run
+from workbench.interop.validate import row_estimator, trace_run
 from workbench.rewrite.remat import remat, returning
 
 # how the GPU runs the packed code, each estimated the same way: the graph alone as its
@@ -96,13 +96,7 @@ def pack(
         }
         if backward_inputs == "held":
             held = estimator.backward_input_nodes(result.gm)
-    validate_est = Estimator(
-        graph,
-        [run.profile],
-        run.optimizer,
-        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
-        backward_inputs=run.backward_inputs,
-    ).estimate(run.workbench_policy)
+    validate_est = row_estimator(run, graph).estimate(run.workbench_policy)
     out.mkdir(parents=True, exist_ok=True)
     (out / "freed.py").write_text(result.gm.code)
     (out / "held.py").write_text(returning(result.gm, held).code)

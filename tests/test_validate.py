@@ -19,7 +19,7 @@ from workbench.decide.policy import parse_policy
 from workbench.decide.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.interop.published import PUBLISHED_RUNS, PublishedRun, select_runs
-from workbench.interop.validate import RowResult, eager_kind, trace_run
+from workbench.interop.validate import RowResult, eager_kind, row_estimator, trace_run
 
 GIB = 2**30
 CHEAP = "pr2570-8b-fsdp4-tp2-default"  # one rank of Llama3-8B, cut to 2 layers and 128 tokens
@@ -295,21 +295,12 @@ def test_the_default_partitioners_reading_cited_for_graph_sac(run_id: str, readi
     from workbench.capture.models import load_workload
     from workbench.capture.parallel import Parallel
     from workbench.capture.trace import trace
-    from workbench.cost.allocator import AllocatorConfig
-    from workbench.cost.estimate import Estimator
     from workbench.interop import toolkit
 
     run = PUBLISHED_RUNS[run_id]
     workload = load_workload(run.model, seq=run.seq, batch=run.local_batch, device="meta")
     graph = trace(workload, "fake", Parallel(fsdp=run.fsdp, tp=run.tp), kernels=run.profile)
-    estimator = Estimator(
-        graph,
-        [run.profile],
-        run.optimizer,
-        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
-        backward_inputs=run.backward_inputs,
-    )
-    est = estimator.estimate(getattr(toolkit, reading)(graph))
+    est = row_estimator(run, graph).estimate(getattr(toolkit, reading)(graph))
     assert est.reserved_peak_bytes is not None
     pct = 100 * (est.reserved_peak_bytes / (run.published_gib * GIB) - 1)
     cited = (
@@ -351,3 +342,14 @@ def test_trace_run_takes_the_rows_gpus_kernels_unless_told() -> None:
     assert gpu.config["kernels"] == run.profile == "h100"
     assert gpu.attention_counts() == {"aten._scaled_dot_product_cudnn_attention.default": 2}
     assert cpu.attention_counts() == {"aten._scaled_dot_product_flash_attention_for_cpu.default": 2}
+
+
+def test_row_estimator_is_the_row_as_it_ran() -> None:
+    """What `validate` estimates a graph row with: the row's profile, optimizer, allocator
+    setting and backward (the toolkit rows: expandable segments, backward inputs held)."""
+    run = PUBLISHED_RUNS["pr2570-8b-fsdp4-tp2-default"]
+    estimator = row_estimator(run, trace_run(run, 2, 64))
+    assert [p.name for p in estimator.profiles] == [run.profile]
+    assert estimator.optimizer == run.optimizer == "adamw"
+    assert estimator.allocator.expandable_segments is run.expandable_segments is True
+    assert estimator.backward_inputs == run.backward_inputs == "held"

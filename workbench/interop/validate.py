@@ -173,17 +173,22 @@ def _by_op(rows: list[dict[str, Any]]) -> dict[str, int]:
     return dict(totals.most_common(TOP_SAVED_OPS))
 
 
+def row_estimator(run: PublishedRun, graph: JointGraph) -> Estimator:
+    """The Estimator of a row's graph as the row ran: its GPU's profile, its optimizer, its
+    allocator setting and what its backward did with its inputs."""
+    return Estimator(
+        graph,
+        [run.profile],
+        run.optimizer,
+        allocator=AllocatorConfig(expandable_segments=run.expandable_segments),
+        backward_inputs=run.backward_inputs,
+    )
+
+
 def _graph_row(run: PublishedRun, graph: JointGraph, estimators: dict[Any, Estimator]) -> RowResult:
     key = (run.profile, run.expandable_segments, run.backward_inputs)
     if key not in estimators:
-        allocator = AllocatorConfig(expandable_segments=run.expandable_segments)
-        estimators[key] = Estimator(
-            graph,
-            [run.profile],
-            run.optimizer,
-            allocator=allocator,
-            backward_inputs=run.backward_inputs,
-        )
+        estimators[key] = row_estimator(run, graph)
     est = estimators[key].estimate(run.workbench_policy)
     return RowResult(
         run=run,
