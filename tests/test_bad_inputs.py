@@ -1899,6 +1899,10 @@ def test_snapshot_bad_inputs(
         (["compare-snapshot", *SNAP], "the following arguments are required: snapshot"),
         (["compare-snapshot", "x.pickle", *SNAP, "--top", "many"], "--top: invalid int value"),
         (["estimate", *SNAP, "--backward-inputs", "kept"], "invalid choice: 'kept' (choose"),
+        (
+            ["compare-snapshot", "x.pickle", *SNAP, "--backward-inputs", "kept"],
+            "invalid choice: 'kept' (choose",
+        ),
     ],
 )
 def test_snapshot_bad_cli_syntax_is_argparses_one_line(
